@@ -1,0 +1,69 @@
+"""The `m1` command line. Heavy libraries load only inside the commands that need them."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="M1: multi-agent collaborative policy planning for video understanding.")
+
+
+def _fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def infer(
+    video_dir: Path = typer.Argument(..., help="Folder of videos (or one video file)."),
+    question: Optional[str] = typer.Option(None, "--question", "-q", help="One question asked of every video."),
+    options: Optional[list[str]] = typer.Option(None, "--options", "-o", help="Answer options (repeat) for --question."),
+    task: str = typer.Option("", help="mcq | open | grounding | numeric (default: mcq with options, else open)."),
+    questions: Optional[Path] = typer.Option(None, "--questions", help="JSONL of questions (id, video, text, options, task)."),
+    team: str = typer.Option("tiny", "--team", "-t", help="Team config: a YAML path or a name in configs/team/."),
+    out: Path = typer.Option(Path("results.jsonl"), "--out", help="Results JSONL (appended; reruns skip done ids)."),
+    trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Write one episode JSON + HTML per question here."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
+    limit: Optional[int] = typer.Option(None, help="Answer at most this many new questions."),
+) -> None:
+    """Answer questions about a folder of videos with a team of policy agents."""
+    from m1.config import ConfigError, load_team
+    from m1.run import InputError, build_questions, run_questions
+
+    try:
+        cfg = load_team(team, overrides or [])
+        qs, issues = build_questions(video_dir, question=question, options=options or [], task=task,
+                                     questions_file=questions)
+    except (ConfigError, InputError) as exc:
+        _fail(str(exc))
+    for msg in issues:
+        typer.secho(f"skipped: {msg}", fg=typer.colors.YELLOW, err=True)
+    summary = run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit)
+    typer.echo(summary.describe())
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    from importlib.metadata import version as v
+
+    typer.echo(v("m1"))
+
+
+def main() -> None:  # pragma: no cover
+    app(sys.argv[1:])
+
+
+def _mount_optional() -> None:
+    """Sub-apps live next to their code; mount the ones present."""
+    try:
+        from m1.synth.make import app as synth_app
+    except ImportError as exc:  # the synth package is part of M1: a missing module is a bug
+        raise RuntimeError(f"m1.synth.make could not be imported: {exc}") from exc
+    app.add_typer(synth_app, name="synth", help="M1-Synth: generate videos and questions.")
+
+
+_mount_optional()

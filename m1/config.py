@@ -1,0 +1,268 @@
+"""Team configs: pydantic models for the YAMLs in configs/, loading and dotted overrides.
+
+A config is checked completely before any model loads: an unknown key, a wrong type or a name
+that points nowhere is a ConfigError naming the file and the key.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class TinySpec(Strict):
+    """A tiny random model built offline from a config (tests and smoke runs only)."""
+
+    arch: Literal["qwen2", "qwen3", "qwen2_5_vl", "open_clip"]
+    hidden_size: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int | None = None
+    image_size: int = 64  # open_clip only
+    seed: int = 0
+
+
+class ModelSpec(Strict):
+    """Where a model comes from and how to run it. One instance is shared by all its users."""
+
+    kind: Literal["chat", "vision", "clip"]
+    backend: Literal["hf", "vllm", "openai", "open_clip", "synth"] = "hf"
+    path: str | None = None  # local folder or hub id (hf, vllm); model name (openai)
+    tiny: TinySpec | None = None  # build a tiny random model instead of loading `path`
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    attn_implementation: str | None = None  # sdpa | flash_attention_2 | eager
+    max_pixels: int | None = None  # vision: cap on pixels per frame given to the processor
+    clip_name: str | None = None  # open_clip architecture, e.g. ViT-B-16
+    pretrained: str | None = None  # open_clip pretrained tag or checkpoint path
+    base_url: str | None = None  # openai
+    api_key_env: str = "OPENAI_API_KEY"  # openai: the *name* of the variable holding the key
+    concurrency: int = 8
+    timeout: float = 120.0
+    max_retries: int = 5
+    gpu_memory_utilization: float = 0.85  # vllm
+    tensor_parallel_size: int = 1  # vllm
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelSpec:
+        if self.backend in ("hf", "vllm", "openai") and not (self.path or self.tiny):
+            raise ValueError("needs `path` (a local folder or hub id) or `tiny`")
+        if self.backend == "open_clip" and not (self.clip_name or self.tiny):
+            raise ValueError("needs `clip_name` (e.g. ViT-B-16) or `tiny`")
+        return self
+
+
+class AgentSpec(Strict):
+    name: str
+    model: str  # key in TeamConfig.models
+    temperature: float | None = None  # overrides sampling.temperature for this agent
+
+
+class ToolsConfig(Strict):
+    """The eight tools with the paper's parameters; `enabled` lists what agents may plan with."""
+
+    enabled: list[str] = Field(default_factory=lambda: [
+        "Global Sampling", "Video Retrieval", "Time Stamp Retrieval", "Image Retrieval",
+        "Rough Browser", "Fine Browser", "Space Tool", "Grounding Tool"])
+    clip: str | None = None  # model key of the CLIP embedder
+    browser: str | None = None  # model key of the Rough/Fine Browser VLM
+    space: str | None = None  # model key of the Space Tool VLM (defaults to browser)
+    grounding: str | None = None  # model key of the Grounding Tool VLM (defaults to browser)
+    global_frames: int = 16
+    retrieval_clips: int = 6
+    retrieval_frames: int = 16
+    adjacent_threshold: float | None = None  # Charades setting: 0.35
+    max_adjacent_clips: int = 3
+    timestamp_window: float = 60.0
+    timestamp_frames: int = 16
+    image_fps: float = 2.0
+    image_top_k: int = 16
+    rough_frames: int = 16
+    rough_tokens: int = 128
+    fine_frames: int = 32
+    fine_tokens: int = 256
+    space_frames: int = 16
+    space_tokens: int = 256
+    grounding_fps: float = 2.0
+    grounding_max_frames: int = 32
+    grounding_tokens: int = 64
+
+
+class TopologyConfig(Strict):
+    """Inference uses the complete graph; training samples a random DAG each step."""
+
+    mode: Literal["complete", "random"] = "complete"
+    edge_prob: float = Field(1.0, ge=0.0, le=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    seed: int = 0
+
+
+AggMode = Literal["vote", "summarizer", "best_score", "decide_by_agent"]
+
+
+class AggregationConfig(Strict):
+    mcq: AggMode = "vote"
+    numeric: AggMode = "vote"
+    open: AggMode = "summarizer"
+    grounding: AggMode = "summarizer"
+    summarizer: str | None = None  # agent name; default: the first agent (the strongest)
+    decider: str | None = None  # agent name for decide_by_agent; default: the first agent
+
+
+class LimitsConfig(Strict):
+    max_turns: int = Field(5, ge=1)
+    max_tool_calls: int = Field(5, ge=1)
+    plan_tokens: int = 256
+    comm_tokens: int = 128
+    answer_tokens: int = 256
+    summary_tokens: int = 256
+    batch_episodes: int = Field(8, ge=1)
+
+
+class SamplingConfig(Strict):
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class TeamConfig(Strict):
+    name: str
+    models: dict[str, ModelSpec]
+    agents: list[AgentSpec]
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+    @model_validator(mode="after")
+    def _references(self) -> TeamConfig:
+        names = [a.name for a in self.agents]
+        if not names:
+            raise ValueError("agents: at least one agent is needed")
+        if len(set(names)) != len(names):
+            raise ValueError(f"agents: names must be unique, got {names}")
+        for i, a in enumerate(self.agents):
+            self._need(f"agents.{i}.model", a.model, "chat")
+        for key in ("clip", "browser", "space", "grounding"):
+            ref = getattr(self.tools, key)
+            if ref is not None:
+                self._need(f"tools.{key}", ref, "clip" if key == "clip" else "vision")
+        for key in ("summarizer", "decider"):
+            ref = getattr(self.aggregation, key)
+            if ref is not None and ref not in names:
+                raise ValueError(f"aggregation.{key}: no agent named {ref!r} (agents: {names})")
+        from m1.tools import TOOL_NAMES  # late: keeps this module light
+
+        for t in self.tools.enabled:
+            if t not in TOOL_NAMES:
+                raise ValueError(f"tools.enabled: unknown tool {t!r} (known: {list(TOOL_NAMES)})")
+        return self
+
+    def _need(self, where: str, ref: str, kind: str) -> None:
+        spec = self.models.get(ref)
+        if spec is None:
+            raise ValueError(f"{where}: no model named {ref!r} (models: {list(self.models)})")
+        if spec.kind != kind:
+            raise ValueError(f"{where}: model {ref!r} is a {spec.kind} model, {kind} needed")
+
+    @property
+    def summarizer(self) -> str:
+        return self.aggregation.summarizer or self.agents[0].name
+
+
+def resolve_config_path(path: str | Path, group: str = "team") -> Path:
+    """Accept a file path or a bare name from configs/<group>/ (e.g. `tiny`)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for cand in (CONFIG_DIR / group / f"{path}.yaml", CONFIG_DIR / group / str(path)):
+        if cand.is_file():
+            return cand
+    raise ConfigError(f"config not found: {path} (looked in {CONFIG_DIR / group})")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], source: str) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides; the value is parsed as YAML (numbers, lists, null...)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{source}: override {item!r} must look like key.path=value")
+        dotted, raw = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node: Any = data
+        for depth, key in enumerate(keys[:-1]):
+            node = _step(node, key, ".".join(keys[: depth + 1]), source, create=True)
+        last = keys[-1]
+        if isinstance(node, list):
+            idx = _index(node, last, dotted, source)
+            node[idx] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise ConfigError(f"{source}: override {dotted!r}: {'.'.join(keys[:-1])} is not a mapping")
+    return data
+
+
+def _index(node: list, key: str, where: str, source: str) -> int:
+    if not key.isdigit() or int(key) >= len(node):
+        raise ConfigError(f"{source}: override {where!r}: {key!r} is not an index below {len(node)}")
+    return int(key)
+
+
+def _step(node: Any, key: str, where: str, source: str, create: bool) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, key, where, source)]
+    if not isinstance(node, dict):
+        raise ConfigError(f"{source}: override path {where!r} goes through a non-mapping value")
+    if key not in node or node[key] is None:
+        node[key] = {}
+    return node[key]
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key {loc!r}")
+        else:
+            lines.append(f"{source}: {loc}: {e['msg']} (got {e.get('input')!r:.80})")
+    return "\n".join(lines)
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def load_config(model: type[BaseModel], path: str | Path, overrides: list[str] | None = None,
+                group: str = "team") -> Any:
+    p = resolve_config_path(path, group)
+    data = apply_overrides(load_yaml(p), list(overrides or []), str(p))
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, str(p))) from None
+
+
+def load_team(path: str | Path, overrides: list[str] | None = None) -> TeamConfig:
+    return load_config(TeamConfig, path, overrides, "team")

@@ -1,0 +1,3 @@
+from m1.memory.buffer import SharedMemory, render_record
+
+__all__ = ["SharedMemory", "render_record"]

@@ -1,0 +1,122 @@
+"""Records that flow through M1: questions in, episodes out.
+
+Every record is a pydantic model so an episode can be written as JSON, read back, and used
+both as the trace a person reads and as the sample source for training.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Task = Literal["mcq", "open", "grounding", "numeric"]
+Phase = Literal["plan", "communicate", "answer", "summary"]
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Question(Record):
+    """One question about one video. `answer` is the ground truth when known."""
+
+    id: str
+    video: str
+    text: str
+    options: list[str] = Field(default_factory=list)
+    task: Task = "mcq"
+    answer: str | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    def options_block(self) -> str:
+        return "\n".join(f"{LETTERS[i]}: {o}" for i, o in enumerate(self.options))
+
+
+class Plan(Record):
+    """An agent's tool plan: what to look for, and which tools in which order."""
+
+    key_info: str
+    tools: list[str]
+
+
+class Decision(Record):
+    """The outcome of one communication step."""
+
+    action: Literal["continue", "add_tool", "stop"] = "continue"
+    tool: str | None = None
+    key_info: str | None = None
+
+
+class Turn(Record):
+    """One executed tool call of one agent, as written into shared memory."""
+
+    step: int
+    tool: str
+    key_info: str
+    output: str
+    timestamps: list[float] = Field(default_factory=list)
+    answer: str | None = None
+    span: tuple[float, float] | None = None
+    error: str | None = None
+    decision: Decision | None = None
+
+
+class Generation(Record):
+    """One model call of one agent: what it saw, what it wrote, and whether we could read it."""
+
+    agent: str
+    phase: Phase
+    step: int = 0
+    prompt: list[dict[str, Any]]
+    completion: str
+    prompt_ids: list[int] | None = None
+    completion_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    parse_ok: bool = True
+    parse_error: str | None = None
+
+
+class AgentAnswer(Record):
+    agent: str
+    answer: str
+    reason: str = ""
+    parse_ok: bool = True
+
+
+class AgentRecord(Record):
+    """Everything one agent has written to shared memory."""
+
+    plan: list[str] = Field(default_factory=list)
+    key_info: str = ""
+    turns: list[Turn] = Field(default_factory=list)
+    answer: str | None = None
+    reason: str | None = None
+
+
+class Topology(Record):
+    """Who may read whom: an edge (a, b) means b sees a's memory. Inactive agents are dropped."""
+
+    agents: list[str]
+    active: list[str]
+    edges: list[tuple[str, str]]
+
+    def visible_to(self, agent: str) -> list[str]:
+        return [a for a, b in self.edges if b == agent and a in self.active]
+
+
+class Episode(Record):
+    """A whole team run on one question: the trace and the training sample."""
+
+    id: str
+    question: Question
+    topology: Topology
+    memory: dict[str, AgentRecord]
+    generations: list[Generation] = Field(default_factory=list)
+    answers: list[AgentAnswer] = Field(default_factory=list)
+    final_answer: str | None = None
+    final_reason: str = ""
+    aggregation: str = ""
+    frames_used: int = 0
+    timings: dict[str, float] = Field(default_factory=dict)
+    error: str | None = None

@@ -1,0 +1,356 @@
+"""The episode engine of collaborative policy planning (CPP).
+
+A batch of episodes advances phase by phase — plan, then up to `max_turns` rounds of
+execute + communicate, then answer and aggregate. In every phase the requests of all agents of
+all episodes in flight are gathered and each model gets **one batched call** (per distinct
+sampling temperature). Browsers are batched the same way per vision model. Frames come from one
+shared VideoPool, CLIP embeddings from one ClipIndex per CLIP model, so nothing is decoded or
+embedded twice.
+
+Errors: a bad video ends that episode with `error` set; a failing tool becomes an error turn in
+memory; an unreadable reply is a format failure with a fallback. A model that cannot be called
+(ModelError) stops the run: retrying belongs to the backend, and a resumed run picks up there.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from m1.agents.agent import PolicyAgent
+from m1.config import TeamConfig
+from m1.memory import SharedMemory
+from m1.models.base import ChatRequest, SamplingParams, VisionRequest
+from m1.schema import AgentAnswer, Decision, Episode, Generation, Phase, Question, Topology, Turn
+from m1.team import aggregate, topology as topo
+from m1.tools import TOOL_NAMES
+from m1.tools.base import Focus, ToolContext, ToolError
+from m1.video import VideoError, VideoPool
+
+
+@dataclass
+class _AgentState:
+    queue: list[str] = field(default_factory=list)  # remaining plan
+    key_info: str = ""
+    focus: Focus | None = None
+    tool_calls: int = 0
+    step: int = 0
+    acted: bool = False  # executed a tool this turn
+    answer_gen: Generation | None = None
+
+
+@dataclass
+class _Episode:
+    question: Question
+    topology: Topology
+    memory: SharedMemory
+    agents: dict[str, _AgentState]
+    video: object | None = None
+    generations: list[Generation] = field(default_factory=list)
+    answers: list[AgentAnswer] = field(default_factory=list)
+    frames: set[int] = field(default_factory=set)
+    final: str | None = None
+    reason: str = ""
+    aggregation: str = ""
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+@dataclass
+class _Call:
+    """One pending chat request of one agent in one episode."""
+
+    ep: _Episode
+    agent: PolicyAgent
+    phase: Phase
+    messages: list[dict]
+    max_tokens: int
+    step: int = 0
+
+
+class Team:
+    """A team of policy agents over shared models, tools and video pool."""
+
+    def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
+        from m1.models.hub import ModelHub
+
+        self.cfg = cfg
+        self.hub = hub if hub is not None else ModelHub(cfg.models)
+        self.pool = pool if pool is not None else VideoPool()
+        self.agents = [PolicyAgent(a, cfg.tools.enabled) for a in cfg.agents]
+        self.by_name = {a.name: a for a in self.agents}
+        self.order = [a.name for a in self.agents]
+        self._clip_index = None
+        self._calls = 0
+
+    # ------------------------------------------------------------------ entry point
+    def run(self, questions: list[Question], topologies: list[Topology] | None = None,
+            rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+        """Run every question; episodes are produced in `limits.batch_episodes` chunks and
+        handed to `on_episode` as soon as their chunk ends."""
+        rng = rng or random.Random(self.cfg.topology.seed)
+        out: list[Episode] = []
+        n = self.cfg.limits.batch_episodes
+        for start in range(0, len(questions), n):
+            chunk = questions[start:start + n]
+            tops = topologies[start:start + n] if topologies else [
+                topo.sample(self.order, self.cfg.topology, rng) for _ in chunk]
+            for ep in self.run_batch(chunk, tops):
+                out.append(ep)
+                if on_episode:
+                    on_episode(ep)
+        return out
+
+    def run_batch(self, questions: list[Question], topologies: list[Topology]) -> list[Episode]:
+        t0 = time.perf_counter()
+        eps = [self._start(q, t) for q, t in zip(questions, topologies)]
+        live = [e for e in eps if e.error is None]
+        if live:
+            self._timed(live, "plan", self._plan_phase)
+            for turn in range(self.cfg.limits.max_turns):
+                acted = self._timed(live, "execute", self._execute_phase)
+                if not acted:
+                    break
+                if turn + 1 < self.cfg.limits.max_turns:
+                    self._timed(live, "communicate", self._communicate_phase)
+            self._timed(live, "answer", self._answer_phase)
+            self._timed(live, "aggregate", self._aggregate_phase)
+        wall = time.perf_counter() - t0
+        for e in eps:
+            e.timings["batch_wall"], e.timings["batch_size"] = wall, float(len(eps))
+        return [self._finish(e) for e in eps]
+
+    # ------------------------------------------------------------------ phases
+    def _start(self, q: Question, t: Topology) -> _Episode:
+        ep = _Episode(question=q, topology=t, memory=SharedMemory(self.order),
+                      agents={a: _AgentState() for a in self.order})
+        t0 = time.perf_counter()
+        try:
+            ep.video = self.pool.open(q.video)
+        except VideoError as exc:
+            ep.error = str(exc)
+        ep.timings["open_video"] = time.perf_counter() - t0
+        return ep
+
+    def _plan_phase(self, eps: list[_Episode]) -> None:
+        calls = [_Call(e, a, "plan", a.plan_messages(e.question), self.cfg.limits.plan_tokens)
+                 for e in eps for a in self.agents]
+        for call, gen in self._generate(calls):
+            parsed = call.agent.read_plan(gen.completion)
+            gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
+            call.ep.memory.set_plan(call.agent.name, parsed.plan)
+            st = call.ep.agents[call.agent.name]
+            st.queue, st.key_info = list(parsed.plan.tools), parsed.plan.key_info
+
+    def _execute_phase(self, eps: list[_Episode]) -> bool:
+        """Every agent with plan left and tool budget runs its next tool. Select tools run at
+        once; browse requests are gathered and sent in one call per vision model."""
+        pending: dict[str, list[tuple[_Episode, str, str, ToolContext, Focus, VisionRequest, list[int]]]] = \
+            defaultdict(list)
+        acted = False
+        for ep in eps:
+            for name in self.order:
+                st = ep.agents[name]
+                st.acted = False
+                if not st.queue or st.tool_calls >= self.cfg.limits.max_tool_calls:
+                    continue
+                tool = st.queue.pop(0)
+                st.tool_calls += 1
+                st.step += 1
+                st.acted = acted = True
+                ctx = self._context(ep, st)
+                if TOOL_NAMES.get(tool) == "select":
+                    self._run_select(ep, name, st, tool, ctx)
+                    continue
+                try:
+                    from m1.tools import browse
+
+                    if st.focus is None:  # a plan that browses first still needs frames
+                        from m1.tools.select import global_sampling
+
+                        st.focus = global_sampling(ctx).focus
+                    model_key = self._vision_key(tool)
+                    req, idx = browse.prepare(tool, ctx, st.focus)
+                    pending[model_key].append((ep, name, tool, ctx, st.focus, req, idx))
+                except (ToolError, VideoError, ValueError) as exc:
+                    self._write_turn(ep, name, st, tool, output="", error=f"{tool}: {exc}")
+        for model_key, items in pending.items():
+            from m1.tools import browse
+
+            model = self.hub.vision(model_key)
+            params = SamplingParams(max_new_tokens=max(browse.max_tokens(i[2], i[3]) for i in items),
+                                    temperature=0.0, logprobs=False)
+            t0 = time.perf_counter()
+            replies = model.describe([i[5] for i in items], params)
+            dt = (time.perf_counter() - t0) / len(items)
+            for (ep, name, tool, ctx, focus, _req, idx), reply in zip(items, replies):
+                ep.timings["vision"] += dt
+                res = browse.finish(tool, ctx, focus, reply, idx)
+                ep.frames.update(idx)
+                self._write_turn(ep, name, ep.agents[name], tool, res.output, timestamps=ctx.video.timestamps(idx),
+                                 answer=res.answer, span=res.span, error=res.error)
+        return acted
+
+    def _run_select(self, ep: _Episode, name: str, st: _AgentState, tool: str, ctx: ToolContext) -> None:
+        from m1.tools.select import SELECT
+
+        t0 = time.perf_counter()
+        try:
+            res = SELECT[tool](ctx)
+            st.focus = res.focus
+            self._write_turn(ep, name, st, tool, res.output, timestamps=res.focus.timestamps if res.focus else [])
+        except (ToolError, VideoError, ValueError) as exc:
+            self._write_turn(ep, name, st, tool, output="", error=f"{tool}: {exc}")
+        ep.timings["tools"] += time.perf_counter() - t0
+
+    def _communicate_phase(self, eps: list[_Episode]) -> None:
+        calls = []
+        for ep in eps:
+            for a in self.agents:
+                st = ep.agents[a.name]
+                if not st.acted or st.tool_calls >= self.cfg.limits.max_tool_calls:
+                    continue
+                visible = ep.topology.visible_to(a.name)
+                msgs = a.communicate_messages(ep.question, ep.memory.render(a.name),
+                                              ep.memory.view(a.name, visible), list(st.queue),
+                                              st.queue[0] if st.queue else None)
+                calls.append(_Call(ep, a, "communicate", msgs, self.cfg.limits.comm_tokens, st.step))
+        for call, gen in self._generate(calls):
+            parsed = call.agent.read_decision(gen.completion)
+            gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
+            st = call.ep.agents[call.agent.name]
+            d: Decision = parsed.decision
+            if d.action == "add_tool" and d.tool:
+                st.queue.insert(0, d.tool)
+                if d.key_info:
+                    st.key_info = d.key_info
+            call.ep.memory.set_decision(call.agent.name, d)
+
+    def _answer_phase(self, eps: list[_Episode]) -> None:
+        calls = []
+        for ep in eps:
+            for a in self.agents:
+                memory = "\n".join(x for x in (ep.memory.render(a.name),
+                                               ep.memory.view(a.name, ep.topology.visible_to(a.name))) if x)
+                calls.append(_Call(ep, a, "answer", a.answer_messages(ep.question, memory),
+                                   self.cfg.limits.answer_tokens, ep.agents[a.name].step))
+        for call, gen in self._generate(calls):
+            parsed = call.agent.read_answer(gen.completion, call.ep.question)
+            gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
+            call.ep.agents[call.agent.name].answer_gen = gen
+            call.ep.answers.append(AgentAnswer(agent=call.agent.name, answer=parsed.answer, reason=parsed.reason,
+                                               parse_ok=parsed.ok))
+            call.ep.memory.set_answer(call.agent.name, parsed.answer, parsed.reason)
+
+    def _aggregate_phase(self, eps: list[_Episode]) -> None:
+        agg = self.cfg.aggregation
+        need_summary = []
+        for ep in eps:
+            mode = getattr(agg, ep.question.task)
+            ep.aggregation = mode
+            if mode == "vote":
+                res = aggregate.vote(ep.answers, self.order)
+                ep.final = res.answer
+                if res.tie or res.answer is None:
+                    ep.aggregation = "vote+summary" if res.tie else "summary (no valid vote)"
+                    need_summary.append(ep)
+            elif mode == "best_score":
+                scores = {n: _mean(st.answer_gen.logprobs) if st.answer_gen else None for n, st in ep.agents.items()}
+                ep.final = aggregate.best_score(ep.answers, scores, self.order)
+            elif mode == "decide_by_agent":
+                ep.final = aggregate.decide_by_agent(ep.answers, agg.decider or self.order[0], self.order)
+            else:
+                need_summary.append(ep)
+            if ep not in need_summary:
+                ep.reason = aggregate.agreeing_reason(ep.answers, ep.final)
+        if not need_summary:
+            return
+        summarizer = self.by_name[self.cfg.summarizer]
+        calls = [_Call(ep, summarizer, "summary",
+                       summarizer.summary_messages(ep.question, [(a.agent, a.answer, a.reason) for a in ep.answers]),
+                       self.cfg.limits.summary_tokens, ep.agents[summarizer.name].step) for ep in need_summary]
+        for call, gen in self._generate(calls):
+            parsed = call.agent.read_summary(gen.completion, call.ep.question)
+            gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
+            ep = call.ep
+            if parsed.ok and parsed.answer:
+                ep.final, ep.reason = parsed.answer, parsed.reason
+            else:  # unreadable summary: fall back to the documented rule
+                ep.final = ep.final or aggregate.fallback_answer(ep.question.task, ep.answers, self.order)
+                ep.reason = aggregate.agreeing_reason(ep.answers, ep.final) or parsed.reason
+                ep.aggregation += " (summary unreadable: fallback)"
+
+    # ------------------------------------------------------------------ helpers
+    def _generate(self, calls: list[_Call]) -> Iterable[tuple[_Call, Generation]]:
+        """One generate call per (model, temperature) for all `calls`; yields them in order."""
+        groups: dict[tuple[str, float], list[_Call]] = defaultdict(list)
+        for c in calls:
+            temp = c.agent.temperature if c.agent.temperature is not None else self.cfg.sampling.temperature
+            groups[(c.agent.model, temp)].append(c)
+        done: dict[int, Generation] = {}
+        for (model_key, temp), group in groups.items():
+            model = self.hub.chat(model_key)
+            self._calls += 1
+            params = SamplingParams(max_new_tokens=max(c.max_tokens for c in group), temperature=temp,
+                                    top_p=self.cfg.sampling.top_p, seed=self.cfg.sampling.seed + self._calls)
+            t0 = time.perf_counter()
+            outs = model.generate([ChatRequest(c.messages) for c in group], params)
+            dt = (time.perf_counter() - t0) / len(group)
+            for c, o in zip(group, outs):
+                c.ep.timings["llm"] += dt
+                gen = Generation(agent=c.agent.name, phase=c.phase, step=c.step, prompt=c.messages,
+                                 completion=o.text, prompt_ids=o.prompt_ids, completion_ids=o.completion_ids,
+                                 logprobs=o.logprobs)
+                c.ep.generations.append(gen)
+                done[id(c)] = gen
+        return [(c, done[id(c)]) for c in calls]
+
+    def _timed(self, eps: list[_Episode], name: str, fn: Callable):
+        t0 = time.perf_counter()
+        result = fn(eps)
+        dt = time.perf_counter() - t0
+        for e in eps:
+            e.timings[f"phase_{name}"] += dt  # wall time of the whole batch's phase
+        return result
+
+    def _context(self, ep: _Episode, st: _AgentState) -> ToolContext:
+        return ToolContext(question=ep.question, video=ep.video, key_info=st.key_info, cfg=self.cfg.tools,
+                           focus=st.focus, clip=self._clip())
+
+    def _clip(self):
+        if self.cfg.tools.clip is None:
+            return None
+        if self._clip_index is None:
+            from m1.tools.clip_index import ClipIndex
+
+            self._clip_index = ClipIndex(self.hub.clip(self.cfg.tools.clip))
+        return self._clip_index
+
+    def _vision_key(self, tool: str) -> str:
+        t = self.cfg.tools
+        key = {"Space Tool": t.space, "Grounding Tool": t.grounding}.get(tool) or t.browser
+        if key is None:
+            raise ToolError(f"{tool} needs a vision model (tools.browser) and none is configured")
+        return key
+
+    def _write_turn(self, ep: _Episode, name: str, st: _AgentState, tool: str, output: str,
+                    timestamps: list[float] | None = None, answer: str | None = None,
+                    span: tuple[float, float] | None = None, error: str | None = None) -> None:
+        ep.memory.add_turn(name, Turn(step=st.step, tool=tool, key_info=st.key_info, output=output,
+                                      timestamps=list(timestamps or []), answer=answer, span=span, error=error))
+
+    def _finish(self, ep: _Episode) -> Episode:
+        return Episode(id=ep.question.id, question=ep.question, topology=ep.topology, memory=ep.memory.to_dict(),
+                       generations=ep.generations, answers=ep.answers, final_answer=ep.final,
+                       final_reason=ep.reason, aggregation=ep.aggregation, frames_used=len(ep.frames),
+                       timings=dict(ep.timings), error=ep.error)
+
+    @property
+    def generate_calls(self) -> int:
+        return self._calls
+
+
+def _mean(xs: list[float] | None) -> float | None:
+    return sum(xs) / len(xs) if xs else None

@@ -1,0 +1,90 @@
+"""Browsing tools: a VLM reads the frames of the agent's focus and writes a summary.
+
+Each browse call is split in two so the engine can batch every agent's request to the same
+vision model into one call: `prepare` builds the VisionRequest, `finish` reads the reply.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from m1.models.base import Completion, VisionRequest
+from m1.tools.base import Focus, ToolContext, ToolResult
+from m1.video import fps_indices, uniform_indices
+
+
+@dataclass(frozen=True)
+class BrowseSpec:
+    kind: str  # rough | fine | space | grounding: selects the prompt
+    model_attr: str  # ToolsConfig field naming the vision model
+
+
+BROWSE = {
+    "Rough Browser": BrowseSpec("rough", "browser"),
+    "Fine Browser": BrowseSpec("fine", "browser"),
+    "Space Tool": BrowseSpec("space", "space"),
+    "Grounding Tool": BrowseSpec("grounding", "grounding"),
+}
+
+
+def _subsample(values: list[int], n: int) -> list[int]:
+    if len(values) <= n:
+        return list(values)
+    pos = (np.linspace(0, len(values), n, endpoint=False) + len(values) / (2 * n)).astype(int)
+    return [values[p] for p in pos]
+
+
+def frames_for(tool: str, ctx: ToolContext, focus: Focus) -> list[int]:
+    """Which frames a browser reads: Rough 16 of the focus; Fine 32 over the focused span;
+    Space 16 over the span; Grounding `grounding_fps` over the span (capped)."""
+    info, cfg, (s, e) = ctx.video.info, ctx.cfg, focus.span
+    if tool == "Rough Browser":
+        return _subsample(focus.indices, cfg.rough_frames)
+    if tool == "Fine Browser":
+        return uniform_indices(info, cfg.fine_frames, s, e) if e > s else list(focus.indices)
+    if tool == "Space Tool":
+        return uniform_indices(info, cfg.space_frames, s, e) if e > s else list(focus.indices)
+    return fps_indices(info, cfg.grounding_fps, s, e, max_frames=cfg.grounding_max_frames) if e > s \
+        else list(focus.indices)
+
+
+def max_tokens(tool: str, ctx: ToolContext) -> int:
+    cfg = ctx.cfg
+    return {"Rough Browser": cfg.rough_tokens, "Fine Browser": cfg.fine_tokens,
+            "Space Tool": cfg.space_tokens, "Grounding Tool": cfg.grounding_tokens}[tool]
+
+
+def prepare(tool: str, ctx: ToolContext, focus: Focus) -> tuple[VisionRequest, list[int]]:
+    from m1.agents.prompts import browser_prompt
+
+    idx = frames_for(tool, ctx, focus)
+    ts = ctx.video.timestamps(idx)
+    prompt = browser_prompt(BROWSE[tool].kind, ctx.question, ctx.key_info, ts, max_tokens(tool, ctx))
+    return VisionRequest(frames=ctx.video.frames(idx), timestamps=ts, prompt=prompt), idx
+
+
+_ANSWER = re.compile(r"##\s*answer\s*:\s*(.+)", re.IGNORECASE)
+
+
+def finish(tool: str, ctx: ToolContext, focus: Focus, completion: Completion, idx: list[int]) -> ToolResult:
+    """Keep the summary; pull out an answer line and, for grounding, a span in video time.
+
+    A VLM given a clip may count time from the clip's start: a span that fits inside
+    [0, clip length] but not inside the clip is shifted by the clip's start."""
+    from m1.agents.parsers import parse_span
+
+    text = completion.text.strip()
+    m = _ANSWER.search(text)
+    answer = m.group(1).strip()[:200] if m else None
+    span = None
+    if tool == "Grounding Tool":
+        span = parse_span(text)
+        s0, e0 = focus.span
+        if span and not (s0 - 1e-6 <= span[0] and span[1] <= e0 + 1e-6) and span[1] <= (e0 - s0) + 1e-6:
+            span = (span[0] + s0, span[1] + s0)
+        if span:
+            answer = f"[{span[0]:.1f} - {span[1]:.1f}]"
+    return ToolResult(output=text or "(the browser returned nothing)", answer=answer, span=span, frames=idx,
+                      error=None if text else "empty browser reply")

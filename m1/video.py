@@ -1,0 +1,631 @@
+"""Video I/O: probing, sampling by time, a bounded shared frame cache, and writing mp4s.
+
+Every agent, tool and episode asks for frames of the same few videos, so decoding goes through a
+shared `FrameCache` and one `VideoReader` per file (`VideoPool`): a frame is decoded once. Backend
+failures of every kind surface as `VideoError`, which names the file and the cause.
+
+Time convention: frame i is on screen during [i/fps, (i+1)/fps). `index_to_time(i)` is the start
+of that interval and `time_to_index(t)` is the frame on screen at t (the frame whose interval
+centre is nearest to t), so sampling by time never depends on the decoding backend.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+VIDEO_EXTENSIONS = (".mp4", ".mkv", ".avi", ".mov", ".webm", ".m4v")
+BACKENDS = ("auto", "decord", "pyav")
+
+# FFmpeg demuxers that turn non-video files into "frames": text renderers and single images.
+_TEXT_DEMUXERS = {"tty", "bin", "xbin", "adf", "idf"}
+_TEXT_CODECS = {"ansi", "bintext", "xbin", "idf"}
+_IMAGE_DEMUXERS = {"image2"}
+_EPS = 1e-6
+
+
+class VideoError(Exception):
+    """A video could not be opened or decoded; `.path` is the file, `.reason` the cause."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"cannot read video {self.path}: {reason}")
+
+    def __reduce__(self):  # keep pickling (worker processes) working with the two-arg init
+        return (type(self), (self.path, self.reason))
+
+
+def _cause(exc: BaseException) -> str:
+    """One readable line from a backend exception (decord appends long C++ stack traces)."""
+    text = str(exc).split("Stack trace", 1)[0].strip().replace("\n", " ")
+    if len(text) > 300:
+        text = text[:300] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _decord_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from decord import DECORDError
+    except ImportError:
+        return (RuntimeError,)
+    return (RuntimeError, DECORDError)
+
+
+def _av_errors() -> tuple[type[BaseException], ...]:
+    import av
+
+    return (av.FFmpegError, OSError, RuntimeError, ValueError, EOFError)
+
+
+# --------------------------------------------------------------------------------------------
+# probing
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What sampling needs to know about a video. duration = num_frames / fps."""
+
+    path: str
+    duration: float
+    fps: float
+    num_frames: int
+    width: int
+    height: int
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise VideoError(path, "no such file")
+    if not path.is_file():
+        raise VideoError(path, "not a regular file")
+    if path.stat().st_size == 0:
+        raise VideoError(path, "file is empty")
+
+
+def _video_stream(container, path: Path):
+    """The first real video stream, rejecting text/image demuxers and cover art."""
+    import av.stream
+
+    fmt = container.format.name or ""
+    if set(fmt.split(",")) & _TEXT_DEMUXERS:
+        raise VideoError(path, f"not a video: FFmpeg read it as text (demuxer {fmt!r})")
+    if fmt in _IMAGE_DEMUXERS or fmt.endswith("_pipe"):
+        raise VideoError(path, f"not a video: FFmpeg read it as a still image (demuxer {fmt!r})")
+    for stream in container.streams.video:
+        if stream.disposition & av.stream.Disposition.attached_pic:
+            continue
+        codec = stream.codec_context.name if stream.codec_context is not None else None
+        if not codec:
+            continue
+        if codec in _TEXT_CODECS:
+            raise VideoError(path, f"not a video: stream codec {codec!r} renders text")
+        return stream
+    raise VideoError(path, f"no video stream (container format {fmt!r})")
+
+
+def _stream_fps(stream, container, num_frames: int, path: Path) -> float:
+    for rate in (stream.average_rate, stream.guessed_rate, stream.base_rate):
+        if rate is not None and float(rate) > 0 and math.isfinite(float(rate)):
+            return float(rate)
+    if container.duration and num_frames:
+        return num_frames / (container.duration / 1_000_000)
+    raise VideoError(path, "the video stream has no frame rate")
+
+
+def _packet_table(container, stream) -> tuple[list[int], list[int]]:
+    """Presentation timestamps of all video packets (sorted) and the positions of keyframes."""
+    entries: list[tuple[int, bool]] = []
+    for packet in container.demux(stream):
+        if packet.size == 0:
+            continue
+        ts = packet.pts if packet.pts is not None else packet.dts
+        if ts is None:
+            continue
+        entries.append((ts, bool(packet.is_keyframe)))
+    entries.sort(key=lambda e: e[0])
+    pts = [ts for ts, _ in entries]
+    keys = [i for i, (_, key) in enumerate(entries) if key]
+    return pts, keys
+
+
+def _make_info(path: Path, stream, container, num_frames: int) -> VideoInfo:
+    if num_frames <= 0:
+        raise VideoError(path, "the video stream has no frames")
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if not width or not height:
+        raise VideoError(path, f"the video stream has no frame size ({width}x{height})")
+    fps = _stream_fps(stream, container, num_frames, path)
+    return VideoInfo(str(path), num_frames / fps, fps, int(num_frames), int(width), int(height))
+
+
+def probe(path: str | os.PathLike) -> VideoInfo:
+    """Read a video's header (PyAV). Cheap; full verification happens when a VideoReader opens it."""
+    import av
+
+    path = Path(path).resolve()
+    _check_file(path)
+    try:
+        with av.open(str(path), metadata_errors="ignore") as container:
+            stream = _video_stream(container, path)
+            num_frames = stream.frames
+            if not num_frames:  # e.g. mkv/webm: count packets (demux only, no decoding)
+                num_frames = len(_packet_table(container, stream)[0])
+            return _make_info(path, stream, container, num_frames)
+    except _av_errors() as exc:
+        raise VideoError(path, _cause(exc)) from exc
+
+
+# --------------------------------------------------------------------------------------------
+# sampling by time (pure)
+
+
+def index_to_time(info: VideoInfo, i: int) -> float:
+    """Start time in seconds of frame i."""
+    if not 0 <= i < info.num_frames:
+        raise IndexError(f"frame {i} out of range [0, {info.num_frames}) for {info.path}")
+    return i / info.fps
+
+
+def time_to_index(info: VideoInfo, t: float) -> int:
+    """The frame on screen at time t, clipped to the video."""
+    if not math.isfinite(t):
+        raise ValueError(f"time must be finite, got {t!r}")
+    return min(max(int(math.floor(t * info.fps + _EPS)), 0), info.num_frames - 1)
+
+
+def _span(info: VideoInfo, start: float, end: float | None) -> tuple[float, float]:
+    end = info.duration if end is None else end
+    if not (math.isfinite(start) and math.isfinite(end)):
+        raise ValueError(f"span must be finite, got start={start!r} end={end!r}")
+    if end < start:
+        raise ValueError(f"end {end} is before start {start}")
+    return min(max(start, 0.0), info.duration), min(max(end, 0.0), info.duration)
+
+
+def uniform_indices(info: VideoInfo, n: int, start: float = 0.0, end: float | None = None) -> list[int]:
+    """n frames at the centres of n equal segments of [start, end), clipped and deduplicated."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    s, e = _span(info, start, end)
+    if e <= s:
+        return [time_to_index(info, s)]
+    seg = (e - s) / n
+    return sorted({time_to_index(info, s + (k + 0.5) * seg) for k in range(n)})
+
+
+def fps_indices(info: VideoInfo, fps: float, start: float = 0.0, end: float | None = None,
+                max_frames: int | None = None) -> list[int]:
+    """Frames at `fps` per second from start; uniform max_frames over the span if that is fewer."""
+    if not fps > 0:
+        raise ValueError(f"fps must be > 0, got {fps}")
+    if max_frames is not None and max_frames < 1:
+        raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+    s, e = _span(info, start, end)
+    count = max(1, math.ceil((e - s) * fps - _EPS))
+    out = sorted({time_to_index(info, s + k / fps) for k in range(count)})
+    if max_frames is not None and len(out) > max_frames:
+        return uniform_indices(info, max_frames, s, e)
+    return out
+
+
+def time_indices(info: VideoInfo, timestamps: Iterable[float]) -> list[int]:
+    """The frame on screen at each time (clipped), sorted and deduplicated."""
+    return sorted({time_to_index(info, float(t)) for t in timestamps})
+
+
+# --------------------------------------------------------------------------------------------
+# cache
+
+
+class FrameCache:
+    """Thread-safe LRU of decoded RGB frames keyed by (path, frame index), bounded in bytes."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self._nbytes = 0
+        self._items: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: str, index: int) -> np.ndarray | None:
+        """The cached frame (read-only) or None; counts a hit or a miss."""
+        key = (str(path), int(index))
+        with self._lock:
+            frame = self._items.get(key)
+            if frame is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return frame
+
+    def put(self, path: str, index: int, frame: np.ndarray) -> None:
+        """Store a frame, evicting least recently used ones; frames larger than the bound are not kept."""
+        key = (str(path), int(index))
+        frame = np.ascontiguousarray(frame)
+        frame.setflags(write=False)  # shared by every caller: nobody may mutate it
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._nbytes -= old.nbytes
+            if frame.nbytes > self.max_bytes:
+                return
+            self._items[key] = frame
+            self._nbytes += frame.nbytes
+            while self._nbytes > self.max_bytes:
+                _, dropped = self._items.popitem(last=False)
+                self._nbytes -= dropped.nbytes
+                self.evictions += 1
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        with self._lock:
+            return (str(key[0]), int(key[1])) in self._items
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._nbytes = 0
+
+
+# --------------------------------------------------------------------------------------------
+# backends
+
+
+class _DecordBackend:
+    name = "decord"
+
+    def __init__(self, path: Path, header: VideoInfo, threads: int):
+        import decord
+
+        self.path = path
+        try:
+            self._vr = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=threads)
+            num_frames = len(self._vr)
+            fps = float(self._vr.get_avg_fps()) or header.fps
+        except _decord_errors() as exc:
+            raise VideoError(path, f"decord could not open it: {_cause(exc)}") from exc
+        if num_frames <= 0:
+            raise VideoError(path, "the video stream has no frames")
+        self.info = replace(header, num_frames=num_frames, fps=fps, duration=num_frames / fps)
+
+    def read(self, indices: list[int]) -> dict[int, np.ndarray]:
+        try:
+            batch = self._vr.get_batch(indices).asnumpy()
+        except _decord_errors() as exc:
+            raise VideoError(self.path, f"decord failed to decode frames: {_cause(exc)}") from exc
+        return {i: batch[k] for k, i in enumerate(indices)}
+
+    def close(self) -> None:
+        self._vr = None
+
+
+class _PyAVBackend:
+    """Seek to the keyframe before a target, decode forward; keep going forward when cheaper."""
+
+    name = "pyav"
+
+    def __init__(self, path: Path, header: VideoInfo, threads: int):
+        import av
+
+        self.path = path
+        try:
+            self._container = av.open(str(path), metadata_errors="ignore")
+        except _av_errors() as exc:
+            raise VideoError(path, _cause(exc)) from exc
+        try:
+            self._stream = _video_stream(self._container, path)
+            self._stream.codec_context.thread_count = threads
+            declared = self._stream.frames
+            self._pts, self._keys = _packet_table(self._container, self._stream)
+            if declared and len(self._pts) < declared:
+                raise VideoError(path, f"the header lists {declared} frames but only {len(self._pts)} "
+                                       "are in the file (truncated?)")
+            self.info = _make_info(path, self._stream, self._container, len(self._pts))
+        except BaseException as exc:
+            self._container.close()
+            if isinstance(exc, _av_errors()):
+                raise VideoError(path, _cause(exc)) from exc
+            raise
+        self._pts_index = {p: i for i, p in enumerate(self._pts)}
+        self._gen = None  # decode generator positioned after frame self._pos
+        self._pos = -1
+
+    def _index_of(self, frame) -> int:
+        ts = frame.pts if frame.pts is not None else frame.dts
+        if ts is None:
+            return self._pos + 1
+        i = self._pts_index.get(ts)
+        if i is None:  # timestamp not in the packet table: take the nearest entry
+            i = min(max(bisect.bisect_left(self._pts, ts), 0), len(self._pts) - 1)
+        return i
+
+    def _seek(self, key_index: int) -> None:
+        self._container.seek(self._pts[key_index], stream=self._stream, backward=True)
+        self._gen = self._container.decode(self._stream)
+        self._pos = key_index - 1
+
+    def _decode_to(self, target: int, wanted: set[int], out: dict[int, np.ndarray]) -> None:
+        """Decode forward until `target`, keeping wanted frames passed on the way."""
+        for frame in self._gen:
+            i = self._index_of(frame)
+            self._pos = i
+            if i in wanted and i not in out:
+                out[i] = np.ascontiguousarray(frame.to_ndarray(format="rgb24"))
+            if i >= target:
+                return
+        self._gen = None  # end of stream
+
+    def read(self, indices: list[int]) -> dict[int, np.ndarray]:
+        wanted = set(indices)
+        out: dict[int, np.ndarray] = {}
+        try:
+            for target in sorted(wanted):
+                if target in out:
+                    continue
+                k = bisect.bisect_right(self._keys, target) - 1
+                key_index = self._keys[k] if k >= 0 else 0
+                if self._gen is not None and key_index - 1 <= self._pos < target:
+                    self._decode_to(target, wanted, out)  # cheaper than seeking
+                # seek to the keyframe before target; if the demuxer lands too late, to earlier ones
+                earlier = [self._keys[j] for j in range(k - 1, -1, -1)][:2]
+                for start in [key_index, *earlier, 0]:
+                    if target in out:
+                        break
+                    self._seek(start)
+                    self._decode_to(target, wanted, out)
+                if target not in out:
+                    self._gen = None
+                    raise VideoError(self.path, f"frame {target} could not be decoded "
+                                                f"(decoder stopped at frame {self._pos})")
+        except _av_errors() as exc:
+            self._gen = None
+            raise VideoError(self.path, f"PyAV failed to decode frames: {_cause(exc)}") from exc
+        return out
+
+    def close(self) -> None:
+        self._gen = None
+        self._container.close()
+
+
+def _open_backend(name: str, path: Path, header: VideoInfo, threads: int):
+    if name == "decord":
+        try:
+            import decord  # noqa: F401
+        except ImportError as exc:
+            raise VideoError(path, "backend 'decord' requested but decord is not installed") from exc
+        return _DecordBackend(path, header, threads)
+    return _PyAVBackend(path, header, threads)
+
+
+# --------------------------------------------------------------------------------------------
+# reader and pool
+
+
+class VideoReader:
+    """Frames of one video by index, through an optional shared FrameCache.
+
+    `decoded` counts frames this reader fetched from the file (cache misses), so callers can
+    check that every frame is decoded once. Safe to share between threads (one decode at a time).
+    """
+
+    def __init__(self, path: str | os.PathLike, cache: FrameCache | None = None,
+                 backend: str = "auto", threads: int = 1):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.path = Path(path).resolve()
+        self.cache = cache
+        self.decoded = 0
+        self.requested_backend = backend
+        self._threads = threads
+        self._lock = threading.Lock()
+        header = probe(self.path)  # rejects missing/empty/non-video files before any backend
+        self._header = header
+        if backend == "auto":
+            try:
+                self._backend = _open_backend("decord", self.path, header, threads)
+            except VideoError as decord_error:
+                try:
+                    self._backend = _open_backend("pyav", self.path, header, threads)
+                except VideoError as pyav_error:
+                    raise VideoError(self.path, f"{pyav_error.reason}; decord: {decord_error.reason}") \
+                        from pyav_error
+        else:
+            self._backend = _open_backend(backend, self.path, header, threads)
+        self.info: VideoInfo = self._backend.info
+
+    @property
+    def backend(self) -> str:
+        """The backend actually in use ('decord' or 'pyav')."""
+        return self._backend.name
+
+    def __len__(self) -> int:
+        return self.info.num_frames
+
+    def _check(self, indices: Sequence[int]) -> list[int]:
+        out = []
+        for i in indices:
+            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+                raise TypeError(f"frame indices must be integers, got {i!r} for {self.path}")
+            if not 0 <= i < self.info.num_frames:
+                raise IndexError(f"frame {i} out of range [0, {self.info.num_frames}) for {self.path}")
+            out.append(int(i))
+        return out
+
+    def _decode(self, missing: list[int]) -> dict[int, np.ndarray]:
+        try:
+            return self._backend.read(missing)
+        except VideoError:
+            if self.requested_backend != "auto" or self._backend.name != "decord":
+                raise
+        # auto: decord opened the file but cannot decode it; PyAV gets one chance
+        self._backend.close()
+        self._backend = _open_backend("pyav", self.path, self._header, self._threads)
+        if self._backend.info.num_frames != self.info.num_frames:
+            raise VideoError(self.path, f"decord saw {self.info.num_frames} frames, PyAV "
+                                        f"{self._backend.info.num_frames}; cannot switch backend")
+        return self._backend.read(missing)
+
+    def frames(self, indices: Iterable[int]) -> np.ndarray:
+        """RGB uint8 frames (N, H, W, 3) in the requested order; only uncached frames are decoded."""
+        order = self._check(list(indices))
+        h, w = self.info.height, self.info.width
+        if not order:
+            return np.zeros((0, h, w, 3), np.uint8)
+        key = str(self.path)
+        with self._lock:
+            got: dict[int, np.ndarray] = {}
+            for i in dict.fromkeys(order):
+                cached = self.cache.get(key, i) if self.cache is not None else None
+                if cached is not None:
+                    got[i] = cached
+            missing = sorted(set(order) - got.keys())
+            if missing:
+                decoded = self._decode(missing)
+                for i in missing:
+                    frame = decoded[i]
+                    if frame.shape != (h, w, 3) or frame.dtype != np.uint8:
+                        raise VideoError(self.path, f"frame {i} decoded as {frame.shape} {frame.dtype}, "
+                                                    f"expected ({h}, {w}, 3) uint8")
+                    got[i] = frame
+                    if self.cache is not None:
+                        self.cache.put(key, i, frame)
+                self.decoded += len(missing)
+        return np.stack([got[i] for i in order])
+
+    def timestamps(self, indices: Iterable[int]) -> list[float]:
+        """Start time in seconds of each frame."""
+        return [index_to_time(self.info, i) for i in self._check(list(indices))]
+
+    def close(self) -> None:
+        with self._lock:
+            self._backend.close()
+
+    def __enter__(self) -> VideoReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _file_signature(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+class VideoPool:
+    """One VideoReader per resolved path and one FrameCache for all of them; thread-safe.
+
+    A file that failed to open keeps failing fast with the same error until it changes on disk.
+    """
+
+    def __init__(self, cache: FrameCache | None = None, max_bytes: int = 1 << 30,
+                 backend: str = "auto", threads: int = 1):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.cache = cache if cache is not None else FrameCache(max_bytes)
+        self.backend = backend
+        self.threads = threads
+        self._readers: dict[str, VideoReader] = {}
+        self._failures: dict[str, tuple[tuple | None, VideoError]] = {}
+        self._path_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def open(self, path: str | os.PathLike) -> VideoReader:
+        resolved = Path(path).resolve()
+        key = str(resolved)
+        with self._lock:
+            reader = self._readers.get(key)
+            if reader is not None:
+                return reader
+            path_lock = self._path_locks.setdefault(key, threading.Lock())
+        with path_lock:  # other paths open in parallel; the same path opens once
+            with self._lock:
+                reader = self._readers.get(key)
+                if reader is not None:
+                    return reader
+                failure = self._failures.get(key)
+            signature = _file_signature(resolved)
+            if failure is not None and failure[0] == signature:
+                raise VideoError(failure[1].path, failure[1].reason)
+            try:
+                reader = VideoReader(resolved, cache=self.cache, backend=self.backend, threads=self.threads)
+            except VideoError as exc:
+                with self._lock:
+                    self._failures[key] = (signature, exc)
+                raise
+            with self._lock:
+                self._failures.pop(key, None)
+                self._readers[key] = reader
+            return reader
+
+    def probe(self, path: str | os.PathLike) -> VideoInfo:
+        """The info of an opened (and verified) video."""
+        return self.open(path).info
+
+    @property
+    def decoded_total(self) -> int:
+        with self._lock:
+            return sum(r.decoded for r in self._readers.values())
+
+    @property
+    def readers(self) -> dict[str, VideoReader]:
+        with self._lock:
+            return dict(self._readers)
+
+    def close(self) -> None:
+        with self._lock:
+            readers, self._readers = list(self._readers.values()), {}
+        for reader in readers:
+            reader.close()
+
+
+def list_videos(folder: str | os.PathLike) -> list[Path]:
+    """Video files (by extension, any case) directly inside folder, sorted by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise VideoError(folder, "not a directory" if folder.exists() else "no such folder")
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS)
+
+
+def write_video(path: str | Path, frames: Iterable[np.ndarray], fps: int, width: int, height: int,
+                crf: int = 23, gop_seconds: float = 2.0) -> Path:
+    """Encode RGB uint8 frames (H, W, 3) to an H.264 mp4 with PyAV. Deterministic for equal input."""
+    import av
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", options={"fflags": "+bitexact"}) as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"preset": "veryfast", "crf": str(crf), "g": str(max(1, int(fps * gop_seconds))),
+                          "threads": "1", "flags": "+bitexact"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
