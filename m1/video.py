@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -46,6 +47,7 @@ class VideoError(Exception):
 def _cause(exc: BaseException) -> str:
     """One readable line from a backend exception (decord appends long C++ stack traces)."""
     text = str(exc).split("Stack trace", 1)[0].strip().replace("\n", " ")
+    text = re.sub(r"^\[\d\d:\d\d:\d\d\] ", "", text)  # decord's log-time prefix
     if len(text) > 300:
         text = text[:300] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -388,8 +390,8 @@ class _PyAVBackend:
                 if self._gen is not None and key_index - 1 <= self._pos < target:
                     self._decode_to(target, wanted, out)  # cheaper than seeking
                 # seek to the keyframe before target; if the demuxer lands too late, to earlier ones
-                earlier = [self._keys[j] for j in range(k - 1, -1, -1)][:2]
-                for start in [key_index, *earlier, 0]:
+                earlier = self._keys[max(k - 2, 0): max(k, 0)][::-1]
+                for start in dict.fromkeys([key_index, *earlier, 0]):
                     if target in out:
                         break
                     self._seek(start)
@@ -412,8 +414,9 @@ def _open_backend(name: str, path: Path, header: VideoInfo, threads: int):
     if name == "decord":
         try:
             import decord  # noqa: F401
-        except ImportError as exc:
-            raise VideoError(path, "backend 'decord' requested but decord is not installed") from exc
+        except (ImportError, OSError) as exc:  # OSError: its shared library failed to load
+            raise VideoError(path, f"backend 'decord' is not available ({_cause(exc)}); "
+                                   "decord is not installed or cannot load") from exc
         return _DecordBackend(path, header, threads)
     return _PyAVBackend(path, header, threads)
 

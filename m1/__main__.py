@@ -1,0 +1,3 @@
+from m1.cli import app
+
+app()

@@ -1,0 +1,383 @@
+"""Multi-agent GRPO numerics as small pure tensor functions.
+
+Reference numerics: TRL 1.16.0 ``GRPOTrainer`` (parity is tested in ``tests/test_grpo.py`` by running TRL's own
+``_compute_loss``). Choices, see ``/work/shared/notes/anchors.md`` §4:
+
+- advantage ``A = (r - mean_g) / (std_g + 1e-4)`` with Bessel-corrected std over the K rollouts of one question
+  for one agent; groups with fewer than two scored samples, or no spread, give ``A = 0`` exactly; NaN rewards
+  (e.g. an agent dropped from a rollout by the random topology) are left out of the group statistics and get 0;
+- token-level importance ratio, clipped ``[1 - eps_low, 1 + eps_high]`` (clip-higher when ``eps_high`` is set);
+- k3 KL to the reference, not clamped (TRL; verl and OpenRLHF clamp to [-10, 10]);
+- loss aggregation named as in TRL (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``) plus ``token-mean`` (verl's name for
+  TRL's ``bnpo``). Gradient accumulation is left to the caller: TRL divides ``grpo``/``bnpo``/``dr_grpo`` by the
+  number of micro-batches per optimizer step, while ``dapo`` is already normalised by the whole step's token
+  count (``num_items_in_batch``) and must not be divided again.
+
+torch is imported inside the functions so that importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+
+if TYPE_CHECKING:
+    import torch
+
+    Tensor = torch.Tensor
+
+ADV_EPS = 1e-4  # TRL adds this to the group std
+
+
+# --------------------------------------------------------------------------------------------- advantages
+
+
+def _as_reward_tensor(rewards: Any) -> "torch.Tensor":
+    import torch
+
+    if isinstance(rewards, torch.Tensor):
+        out = rewards.detach()
+        if not out.is_floating_point():
+            out = out.to(torch.float32)
+        return out
+    try:
+        return torch.tensor(rewards, dtype=torch.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"rewards must be a tensor or a rectangular list of numbers (use NaN for missing samples), got {rewards!r}"
+        ) from exc
+
+
+def group_advantages(rewards: Any, eps: float = ADV_EPS, scale: bool = True) -> "torch.Tensor":
+    """Group-relative advantages ``(r - mean) / (std + eps)`` along the last axis.
+
+    ``rewards`` is ``[G, K]`` (G questions x K rollouts for one agent) or ``[K]`` (one group); the result has the
+    same shape. ``std`` is Bessel-corrected as in TRL (``torch.std`` default). ``scale=False`` gives ``r - mean``
+    (Dr. GRPO / TRL ``scale_rewards="none"``). NaN marks a missing sample: it is ignored in mean/std and its
+    advantage is 0. A group with fewer than two samples or zero spread yields exactly 0 (TRL's std is NaN for a
+    single sample and verl would return ``A = r``; a single rollout carries no relative signal, so we choose 0).
+    """
+    import torch
+
+    if eps < 0:
+        raise ValueError(f"group_advantages: eps must be >= 0, got {eps}")
+    r = _as_reward_tensor(rewards)
+    if r.dim() not in (1, 2):
+        raise ValueError(f"group_advantages: rewards must have shape [K] or [G, K], got {tuple(r.shape)}")
+    if r.numel() == 0:
+        return r.clone()
+    squeeze = r.dim() == 1
+    if squeeze:
+        r = r.unsqueeze(0)
+    present = ~torch.isnan(r)
+    count = present.sum(dim=-1, keepdim=True)
+    filled = torch.where(present, r, torch.zeros_like(r))
+    mean = filled.sum(dim=-1, keepdim=True) / count.clamp(min=1)
+    centered = torch.where(present, r - mean, torch.zeros_like(r))
+    adv = centered
+    if scale:
+        var = (centered**2).sum(dim=-1, keepdim=True) / (count - 1).clamp(min=1)
+        adv = centered / (var.sqrt() + eps)
+    # Singleton groups and groups without spread carry no signal; force exact zeros so that rounding in the mean
+    # (e.g. three rewards of 0.1) cannot leak a tiny residual divided by eps into the loss.
+    hi = torch.where(present, r, torch.full_like(r, -math.inf)).amax(dim=-1, keepdim=True)
+    lo = torch.where(present, r, torch.full_like(r, math.inf)).amin(dim=-1, keepdim=True)
+    informative = (count > 1) & (hi > lo)
+    adv = torch.where(present & informative, adv, torch.zeros_like(adv))
+    return adv.squeeze(0) if squeeze else adv
+
+
+def multi_agent_advantages(
+    rewards: Mapping[str, Any], eps: float = ADV_EPS, scale: bool = True
+) -> dict[str, "torch.Tensor"]:
+    """Per-agent advantages: each agent's ``[G, K]`` rewards are normalised within its own groups only."""
+    if not isinstance(rewards, Mapping):
+        raise ValueError(f"multi_agent_advantages: expected a mapping agent -> rewards, got {type(rewards).__name__}")
+    return {agent: group_advantages(r, eps=eps, scale=scale) for agent, r in rewards.items()}
+
+
+ADVANTAGE_FNS: dict[str, Callable[..., "torch.Tensor"]] = {
+    "grpo": group_advantages,
+    "dr_grpo": functools.partial(group_advantages, scale=False),
+}
+
+
+def get_advantage_fn(name: str) -> Callable[..., "torch.Tensor"]:
+    if name not in ADVANTAGE_FNS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_FNS)}")
+    return ADVANTAGE_FNS[name]
+
+
+# --------------------------------------------------------------------------------------------- log-probs
+
+
+def token_logprobs(logits: "torch.Tensor", tokens: "torch.Tensor", temperature: float = 1.0) -> "torch.Tensor":
+    """``log_softmax(logits / temperature)`` gathered at ``tokens``, in float32.
+
+    ``logits`` is ``[B, T, V]`` already aligned with ``tokens`` ``[B, T]`` (logits at position t score token t).
+    Computed as ``x_tok - logsumexp(x)`` one sequence at a time so only a ``[T, V]`` float32 copy exists at once.
+    Temperature must equal the sampling temperature for old/new/ref log-probs to be comparable.
+    """
+    import torch
+
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"token_logprobs: temperature must be a positive finite number, got {temperature}")
+    if logits.dim() != 3 or tokens.dim() != 2 or logits.shape[:2] != tokens.shape:
+        raise ValueError(
+            f"token_logprobs: expected logits [B, T, V] and tokens [B, T], got {tuple(logits.shape)} and "
+            f"{tuple(tokens.shape)}"
+        )
+    index = tokens.long().unsqueeze(-1)
+    rows = []
+    for row_logits, row_index in zip(logits, index, strict=True):
+        x = row_logits.float()
+        if temperature != 1.0:
+            x = x / temperature
+        rows.append(torch.gather(x, -1, row_index).squeeze(-1) - torch.logsumexp(x, dim=-1))
+    if not rows:
+        return logits.new_zeros(tokens.shape, dtype=torch.float32)
+    return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------------------------- KL
+
+
+def kl_k3(logp: "torch.Tensor", ref_logp: "torch.Tensor") -> "torch.Tensor":
+    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unclamped as TRL)."""
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"kl_k3: logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ in shape")
+    delta = ref_logp - logp
+    return delta.exp() - delta - 1
+
+
+# --------------------------------------------------------------------------------------------- aggregation
+
+
+def _agg_grpo(per_token: "Tensor", mask: "Tensor", **_: Any) -> "Tensor":
+    """Mean over each sequence's masked tokens, then mean over all sequences (empty ones count as 0, as TRL)."""
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def _agg_token_mean(per_token: "Tensor", mask: "Tensor", **_: Any) -> "Tensor":
+    """Sum over all masked tokens / number of masked tokens in this batch (TRL ``bnpo``, verl ``token-mean``)."""
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _agg_dr_grpo(per_token: "Tensor", mask: "Tensor", *, max_completion_length: int | None = None, **_: Any):
+    """Sum over masked tokens / (B * max_completion_length): a constant normaliser, no length bias."""
+    if max_completion_length is None or max_completion_length <= 0:
+        raise ValueError(f"loss_type 'dr_grpo' needs max_completion_length > 0, got {max_completion_length}")
+    return (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
+
+
+def _agg_dapo(per_token: "Tensor", mask: "Tensor", *, num_items_in_batch: Any = None, **_: Any):
+    """Sum over masked tokens / tokens of the whole (accumulated, global) batch.
+
+    ``num_items_in_batch`` is the number of loss tokens in one optimizer step (all micro-batches, all ranks)
+    divided by the number of data-parallel ranks, which is the normaliser TRL ends up using; summing the micro-batch
+    losses and averaging over ranks then gives a true global token mean. ``None`` means this micro-batch is the
+    whole step, i.e. the same as ``token-mean``.
+    """
+    import torch
+
+    if num_items_in_batch is None:
+        normalizer = mask.sum()
+    else:
+        normalizer = torch.as_tensor(num_items_in_batch, dtype=per_token.dtype, device=per_token.device)
+    return (per_token * mask).sum() / normalizer.clamp(min=1.0)
+
+
+LOSS_AGG: dict[str, Callable[..., "torch.Tensor"]] = {
+    "grpo": _agg_grpo,
+    "bnpo": _agg_token_mean,
+    "token-mean": _agg_token_mean,
+    "dr_grpo": _agg_dr_grpo,
+    "dapo": _agg_dapo,
+}
+
+
+def aggregate(
+    per_token: "torch.Tensor",
+    mask: "torch.Tensor",
+    loss_type: str = "grpo",
+    *,
+    max_completion_length: int | None = None,
+    num_items_in_batch: Any = None,
+) -> "torch.Tensor":
+    """Reduce a per-token quantity ``[B, T]`` (or ``[B, 1]``) to a scalar with the ``loss_type`` rule."""
+    if loss_type not in LOSS_AGG:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {sorted(LOSS_AGG)}")
+    return LOSS_AGG[loss_type](
+        per_token, mask, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch
+    )
+
+
+# --------------------------------------------------------------------------------------------- policy loss
+
+
+def _check_inputs(logp, old_logp, advantages, mask):
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T], got {tuple(logp.shape)}")
+    if mask.shape != logp.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must match logp {tuple(logp.shape)}")
+    if old_logp is not None and old_logp.shape != logp.shape:
+        raise ValueError(f"old_logp {tuple(old_logp.shape)} must match logp {tuple(logp.shape)}")
+    B, T = logp.shape
+    if advantages.dim() == 1:
+        if advantages.shape[0] != B:
+            raise ValueError(f"advantages {tuple(advantages.shape)} must have one value per sequence (B={B})")
+        return advantages.unsqueeze(1)
+    if advantages.dim() == 2 and advantages.shape[0] == B and advantages.shape[1] in (1, T):
+        return advantages
+    raise ValueError(f"advantages must be [B], [B, 1] or [B, T] with B={B}, T={T}; got {tuple(advantages.shape)}")
+
+
+def _masked_mean(x: "Tensor", mask: "Tensor") -> float:
+    x = x.expand_as(mask)
+    return float((x * mask).sum() / mask.sum().clamp(min=1.0))
+
+
+def _clipped_objective(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    clip_eps_low: float,
+    clip_eps_high: float | None,
+    delta: float | None,
+    importance_sampling_level: str,
+):
+    """Per-token ``-min(r A, clip(r) A)`` plus the raw ratio; shared by ``policy_loss`` and ``grpo_loss``."""
+    import torch
+
+    if clip_eps_low < 0 or (clip_eps_high is not None and clip_eps_high < 0):
+        raise ValueError(f"clip eps must be >= 0, got low={clip_eps_low} high={clip_eps_high}")
+    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    adv = _check_inputs(logp, old_logp, advantages, mask).to(logp.dtype)
+    if old_logp is None:  # single update per generation: ratio is 1 but keeps the gradient of logp
+        old_logp = logp.detach()
+    log_ratio = logp - old_logp
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    elif importance_sampling_level == "sequence":  # GSPO: one ratio per sequence from the mean log-ratio
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    ratio = torch.exp(log_w)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + eps_high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # optional cap on the ratio (TRL delta)
+    per_token = -torch.min(unclipped * adv, clipped * adv)
+    low = ((ratio < 1 - clip_eps_low) & (adv < 0)).to(logp.dtype)
+    high = ((ratio > 1 + eps_high) & (adv > 0)).to(logp.dtype)
+    stats = {
+        "ratio_mean": _masked_mean(ratio.detach(), mask),
+        "clip_frac_low": _masked_mean(low, mask),
+        "clip_frac_high": _masked_mean(high, mask),
+        "clip_frac": _masked_mean(torch.maximum(low, high), mask),
+        "num_tokens": float(mask.sum()),
+    }
+    return per_token, ratio, stats
+
+
+def policy_loss(
+    logp: "torch.Tensor",
+    old_logp: "torch.Tensor | None",
+    advantages: "torch.Tensor",
+    mask: "torch.Tensor",
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    loss_type: str = "grpo",
+    max_completion_length: int | None = None,
+    *,
+    num_items_in_batch: Any = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+) -> tuple["torch.Tensor", dict[str, float]]:
+    """Clipped surrogate ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` aggregated by ``loss_type``.
+
+    ``logp``/``old_logp``/``mask`` are ``[B, T]`` (mask 1 on the agent's own generated tokens, 0 on prompt, padding,
+    tool outputs and text other agents wrote to the shared memory); ``advantages`` is ``[B]`` (or ``[B, T]``).
+    ``old_logp=None`` means on-policy (``logp.detach()``). ``clip_eps_high`` defaults to ``clip_eps_low``; set it
+    higher for DAPO clip-higher. Returns the scalar loss and float stats: ``ratio_mean``, ``clip_frac`` (tokens
+    whose gradient the clip removes, TRL's "region" ratio), ``clip_frac_low``, ``clip_frac_high``, ``num_tokens``,
+    ``policy_loss``.
+    """
+    mask = mask.to(logp.dtype)
+    per_token, _, stats = _clipped_objective(
+        logp, old_logp, advantages, mask, clip_eps_low, clip_eps_high, delta, importance_sampling_level
+    )
+    loss = aggregate(
+        per_token,
+        mask,
+        loss_type,
+        max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch,
+    )
+    stats["policy_loss"] = float(loss.detach())
+    return loss, stats
+
+
+def grpo_loss(
+    logp: "torch.Tensor",
+    old_logp: "torch.Tensor | None",
+    ref_logp: "torch.Tensor | None",
+    advantages: "torch.Tensor",
+    mask: "torch.Tensor",
+    beta: float = 0.0,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    loss_type: str = "grpo",
+    max_completion_length: int | None = None,
+    *,
+    num_items_in_batch: Any = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+) -> tuple["torch.Tensor", dict[str, float]]:
+    """Full GRPO objective: per-token clipped surrogate ``+ beta * k3 KL``, then one ``loss_type`` aggregation.
+
+    As in TRL the KL is added per token before aggregation, so it is weighted exactly like the policy term.
+    ``ref_logp`` may be ``None`` only when ``beta == 0``. Stats are those of ``policy_loss`` plus ``kl`` (masked
+    token mean of k3, reported whenever ``ref_logp`` is given) and ``loss``.
+    """
+    if beta < 0:
+        raise ValueError(f"grpo_loss: beta must be >= 0, got {beta}")
+    if beta != 0 and ref_logp is None:
+        raise ValueError(f"grpo_loss: beta={beta} needs ref_logp (reference-model log-probs)")
+    mask = mask.to(logp.dtype)
+    per_token, _, stats = _clipped_objective(
+        logp, old_logp, advantages, mask, clip_eps_low, clip_eps_high, delta, importance_sampling_level
+    )
+    agg = functools.partial(
+        aggregate,
+        mask=mask,
+        loss_type=loss_type,
+        max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch,
+    )
+    stats["policy_loss"] = float(agg(per_token.detach()))
+    if ref_logp is not None:
+        kl = kl_k3(logp, ref_logp)
+        stats["kl"] = _masked_mean(kl.detach(), mask)
+        if beta != 0:
+            per_token = per_token + beta * kl
+    loss = agg(per_token)
+    stats["loss"] = float(loss.detach())
+    return loss, stats
+
+
+__all__: Sequence[str] = (
+    "ADV_EPS",
+    "ADVANTAGE_FNS",
+    "LOSS_AGG",
+    "aggregate",
+    "get_advantage_fn",
+    "grpo_loss",
+    "group_advantages",
+    "kl_k3",
+    "multi_agent_advantages",
+    "policy_loss",
+    "token_logprobs",
+)

@@ -1,0 +1,39 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session")
+def m1_cache(tmp_path_factory):
+    """One cache of tiny models for the whole session (built offline on first use)."""
+    d = os.environ.get("M1_TEST_CACHE") or str(tmp_path_factory.mktemp("m1cache"))
+    os.environ["M1_CACHE"] = d
+    return d
+
+
+def make_video(path, seconds=12, fps=4, size=64):
+    """A small mp4 whose background colour steps every second (so frames differ by time)."""
+    from m1.video import write_video
+
+    def frames():
+        for i in range(int(seconds * fps)):
+            s = i // fps
+            img = np.zeros((size, size, 3), np.uint8)
+            img[:] = ((s * 40) % 256, (s * 90) % 256, (255 - s * 20) % 256)
+            img[size // 4: size // 2, size // 4: size // 2] = (255, 255, 255)
+            yield img
+
+    return write_video(path, frames(), fps, size, size)
+
+
+@pytest.fixture
+def video_factory(tmp_path):
+    def _make(name="v.mp4", **kw):
+        return make_video(tmp_path / name, **kw)
+
+    return _make

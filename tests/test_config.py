@@ -1,0 +1,60 @@
+import pytest
+
+from m1.config import ConfigError, TeamConfig, load_team
+
+
+def test_shipped_configs_load():
+    tiny = load_team("tiny")
+    assert [a.name for a in tiny.agents] == ["qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small"]
+    paper = load_team("videochat_m1")
+    assert paper.models["qwen3_8b"].path == "Qwen/Qwen3-8B"
+    assert paper.models["browser"].path == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert paper.models["clip"].clip_name == "ViT-B-16"
+    assert paper.summarizer == "qwen3_8b"
+
+
+def test_dotted_overrides_change_values():
+    cfg = load_team("tiny", ["limits.max_turns=2", "agents.1.temperature=0.7", "topology.mode=random",
+                             "tools.enabled=[Global Sampling, Rough Browser]"])
+    assert cfg.limits.max_turns == 2 and cfg.agents[1].temperature == 0.7
+    assert cfg.topology.mode == "random" and cfg.tools.enabled == ["Global Sampling", "Rough Browser"]
+
+
+@pytest.mark.parametrize("override, words", [
+    (["limits.max_turnz=2"], ["unknown key", "limits.max_turnz", "tiny.yaml"]),
+    (["limits.max_turns=many"], ["limits.max_turns", "tiny.yaml"]),
+    (["agents.0.model=nope"], ["agents.0.model", "nope"]),
+    (["tools.browser=q3_big"], ["tools.browser", "chat model"]),
+    (["tools.enabled=[Magic Tool]"], ["Magic Tool"]),
+    (["aggregation.summarizer=ghost"], ["ghost"]),
+    (["agents.9.model=x"], ["agents.9"]),
+    (["novalue"], ["key.path=value"]),
+])
+def test_bad_config_named_before_models_load(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_team("tiny", override)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_unknown_key_in_file_names_file_and_key(tmp_path):
+    p = tmp_path / "team.yaml"
+    p.write_text("name: x\nmodels: {m: {kind: chat, path: a/b, colour: red}}\nagents: [{name: a, model: m}]\n")
+    with pytest.raises(ConfigError) as err:
+        load_team(p)
+    assert str(p) in str(err.value) and "models.m.colour" in str(err.value)
+
+
+def test_missing_config_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_team(tmp_path / "none.yaml")
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_team(p)
+
+
+def test_model_needs_a_source():
+    with pytest.raises(Exception, match="path"):
+        TeamConfig.model_validate({"name": "x", "models": {"m": {"kind": "chat"}},
+                                   "agents": [{"name": "a", "model": "m"}]})
