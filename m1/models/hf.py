@@ -1,0 +1,344 @@
+"""transformers backends: a chat model and a Qwen2.5-VL-style video describer.
+
+Both take the whole list of requests of a phase and run one left-padded `model.generate` call,
+because batching every agent of every episode in flight is what makes rollouts fast.
+
+Sampling is exactly what SamplingParams says: greedy at temperature 0, otherwise temperature +
+top_p with top_k and repetition penalty switched off (a checkpoint's generation_config defaults
+such as Qwen's top_k=20 are overridden, so the log-probs below describe the real policy).
+
+Log-probs: for every generated token, log_softmax(raw_logits / T)[token], with T the sampling
+temperature (T = 1 when greedy). This is the temperature-scaled policy before top_p filtering,
+the same quantity GRPO trainers recompute from the logits, so old/new ratios line up.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from m1.config import ModelSpec
+from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_source(spec: ModelSpec, name: str) -> tuple[str, bool]:
+    """(folder or hub id, local_files_only) for a spec; builds the tiny model when asked."""
+    if spec.tiny is not None:
+        from m1.models.tiny import ensure_tiny
+
+        return str(ensure_tiny(spec.tiny)), True
+    if not spec.path:
+        raise ModelError(f"model {name!r}: needs `path` or `tiny`")
+    path = os.path.expanduser(spec.path)
+    if os.path.isdir(path):
+        return path, True
+    if path.startswith((".", "/", "~")):
+        raise ModelError(f"model {name!r}: path {spec.path!r} is not a folder")
+    return spec.path, offline()
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def _model_kwargs(spec: ModelSpec, device: str, local_only: bool) -> dict[str, Any]:
+    kw: dict[str, Any] = {"dtype": resolve_dtype(spec.dtype, device), "local_files_only": local_only}
+    if spec.attn_implementation:
+        kw["attn_implementation"] = spec.attn_implementation
+    return kw
+
+
+def _context_length(config) -> int | None:
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    raw = getattr(gen, "eos_token_id", None) if gen is not None else None
+    for x in ([raw] if isinstance(raw, int) else list(raw or [])) + [tokenizer.eos_token_id]:
+        if x is not None and int(x) not in ids:
+            ids.append(int(x))
+    if not ids:
+        raise ModelError("tokenizer and generation_config define no eos token")
+    return ids
+
+
+def _generation_kwargs(params: SamplingParams, eos: list[int], pad: int) -> dict[str, Any]:
+    if params.max_new_tokens < 1:
+        raise ModelError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    kw: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos,
+                              pad_token_id=pad, return_dict_in_generate=True,
+                              output_logits=bool(params.logprobs), repetition_penalty=1.0)
+    if params.temperature > 0:
+        kw.update(do_sample=True, temperature=float(params.temperature), top_p=float(params.top_p),
+                  top_k=0)
+    else:
+        kw.update(do_sample=False, temperature=None, top_p=None)
+    return kw
+
+
+def _run_generate(model, inputs: dict[str, Any], params: SamplingParams, gen_kw: dict[str, Any]):
+    """One generate call; a seed makes sampling reproducible without touching the global RNG."""
+    import torch
+
+    with torch.inference_mode():
+        if params.seed is None or params.temperature <= 0:
+            return model.generate(**inputs, **gen_kw)
+        devices = [model.device.index or 0] if model.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(int(params.seed))
+            return model.generate(**inputs, **gen_kw)
+
+
+def _completions(out, prompt_len: int, prompts: list[list[int]], tokenizer, eos: list[int],
+                 params: SamplingParams, metas: list[dict[str, Any]]) -> list[Completion]:
+    """Cut each generated row at its first eos (kept) and attach log-probs of the chosen tokens."""
+    import torch
+
+    new = out.sequences[:, prompt_len:].tolist()
+    eos_set = set(eos)
+    temp = params.temperature if params.temperature > 0 else 1.0
+    results: list[Completion] = []
+    for row, (tokens, prompt_ids, meta) in enumerate(zip(new, prompts, metas)):
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in eos_set), None)
+        ids = tokens[:cut] if cut is not None else tokens
+        logprobs = None
+        if params.logprobs and out.logits is not None:
+            steps = out.logits[: len(ids)]
+            if steps:
+                logits = torch.stack([s[row] for s in steps]).float() / temp
+                chosen = torch.tensor(ids, device=logits.device).unsqueeze(1)
+                logprobs = torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1).tolist()
+            else:
+                logprobs = []
+        results.append(Completion(
+            text=tokenizer.decode(ids, skip_special_tokens=True),
+            prompt_ids=prompt_ids, completion_ids=ids, logprobs=logprobs,
+            finish_reason="stop" if cut is not None else "length", meta=meta))
+    return results
+
+
+class HFChatModel:
+    """A causal LM from a local folder, a hub id or a tiny config; batched chat generation."""
+
+    def __init__(self, spec: ModelSpec, name: str, max_batch: int | None = None):
+        if spec.kind != "chat":
+            raise ModelError(f"model {name!r}: HFChatModel needs kind 'chat', got {spec.kind!r}")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.name = name
+        self.spec = spec
+        self.max_batch = max_batch
+        self.calls = 0
+        self._lock = threading.Lock()
+        source, local_only = resolve_source(spec, name)
+        self.device = resolve_device(spec.device)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                source, **_model_kwargs(spec, self.device, local_only))
+        except (OSError, ValueError, ImportError) as exc:
+            raise ModelError(f"model {name!r}: cannot load {source!r}: {exc}") from exc
+        self.model.to(self.device).eval()
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.tokenizer.chat_template is None:
+            raise ModelError(f"model {name!r}: tokenizer in {source!r} has no chat template")
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.context_length = _context_length(self.model.config)
+
+    def render(self, request: ChatRequest) -> str:
+        """The prompt text for one chat, with the assistant turn opened."""
+        # enable_thinking only matters for Qwen3-style templates; others ignore unknown variables.
+        return self.tokenizer.apply_chat_template(request.messages, tokenize=False,
+                                                  add_generation_prompt=True, enable_thinking=False)
+
+    def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
+        if not requests:
+            return []
+        prompts, metas = [], []
+        max_new = params.max_new_tokens
+        if self.context_length is not None and max_new >= self.context_length:
+            max_new = max(1, self.context_length // 2)  # leave room for some prompt
+        for req in requests:
+            ids = self.tokenizer(self.render(req), add_special_tokens=False)["input_ids"]
+            meta: dict[str, Any] = {}
+            if self.context_length is not None and len(ids) + max_new > self.context_length:
+                keep = self.context_length - max_new
+                meta.update(truncated=True, dropped_prompt_tokens=len(ids) - keep)
+                ids = ids[-keep:]
+            prompts.append(ids)
+            metas.append(meta)
+        if max_new != params.max_new_tokens:
+            for m in metas:
+                m["max_new_tokens"] = max_new
+        params = SamplingParams(max_new_tokens=max_new, temperature=params.temperature,
+                                top_p=params.top_p, seed=params.seed, logprobs=params.logprobs)
+        step = self.max_batch or len(prompts)
+        results: list[Completion] = []
+        with self._lock:
+            for start in range(0, len(prompts), step):
+                results += self._generate_batch(prompts[start:start + step],
+                                                metas[start:start + step], params)
+        return results
+
+    def _generate_batch(self, prompts: list[list[int]], metas: list[dict[str, Any]],
+                        params: SamplingParams) -> list[Completion]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=self.device)
+        gen_kw = _generation_kwargs(params, self.eos_ids, pad)
+        try:
+            out = _run_generate(self.model, {"input_ids": input_ids, "attention_mask": mask},
+                                params, gen_kw)
+        except RuntimeError as exc:
+            raise ModelError(f"model {self.name!r}: generate failed: {exc}") from exc
+        self.calls += 1
+        return _completions(out, width, prompts, self.tokenizer, self.eos_ids, params, metas)
+
+
+def video_metadata(timestamps: list[float], n_frames: int) -> dict[str, float]:
+    """fps/duration for the processor, derived from the frame times (not a default 24 fps)."""
+    ts = [float(t) for t in timestamps]
+    span = ts[-1] - ts[0] if len(ts) > 1 else 0.0
+    fps = (len(ts) - 1) / span if span > 0 else 1.0
+    return {"fps": fps, "total_num_frames": n_frames, "duration": max(span, 0.0) + 1.0 / fps}
+
+
+def _processor_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: meta[k] for k in ("fps", "total_num_frames", "duration")}
+
+
+def _fmt_time(t: float) -> str:
+    return f"{t:.1f}s"
+
+
+class HFVisionModel:
+    """A Qwen2.5-VL-style model describing a list of frame sets, one left-padded generate call."""
+
+    def __init__(self, spec: ModelSpec, name: str, max_batch: int | None = None):
+        if spec.kind != "vision":
+            raise ModelError(f"model {name!r}: HFVisionModel needs kind 'vision', got {spec.kind!r}")
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.name = name
+        self.spec = spec
+        self.max_batch = max_batch
+        self.calls = 0
+        self._lock = threading.Lock()
+        source, local_only = resolve_source(spec, name)
+        self.device = resolve_device(spec.device)
+        try:
+            self.processor = AutoProcessor.from_pretrained(source, local_files_only=local_only)
+            self.model = AutoModelForImageTextToText.from_pretrained(
+                source, **_model_kwargs(spec, self.device, local_only))
+        except (OSError, ValueError, ImportError) as exc:
+            raise ModelError(f"model {name!r}: cannot load {source!r}: {exc}") from exc
+        self.model.to(self.device).eval()
+        self.tokenizer = self.processor.tokenizer
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        vp = getattr(self.processor, "video_processor", None)
+        if vp is None:
+            raise ModelError(f"model {name!r}: processor in {source!r} has no video processor")
+        self.temporal_patch = int(getattr(vp, "temporal_patch_size", 1) or 1)
+        if spec.max_pixels is not None:
+            size = dict(getattr(vp, "size", None) or {})
+            low = min(int(size.get("shortest_edge", spec.max_pixels)), spec.max_pixels)
+            vp.size = {"shortest_edge": low, "longest_edge": spec.max_pixels}
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.context_length = _context_length(self.model.config)
+
+    def _messages(self, req: VisionRequest, n: int) -> list[dict[str, Any]]:
+        times = ", ".join(_fmt_time(t) for t in req.timestamps)
+        text = f"These {n} frames were taken at {times}.\n{req.prompt}"
+        msgs: list[dict[str, Any]] = []
+        if req.system:
+            msgs.append({"role": "system", "content": req.system})
+        msgs.append({"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]})
+        return msgs
+
+    def _prepare(self, req: VisionRequest, index: int):
+        import numpy as np
+
+        frames = np.asarray(req.frames)
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
+            raise ModelError(f"model {self.name!r}: request {index}: frames must be (T>0, H, W, 3), "
+                             f"got shape {frames.shape}")
+        if len(req.timestamps) != frames.shape[0]:
+            raise ModelError(f"model {self.name!r}: request {index}: {frames.shape[0]} frames but "
+                             f"{len(req.timestamps)} timestamps")
+        n_real = frames.shape[0]
+        rem = n_real % self.temporal_patch
+        if rem:  # the model groups frames in temporal patches: repeat the last frame to fill one
+            extra = self.temporal_patch - rem
+            frames = np.concatenate([frames, np.repeat(frames[-1:], extra, axis=0)], axis=0)
+        meta = video_metadata(req.timestamps, frames.shape[0])
+        meta["real_frames"] = n_real
+        return frames.astype(np.uint8, copy=False), meta, self._messages(req, n_real)
+
+    def describe(self, requests: list[VisionRequest], params: SamplingParams) -> list[Completion]:
+        if not requests:
+            return []
+        prepared = [self._prepare(r, i) for i, r in enumerate(requests)]
+        step = self.max_batch or len(prepared)
+        results: list[Completion] = []
+        with self._lock:
+            for start in range(0, len(prepared), step):
+                results += self._describe_batch(prepared[start:start + step], params)
+        return results
+
+    def _describe_batch(self, prepared, params: SamplingParams) -> list[Completion]:
+        texts = [self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                 for _, _, msgs in prepared]
+        try:
+            inputs = self.processor(text=texts, videos=[f for f, _, _ in prepared],
+                                    video_metadata=[_processor_meta(m) for _, m, _ in prepared],
+                                    do_sample_frames=False, padding=True, return_tensors="pt")
+        except (ValueError, TypeError) as exc:
+            raise ModelError(f"model {self.name!r}: processor failed: {exc}") from exc
+        inputs = inputs.to(self.device)
+        if "pixel_values_videos" in inputs:
+            inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(self.model.dtype)
+        width = int(inputs["input_ids"].shape[1])
+        if self.context_length is not None and width + params.max_new_tokens > self.context_length:
+            raise ModelError(
+                f"model {self.name!r}: {width} prompt tokens + {params.max_new_tokens} new tokens "
+                f"exceed the context of {self.context_length}; give fewer frames or set max_pixels")
+        mask = inputs["attention_mask"].tolist()
+        prompts = [[t for t, m in zip(row, mrow) if m]
+                   for row, mrow in zip(inputs["input_ids"].tolist(), mask)]
+        metas = [{"frames": m["real_frames"], "padded_frames": m["total_num_frames"], "fps": m["fps"]}
+                 for _, m, _ in prepared]
+        gen_kw = _generation_kwargs(params, self.eos_ids, self.tokenizer.pad_token_id)
+        try:
+            out = _run_generate(self.model, dict(inputs), params, gen_kw)
+        except RuntimeError as exc:
+            raise ModelError(f"model {self.name!r}: generate failed: {exc}") from exc
+        self.calls += 1
+        return _completions(out, width, prompts, self.tokenizer, self.eos_ids, params, metas)
