@@ -57,13 +57,11 @@ def main() -> None:  # pragma: no cover
     app(sys.argv[1:])
 
 
-def _mount_optional() -> None:
-    """Sub-apps live next to their code; mount the ones present."""
-    try:
-        from m1.synth.make import app as synth_app
-    except ImportError as exc:  # the synth package is part of M1: a missing module is a bug
-        raise RuntimeError(f"m1.synth.make could not be imported: {exc}") from exc
+def _mount_subapps() -> None:
+    """Sub-apps live next to their code (their heavy imports stay inside their commands)."""
+    from m1.synth.make import app as synth_app
+
     app.add_typer(synth_app, name="synth", help="M1-Synth: generate videos and questions.")
 
 
-_mount_optional()
+_mount_subapps()

@@ -135,10 +135,13 @@ def test_garbage_replies_are_format_failures_not_crashes(videos):
 
 
 def test_add_tool_decision_inserts_the_tool(videos):
+    asked = []
+
     def reply(messages):
         text = content(messages)
         if "##tool call" in text and "##Final Answer" not in text:
-            if "Fine Browser" not in text.split("Remaining")[0] and "step 1" in text and "step 2" not in text:
+            asked.append(text)
+            if len(asked) == 1:  # the first communication request of model m_a is alpha's
                 return "##tool call: add tool <Fine Browser>\n##key info: look closer at the square"
             return "##tool call: continue()"
         return scripted_reply(messages)
@@ -149,7 +152,9 @@ def test_add_tool_decision_inserts_the_tool(videos):
     assert tools[:3] == ["Global Sampling", "Fine Browser", "Rough Browser"], tools
     assert e.memory["alpha"].turns[0].decision.action == "add_tool"
     assert e.memory["alpha"].key_info == "look closer at the square"
-    assert e.memory["gamma"].plan == ["Global Sampling", "Rough Browser"]
+    assert e.memory["alpha"].turns[1].key_info == "look closer at the square"
+    assert [t.tool for t in e.memory["beta"].turns] == ["Global Sampling", "Rough Browser"]
+    assert len(e.memory["alpha"].turns[1].timestamps) == 32  # Fine Browser: 32 frames of the focus
 
 
 def test_vote_tie_asks_the_summarizer(videos):
@@ -188,4 +193,4 @@ def test_grounding_uses_summarizer(videos):
     team, *_ = make_team(reply_a=reply, reply_b=reply)
     q = Question(id="g", video=videos[0], text="When is the square visible?", task="grounding")
     [e] = team.run([q])
-    assert e.aggregation == "summarizer" and e.final_answer == "[2.0 - 4.0]"
+    assert e.aggregation == "summarizer" and e.final_answer == "[2 - 4]"

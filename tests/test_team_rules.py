@@ -66,7 +66,7 @@ def test_best_score_and_decide_by_agent():
 
 def test_grounding_fallback_is_median_span():
     answers = [ans("a", "[1 - 5]"), ans("b", "[2 - 6]"), ans("c", "[10 - 12]"), ans("d", "garbage")]
-    assert aggregate.fallback_answer("grounding", answers, AGENTS) == "[2.0 - 6.0]"
+    assert aggregate.fallback_answer("grounding", answers, AGENTS) == "[2 - 6]"
     assert aggregate.fallback_answer("grounding", [ans("a", "x")], AGENTS) is None
 
 

@@ -3,12 +3,8 @@ from __future__ import annotations
 
 import json
 
+from m1.agents.parsers import format_time
 from m1.schema import AgentRecord, Decision, Plan, Turn
-
-
-def _clock(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
 
 
 def render_record(name: str, rec: AgentRecord, max_output_chars: int = 600) -> str:
@@ -19,7 +15,7 @@ def render_record(name: str, rec: AgentRecord, max_output_chars: int = 600) -> s
     for t in rec.turns:
         head = f"[{name}] step {t.step}: {t.tool}"
         if t.timestamps:
-            head += f" (frames {_clock(t.timestamps[0])}-{_clock(t.timestamps[-1])}, n={len(t.timestamps)})"
+            head += f" (frames {format_time(t.timestamps[0])}-{format_time(t.timestamps[-1])}, n={len(t.timestamps)})"
         body = f"error: {t.error}" if t.error else t.output[:max_output_chars]
         lines.append(f"{head} -> {body}")
         if t.decision and t.decision.action == "add_tool":

@@ -16,6 +16,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
+from m1.agents.parsers import format_span, parse_span
 from m1.schema import AgentAnswer
 
 
@@ -60,18 +61,12 @@ def decide_by_agent(answers: list[AgentAnswer], agent: str, order: list[str]) ->
     return vote(answers, order).answer
 
 
-def parse_span_answer(text: str) -> tuple[float, float] | None:
-    from m1.agents.parsers import parse_span
-
-    return parse_span(text)
-
-
 def median_span(answers: list[AgentAnswer]) -> str | None:
-    spans = [s for s in (parse_span_answer(a.answer) for a in _valid(answers)) if s]
+    spans = [s for s in (parse_span(a.answer) for a in _valid(answers)) if s]
     if not spans:
         return None
     s, e = statistics.median(x[0] for x in spans), statistics.median(x[1] for x in spans)
-    return f"[{s:.1f} - {max(s, e):.1f}]"
+    return format_span((s, max(s, e)))
 
 
 def fallback_answer(task: str, answers: list[AgentAnswer], order: list[str]) -> str | None:

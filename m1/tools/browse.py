@@ -73,7 +73,7 @@ def finish(tool: str, ctx: ToolContext, focus: Focus, completion: Completion, id
 
     A VLM given a clip may count time from the clip's start: a span that fits inside
     [0, clip length] but not inside the clip is shifted by the clip's start."""
-    from m1.agents.parsers import parse_span
+    from m1.agents.parsers import format_span, parse_span
 
     text = completion.text.strip()
     m = _ANSWER.search(text)
@@ -85,6 +85,6 @@ def finish(tool: str, ctx: ToolContext, focus: Focus, completion: Completion, id
         if span and not (s0 - 1e-6 <= span[0] and span[1] <= e0 + 1e-6) and span[1] <= (e0 - s0) + 1e-6:
             span = (span[0] + s0, span[1] + s0)
         if span:
-            answer = f"[{span[0]:.1f} - {span[1]:.1f}]"
+            answer = format_span((round(span[0], 1), round(span[1], 1)))
     return ToolResult(output=text or "(the browser returned nothing)", answer=answer, span=span, frames=idx,
                       error=None if text else "empty browser reply")

@@ -3,14 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from m1.agents.parsers import format_time
+
 from m1.tools.base import Focus, ToolContext, ToolError, ToolResult
 from m1.video import fps_indices, uniform_indices
-
-
-def _clock(t: float) -> str:
-    from m1.agents.parsers import format_time
-
-    return format_time(t)
 
 
 def _focus(ctx: ToolContext, indices: list[int], span: tuple[float, float]) -> Focus:
@@ -21,7 +17,7 @@ def global_sampling(ctx: ToolContext) -> ToolResult:
     info = ctx.video.info
     idx = uniform_indices(info, ctx.cfg.global_frames)
     return ToolResult(output=f"Sampled {len(idx)} frames uniformly over the whole video "
-                             f"(00:00-{_clock(info.duration)}).",
+                             f"(00:00-{format_time(info.duration)}).",
                       focus=_focus(ctx, idx, (0.0, info.duration)))
 
 
@@ -59,7 +55,7 @@ def video_retrieval(ctx: ToolContext) -> ToolResult:
     span = (spans[lo][0], spans[hi][1])
     idx = uniform_indices(info, ctx.cfg.retrieval_frames, *span)
     clips = f"clip {best + 1}" if lo == hi else f"clips {lo + 1}-{hi + 1}"
-    return ToolResult(output=f"Best matching {clips} of {len(spans)} ({_clock(span[0])}-{_clock(span[1])}, "
+    return ToolResult(output=f"Best matching {clips} of {len(spans)} ({format_time(span[0])}-{format_time(span[1])}, "
                              f"score {scores[best]:.3f}); sampled {len(idx)} frames there.",
                       focus=_focus(ctx, idx, span))
 
@@ -76,12 +72,12 @@ def time_stamp_retrieval(ctx: ToolContext) -> ToolResult:
         raise ToolError("Time Stamp Retrieval found no time (mm:ss, hh:mm:ss or seconds) in the key info or question")
     info = ctx.video.info
     if t > info.duration:
-        raise ToolError(f"Time Stamp Retrieval: the stated time {_clock(t)} is past the end of the video "
-                        f"({_clock(info.duration)})")
+        raise ToolError(f"Time Stamp Retrieval: the stated time {format_time(t)} is past the end of the video "
+                        f"({format_time(info.duration)})")
     half = ctx.cfg.timestamp_window / 2
     span = (max(0.0, t - half), min(info.duration, t + half))
     idx = uniform_indices(info, ctx.cfg.timestamp_frames, *span)
-    return ToolResult(output=f"Took {_clock(span[0])}-{_clock(span[1])} around {_clock(t)}; "
+    return ToolResult(output=f"Took {format_time(span[0])}-{format_time(span[1])} around {format_time(t)}; "
                              f"sampled {len(idx)} frames.", focus=_focus(ctx, idx, span))
 
 
@@ -97,7 +93,7 @@ def image_retrieval(ctx: ToolContext) -> ToolResult:
     top = sorted(int(cand[i]) for i in np.argsort(-scores, kind="stable")[:k])
     ts = ctx.video.timestamps(top)
     return ToolResult(output=f"Kept the {k} of {len(cand)} frames (scored at {ctx.cfg.image_fps:g} fps) "
-                             f"closest to the key info, from {_clock(ts[0])} to {_clock(ts[-1])}.",
+                             f"closest to the key info, from {format_time(ts[0])} to {format_time(ts[-1])}.",
                       focus=Focus(indices=top, timestamps=ts, span=(ts[0], ts[-1])))
 
 

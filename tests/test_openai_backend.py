@@ -1,0 +1,464 @@
+"""OpenAI-compatible backend against a scripted local server, and end to end against
+`transformers serve` running a tiny random Qwen2 on 127.0.0.1."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from m1.config import ModelSpec, TinySpec
+from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest
+from m1.models.openai import OpenAIChatModel, OpenAIVisionModel, parse_retry_after
+
+KEY_ENV = "M1_TEST_OPENAI_KEY"
+SECRET = "sk-test-0123456789abcdef-SECRET"
+
+
+# ---------------------------------------------------------------------------------------------
+# A scripted /v1/chat/completions server
+# ---------------------------------------------------------------------------------------------
+class FakeServer:
+    """Answers chat completions; `script` gives per-attempt behaviour before normal answers.
+
+    A script step is ("hang",), or (status, headers, message). `per_request` (optional) maps the
+    JSON body to such a step, for behaviour that depends on the request instead of its order.
+    """
+
+    def __init__(self, script=(), delay: float = 0.0, per_request=None, logprobs=True):
+        self.script = list(script)
+        self.delay = delay
+        self.per_request = per_request
+        self.logprobs = logprobs
+        self.bodies: list[dict] = []
+        self.auth: list[str | None] = []
+        self.active = 0
+        self.max_active = 0
+        self.lock = threading.Lock()
+        self.release = threading.Event()  # lets hanging handlers go at teardown
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                with fake.lock:
+                    fake.bodies.append(body)
+                    fake.auth.append(self.headers.get("Authorization"))
+                    step = fake.script.pop(0) if fake.script else None
+                    fake.active += 1
+                    fake.max_active = max(fake.max_active, fake.active)
+                try:
+                    if step is None and fake.per_request is not None:
+                        step = fake.per_request(body)
+                    if step is not None and step[0] == "hang":
+                        fake.release.wait(10.0)
+                        return
+                    if step is not None:
+                        status, headers, message = step
+                        self._send(status, {"error": {"message": message, "type": "test_error"}},
+                                   headers)
+                        return
+                    time.sleep(fake.delay)
+                    self._send(200, fake.answer(body), {})
+                finally:
+                    with fake.lock:
+                        fake.active -= 1
+
+            def _send(self, status, payload, headers):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def answer(self, body: dict) -> dict:
+        last = body["messages"][-1]["content"]
+        if isinstance(last, str):
+            reply = f"echo:{last}"
+        else:
+            n_img = sum(1 for p in last if p["type"] == "image_url")
+            reply = f"images:{n_img}"
+        choice = {"index": 0, "message": {"role": "assistant", "content": reply},
+                  "finish_reason": "length"}
+        if body.get("logprobs") and self.logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": []},
+                {"token": "b", "logprob": -1.5, "bytes": [98], "top_logprobs": []}]}
+        return {"id": "cmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [choice],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def servers():
+    made: list[FakeServer] = []
+
+    def make(**kw) -> FakeServer:
+        s = FakeServer(**kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture
+def key_env(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    return KEY_ENV
+
+
+def spec(url, **kw) -> ModelSpec:
+    base = dict(kind="chat", backend="openai", path="served-model", base_url=url,
+                api_key_env=KEY_ENV, concurrency=3, timeout=5.0, max_retries=3)
+    base.update(kw)
+    return ModelSpec(**base)
+
+
+def fast(model):
+    """Keep backoff sleeps tiny so retry tests stay fast."""
+    model.backoff_base = 0.01
+    model.backoff_cap = 0.05
+    return model
+
+
+def chats(n: int) -> list[ChatRequest]:
+    return [ChatRequest(messages=[{"role": "system", "content": "be brief"},
+                                  {"role": "user", "content": f"q{i}"}]) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) normal answers: order, concurrency, parameter mapping, vision
+# ---------------------------------------------------------------------------------------------
+def test_order_concurrency_and_param_mapping(servers, key_env):
+    srv = servers(delay=0.25)
+    model = OpenAIChatModel(spec(srv.url, concurrency=3), "agent")
+    params = SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, seed=11, logprobs=True)
+    out = model.generate(chats(7), params)
+
+    assert [c.text for c in out] == [f"echo:q{i}" for i in range(7)]
+    assert all(isinstance(c, Completion) for c in out)
+    assert 1 < srv.max_active <= 3
+    assert model.calls == 1 and model.requests_sent == 7
+    by_q = {b["messages"][-1]["content"]: b for b in srv.bodies}
+    for i in range(7):
+        b = by_q[f"q{i}"]
+        assert b["model"] == "served-model"
+        assert b["max_tokens"] == 7 and b["temperature"] == 0.7 and b["top_p"] == 0.9
+        assert b["seed"] == 11 + i  # distinct seeds: K rollouts of one prompt still differ
+        assert b["logprobs"] is True
+        assert b["messages"][0] == {"role": "system", "content": "be brief"}
+    assert set(srv.auth) == {f"Bearer {SECRET}"}
+    c = out[0]
+    assert c.logprobs == [-0.25, -1.5]
+    assert c.prompt_ids is None and c.completion_ids is None
+    assert c.finish_reason == "length"
+    assert c.meta["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
+    assert model.generate([], params) == [] and model.calls == 2
+
+
+def test_no_logprobs_requested_or_returned(servers, key_env):
+    srv = servers(logprobs=False)
+    model = OpenAIChatModel(spec(srv.url), "agent")
+    out = model.generate(chats(2), SamplingParams(logprobs=False, seed=None))
+    assert "logprobs" not in srv.bodies[0] and "seed" not in srv.bodies[0]
+    assert [c.logprobs for c in out] == [None, None]
+    out = model.generate(chats(1), SamplingParams(logprobs=True))
+    assert srv.bodies[-1]["logprobs"] is True
+    assert out[0].logprobs is None  # asked, but this server does not return them
+
+
+def test_vision_frames_as_jpeg_data_urls(servers, key_env):
+    from PIL import Image
+
+    srv = servers()
+    model = OpenAIVisionModel(spec(srv.url, kind="vision"), "browser")
+    frames = np.zeros((3, 32, 48, 3), dtype=np.uint8)
+    frames[:, :, :24, 0] = 255  # left half red
+    req = VisionRequest(frames=frames, timestamps=[0.0, 1.5, 3.0], prompt="What is red?",
+                        system="You describe frames.")
+    out = model.describe([req, req], SamplingParams(max_new_tokens=5))
+    assert [c.text for c in out] == ["images:3", "images:3"]
+    msgs = srv.bodies[0]["messages"]
+    assert msgs[0] == {"role": "system", "content": "You describe frames."}
+    parts = msgs[1]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url"] * 3 + ["text"]
+    assert [p["text"] for p in parts if p["type"] == "text"] == [
+        "Frame at 0.00 s:", "Frame at 1.50 s:", "Frame at 3.00 s:", "What is red?"]
+    url = parts[1]["image_url"]["url"]
+    assert url.startswith("data:image/jpeg;base64,")
+    img = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+    assert img.shape == (32, 48, 3)
+    assert img[:, :20, 0].mean() > 200 and img[:, 28:, 0].mean() < 50
+
+    with pytest.raises(ModelError, match="3 frames but 2 timestamps"):
+        model.describe([VisionRequest(frames=frames, timestamps=[0.0, 1.0], prompt="x")],
+                       SamplingParams())
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) transient errors are retried; Retry-After is honoured
+# ---------------------------------------------------------------------------------------------
+def test_429_then_500_then_success(servers, key_env):
+    srv = servers(script=[(429, {"Retry-After": "0"}, "slow down"), (500, {}, "boom")])
+    model = fast(OpenAIChatModel(spec(srv.url, max_retries=3), "agent"))
+    out = model.generate(chats(1), SamplingParams())
+    assert out[0].text == "echo:q0"
+    assert model.requests_sent == 3 and len(srv.bodies) == 3 and model.calls == 1
+
+
+def test_retry_after_is_waited_for(servers, key_env):
+    srv = servers(script=[(503, {"Retry-After": "0.4"}, "busy")])
+    model = OpenAIChatModel(spec(srv.url, max_retries=2), "agent")
+    model.backoff_base = model.backoff_cap = 0.0  # any wait must come from Retry-After
+    t0 = time.monotonic()
+    assert model.generate(chats(1), SamplingParams())[0].text == "echo:q0"
+    assert 0.4 <= time.monotonic() - t0 < 3.0
+    assert model.requests_sent == 2
+
+
+def test_parse_retry_after_forms():
+    import email.utils
+
+    assert parse_retry_after({"retry-after": "2"}) == 2.0
+    assert parse_retry_after({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
+    date = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 <= parse_retry_after({"retry-after": date}) <= 31
+    assert parse_retry_after({"retry-after": "soon"}) is None
+    assert parse_retry_after({}) is None
+
+
+def test_retries_exhausted_on_5xx(servers, key_env):
+    srv = servers(per_request=lambda body: (502, {}, "bad gateway"))
+    model = fast(OpenAIChatModel(spec(srv.url, max_retries=2), "agent"))
+    with pytest.raises(ModelError, match=r"failed after 3 attempt\(s\).*HTTP 502"):
+        model.generate(chats(1), SamplingParams())
+    assert model.requests_sent == 3 and len(srv.bodies) == 3
+
+
+def test_connection_refused_is_retried_then_fails(key_env):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    model = fast(OpenAIChatModel(spec(f"http://127.0.0.1:{port}/v1", max_retries=2), "agent"))
+    with pytest.raises(ModelError, match="connection error"):
+        model.generate(chats(1), SamplingParams())
+    assert model.requests_sent == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) client errors fail at once, naming model, URL and status, never the key
+# ---------------------------------------------------------------------------------------------
+def test_401_fails_immediately_without_key(servers, key_env):
+    # A careless server that echoes the key back in its error message.
+    srv = servers(per_request=lambda body: (401, {}, f"Incorrect API key provided: {SECRET}"))
+    model = fast(OpenAIChatModel(spec(srv.url, max_retries=5), "agent"))
+    with pytest.raises(ModelError) as info:
+        model.generate(chats(1), SamplingParams())
+    msg = str(info.value)
+    assert "HTTP 401" in msg and "served-model" in msg and srv.url in msg and KEY_ENV in msg
+    assert SECRET not in msg and "***" in msg
+    assert model.requests_sent == 1 and len(srv.bodies) == 1
+
+
+@pytest.mark.parametrize("status", [403, 404, 422])
+def test_other_4xx_fail_immediately(servers, key_env, status):
+    srv = servers(per_request=lambda body: (status, {}, "nope"))
+    model = fast(OpenAIChatModel(spec(srv.url), "agent"))
+    with pytest.raises(ModelError, match=f"HTTP {status}"):
+        model.generate(chats(1), SamplingParams())
+    assert model.requests_sent == 1
+
+
+def test_batch_failure_reports_root_cause_and_stops_siblings(servers, key_env):
+    def behave(body):
+        if body["messages"][-1]["content"] == "q0":
+            return (401, {}, "bad key")
+        return (500, {}, "flaky")
+
+    srv = servers(per_request=behave)
+    model = OpenAIChatModel(spec(srv.url, concurrency=4, max_retries=50), "agent")
+    model.backoff_base, model.backoff_cap = 0.2, 0.2
+    t0 = time.monotonic()
+    with pytest.raises(ModelError, match="HTTP 401"):
+        model.generate(chats(4), SamplingParams())
+    assert time.monotonic() - t0 < 5.0
+    assert model.requests_sent < 20  # siblings stopped instead of running 50 retries each
+
+
+def test_rejected_fields_are_adapted_once(servers, key_env):
+    def behave(body):
+        if "max_tokens" in body:
+            return (400, {}, "Unsupported parameter: 'max_tokens'. Use 'max_completion_tokens'.")
+        if "logprobs" in body:
+            return (400, {}, "logprobs are not supported with this model")
+        return None
+
+    srv = servers(per_request=behave)
+    model = OpenAIChatModel(spec(srv.url), "agent")
+    out = model.generate(chats(1), SamplingParams(max_new_tokens=9, logprobs=True))
+    assert out[0].text == "echo:q0" and out[0].logprobs is None
+    assert srv.bodies[-1]["max_completion_tokens"] == 9 and "logprobs" not in srv.bodies[-1]
+    n = len(srv.bodies)
+    model.generate(chats(1), SamplingParams(max_new_tokens=9))
+    assert len(srv.bodies) == n + 1  # remembered: no more rejected attempts
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) a hanging server times out within a bounded time
+# ---------------------------------------------------------------------------------------------
+def test_hanging_server_times_out(servers, key_env):
+    srv = servers(per_request=lambda body: ("hang",))
+    model = fast(OpenAIChatModel(spec(srv.url, timeout=0.5, max_retries=1), "agent"))
+    t0 = time.monotonic()
+    with pytest.raises(ModelError, match=r"failed after 2 attempt\(s\).*timed out"):
+        model.generate(chats(1), SamplingParams())
+    elapsed = time.monotonic() - t0
+    assert 1.0 <= elapsed < 4.0
+    assert model.requests_sent == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) the key never leaks
+# ---------------------------------------------------------------------------------------------
+def test_key_never_in_repr_errors_results_or_logs(servers, key_env, caplog):
+    caplog.set_level(logging.DEBUG)
+    srv = servers(script=[(500, {}, f"upstream said {SECRET}")])
+    model = fast(OpenAIChatModel(spec(srv.url), "agent"))
+    vision = OpenAIVisionModel(spec(srv.url, kind="vision"), "browser")
+    assert SECRET not in repr(model) and SECRET not in repr(vision)
+    assert SECRET not in repr(vars(model)) and SECRET not in str(vars(model))
+    out = model.generate(chats(1), SamplingParams())
+    assert SECRET not in repr(out)
+    bad = servers(per_request=lambda body: (403, {}, f"key {SECRET} has no access"))
+    other = OpenAIChatModel(spec(bad.url), "agent")
+    with pytest.raises(ModelError) as info:
+        other.generate(chats(1), SamplingParams())
+    assert SECRET not in str(info.value) and SECRET not in repr(info.value)
+    assert info.value.__cause__ is None and info.value.__context__ is None
+    assert SECRET not in caplog.text
+    assert "upstream said ***" in caplog.text  # the retry warning was logged, scrubbed
+
+
+def test_missing_key_without_base_url(monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    with pytest.raises(ModelError, match=KEY_ENV):
+        OpenAIChatModel(spec(None), "agent")
+
+
+def test_local_server_needs_no_key(servers, monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    srv = servers()
+    model = OpenAIChatModel(spec(srv.url), "agent")
+    assert model.generate(chats(1), SamplingParams())[0].text == "echo:q0"
+    assert srv.auth == ["Bearer EMPTY"]
+
+
+def test_base_url_from_environment(servers, key_env, monkeypatch):
+    srv = servers()
+    monkeypatch.setenv("OPENAI_BASE_URL", srv.url)
+    model = OpenAIChatModel(spec(None), "agent")
+    assert model.base_url == srv.url
+    assert model.generate(chats(1), SamplingParams())[0].text == "echo:q0"
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: `transformers serve` with a tiny random Qwen2 from a local folder
+# ---------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_transformers_serve_end_to_end(tmp_path, monkeypatch):
+    from m1.models.tiny import ensure_tiny
+
+    exe = Path(sys.executable).parent / "transformers"
+    if not exe.is_file():
+        pytest.skip(f"the `transformers` CLI is not installed next to {sys.executable}")
+    model_dir = ensure_tiny(TinySpec(arch="qwen2"), cache_dir=tmp_path / "cache")
+    served = tmp_path / "served-qwen2"
+    shutil.copytree(model_dir, served)
+    # The server keeps do_sample from generation_config.json and only turns it off for
+    # temperature 0; a random tiny model decodes greedily to whitespace, which it strips.
+    gen_cfg = served / "generation_config.json"
+    gen_cfg.write_text(json.dumps({**json.loads(gen_cfg.read_text()), "do_sample": True}))
+
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [str(exe), "serve", str(served), "--host", "127.0.0.1", "--port", str(port),
+             "--device", "cpu", "--dtype", "float32"],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        ready = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    ready = r.status == 200
+            except OSError:
+                pass
+            if ready:
+                break
+            time.sleep(0.5)
+        assert ready, f"transformers serve did not become ready:\n{log_path.read_text()[-3000:]}"
+
+        monkeypatch.delenv(KEY_ENV, raising=False)
+        model = OpenAIChatModel(spec(f"http://127.0.0.1:{port}/v1", path=str(served),
+                                     concurrency=2, timeout=60.0, max_retries=1), "tiny")
+        reqs = [ChatRequest(messages=[{"role": "user", "content": "What colour is the square?"}]),
+                ChatRequest(messages=[{"role": "user", "content": "How many circles?"}])]
+        out = model.generate(reqs, SamplingParams(max_new_tokens=12, temperature=1.0, seed=0))
+        assert len(out) == 2
+        for c in out:
+            assert c.text.strip(), f"empty completion: {c}"
+            assert c.finish_reason in ("length", "stop")
+            assert 1 <= c.meta["usage"]["completion_tokens"] <= 12
+            assert c.logprobs is None  # transformers serve ignores the logprobs field
+        assert model.requests_sent == 2
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
