@@ -1,6 +1,7 @@
 """The `m1` command line. Heavy libraries load only inside the commands that need them."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -43,6 +44,48 @@ def infer(
         typer.secho(f"skipped: {msg}", fg=typer.colors.YELLOW, err=True)
     summary = run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit)
     typer.echo(summary.describe())
+
+
+@app.command("eval")
+def eval_(
+    benchmark: str = typer.Option(..., "--benchmark", "-b",
+                                  help="longvideobench | videomme | mlvu | charades_sta | vsibench | video_holmes | jsonl"),
+    annotations: Path = typer.Option(..., "--annotations", help="The benchmark's annotation file (or folder)."),
+    videos: Path = typer.Option(..., "--videos", help="Folder holding the benchmark's videos."),
+    team: str = typer.Option("tiny", "--team", "-t", help="Team config: a YAML path or a name in configs/team/."),
+    out: Path = typer.Option(Path("runs/eval"), "--out", help="Folder for predictions.jsonl, metrics.json, metrics.md."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
+    limit: Optional[int] = typer.Option(None, help="Answer at most this many new questions."),
+    trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Write one episode JSON + HTML per question."),
+) -> None:
+    """Run a team on a benchmark and score it with the benchmark's own metrics (resumable)."""
+    from m1.config import ConfigError, load_team
+    from m1.data.loaders import load_benchmark
+    from m1.data.metrics import format_table, score_benchmark
+    from m1.run import ResultsFile, run_questions
+
+    try:
+        cfg = load_team(team, overrides or [])
+        qs, issues = load_benchmark(benchmark, annotations, videos)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    for issue in issues:
+        typer.secho(f"skipped: {issue}", fg=typer.colors.YELLOW, err=True)
+    if not qs:
+        _fail(f"{annotations}: no usable questions ({len(issues)} skipped)")
+    out.mkdir(parents=True, exist_ok=True)
+    preds_path = out / "predictions.jsonl"
+    summary = run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit)
+    typer.echo(summary.describe())
+    rows = ResultsFile(preds_path).read()
+    preds = {r["id"]: r["answer"] for r in rows if r.get("answer") is not None}
+    answered = [q for q in qs if q.id in {r["id"] for r in rows}]
+    metrics = score_benchmark(benchmark, preds, answered)
+    metrics["n_questions"], metrics["n_skipped_records"] = len(answered), len(issues)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    table = format_table(metrics, title=f"{benchmark} — team {cfg.name}")
+    (out / "metrics.md").write_text(table + "\n")
+    typer.echo(table)
 
 
 @app.command()
