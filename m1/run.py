@@ -123,7 +123,7 @@ def result_row(ep: Episode) -> dict:
         "answer": ep.final_answer, "reason": ep.final_reason, "aggregation": ep.aggregation,
         "agents": {a.agent: {"answer": a.answer, "reason": a.reason, "parse_ok": a.parse_ok} for a in ep.answers},
         "frames_used": ep.frames_used, "seconds": round(per_q, 3),
-        "latency": {k: round(v, 4) for k, v in t.items() if k in ("llm", "vision", "tools", "open_video")},
+        "latency": {k: round(v, 4) for k, v in t.items() if k in ("llm", "vision", "tools", "decode", "open_video")},
         "error": ep.error,
     }
     if ep.question.answer is not None:

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -439,6 +440,7 @@ class VideoReader:
         self.path = Path(path).resolve()
         self.cache = cache
         self.decoded = 0
+        self.decode_seconds = 0.0  # wall time spent decoding (cache misses only)
         self.requested_backend = backend
         self._threads = threads
         self._lock = threading.Lock()
@@ -504,7 +506,9 @@ class VideoReader:
                     got[i] = cached
             missing = sorted(set(order) - got.keys())
             if missing:
+                t0 = time.perf_counter()
                 decoded = self._decode(missing)
+                self.decode_seconds += time.perf_counter() - t0
                 for i in missing:
                     frame = decoded[i]
                     if frame.shape != (h, w, 3) or frame.dtype != np.uint8:

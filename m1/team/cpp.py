@@ -161,9 +161,12 @@ class Team:
                 st.step += 1
                 st.acted = acted = True
                 ctx = self._context(ep, st)
+                d0 = ep.video.decode_seconds
                 if TOOL_NAMES.get(tool) == "select":
                     self._run_select(ep, name, st, tool, ctx)
+                    ep.timings["decode"] += ep.video.decode_seconds - d0
                     continue
+                t0 = time.perf_counter()
                 try:
                     from m1.tools import browse
 
@@ -176,6 +179,8 @@ class Team:
                     pending[model_key].append((ep, name, tool, ctx, st.focus, req, idx))
                 except (ToolError, VideoError, ValueError) as exc:
                     self._write_turn(ep, name, st, tool, output="", error=f"{tool}: {exc}")
+                ep.timings["tools"] += time.perf_counter() - t0
+                ep.timings["decode"] += ep.video.decode_seconds - d0
         for model_key, items in pending.items():
             from m1.tools import browse
 
