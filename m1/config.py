@@ -170,6 +170,10 @@ class TeamConfig(Strict):
         for t in self.tools.enabled:
             if t not in TOOL_NAMES:
                 raise ValueError(f"tools.enabled: unknown tool {t!r} (known: {list(TOOL_NAMES)})")
+        groups = {TOOL_NAMES[t] for t in self.tools.enabled}
+        if groups != {"select", "browse"}:
+            raise ValueError("tools.enabled: a plan needs at least one select tool and one browse tool, "
+                             f"got {self.tools.enabled}")
         return self
 
     def _need(self, where: str, ref: str, kind: str) -> None:

@@ -58,3 +58,8 @@ def test_model_needs_a_source():
     with pytest.raises(Exception, match="path"):
         TeamConfig.model_validate({"name": "x", "models": {"m": {"kind": "chat"}},
                                    "agents": [{"name": "a", "model": "m"}]})
+
+
+def test_enabled_tools_need_both_groups():
+    with pytest.raises(ConfigError, match="select tool and one browse tool"):
+        load_team("tiny", ["tools.enabled=[Global Sampling, Image Retrieval]"])

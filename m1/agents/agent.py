@@ -19,8 +19,8 @@ class PolicyAgent:
     def plan_messages(self, q: Question) -> list[dict]:
         return prompts.plan_messages(q, self.tools)
 
-    def read_plan(self, text: str) -> parsers.PlanParse:
-        return parsers.parse_plan(text, self.tools)
+    def read_plan(self, text: str, q: Question) -> parsers.PlanParse:
+        return parsers.parse_plan(text, self.tools, question=q)
 
     def communicate_messages(self, q: Question, own: str, peers: str, remaining: list[str],
                              next_tool: str | None) -> list[dict]:

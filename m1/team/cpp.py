@@ -138,7 +138,7 @@ class Team:
         calls = [_Call(e, a, "plan", a.plan_messages(e.question), self.cfg.limits.plan_tokens)
                  for e in eps for a in self.agents]
         for call, gen in self._generate(calls):
-            parsed = call.agent.read_plan(gen.completion)
+            parsed = call.agent.read_plan(gen.completion, call.ep.question)
             gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
             call.ep.memory.set_plan(call.agent.name, parsed.plan)
             st = call.ep.agents[call.agent.name]
@@ -280,7 +280,7 @@ class Team:
             parsed = call.agent.read_summary(gen.completion, call.ep.question)
             gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
             ep = call.ep
-            if parsed.ok and parsed.answer:
+            if (parsed.ok or parsed.lenient) and parsed.answer:
                 ep.final, ep.reason = parsed.answer, parsed.reason
             else:  # unreadable summary: fall back to the documented rule
                 ep.final = ep.final or aggregate.fallback_answer(ep.question.task, ep.answers, self.order)

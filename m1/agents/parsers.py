@@ -1,0 +1,734 @@
+"""Readers for what the policy agents write: plans, decisions, answers and summaries.
+
+Every parser tries the strict format first (the exact `##` markers the prompts ask for), then
+a lenient reading (any case and spacing, markdown noise, fuzzy tool names, free text), and
+never raises on any text: a reply that cannot be read gives a safe fallback value with
+`ok=False` and an `error` saying what was wrong. `ok` feeds the format reward, so it is True
+only when the strict format matched and nothing had to be corrected.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from m1.schema import LETTERS, Decision, Plan, Question
+from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
+
+ALL_TOOLS: tuple[str, ...] = tuple(SELECT_TOOLS) + tuple(BROWSE_TOOLS)
+DEFAULT_SELECT = "Global Sampling"
+DEFAULT_BROWSE = "Rough Browser"
+MAX_PLAN_TOOLS = 5
+# Replies are at most a few thousand tokens; longer input is cut so every regex stays fast.
+MAX_PARSE_CHARS = 32_000
+_MAX_FIELD = 2_000  # longest key info / reason / open answer we keep
+_MAX_TOOL_PIECES = 40  # a plan holds at most 5 tools; longer lists are noise
+
+__all__ = [
+    "ALL_TOOLS", "MAX_PLAN_TOOLS", "PlanParse", "DecisionParse", "AnswerParse",
+    "parse_plan", "parse_decision", "parse_answer", "parse_summary", "parse_timestamp",
+    "parse_span", "format_time", "canonical_tool", "tool_group", "normalize_option",
+    "normalize_number", "format_span",
+]
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class PlanParse:
+    plan: Plan
+    ok: bool
+    lenient: bool
+    error: str | None = None
+
+
+@dataclass
+class DecisionParse:
+    decision: Decision
+    ok: bool
+    lenient: bool
+    error: str | None = None
+
+
+@dataclass
+class AnswerParse:
+    answer: str
+    reason: str
+    span: tuple[float, float] | None
+    ok: bool
+    lenient: bool
+    error: str | None = None
+
+
+def _join(errors: list[str]) -> str | None:
+    return "; ".join(dict.fromkeys(errors)) if errors else None  # repeated notes once
+
+
+# ----------------------------------------------------------------------------- text helpers
+def _clean(text: object) -> str:
+    """Any input to a bounded str without reasoning blocks; the one entry point of every parser."""
+    if text is None:
+        return ""
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", "replace")
+    elif not isinstance(text, str):
+        text = str(text)
+    text = text[:MAX_PARSE_CHARS].replace("\x00", "")
+    # Reasoning models write <think>...</think> first; the reply is what follows the last close.
+    close = text.rfind("</think>")
+    if close >= 0:
+        text = text[close + len("</think>"):]
+    return text.replace("<think>", "").strip()
+
+
+def _squash(s: str, limit: int = _MAX_FIELD) -> str:
+    """One tidy line-ish field: markdown emphasis and surrounding quotes/brackets removed."""
+    s = s.strip().strip("*`").strip()
+    s = re.sub(r"[ \t]+", " ", s)
+    return s[:limit].strip()
+
+
+_LENIENT_HEADER = re.compile(
+    r"(?:#{1,6}[ \t]*\**[ \t]*|^[ \t]*(?:[-*>][ \t]*)?\**[ \t]*)"
+    r"(final[ \t_]*answer|reason[ \t_]*summary|key[ \t_-]*info(?:rmation)?|tool[ \t_-]*use|"
+    r"tool[ \t_-]*call|time[ \t_-]*stamp|answer|reason|summary)"
+    r"[ \t]*\**[ \t]*[:：]",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+def _label(raw: str) -> str:
+    lab = re.sub(r"[^a-z]", "", raw.lower())
+    return "keyinfo" if lab.startswith("keyinfo") else lab
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """(label, content) for every header-like marker, in order; content runs to the next marker."""
+    marks = list(_LENIENT_HEADER.finditer(text))
+    out = []
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+        content = text[m.end():end].strip().lstrip("*").strip()
+        out.append((_label(m.group(1)), content))
+    return out
+
+
+def _first(sections: list[tuple[str, str]], *labels: str) -> str | None:
+    for want in labels:
+        for lab, content in sections:
+            if lab == want:
+                return content
+    return None
+
+
+def _strict_sections(text: str, labels: Sequence[str]) -> list[str] | None:
+    """Contents if `text` is exactly `##<label>: ...` for each label, in order, each once."""
+    pos, out = 0, []
+    for i, lab in enumerate(labels):
+        marker = f"##{lab}:"
+        if not text.startswith(marker, pos):
+            return None
+        start = pos + len(marker)
+        if i + 1 < len(labels):
+            nxt = text.find(f"##{labels[i + 1]}:", start)
+            if nxt < 0:
+                return None
+        else:
+            nxt = len(text)
+        content = text[start:nxt]
+        if "##" in content:
+            return None
+        out.append(content.strip())
+        pos = nxt
+    return out
+
+
+# ----------------------------------------------------------------------------- tools
+_ALIASES = {
+    "Global Sampling": ("uniformsampling", "uniform", "global", "globalsample"),
+    "Video Retrieval": ("clipretrieval",),
+    "Time Stamp Retrieval": ("timeretrieval", "timestamp"),
+    "Image Retrieval": ("frameretrieval",),
+    "Rough Browser": ("roughbrowse", "roughbrowsing"),
+    "Fine Browser": ("finebrowse", "finebrowsing"),
+    "Space Tool": ("space", "spatial", "spatialtool"),
+    "Grounding Tool": ("grounding", "temporalgrounding"),
+}
+
+
+def _tool_key(s: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", s.lower())
+
+
+def _keys_for(tool: str) -> set[str]:
+    k = _tool_key(tool)
+    keys = {k}
+    if k.endswith("tool") and len(k) > 4:
+        keys.add(k[:-4])
+    keys.update(_ALIASES.get(tool, ()))
+    return keys
+
+
+def tool_group(name: str) -> str | None:
+    """'select' or 'browse' for one of the eight exact tool names, else None."""
+    if name in SELECT_TOOLS:
+        return "select"
+    if name in BROWSE_TOOLS:
+        return "browse"
+    return None
+
+
+def canonical_tool(name: object, enabled_tools: Sequence[str] | None = None) -> str | None:
+    """The exact enabled tool a loosely written name refers to, or None.
+
+    Ignores case, spacing, punctuation, angle brackets, a trailing "tool" and parenthesised
+    remarks; knows a few aliases (the paper's "Uniform Sampling"); then allows near-misses
+    (difflib ratio >= 0.8, one unique best) and a unique prefix ("Rough Browser for 16 frames").
+    """
+    if not isinstance(name, str):
+        return None
+    cands = list(enabled_tools) if enabled_tools is not None else list(ALL_TOOLS)
+    text = re.sub(r"\([^()]*\)", " ", name[:200])
+    k = _tool_key(text)[:64]
+    if not k:
+        return None
+    variants = {k}
+    if k.endswith("tool") and len(k) > 4:
+        variants.add(k[:-4])
+    for stop in ("the", "use"):
+        if k.startswith(stop) and len(k) > len(stop) + 3:
+            variants.add(k[len(stop):])
+    table = {t: _keys_for(t) for t in cands if isinstance(t, str)}
+    for t, keys in table.items():
+        if variants & keys:
+            return t
+    best: list[tuple[float, str]] = []
+    for t, keys in table.items():
+        score = max(difflib.SequenceMatcher(None, v, key).ratio() for v in variants for key in keys)
+        best.append((score, t))
+    best.sort(reverse=True)
+    if best and best[0][0] >= 0.8 and (len(best) == 1 or best[1][0] < best[0][0]):
+        return best[0][1]
+    prefixed = {t for t, keys in table.items() for key in keys if len(key) >= 8 and k.startswith(key)}
+    if len(prefixed) == 1:
+        return prefixed.pop()
+    return None
+
+
+def _mention_pattern() -> re.Pattern[str]:
+    words = [re.findall(r"[A-Za-z]+", t) for t in ALL_TOOLS] + [["uniform", "sampling"]]
+    alts = sorted((r"[\s_-]*".join(w) for w in words), key=len, reverse=True)
+    return re.compile(r"(?<![A-Za-z])(?:" + "|".join(alts) + r")(?![A-Za-z])", re.IGNORECASE)
+
+
+_MENTION = _mention_pattern()
+
+
+def _mentions(text: str) -> list[str]:
+    """Every full tool name written anywhere in `text` (any case/spacing), in order."""
+    out = []
+    for m in _MENTION.finditer(text):
+        t = canonical_tool(m.group(0), ALL_TOOLS)
+        if t:
+            out.append(t)
+    return out
+
+
+def _enabled(enabled_tools: Sequence[str] | None) -> list[str]:
+    """Validated enabled tools (config error, not reply error: raises with the bad name)."""
+    if enabled_tools is None:
+        return list(ALL_TOOLS)
+    tools = list(enabled_tools)
+    bad = [t for t in tools if t not in ALL_TOOLS]
+    if bad:
+        raise ValueError(f"enabled_tools: unknown tool(s) {bad} (known: {list(ALL_TOOLS)})")
+    if not any(t in SELECT_TOOLS for t in tools) or not any(t in BROWSE_TOOLS for t in tools):
+        raise ValueError(f"enabled_tools {tools}: a plan needs at least one selection tool "
+                         f"{list(SELECT_TOOLS)} and one browsing tool {list(BROWSE_TOOLS)}")
+    return tools
+
+
+# ----------------------------------------------------------------------------- plan
+_STRICT_TOOL_LIST = re.compile(r"<[^<>\n]+>(?:[ \t]*,[ \t]*<[^<>\n]+>)*")
+_ANGLE = re.compile(r"<([^<>\n]{1,80})>")
+_TOOL_SPLIT = re.compile(r"[,;\n/|+]|->|=>|→|>\s*<|\bthen\b|\band\b", re.IGNORECASE)
+
+
+def _fallback_plan(enabled: list[str], question: Question | str | None) -> Plan:
+    key = question.text if isinstance(question, Question) else (question or "")
+    sel = next(t for t in enabled if t in SELECT_TOOLS)
+    brw = next(t for t in enabled if t in BROWSE_TOOLS)
+    return Plan(key_info=_squash(key), tools=[sel, brw])
+
+
+def _enforce_plan(names: list[str], enabled: list[str], notes: list[str]) -> list[str]:
+    """Apply the plan rules: dedupe, selection before browsing, one of each, at most 5 tools."""
+    seen: list[str] = []
+    for n in names:
+        if n in seen:
+            notes.append(f"duplicate tool {n!r} dropped")
+        else:
+            seen.append(n)
+    sel = [n for n in seen if n in SELECT_TOOLS]
+    brw = [n for n in seen if n in BROWSE_TOOLS]
+    if seen and seen != sel + brw:
+        notes.append("reordered: selection tools must come before browsing tools")
+    if not sel:
+        d = DEFAULT_SELECT if DEFAULT_SELECT in enabled else next(t for t in enabled if t in SELECT_TOOLS)
+        sel = [d]
+        notes.append(f"no selection tool: added {d!r}")
+    if not brw:
+        d = DEFAULT_BROWSE if DEFAULT_BROWSE in enabled else next(t for t in enabled if t in BROWSE_TOOLS)
+        brw = [d]
+        notes.append(f"no browsing tool: added {d!r}")
+    n_sel = min(len(sel), MAX_PLAN_TOOLS - 1)
+    n_brw = min(len(brw), MAX_PLAN_TOOLS - n_sel)
+    if len(sel) + len(brw) > MAX_PLAN_TOOLS:
+        notes.append(f"plan of {len(sel) + len(brw)} tools cut to {MAX_PLAN_TOOLS}")
+    return sel[:n_sel] + brw[:n_brw]
+
+
+def _resolve_tools(pieces: list[str], enabled: list[str], notes: list[str]) -> list[str]:
+    names = []
+    for p in pieces:
+        p = p.strip().strip("<>*`'\"[]").strip()
+        p = re.sub(r"^\d+[.)]\s*", "", p)
+        if not p:
+            continue
+        t = canonical_tool(p, enabled)
+        if t:
+            names.append(t)
+            continue
+        known = canonical_tool(p, ALL_TOOLS)
+        if known:
+            notes.append(f"tool {known!r} is not enabled: dropped")
+            continue
+        found = _mentions(p)
+        if found:
+            for f in found:
+                if f in enabled:
+                    names.append(f)
+                else:
+                    notes.append(f"tool {f!r} is not enabled: dropped")
+        else:
+            notes.append(f"unknown tool {p[:40]!r} dropped")
+    return names
+
+
+def parse_plan(text: str, enabled_tools: Sequence[str] | None = None,
+               question: Question | str | None = None) -> PlanParse:
+    """Read `##key info: ...` / `##tool use: <A>, <B>` into a Plan that always obeys the rules.
+
+    `question` (optional) supplies the fallback key info when none can be read."""
+    enabled = _enabled(enabled_tools)
+    try:
+        return _parse_plan(_clean(text), enabled, question)
+    except Exception as exc:  # recorded, not swallowed: the error names the bug
+        return PlanParse(_fallback_plan(enabled, question), ok=False, lenient=False,
+                         error=f"internal parser error: {type(exc).__name__}: {exc}")
+
+
+def _parse_plan(raw: str, enabled: list[str], question: Question | str | None) -> PlanParse:
+    notes: list[str] = []
+    strict = _strict_sections(raw, ("key info", "tool use"))
+    if strict and strict[0] and _STRICT_TOOL_LIST.fullmatch(strict[1]):
+        names = _ANGLE.findall(strict[1])
+        if all(n in enabled for n in names):
+            tools = _enforce_plan(names, enabled, notes)
+            return PlanParse(Plan(key_info=_squash(strict[0]), tools=tools), ok=not notes,
+                             lenient=False, error=_join(notes))
+    secs = _sections(raw)
+    ki = _first(secs, "keyinfo")
+    tu = _first(secs, "tooluse")
+    if tu is not None:
+        pieces = [p for p in _TOOL_SPLIT.split(tu) if p and p.strip()]
+        if len(pieces) > _MAX_TOOL_PIECES:
+            notes.append(f"tool list of {len(pieces)} entries: only the first {_MAX_TOOL_PIECES} read")
+        names = _resolve_tools(pieces[:_MAX_TOOL_PIECES], enabled, notes)
+    else:
+        found = _mentions(raw)
+        names = [t for t in found if t in enabled]
+        notes.extend(f"tool {t!r} is not enabled: dropped" for t in dict.fromkeys(found) if t not in enabled)
+    key_info = _squash(ki).strip("<>").strip() if ki else ""
+    if not key_info and not names:
+        fb = _fallback_plan(enabled, question)
+        return PlanParse(fb, ok=False, lenient=False,
+                         error=_join(["no ##key info or ##tool use could be read; fallback plan"] + notes))
+    errors = ["format not strict (markers, spelling or tool names)"]
+    if not key_info:
+        key_info = _fallback_plan(enabled, question).key_info
+        errors.append("missing ##key info: used the question")
+    if tu is None:
+        errors.append("missing ##tool use: tools taken from mentions in the text")
+    tools = _enforce_plan(names, enabled, notes)
+    return PlanParse(Plan(key_info=key_info, tools=tools), ok=False, lenient=True, error=_join(errors + notes))
+
+
+# ----------------------------------------------------------------------------- decision
+_STRICT_ADD = re.compile(r"add tool[ \t]*<([^<>\n]+)>")
+_ADD = re.compile(r"add[\s_-]*tool", re.IGNORECASE)
+_CONTINUE = re.compile(r"(?<![A-Za-z])continue(?![A-Za-z])", re.IGNORECASE)
+
+
+def parse_decision(text: str, enabled_tools: Sequence[str] | None = None) -> DecisionParse:
+    """Read `##tool call: continue()` or `##tool call: add tool <X>` + `##key info: ...`.
+
+    Fallback is `continue`: an unreadable reply leaves the plan as it was."""
+    enabled = _enabled(enabled_tools)
+    try:
+        return _parse_decision(_clean(text), enabled)
+    except Exception as exc:  # recorded, not swallowed
+        return DecisionParse(Decision(action="continue"), ok=False, lenient=False,
+                             error=f"internal parser error: {type(exc).__name__}: {exc}")
+
+
+def _parse_decision(raw: str, enabled: list[str]) -> DecisionParse:
+    strict = _strict_sections(raw, ("tool call",))
+    if strict and strict[0] == "continue()":
+        return DecisionParse(Decision(action="continue"), ok=True, lenient=False)
+    strict = _strict_sections(raw, ("tool call", "key info"))
+    if strict:
+        m = _STRICT_ADD.fullmatch(strict[0])
+        if m and m.group(1) in enabled and strict[1]:
+            return DecisionParse(Decision(action="add_tool", tool=m.group(1), key_info=_squash(strict[1])),
+                                 ok=True, lenient=False)
+    secs = _sections(raw)
+    tc = _first(secs, "toolcall")
+    region = tc if tc is not None else raw
+    ki = _first(secs, "keyinfo")
+    key_info = (_squash(ki).strip("<>").strip() or None) if ki else None
+    m_add, m_cont = _ADD.search(region), _CONTINUE.search(region)
+    errors = ["format not strict"]
+    if tc is None:
+        errors.append("missing ##tool call")
+    if m_add and (not m_cont or m_add.start() < m_cont.start()):
+        rest = re.split(r"\n|##", region[m_add.end():m_add.end() + 200], maxsplit=1)[0]
+        rest_clean = re.sub(r"tool[\s_]*name\s*=", " ", rest, flags=re.IGNORECASE)
+        rest_clean = rest_clean.strip().strip("()[]<>'\"*`:= ").strip()
+        tool = canonical_tool(rest_clean, enabled)
+        if tool is None:
+            tool = next((t for t in _mentions(rest) if t in enabled), None)
+        if tool is None:
+            known = canonical_tool(rest_clean, ALL_TOOLS) or next(iter(_mentions(rest)), None)
+            why = f"tool {known!r} is not enabled" if known else f"unknown tool {rest_clean[:40]!r}"
+            return DecisionParse(Decision(action="continue"), ok=False, lenient=False,
+                                 error=_join(errors + [f"add tool: {why}; kept the plan (continue)"]))
+        if key_info is None:
+            errors.append("add tool without ##key info")
+        return DecisionParse(Decision(action="add_tool", tool=tool, key_info=key_info), ok=False,
+                             lenient=True, error=_join(errors))
+    if m_cont:
+        return DecisionParse(Decision(action="continue"), ok=False, lenient=True, error=_join(errors))
+    return DecisionParse(Decision(action="continue"), ok=False, lenient=False,
+                         error="no continue() or add tool found; fallback continue")
+
+
+# ----------------------------------------------------------------------------- numbers, times
+_NUM = r"\d{1,9}(?:\.\d{1,6})?"
+_CLOCK = r"\d{1,2}:\d{1,2}:\d{1,2}(?:\.\d{1,6})?|\d{1,4}:\d{1,2}(?:\.\d{1,6})?"
+_TIME = rf"(?<![\d.:])(?:{_CLOCK}|{_NUM})(?![\d:])"
+_SEC_UNIT = r"(?:seconds?|secs?|s)(?![A-Za-z])"
+_SPAN = re.compile(
+    rf"({_TIME})\s*(?:{_SEC_UNIT})?\s*(?:-|–|—|~|,|\bto\b|\buntil\b|\btill\b|\band\b)\s*({_TIME})",
+    re.IGNORECASE)
+_BRACKET = re.compile(r"\[([^\[\]]{0,80})\]")
+_STRICT_SPAN = re.compile(rf"\[\s*({_NUM})\s*s?\s*-\s*({_NUM})\s*s?\s*\]")
+
+
+def _time_value(tok: str) -> float | None:
+    """Seconds for '75', '75.5', '01:15', '1:02:03'; None for impossible clock values."""
+    parts = tok.split(":")
+    try:
+        nums = [float(p) for p in parts]
+    except ValueError:
+        return None
+    if len(nums) > 1 and any(n >= 60 for n in nums[1:]):
+        return None
+    total = 0.0
+    for n in nums:
+        total = total * 60 + n
+    return total if math.isfinite(total) else None
+
+
+def parse_span(text: str) -> tuple[float, float] | None:
+    """(start, end) seconds from '[s - e]', '[s, e]', 's-e', 'from s to e', mm:ss forms.
+
+    Bracketed spans win over spans in running text; a reversed span is swapped."""
+    raw = _clean(text)
+    for inner in _BRACKET.findall(raw):
+        span = _span_in(inner)
+        if span:
+            return span
+    return _span_in(raw)
+
+
+def _span_in(s: str) -> tuple[float, float] | None:
+    for m in _SPAN.finditer(s):
+        a, b = _time_value(m.group(1)), _time_value(m.group(2))
+        if a is not None and b is not None:
+            return (a, b) if a <= b else (b, a)
+    return None
+
+
+_UNIT_RUN = re.compile(
+    r"(?<![\d.])(?:\d{1,9}(?:\.\d{1,6})?\s*(?:hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s)"
+    r"(?![A-Za-z])[\s,]*(?:and\s+)?)+", re.IGNORECASE)
+_UNIT_PAIR = re.compile(r"(\d{1,9}(?:\.\d{1,6})?)\s*([A-Za-z]+)")
+_AT = re.compile(rf"\b(?:at|around|about|near|after)\s+(?:the\s+)?(?:time\s+)?({_NUM})(?![\d:])",
+                 re.IGNORECASE)
+_CLOCK_RE = re.compile(rf"(?<![\d.:])(?:{_CLOCK})(?![\d:])")
+
+
+def parse_timestamp(text: str) -> float | None:
+    """Seconds for a time stated in text: '01:30', '1:02:03', '90s', '90 seconds',
+    '1 minute 30 seconds', 'at 75'; a bare number only when it is the whole text."""
+    raw = _clean(text)
+    for m in _CLOCK_RE.finditer(raw):
+        v = _time_value(m.group(0))
+        if v is not None:
+            return v
+    m = _UNIT_RUN.search(raw)
+    if m:
+        total = 0.0
+        for num, unit in _UNIT_PAIR.findall(m.group(0)):
+            u = unit.lower()
+            total += float(num) * (3600 if u.startswith("h") else 60 if u.startswith("m") else 1)
+        if math.isfinite(total):
+            return total
+    m = _AT.search(raw)
+    if m:
+        return float(m.group(1))
+    if re.fullmatch(_NUM, raw):
+        return float(raw)
+    return None
+
+
+def format_time(seconds: float) -> str:
+    """'mm:ss' (or 'h:mm:ss' past an hour), rounded to the nearest second."""
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"format_time: seconds must be a finite number >= 0, got {seconds!r}")
+    total = int(round(seconds))
+    h, rem = divmod(total, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def _fmt_number(x: float) -> str:
+    if x == int(x) and abs(x) < 1e15:
+        return str(int(x))
+    return format(x, ".10g")
+
+
+def format_span(span: tuple[float, float]) -> str:
+    """The canonical answer string of a grounding span: '[s - e]' in seconds."""
+    return f"[{_fmt_number(span[0])} - {_fmt_number(span[1])}]"
+
+
+_WORD_NUMBERS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty".split())}
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d{1,15})(?:\.\d{1,9})?(?!\d)")
+_WORD_NUMBER = re.compile(r"\b(" + "|".join(_WORD_NUMBERS) + r")\b", re.IGNORECASE)
+_STRICT_NUMBER = re.compile(r"[-+]?\d{1,15}(?:\.\d{1,9})?")
+
+
+def normalize_number(s: str) -> str | None:
+    """The first number in `s` as a canonical string ('3', '2.5'); number words up to twenty."""
+    m = _NUMBER.search(s)
+    if m:
+        x = float(m.group(0).replace(",", ""))
+        return _fmt_number(x) if math.isfinite(x) else None
+    m = _WORD_NUMBER.search(s)
+    return str(_WORD_NUMBERS[m.group(1).lower()]) if m else None
+
+
+# ----------------------------------------------------------------------------- options
+def _norm_text(s: str) -> str:
+    s = re.sub(r"^\s*[A-Z]\s*[.:)]\s+", "", s)
+    return " ".join(re.findall(r"[a-z0-9]+", s.lower()))
+
+
+def normalize_option(raw: str, options: Sequence[str]) -> tuple[str | None, bool, str | None]:
+    """(letter, exact, error) for an MCQ reply: 'B' is exact; '(B)', 'B.', 'Option B', 'b'
+    and the option's own text are read leniently; a letter past the options is invalid.
+    With no options every letter A-Z counts as valid."""
+    valid = LETTERS[:len(options)] if options else LETTERS
+    s = raw.strip().strip("*`'\" ").strip()
+    s = s.splitlines()[0].strip() if s else ""
+    if re.fullmatch(r"[A-Z]", s):
+        return (s, True, None) if s in valid else (None, False, f"option {s} is not one of {valid[0]}-{valid[-1]}")
+    letter = None
+    kw = r"(?:(?i:the)\s+)?(?:(?i:correct|final|best)\s+)?(?i:answer|option|choice)\s*(?:(?i:is)\s*)?[:\-]?\s*"
+    for pat in (r"[\(\[]\s*([A-Za-z])\s*[\)\]](?:\W.*)?",  # (B) or (B) text
+                r"([A-Za-z])\s*[.:)\]](?:\s.*)?",  # B. / B: / B) text
+                r"([A-Za-z])",  # b
+                kw + r"[\(\[]?\s*([A-Z])\s*[\)\]]?(?:[\s.,;:].*)?",  # Option B / answer is B
+                kw + r"[\(\[]?([a-z])(?:[.):\]].*)?"):  # option b. / answer (b)
+        m = re.fullmatch(pat, s, re.DOTALL)
+        if m:
+            letter = m.group(1).upper()
+            break
+    if letter is not None:
+        if letter in valid:
+            return letter, False, None
+        err = f"option {letter} is not one of {valid[0]}-{valid[-1]}"
+    else:
+        err = None
+    if options:
+        ns = _norm_text(s)
+        normed = [_norm_text(o) for o in options]
+        for i, no in enumerate(normed):
+            if no and ns == no:
+                return LETTERS[i], False, None
+        hits = [(len(no), i) for i, no in enumerate(normed) if len(no) >= 2 and f" {no} " in f" {ns} "]
+        if hits:
+            hits.sort(reverse=True)
+            top = normed[hits[0][1]]
+            # one option named, or several where the shorter ones are only parts of the longest
+            if all(normed[i] != top and f" {normed[i]} " in f" {top} " for _, i in hits[1:]):
+                return LETTERS[hits[0][1]], False, None
+            err = err or "reply names more than one option"
+    m = re.match(r"([A-Z])\s+\S", s)  # "B red ball": an uppercase letter opening the reply
+    if letter is None and m and m.group(1) in valid:
+        return m.group(1), False, None
+    return None, False, err or f"no option letter in {s[:40]!r}"
+
+
+_ANSWER_PHRASE = re.compile(
+    r"(?:answer|option|choice)\s*(?:is|would be|should be|:|=)\s*[:\-]?\s*(.{1,80})", re.IGNORECASE)
+_PAREN_LETTER = re.compile(r"\(([A-Z])\)")
+
+
+def _letter_in_free_text(text: str, options: Sequence[str]) -> tuple[str | None, str | None]:
+    """Best-effort option letter from prose with no ##Answer marker."""
+    valid = LETTERS[:len(options)] if options else LETTERS
+    for m in _ANSWER_PHRASE.finditer(text):
+        letter, _, _ = normalize_option(m.group(1).split(",")[0], options)
+        if letter:
+            return letter, None
+    letters = {x for x in _PAREN_LETTER.findall(text) if x in valid}
+    if len(letters) == 1:
+        return letters.pop(), None
+    letter, _, err = normalize_option(text, options)
+    return letter, err
+
+
+# ----------------------------------------------------------------------------- answers
+def parse_answer(text: str, question: Question) -> AnswerParse:
+    """Read `##Answer: ... ##Reason: ...` (grounding: `##Timestamp: [s - e]` + `##Reason:`)."""
+    return _guarded(text, question, summary=False)
+
+
+def parse_summary(text: str, question: Question) -> AnswerParse:
+    """Read `##Final Answer: ... ##Reason Summary: ...` with the same answer normalisation."""
+    return _guarded(text, question, summary=True)
+
+
+def _guarded(text: str, question: Question, summary: bool) -> AnswerParse:
+    try:
+        return _parse_answer(_clean(text), question, summary)
+    except Exception as exc:  # recorded, not swallowed
+        return AnswerParse("", "", None, ok=False, lenient=False,
+                           error=f"internal parser error: {type(exc).__name__}: {exc}")
+
+
+def _strict_value(value: str, question: Question) -> tuple[str, tuple[float, float] | None] | None:
+    """The answer if `value` is exactly in the canonical form for the task, else None."""
+    task = question.task
+    if task == "mcq":
+        valid = LETTERS[:len(question.options)] if question.options else LETTERS
+        return (value, None) if re.fullmatch(r"[A-Z]", value) and value in valid else None
+    if task == "numeric":
+        if _STRICT_NUMBER.fullmatch(value):
+            x = float(value)
+            return (_fmt_number(x), None) if math.isfinite(x) else None
+        return None
+    if task == "grounding":
+        m = _STRICT_SPAN.fullmatch(value)
+        if not m:
+            return None
+        s, e = float(m.group(1)), float(m.group(2))
+        return (format_span((s, e)), (s, e)) if s <= e else None
+    return (_squash(value), None) if value.strip() else None
+
+
+def _lenient_value(value: str, question: Question) -> tuple[str | None, tuple[float, float] | None, str | None]:
+    task = question.task
+    if task == "mcq":
+        letter, _, err = normalize_option(value, question.options)
+        return letter, None, err
+    if task == "numeric":
+        num = normalize_number(value)
+        return num, None, None if num else f"no number in {value[:40]!r}"
+    if task == "grounding":
+        span = parse_span(value)
+        return (format_span(span), span, None) if span else (None, None, f"no [s - e] span in {value[:40]!r}")
+    v = _squash(value)
+    return (v or None), None, None if v else "empty answer"
+
+
+def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
+    task = question.task
+    ans_lab, rsn_lab = ("Final Answer", "Reason Summary") if summary else ("Answer", "Reason")
+    layouts = [(ans_lab, rsn_lab)]
+    if task == "grounding" and not summary:
+        # the span may sit in ##Timestamp (what the prompt asks) or, equally exact, in ##Answer
+        layouts = [("Timestamp", "Reason"), ("Answer", "Timestamp", "Reason"), ("Answer", "Reason")]
+    for labels in layouts:
+        got = _strict_sections(raw, labels)
+        if got is None:
+            continue
+        fields = dict(zip(labels, got))
+        value = fields["Timestamp"] if "Timestamp" in fields else fields[ans_lab]
+        reason = fields[rsn_lab]
+        sv = _strict_value(value, question)
+        if sv is not None and reason:
+            return AnswerParse(sv[0], _squash(reason), sv[1], ok=True, lenient=False)
+        strict_note = (f"{labels[-2]} value {value[:40]!r} is not in the exact form for a {task} answer"
+                       if sv is None else f"empty ##{rsn_lab}")
+        break
+    else:
+        strict_note = None
+    # lenient
+    secs = _sections(raw)
+    ans_labels = ("finalanswer", "answer") if summary else ("answer", "finalanswer")
+    rsn_labels = ("reasonsummary", "reason", "summary") if summary else ("reason", "reasonsummary", "summary")
+    ans = _first(secs, *ans_labels)
+    reason = _first(secs, *rsn_labels)
+    if reason is None:
+        reason = raw if not secs else " ".join(c for lab, c in secs if lab not in ans_labels + ("timestamp",))
+    reason = _squash(reason)
+    errors = [strict_note or "format not strict"]
+    if not secs:
+        errors.append(f"no ##{ans_lab} marker")
+    value = span = err = None
+    if task == "grounding":
+        ts = _first(secs, "timestamp")
+        for cand in (ts, ans, raw):
+            if cand:
+                value, span, err = _lenient_value(cand, question)
+                if value:
+                    break
+    elif ans is not None:
+        value, span, err = _lenient_value(ans, question)
+        if value is None and task == "mcq":
+            value, free_err = _letter_in_free_text(ans, question.options)
+            err = err or free_err if value is None else None
+    else:
+        if task == "mcq":
+            value, err = _letter_in_free_text(raw, question.options)
+        elif task == "numeric":
+            m = _ANSWER_PHRASE.search(raw)
+            value = normalize_number(m.group(1)) if m else None
+            if value is None and len(raw) <= 40:
+                value = normalize_number(raw)
+            err = None if value else "no number found"
+        else:
+            first_line = next((ln for ln in raw.splitlines() if ln.strip()), "")
+            value = _squash(first_line) or None
+            err = None if value else "empty reply"
+    if value is None:
+        return AnswerParse("", reason, None, ok=False, lenient=False,
+                           error=_join(errors + [err or "no answer found"]))
+    return AnswerParse(value, reason, span, ok=False, lenient=True, error=_join(errors))
