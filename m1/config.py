@@ -55,6 +55,8 @@ class ModelSpec(Strict):
     max_retries: int = 5
     gpu_memory_utilization: float = 0.85  # vllm
     tensor_parallel_size: int = 1  # vllm
+    error_rate: float = Field(0.0, ge=0.0, le=1.0)  # synth teacher: share of deliberately poor plans
+    seed: int = 0  # synth teacher: seeds its error draws
 
     @model_validator(mode="after")
     def _source(self) -> ModelSpec:

@@ -22,6 +22,7 @@ BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
     ("openai", "vision"): ("m1.models.openai", "OpenAIVisionModel"),
     ("vllm", "chat"): ("m1.models.vllm", "VLLMChatModel"),
     ("synth", "vision"): ("m1.models.synth", "SynthVisionModel"),
+    ("synth", "chat"): ("m1.synth.teacher", "TeacherChatModel"),
 }
 
 
