@@ -1,0 +1,269 @@
+"""Per-agent rewards for multi-agent GRPO: R = w_res * R_res + w_format * R_format + w_col * R_col.
+
+- R_res (result): each agent's own answer against the ground truth.
+  MCQ: +1 for the right letter, -1 otherwise (also when no letter can be read).
+  Grounding (ours; the paper only states +/- for right/wrong): the temporal IoU of the predicted
+  span with the true span, mapped to [-1, 1] as 2*IoU - 1 ("linear", default: a dense signal,
+  a perfect span +1, a disjoint or unreadable one -1) or thresholded (+1 iff IoU >= threshold).
+  Numeric: VSI-Bench's mean relative accuracy (MRA, in [0, 1]) mapped the same way.
+  Open-ended: the judge's correctness verdict (+1/-1), or a normalised exact match without one.
+- R_format: the share of the agent's generations (plan, communicate, answer, summary) whose
+  reply parsed in the strict format, in [0, 1].
+- R_col: the judge's binary verdict on the agent's memory record, in {0, 1} as in the paper,
+  plus `over_limit_penalty` (default -2) for every tool call past `tool_call_limit` (default 5).
+  One call over the limit thus turns the best verdict (1) into -1, below a failed verdict (0):
+  the penalty is "strong" because it dominates the judge's whole range.
+
+The team's answer (`episode.final_answer`) is scored with the same rule and logged as `team_res`;
+it is not part of `total` (each agent is rewarded for its own answer).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from m1.agents.parsers import parse_span
+from m1.config import Strict
+from m1.data.metrics import extract_choice, iou, mra, parse_number
+from m1.marl.judge import CorrectItem, Judge, JudgeItem, normalize_answer
+from m1.schema import LETTERS, Episode, Question
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "RewardConfig", "RewardBreakdown", "result_reward", "format_reward", "collaboration_reward",
+    "tool_penalty", "agent_answer", "agent_rewards", "batch_agent_rewards", "log_breakdowns",
+    "summarize",
+]
+
+
+class RewardConfig(Strict):
+    """Reward weights and mappings (the `rewards:` block of a MARL config)."""
+
+    w_res: float = 1.0
+    w_format: float = 1.0
+    w_col: float = 1.0
+    tool_call_limit: int = Field(5, ge=1)
+    # added once per tool call past the limit; must be <= 0
+    over_limit_penalty: float = Field(-2.0, le=0.0)
+    grounding: Literal["linear", "threshold"] = "linear"
+    grounding_threshold: float = Field(0.5, gt=0.0, le=1.0)  # IoU needed for +1 in threshold mode
+    numeric: Literal["linear", "threshold"] = "linear"
+    numeric_threshold: float = Field(0.5, gt=0.0, le=1.0)  # MRA needed for +1 in threshold mode
+
+
+class RewardBreakdown(BaseModel):
+    """One agent's reward on one episode, with everything needed to read it in a log."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str
+    res: float
+    format: float
+    col: float
+    total: float
+    team_res: float
+    verdict: int
+    verdict_ok: bool
+    judge: str
+    judge_reason: str = ""
+    tool_calls: int
+    penalty: float
+
+
+# ----------------------------------------------------------------------------- R_res
+def _mapped(score: float, mode: str, threshold: float) -> float:
+    """A [0, 1] score to [-1, 1]: linear 2s-1, or +1/-1 around the threshold."""
+    if mode == "linear":
+        return 2.0 * score - 1.0
+    return 1.0 if score >= threshold else -1.0
+
+
+def _truth_letter(question: Question) -> str:
+    gt = (question.answer or "").strip()
+    valid = LETTERS[:len(question.options)] if question.options else ""
+    if len(gt) == 1 and gt.upper() in valid:
+        return gt.upper()
+    letter = extract_choice(gt, question.options)
+    if not letter:
+        raise ValueError(f"question {question.id!r}: MCQ ground truth {question.answer!r} is not one of "
+                         f"the option letters {valid or '(no options)'}")
+    return letter
+
+
+def _rule_score(question: Question, answer: str | None, cfg: RewardConfig) -> float | None:
+    """R_res for every task a rule can decide; None for an open question that needs matching."""
+    if question.answer is None:
+        raise ValueError(f"question {question.id!r}: no ground truth answer; the result reward needs one")
+    task = question.task
+    if task == "mcq":
+        truth = _truth_letter(question)
+        return 1.0 if answer is not None and extract_choice(answer, question.options) == truth else -1.0
+    if task == "grounding":
+        gt = parse_span(question.answer)
+        if gt is None:
+            raise ValueError(f"question {question.id!r}: grounding ground truth {question.answer!r} "
+                             "is not a '[s - e]' span")
+        pred = parse_span(answer) if answer else None
+        return -1.0 if pred is None else _mapped(iou(pred, gt), cfg.grounding, cfg.grounding_threshold)
+    if task == "numeric":
+        gt_n = parse_number(question.answer)
+        if gt_n is None or not math.isfinite(gt_n):
+            raise ValueError(f"question {question.id!r}: numeric ground truth {question.answer!r} is not a number")
+        pred_n = parse_number(answer) if answer else None
+        if pred_n is None:
+            return -1.0
+        # MRA is a relative error and undefined at 0: a true count of 0 needs an exact 0.
+        score = mra(pred_n, gt_n) if gt_n != 0 else float(pred_n == 0)
+        return _mapped(score, cfg.numeric, cfg.numeric_threshold)
+    if task == "open":
+        if not answer or not answer.strip():
+            return -1.0
+        return None
+    raise ValueError(f"question {question.id!r}: unknown task {task!r}")
+
+
+def _open_by_match(question: Question, answer: str) -> float:
+    got = normalize_answer(answer)
+    return 1.0 if got and got == normalize_answer(question.answer) else -1.0
+
+
+def _result_rewards(pairs: Sequence[tuple[Question, str | None]], cfg: RewardConfig,
+                    judge: Judge | None) -> list[float]:
+    """R_res for many (question, answer) pairs; open answers go to the judge in one call."""
+    out: list[float | None] = [_rule_score(q, a, cfg) for q, a in pairs]
+    open_idx = [i for i, v in enumerate(out) if v is None]
+    if open_idx:
+        if judge is None:
+            for i in open_idx:
+                q, a = pairs[i]
+                out[i] = _open_by_match(q, a or "")
+        else:
+            verdicts = judge.correct([CorrectItem(pairs[i][0], pairs[i][1] or "") for i in open_idx])
+            if len(verdicts) != len(open_idx):
+                raise RuntimeError(f"judge {judge.name}: {len(verdicts)} correctness verdicts for "
+                                   f"{len(open_idx)} answers")
+            for i, v in zip(open_idx, verdicts):
+                out[i] = 1.0 if v.value == 1 else -1.0
+    return [float(v) for v in out]  # type: ignore[arg-type]
+
+
+def result_reward(question: Question, answer: str | None, judge: Judge | None = None,
+                  cfg: RewardConfig | None = None) -> float:
+    """R_res of one answer in [-1, 1] (see the module docstring for each task's rule)."""
+    return _result_rewards([(question, answer)], cfg or RewardConfig(), judge)[0]
+
+
+# ----------------------------------------------------------------------------- R_format
+def format_reward(episode: Episode, agent: str) -> float:
+    """Share of the agent's generations that parsed in the strict format; 0.0 if it wrote none."""
+    gens = [g for g in episode.generations if g.agent == agent]
+    if not gens:
+        return 0.0
+    return sum(g.parse_ok for g in gens) / len(gens)
+
+
+# ----------------------------------------------------------------------------- R_col
+def tool_penalty(n_calls: int, cfg: RewardConfig) -> float:
+    """`over_limit_penalty` per tool call past the limit (0 within it)."""
+    return cfg.over_limit_penalty * max(0, n_calls - cfg.tool_call_limit)
+
+
+def _tool_calls(episode: Episode, agent: str) -> int:
+    rec = episode.memory.get(agent)
+    return len(rec.turns) if rec is not None else 0
+
+
+def collaboration_reward(episode: Episode, agent: str, judge: Judge, cfg: RewardConfig | None = None) -> float:
+    """The judge's verdict (0 or 1) on the agent's memory record plus the over-limit penalty."""
+    cfg = cfg or RewardConfig()
+    verdict = judge.judge([JudgeItem.from_episode(episode, agent)])[0]
+    return verdict.value + tool_penalty(_tool_calls(episode, agent), cfg)
+
+
+# ----------------------------------------------------------------------------- all together
+def agent_answer(episode: Episode, agent: str) -> str | None:
+    """The agent's own final answer: its entry in `episode.answers`, else its memory record."""
+    for a in reversed(episode.answers):
+        if a.agent == agent:
+            return a.answer
+    rec = episode.memory.get(agent)
+    return rec.answer if rec is not None else None
+
+
+def _agents(episode: Episode) -> list[str]:
+    return [a for a in episode.topology.agents if a in episode.memory]
+
+
+def batch_agent_rewards(episodes: Sequence[Episode], cfg: RewardConfig,
+                        judge: Judge | None) -> list[dict[str, RewardBreakdown]]:
+    """Rewards of every agent of every episode, with one judge call for all collaboration
+    verdicts and one for all open-ended correctness checks (agents' and teams' answers)."""
+    if judge is None and cfg.w_col != 0:
+        raise ValueError(f"rewards: w_col={cfg.w_col} needs a judge (pass LLMJudge or the offline RubricJudge)")
+    names = [_agents(ep) for ep in episodes]
+    pairs: list[tuple[Question, str | None]] = []
+    for ep, agents in zip(episodes, names):
+        pairs += [(ep.question, agent_answer(ep, a)) for a in agents]
+        pairs.append((ep.question, ep.final_answer))
+    res = iter(_result_rewards(pairs, cfg, judge))
+    items = [JudgeItem.from_episode(ep, a) for ep, agents in zip(episodes, names) for a in agents]
+    got = judge.judge(items) if judge is not None and items else []
+    if judge is not None and len(got) != len(items):
+        raise RuntimeError(f"judge {judge.name}: {len(got)} verdicts for {len(items)} trajectories")
+    verdicts = iter(got)
+    out: list[dict[str, RewardBreakdown]] = []
+    for ep, agents in zip(episodes, names):
+        agent_res = [next(res) for _ in agents]
+        team_res = next(res)
+        per: dict[str, RewardBreakdown] = {}
+        for a, r in zip(agents, agent_res):
+            n_calls = _tool_calls(ep, a)
+            pen = tool_penalty(n_calls, cfg)
+            v = next(verdicts, None)
+            value, ok = (v.value, v.ok) if v is not None else (0, True)
+            col = value + pen
+            fmt = format_reward(ep, a)
+            per[a] = RewardBreakdown(
+                agent=a, res=r, format=fmt, col=col, total=cfg.w_res * r + cfg.w_format * fmt + cfg.w_col * col,
+                team_res=team_res, verdict=value, verdict_ok=ok, judge=v.judge if v else "none (w_col=0)",
+                judge_reason=v.reason if v else "", tool_calls=n_calls, penalty=pen)
+        out.append(per)
+    return out
+
+
+def agent_rewards(episode: Episode, cfg: RewardConfig, judge: Judge | None) -> dict[str, RewardBreakdown]:
+    """{agent: RewardBreakdown} for one episode (see `batch_agent_rewards` for many)."""
+    return batch_agent_rewards([episode], cfg, judge)[0]
+
+
+def log_breakdowns(episode_id: str, breakdowns: dict[str, RewardBreakdown],
+                   logger: logging.Logger = log) -> None:
+    """One INFO line per agent; the judge's name is always part of it."""
+    for b in breakdowns.values():
+        logger.info("episode %s agent %s: total %.3f = res %.3f + format %.3f + col %.3f "
+                    "(verdict %d by %s%s, %d tool calls, penalty %.1f; team res %.3f)",
+                    episode_id, b.agent, b.total, b.res, b.format, b.col, b.verdict, b.judge,
+                    "" if b.verdict_ok else ", unreadable", b.tool_calls, b.penalty, b.team_res)
+
+
+def summarize(batch: Sequence[dict[str, RewardBreakdown]]) -> dict[str, float]:
+    """Batch means for the training log: overall, per agent, and the judge's readability rate."""
+    rows = [b for per in batch for b in per.values()]
+    if not rows:
+        return {}
+    n = len(rows)
+    out = {f"reward/{k}": sum(getattr(b, k) for b in rows) / n for k in ("total", "res", "format", "col")}
+    out["reward/verdict"] = sum(b.verdict for b in rows) / n
+    out["reward/verdict_unreadable"] = sum(not b.verdict_ok for b in rows) / n
+    out["reward/over_limit"] = sum(b.penalty < 0 for b in rows) / n
+    teams = [next(iter(per.values())).team_res for per in batch if per]  # one team answer per episode
+    out["reward/team_res"] = sum(teams) / len(teams)
+    for agent in sorted({b.agent for b in rows}):
+        mine = [b.total for b in rows if b.agent == agent]
+        out[f"reward/total/{agent}"] = sum(mine) / len(mine)
+    return out
