@@ -12,6 +12,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="M1: multi-agent collaborative policy planning for video understanding.")
 
 
+DEMO_TEAM = "synth_teacher"  # the offline team with meaning: M1-Synth vision + rule-based teacher
+
+
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
@@ -86,6 +89,27 @@ def eval_(
     table = format_table(metrics, title=f"{benchmark} — team {cfg.name}")
     (out / "metrics.md").write_text(table + "\n")
     typer.echo(table)
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), "--out", help="Folder for data, results and traces."),
+    team: str = typer.Option(DEMO_TEAM, "--team", "-t", help="Team config (default: the offline synth team)."),
+    videos: int = typer.Option(3, help="How many M1-Synth videos to generate."),
+    seed: int = typer.Option(0, help="World seed."),
+    duration: float = typer.Option(120.0, help="Video length in seconds."),
+    questions_per_video: int = typer.Option(6, help="Questions per video."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
+) -> None:
+    """Offline demo: generate M1-Synth videos and questions, run a team, print answers and accuracy."""
+    from m1.config import ConfigError
+    from m1.demo import run_demo
+
+    try:
+        run_demo(out, team, videos=videos, seed=seed, duration=duration,
+                 questions_per_video=questions_per_video, overrides=overrides or [], echo=typer.echo)
+    except ConfigError as exc:
+        _fail(str(exc))
 
 
 @app.command()
