@@ -113,6 +113,38 @@ def demo(
 
 
 @app.command()
+def train(
+    config: str = typer.Option(..., "--config", "-c", help="MARL config: a YAML path or a name in configs/marl/."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
+) -> None:
+    """Multi-agent GRPO: K rollouts per question over a sampled DAG, per-agent advantages, one
+    learner per agent (LoRA or full; DeepSpeed ZeRO-2 when configured). Resumes from its output folder."""
+    from m1.config import ConfigError
+    from m1.marl.trainer import train_main
+
+    try:
+        train_main(config, overrides or [], progress=typer.echo)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def sft(
+    config: str = typer.Option(..., "--config", "-c", help="SFT config: a YAML path or a name in configs/sft/."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
+) -> None:
+    """SFT warm-up: run a team (the teacher or an API team), keep plans by the paper's rule (at
+    least one agent right, plan never changed), train on completion tokens only."""
+    from m1.config import ConfigError
+    from m1.marl.sft import sft_main
+
+    try:
+        sft_main(config, overrides or [], progress=typer.echo)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+@app.command()
 def version() -> None:
     """Print the version."""
     from importlib.metadata import version as v

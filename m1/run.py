@@ -116,6 +116,8 @@ class ResultsFile:
 
 
 def result_row(ep: Episode) -> dict:
+    from m1.data.metrics import is_correct
+
     t = ep.timings
     per_q = t.get("batch_wall", 0.0) / max(1.0, t.get("batch_size", 1.0))
     row = {
@@ -128,7 +130,7 @@ def result_row(ep: Episode) -> dict:
     }
     if ep.question.answer is not None:
         row["truth"] = ep.question.answer
-        row["correct"] = ep.final_answer is not None and ep.final_answer.strip() == ep.question.answer.strip()
+        row["correct"] = is_correct(ep.question, ep.final_answer)
     return row
 
 

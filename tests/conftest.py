@@ -37,3 +37,14 @@ def video_factory(tmp_path):
         return make_video(tmp_path / name, **kw)
 
     return _make
+
+
+def pytest_configure(config):
+    """One torch thread: on 2 shared cores, tiny models run many times faster single-threaded."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass

@@ -444,3 +444,20 @@ def format_table(metrics: Mapping[str, Any], percent: bool = True, title: str | 
             row = row if isinstance(row, Mapping) else {"value": row}
             lines.append(f"| {value} | " + " | ".join(_cell(row.get(c, ""), percent) for c in cols) + " |")
     return "\n".join(lines) + "\n"
+
+
+def is_correct(question: Question, pred: Any, iou_threshold: float = 0.5) -> bool:
+    """One question right or wrong: MCQ letter, open normalised text, numeric equal value,
+    grounding IoU >= `iou_threshold` (Charades R@0.5 by default)."""
+    if question.answer is None or pred is None:
+        return False
+    if question.task == "mcq":
+        return extract_choice(pred, question.options) == question.answer
+    if question.task == "numeric":
+        got, want = parse_number(pred), parse_number(question.answer)
+        return got is not None and want is not None and abs(got - want) < 1e-9
+    if question.task == "grounding":
+        got, want = parse_span(pred), parse_span(question.answer)
+        return got is not None and want is not None and iou(got, want) >= iou_threshold
+    got = _norm(str(pred))
+    return bool(got) and got == _norm(question.answer)

@@ -16,8 +16,10 @@ def render_record(name: str, rec: AgentRecord, max_output_chars: int = 600) -> s
         head = f"[{name}] step {t.step}: {t.tool}"
         if t.timestamps:
             head += f" (frames {format_time(t.timestamps[0])}-{format_time(t.timestamps[-1])}, n={len(t.timestamps)})"
-        body = f"error: {t.error}" if t.error else t.output[:max_output_chars]
-        lines.append(f"{head} -> {body}")
+        if t.answer:
+            head += f" answer: {t.answer}"
+        body = f"error: {t.error}" if t.error else " / ".join(x.strip() for x in t.output.splitlines() if x.strip())
+        lines.append(f"{head} -> {body[:max_output_chars]}")
         if t.decision and t.decision.action == "add_tool":
             lines.append(f"[{name}] added tool <{t.decision.tool}> for: {t.decision.key_info or ''}")
     if rec.answer is not None:

@@ -19,6 +19,7 @@ class Focus:
     indices: list[int]
     timestamps: list[float]
     span: tuple[float, float]
+    scattered: bool = False  # frames picked one by one (Image Retrieval), not a contiguous clip
 
 
 @dataclass

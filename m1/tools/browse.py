@@ -37,11 +37,14 @@ def _subsample(values: list[int], n: int) -> list[int]:
 
 
 def frames_for(tool: str, ctx: ToolContext, focus: Focus) -> list[int]:
-    """Which frames a browser reads: Rough 16 of the focus; Fine 32 over the focused span;
-    Space 16 over the span; Grounding `grounding_fps` over the span (capped)."""
+    """Which frames a browser reads: Rough 16 of the focus; Fine 32 over the focused span (or
+    the retrieved frames themselves when the focus is a scattered set); Space 16 over the span;
+    Grounding `grounding_fps` over the span (capped)."""
     info, cfg, (s, e) = ctx.video.info, ctx.cfg, focus.span
     if tool == "Rough Browser":
         return _subsample(focus.indices, cfg.rough_frames)
+    if focus.scattered and tool in ("Fine Browser", "Space Tool"):
+        return _subsample(focus.indices, cfg.fine_frames if tool == "Fine Browser" else cfg.space_frames)
     if tool == "Fine Browser":
         return uniform_indices(info, cfg.fine_frames, s, e) if e > s else list(focus.indices)
     if tool == "Space Tool":

@@ -94,7 +94,7 @@ def image_retrieval(ctx: ToolContext) -> ToolResult:
     ts = ctx.video.timestamps(top)
     return ToolResult(output=f"Kept the {k} of {len(cand)} frames (scored at {ctx.cfg.image_fps:g} fps) "
                              f"closest to the key info, from {format_time(ts[0])} to {format_time(ts[-1])}.",
-                      focus=Focus(indices=top, timestamps=ts, span=(ts[0], ts[-1])))
+                      focus=Focus(indices=top, timestamps=ts, span=(ts[0], ts[-1]), scattered=True))
 
 
 SELECT = {

@@ -1,0 +1,217 @@
+"""Configs of the MARL (multi-agent GRPO) and SFT runs: pydantic models for configs/marl and configs/sft.
+
+Like the team configs, every block rejects unknown keys, and `load_train_config` / `load_sft_config` name the file
+and the key of any mistake. Defaults are the paper's settings (K=4 rollouts, 8 questions per step, beta=1e-5,
+temperature 1, 1024 prompt / 1024 completion tokens, LoRA r=8 alpha=16 dropout 0.05 at lr 2e-6, full fine-tune at
+lr 1e-7) so a config only states what differs. The learner block is shared by MARL and SFT.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from m1.config import ModelSpec, Strict, TeamConfig, load_config, load_team
+from m1.marl.rewards import RewardConfig
+
+# lr used when `learner.lr` is left empty (MARL: the paper's values; SFT: see SFTConfig)
+DEFAULT_LR = {"lora": 2e-6, "full": 1e-7}
+
+
+class LoraSettings(Strict):
+    """peft LoRA adapter (paper: r=8, alpha=16, dropout 0.05)."""
+
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+class LearnerConfig(Strict):
+    """How each agent's model is trained: one learner (policy, reference, optimizer) per agent."""
+
+    finetune: Literal["lora", "full"] = "lora"
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    lr: float | None = Field(None, gt=0.0)  # None: DEFAULT_LR[finetune]
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0)  # None: no clipping
+    warmup_steps: int = Field(0, ge=0)  # linear warm-up, then constant
+    micro_batch_size: int = Field(8, ge=1)  # samples per forward/backward; gradients accumulate over a step
+    max_prompt_tokens: int = Field(1024, ge=1)  # longer prompts keep their last tokens
+    max_completion_tokens: int = Field(1024, ge=1)  # longer completions are cut (the rest is not trained)
+    # auto: bf16 autocast on CUDA, fp32 on CPU. Master weights stay fp32 (a 1e-7 step vanishes in bf16).
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    deepspeed: str | None = None  # path of a DeepSpeed JSON (configs/deepspeed/zero2.json); None: plain torch
+    gradient_checkpointing: bool = False
+
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.finetune]
+
+
+class DataConfig(Strict):
+    questions: str | None = None  # questions.jsonl (m1 synth / benchmark loaders write this format)
+    video_dir: str | None = None  # relative `video` fields are resolved against this folder
+    shuffle: bool = True  # a new permutation every epoch, derived from `seed` and the epoch number
+
+
+class RolloutConfig(Strict):
+    """K team episodes per question over one random DAG per training step (agent dropout)."""
+
+    num_generations: int = Field(4, ge=1)  # K
+    questions_per_step: int = Field(8, ge=1)  # the paper's batch size
+    temperature: float = Field(1.0, gt=0.0)  # sampling temperature of every agent (unless an agent sets its own)
+    topology: Literal["random", "complete"] = "random"
+    edge_prob: float = Field(0.5, ge=0.0, le=1.0)
+    dropout: float = Field(0.25, ge=0.0, lt=1.0)
+
+
+class GRPOSettings(Strict):
+    """Loss numerics; see m1/marl/grpo.py for the formulas."""
+
+    beta: float = Field(1e-5, ge=0.0)  # k3 KL weight; 0 skips the reference forward entirely
+    clip_eps_low: float = Field(0.2, ge=0.0)
+    clip_eps_high: float | None = Field(None, ge=0.0)
+    loss_type: Literal["grpo", "bnpo", "token-mean", "dr_grpo", "dapo"] = "grpo"
+    scale_rewards: bool = True  # divide by the group std (False: Dr. GRPO)
+    # policy: old = logp.detach() (one update per rollout batch, TRL's on-policy case);
+    # rollout: old = the sampler's log-probs (use when generation may lag the weights, e.g. vLLM)
+    old_logprobs: Literal["policy", "rollout"] = "policy"
+
+
+class JudgeConfig(Strict):
+    """Judge of the collaboration reward: the offline rubric, an LLM (paper: GPT-4o), or none (w_col must be 0)."""
+
+    kind: Literal["rubric", "llm", "none"] = "rubric"
+    model: ModelSpec | None = None  # llm: e.g. {kind: chat, backend: openai, path: gpt-4o}
+    cache_dir: str | None = None  # llm: verdict cache (default <out_dir>/judge_cache)
+    rate_per_minute: float | None = Field(None, gt=0.0)
+
+    @model_validator(mode="after")
+    def _model_for_llm(self) -> JudgeConfig:
+        if self.kind == "llm" and self.model is None:
+            raise ValueError("judge.model: an llm judge needs a chat model spec")
+        if self.model is not None and self.model.kind != "chat":
+            raise ValueError(f"judge.model: must be a chat model, got kind {self.model.kind!r}")
+        return self
+
+
+class LogConfig(Strict):
+    tensorboard: bool = True  # written when the tensorboard package is installed
+    progress: bool = True  # tqdm bar
+
+
+class CheckpointConfig(Strict):
+    every: int = Field(50, ge=1)  # steps between checkpoints (the last step is always saved)
+    keep_last: int = Field(2, ge=1)
+    resume: bool = True  # continue from the newest checkpoint in out_dir when there is one
+
+
+class RayConfig(Strict):
+    address: str | None = None  # None: start a local Ray; "auto": join a running cluster
+    num_gpus_per_learner: float = Field(0.0, ge=0.0)
+    num_cpus_per_learner: float = Field(0.0, ge=0.0)
+
+
+def _team(team: str | TeamConfig, overrides: list[str]) -> TeamConfig:
+    return team if isinstance(team, TeamConfig) else load_team(team, overrides)
+
+
+class TrainConfig(Strict):
+    """One MARL run: a team, its questions, rollouts, rewards, GRPO and one learner per agent."""
+
+    name: str = "marl"
+    team: str | TeamConfig  # a configs/team name, a YAML path, or the team inline
+    team_overrides: list[str] = Field(default_factory=list)  # dotted overrides applied to a named team
+    train_agents: list[str] | None = None  # None: every agent learns; others still act, frozen
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings)
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    steps: int = Field(200, ge=1)
+    seed: int = 0
+    out_dir: str = "runs/marl"
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    placement: Literal["local", "ray"] = "local"  # ray: one learner actor per agent
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _checks(self) -> TrainConfig:
+        team = self.team_config()
+        names = [a.name for a in team.agents]
+        for a in self.train_agents or []:
+            if a not in names:
+                raise ValueError(f"train_agents: no agent named {a!r} in team {team.name!r} (agents: {names})")
+        if self.judge.kind == "none" and self.rewards.w_col != 0:
+            raise ValueError(f"judge.kind is 'none' but rewards.w_col={self.rewards.w_col}; set w_col: 0")
+        if self.grpo.loss_type == "dr_grpo" and self.learner.max_completion_tokens < 1:
+            raise ValueError("grpo.loss_type dr_grpo needs learner.max_completion_tokens")
+        return self
+
+    def team_config(self) -> TeamConfig:
+        return _team(self.team, self.team_overrides)
+
+
+class SFTDataConfig(Strict):
+    """Where SFT examples come from: an existing JSONL, or a teacher team run over questions."""
+
+    examples: str | None = None  # JSONL of SFT examples (written by `build`); read when it exists
+    questions: str | None = None
+    video_dir: str | None = None
+    teacher: str | TeamConfig | None = None  # team producing the plans (rule-based teacher or an API team)
+    teacher_overrides: list[str] = Field(default_factory=list)
+    rollouts_per_question: int = Field(1, ge=1)  # sampled teams may produce different plans
+    phases: list[Literal["plan", "communicate", "answer", "summary"]] = Field(default_factory=lambda: ["plan"])
+    # all: every student agent learns every kept example; same_name: only examples of the agent with its name
+    assign: Literal["all", "same_name"] = "all"
+
+
+class SFTConfig(Strict):
+    """Supervised fine-tuning of every agent of a team on kept teacher plans."""
+
+    name: str = "sft"
+    team: str | TeamConfig  # the student team
+    team_overrides: list[str] = Field(default_factory=list)
+    train_agents: list[str] | None = None
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    rewards: RewardConfig = Field(default_factory=lambda: RewardConfig(w_col=0.0))  # R_res decides "right"
+    learner: LearnerConfig = Field(default_factory=lambda: LearnerConfig(lr=1e-6, finetune="full"))
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(8, ge=1)  # examples per optimizer step (per agent)
+    max_steps: int | None = Field(None, ge=1)
+    seed: int = 0
+    out_dir: str = "runs/sft"
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _checks(self) -> SFTConfig:
+        names = [a.name for a in self.team_config().agents]
+        for a in self.train_agents or []:
+            if a not in names:
+                raise ValueError(f"train_agents: no agent named {a!r} (agents: {names})")
+        d = self.data
+        if d.examples is None and (d.teacher is None or d.questions is None):
+            raise ValueError("data: give `examples` (a JSONL) or both `teacher` and `questions` to build it")
+        return self
+
+    def team_config(self) -> TeamConfig:
+        return _team(self.team, self.team_overrides)
+
+    def teacher_config(self) -> TeamConfig | None:
+        t = self.data.teacher
+        return None if t is None else _team(t, self.data.teacher_overrides)
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    return load_config(TrainConfig, path, overrides, "marl")
+
+
+def load_sft_config(path: str | Path, overrides: list[str] | None = None) -> SFTConfig:
+    return load_config(SFTConfig, path, overrides, "sft")

@@ -1,0 +1,183 @@
+"""Scaling out the learners: DeepSpeed ZeRO-2 engines, and Ray actors holding one learner per agent.
+
+DeepSpeed. Each agent's policy gets its own engine (agents have different architectures, so they cannot share one).
+The caller owns gradient accumulation: the number of samples an agent produces varies from step to step, so the
+engine runs with `managed_gradient_accumulation: false` — every `backward` accumulates, every `step` is a boundary.
+`configs/deepspeed/zero2.json` is the GPU config; values written "auto" are filled from the learner config.
+On a single CPU process (tests, laptops) `prepare_single_process` sets the rendezvous variables DeepSpeed insists on
+and skips the JIT build of the shared-memory op, which is useless at world size 1 (see environment notes §3).
+
+Ray. `RayLearners` starts one actor per trained agent (`num_gpus_per_learner` each) that holds an `AgentLearner`.
+The driver runs the team; actors serve generation for their agent (the hub gets a `RemoteChat` proxy) and run their
+agent's update in parallel with the others. Ray is optional: it is imported only here, inside functions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from m1.config import CONFIG_DIR
+
+_RENDEZVOUS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+
+
+class DistributedError(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed
+def prepare_single_process(port: int | None = None) -> None:
+    """Make `deepspeed.initialize` work in a plain `python` process (no launcher, no MPI).
+
+    Sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT unless a launcher already did, and on CPU replaces the
+    shared-memory comm op builder (a ~25 s C++ JIT build that only matters with several ranks) by a no-op.
+    """
+    import torch
+
+    if "WORLD_SIZE" not in os.environ:
+        for k, v in _RENDEZVOUS.items():
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("MASTER_PORT", str(port or _free_port()))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            import deepspeed.comm.torch  # noqa: F401  (the attribute is shadowed by the torch module: use sys.modules)
+
+            sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_ds_config(source: str | Path | dict, *, micro_batch_size: int, max_grad_norm: float | None,
+                      bf16: bool) -> dict[str, Any]:
+    """Read a DeepSpeed JSON (a path, a name in configs/deepspeed/, or a dict) and fill its "auto" values."""
+    if isinstance(source, dict):
+        cfg = json.loads(json.dumps(source))
+        where = "<dict>"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            cand = CONFIG_DIR / "deepspeed" / (path.name if path.suffix else f"{path.name}.json")
+            if not cand.is_file():
+                raise DistributedError(f"deepspeed config not found: {source} (also looked for {cand})")
+            path = cand
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DistributedError(f"{path}: not valid JSON: {exc}") from exc
+        where = str(path)
+    if "optimizer" in cfg:
+        raise DistributedError(f"{where}: remove the 'optimizer' block; the learner passes its own torch AdamW "
+                               "(DeepSpeed's fused Adam would JIT-compile and change the numerics)")
+    if cfg.get("gradient_accumulation_steps", 1) not in (1, "auto"):
+        raise DistributedError(f"{where}: gradient_accumulation_steps must be 1; the learner accumulates over a "
+                               "step's micro-batches itself (learner.micro_batch_size)")
+    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    if stage == 3:
+        raise DistributedError(f"{where}: ZeRO-3 shards the weights, so rollouts could not generate from them; "
+                               "use stage 2 (the paper's setting)")
+    fills = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_clipping": max_grad_norm or 0.0}
+    for k, v in fills.items():
+        if cfg.get(k, "auto") == "auto":
+            cfg[k] = v
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["managed_gradient_accumulation"] = False
+    for k in ("bf16", "fp16"):
+        block = cfg.setdefault(k, {})
+        if block.get("enabled", "auto") == "auto":
+            block["enabled"] = bf16 if k == "bf16" else False
+    return cfg
+
+
+def deepspeed_engine(model, optimizer, ds_config: dict[str, Any]):
+    """Wrap `model` and its torch optimizer in a DeepSpeed engine; returns (engine, wrapped optimizer)."""
+    prepare_single_process()
+    import deepspeed
+
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine, opt
+
+
+# ------------------------------------------------------------------------------------------------ Ray
+def ray_available() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _require_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise DistributedError("placement: ray needs the `ray` package (pip install ray==2.60.0)") from exc
+    return ray
+
+
+class RemoteChat:
+    """A ChatModel that forwards generation to the learner actor of one agent."""
+
+    def __init__(self, name: str, actor):
+        self.name, self._actor = name, actor
+
+    def generate(self, requests, params):
+        ray = _require_ray()
+        return ray.get(self._actor.generate.remote(requests, params))
+
+
+class RayLearners:
+    """One Ray actor per trained agent, each holding an `AgentLearner`; same interface as `LocalLearners`."""
+
+    saves_own_rng = True  # each actor is its own process with its own torch RNG
+
+    def __init__(self, specs: dict[str, tuple[str, Any]], learner_cfg, grpo_cfg, seed: int, ray_cfg):
+        ray = _require_ray()
+        if not ray.is_initialized():
+            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+            if ray_cfg.address:
+                kw["address"] = ray_cfg.address
+            ray.init(**kw)
+        from m1.marl.trainer import AgentLearner
+
+        actor_cls = ray.remote(num_gpus=ray_cfg.num_gpus_per_learner,
+                               num_cpus=ray_cfg.num_cpus_per_learner)(AgentLearner)
+        self.actors = {agent: actor_cls.remote(agent, key, spec, learner_cfg, grpo_cfg, seed)
+                       for agent, (key, spec) in specs.items()}
+        self.keys = {agent: key for agent, (key, _) in specs.items()}
+        ray.get([a.ready.remote() for a in self.actors.values()])  # surface load errors here
+
+    def chat_models(self) -> dict[str, RemoteChat]:
+        return {agent: RemoteChat(self.keys[agent], actor) for agent, actor in self.actors.items()}
+
+    def update(self, samples: dict[str, list], lr: float, objective: str = "grpo") -> dict[str, dict[str, float]]:
+        ray = _require_ray()
+        refs = {a: self.actors[a].update.remote(samples.get(a, []), lr, objective) for a in self.actors}
+        return dict(zip(refs, ray.get(list(refs.values()))))
+
+    def save(self, folder: Path) -> None:
+        ray = _require_ray()
+        ray.get([actor.save.remote(str(Path(folder) / agent), True) for agent, actor in self.actors.items()])
+
+    def load(self, folder: Path) -> None:
+        ray = _require_ray()
+        ray.get([actor.load.remote(str(Path(folder) / agent), True) for agent, actor in self.actors.items()])
+
+    def parameters(self, agent: str) -> dict[str, Any]:
+        ray = _require_ray()
+        return ray.get(self.actors[agent].parameters.remote())
+
+    def shutdown(self) -> None:
+        ray = _require_ray()
+        for actor in self.actors.values():
+            ray.kill(actor)
+        self.actors = {}

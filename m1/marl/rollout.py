@@ -1,0 +1,167 @@
+"""Rollouts for multi-agent GRPO: K team episodes per question, turned into per-agent training samples.
+
+One training step samples **one** communication DAG (random edges + agent dropout) and runs every question of the
+step K times over it at temperature 1, through the ordinary `Team` engine (so generation is batched exactly as at
+inference). Then, for every agent:
+
+- its reward on each episode comes from the reward function (default: `m1.marl.rewards.batch_agent_rewards`);
+- the advantage of rollout k of question g is normalised within that agent's own K rollouts of g;
+- every generation the agent wrote in that episode (plan, each communication decision, answer, summary) becomes
+  one sample carrying that advantage. A sample holds the prompt token ids (the chat the agent saw, including tool
+  outputs and other agents' memory) and the completion token ids (what the agent wrote). Only completion tokens are
+  ever trained on, so tool outputs and peers' text are context, never targets.
+
+Episodes that failed (unreadable video) have no generations and a NaN reward, which `group_advantages` treats as a
+missing sample.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from m1.config import AgentSpec, TeamConfig
+from m1.schema import Episode, Question, Topology
+
+# A reward function maps the episodes of a step to {agent: reward} per episode; a value is a float or any object
+# with a `.total` (RewardBreakdown).
+RewardFn = Callable[[list[Episode]], list[dict[str, Any]]]
+
+
+class RolloutError(RuntimeError):
+    pass
+
+
+@dataclass
+class Sample:
+    """One generation of one agent: the unit the learner trains on."""
+
+    agent: str
+    question_id: str
+    group: int  # index of the question within the step
+    rollout: int  # k in 0..K-1
+    phase: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float] | None  # the sampler's, temperature-scaled
+    reward: float
+    advantage: float
+    temperature: float = 1.0
+
+
+@dataclass
+class RolloutBatch:
+    """The episodes of one step, grouped [question][rollout], and the DAG they ran on."""
+
+    questions: list[Question]
+    episodes: list[list[Episode]]
+    topology: Topology
+    rewards: dict[str, list[list[float]]] = field(default_factory=dict)  # agent -> [G][K]
+    breakdowns: list[dict[str, Any]] = field(default_factory=list)  # flat, episode order
+
+    @property
+    def flat(self) -> list[Episode]:
+        return [e for group in self.episodes for e in group]
+
+
+def training_team_config(team: TeamConfig, temperature: float) -> TeamConfig:
+    """The team as trained: sampling at `temperature`, and one model key per agent.
+
+    Two agents naming the same model key would share weights during generation; with one learner per agent each
+    needs its own copy, so shared keys are split into `<key>@<agent>` entries with the same spec.
+    """
+    models = dict(team.models)
+    agents: list[AgentSpec] = []
+    users: dict[str, int] = {}
+    for a in team.agents:
+        users[a.model] = users.get(a.model, 0) + 1
+    for a in team.agents:
+        key = a.model
+        if users[key] > 1:
+            key = f"{a.model}@{a.name}"
+            models[key] = team.models[a.model]
+        agents.append(a.model_copy(update={"model": key}))
+    sampling = team.sampling.model_copy(update={"temperature": temperature})
+    return team.model_copy(update={"models": models, "agents": agents, "sampling": sampling})
+
+
+def agent_temperature(team: TeamConfig, agent: str) -> float:
+    """The temperature the agent samples with; log-probs must be recomputed at the same value."""
+    spec = next(a for a in team.agents if a.name == agent)
+    t = spec.temperature if spec.temperature is not None else team.sampling.temperature
+    if not t > 0:
+        raise RolloutError(f"agent {agent!r}: GRPO needs sampled rollouts, but its temperature is {t}")
+    return t
+
+
+def sample_topology(agents: list[str], mode: str, edge_prob: float, dropout: float, rng: random.Random) -> Topology:
+    """One DAG for a whole step (the paper's agent dropout); `complete` keeps everyone connected."""
+    from m1.team import topology as topo
+
+    if mode == "complete":
+        return topo.complete(agents)
+    return topo.random_dag(agents, edge_prob, dropout, rng)
+
+
+def run_rollouts(team, questions: Sequence[Question], k: int, topology: Topology) -> RolloutBatch:
+    """Run each question K times over `topology`; returns episodes grouped [question][rollout]."""
+    if k < 1:
+        raise RolloutError(f"num_generations must be >= 1, got {k}")
+    repeated = [q for q in questions for _ in range(k)]
+    flat = team.run(repeated, topologies=[topology] * len(repeated))
+    if len(flat) != len(repeated):
+        raise RolloutError(f"team returned {len(flat)} episodes for {len(repeated)} requests")
+    groups = [flat[i * k:(i + 1) * k] for i in range(len(questions))]
+    return RolloutBatch(questions=list(questions), episodes=groups, topology=topology)
+
+
+def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> dict[str, list[list[float]]]:
+    """Fill `batch.rewards[agent][g][k]` (NaN where an agent has no reward, e.g. a failed episode)."""
+    flat = batch.flat
+    per_episode = reward_fn(flat)
+    if len(per_episode) != len(flat):
+        raise RolloutError(f"reward function returned {len(per_episode)} results for {len(flat)} episodes")
+    batch.breakdowns = list(per_episode)
+    k = len(batch.episodes[0]) if batch.episodes else 0
+    rewards: dict[str, list[list[float]]] = {a: [] for a in agents}
+    for i, (ep, per) in enumerate(zip(flat, per_episode)):
+        g, r = divmod(i, k)
+        for a in agents:
+            if r == 0:
+                rewards[a].append([])
+            value = per.get(a) if ep.error is None else None
+            rewards[a][g].append(float("nan") if value is None else float(getattr(value, "total", value)))
+    batch.rewards = rewards
+    return rewards
+
+
+def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float]
+                  ) -> dict[str, list[Sample]]:
+    """Per-agent samples: every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]."""
+    out: dict[str, list[Sample]] = {a: [] for a in advantages}
+    for g, group in enumerate(batch.episodes):
+        for k, ep in enumerate(group):
+            for gen in ep.generations:
+                if gen.agent not in out:
+                    continue
+                if gen.prompt_ids is None or gen.completion_ids is None:
+                    raise RolloutError(
+                        f"episode {ep.id!r}, agent {gen.agent!r}, phase {gen.phase}: the model returned no token "
+                        "ids; training needs a backend that reports them (hf, vllm)")
+                if not gen.completion_ids:
+                    continue  # nothing was generated: nothing to train on
+                out[gen.agent].append(Sample(
+                    agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase=gen.phase,
+                    prompt_ids=list(gen.prompt_ids), completion_ids=list(gen.completion_ids),
+                    logprobs=list(gen.logprobs) if gen.logprobs is not None else None,
+                    reward=batch.rewards[gen.agent][g][k], advantage=float(advantages[gen.agent][g, k]),
+                    temperature=temperatures[gen.agent]))
+    return out
+
+
+def advantages_for(rewards: dict[str, list[list[float]]], scale: bool) -> dict[str, Any]:
+    """GRPO advantages per agent over its [G, K] rewards (see m1.marl.grpo.group_advantages)."""
+    from m1.marl.grpo import multi_agent_advantages
+
+    return multi_agent_advantages(rewards, scale=scale)

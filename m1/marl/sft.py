@@ -1,0 +1,237 @@
+"""Supervised fine-tuning of the team's agents on plans a teacher team wrote.
+
+Data (`build_sft_data`): run a teacher team (the rule-based teacher of M1-Synth, or an API team such as GPT-4o
+agents) over questions and keep a generation by the paper's rule: **at least one agent of the episode answered
+right, and the writing agent's plan was never changed** (it never added a tool during communication). "Right" is a
+positive result reward R_res (MCQ: the right letter; grounding: IoU above 0.5; numeric: MRA above 0.5; open: the
+judge's or an exact-match verdict). By default only plan generations are kept (`phases: [plan]`); the prompts are the
+teacher's chats, so any student can be trained on them with its own tokenizer.
+
+Training (`SFTTrainer`): each student agent's learner (LoRA or full, the same `AgentLearner` as MARL) minimises
+cross-entropy on the completion tokens only — prompt tokens, tool outputs and memory text are context — averaged over
+the tokens of an optimizer step. The completion target ends with the tokenizer's end-of-turn token, exactly what the
+agent must generate to stop.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
+from m1.marl.rewards import RewardConfig, batch_agent_rewards
+from m1.schema import Episode, Question
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTExample:
+    """One kept generation: the chat the teacher agent saw and what it wrote."""
+
+    agent: str
+    question_id: str
+    phase: str
+    messages: list[dict[str, Any]]
+    completion: str
+
+    @classmethod
+    def from_json(cls, line: str, where: str = "") -> SFTExample:
+        try:
+            return cls(**json.loads(line))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: not an SFT example ({exc})") from exc
+
+
+# ------------------------------------------------------------------------------------------------ the keep rule
+def plan_unchanged(episode: Episode, agent: str) -> bool:
+    """True when the agent never added a tool to its plan during communication."""
+    rec = episode.memory.get(agent)
+    if rec is None:
+        return False
+    return not any(t.decision is not None and t.decision.action == "add_tool" for t in rec.turns)
+
+
+def right_agents(episodes: Sequence[Episode], rewards: RewardConfig, judge=None) -> list[list[str]]:
+    """Per episode, the agents whose own answer earns a positive result reward."""
+    cfg = rewards.model_copy(update={"w_col": 0.0})  # only R_res matters here: no collaboration verdicts needed
+    ok = [e for e in episodes if e.error is None]
+    scored = iter(batch_agent_rewards(ok, cfg, judge))
+    out = []
+    for e in episodes:
+        per = next(scored) if e.error is None else {}
+        out.append([a for a, b in per.items() if b.res > 0])
+    return out
+
+
+def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=None,
+                    phases: Sequence[str] = ("plan",)) -> tuple[list[SFTExample], dict[str, int]]:
+    """Apply the keep rule to episodes; returns the examples and counts of why others were dropped."""
+    stats = {"episodes": len(episodes), "episodes_failed": 0, "episodes_nobody_right": 0, "kept": 0,
+             "dropped_plan_changed": 0}
+    examples: list[SFTExample] = []
+    for ep, right in zip(episodes, right_agents(episodes, rewards, judge)):
+        if ep.error is not None:
+            stats["episodes_failed"] += 1
+            continue
+        if not right:
+            stats["episodes_nobody_right"] += 1
+            continue
+        for gen in ep.generations:
+            if gen.phase not in phases:
+                continue
+            if not plan_unchanged(ep, gen.agent):
+                stats["dropped_plan_changed"] += 1
+                continue
+            examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
+                                       messages=gen.prompt, completion=gen.completion))
+            stats["kept"] += 1
+    return examples, stats
+
+
+def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, judge=None,
+                   phases: Sequence[str] = ("plan",), rollouts: int = 1) -> tuple[list[SFTExample], dict[str, int]]:
+    """Run the teacher `team` `rollouts` times over every question and keep plans by the paper's rule."""
+    repeated = [q for q in questions for _ in range(rollouts)]
+    episodes = team.run(repeated)
+    return select_examples(episodes, rewards, judge, phases)
+
+
+def write_examples(path: str | Path, examples: Sequence[SFTExample]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(asdict(e)) + "\n" for e in examples))
+    tmp.replace(path)
+    return path
+
+
+def read_examples(path: str | Path) -> list[SFTExample]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT examples file not found: {path}")
+    return [SFTExample.from_json(line, f"{path}:{i}")
+            for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ training
+def encode_example(learner, ex: SFTExample):
+    """A `Sample` for one learner: its own chat rendering and tokenizer; the target ends with end-of-turn."""
+    from m1.marl.rollout import Sample
+    from m1.models.base import ChatRequest
+
+    tok = learner.tokenizer
+    prompt = tok(learner.chat.render(ChatRequest(ex.messages)), add_special_tokens=False)["input_ids"]
+    completion = tok(ex.completion, add_special_tokens=False)["input_ids"] + [learner.chat.eos_ids[0]]
+    return Sample(agent=learner.agent, question_id=ex.question_id, group=0, rollout=0, phase=ex.phase,
+                  prompt_ids=list(prompt), completion_ids=list(completion), logprobs=None, reward=0.0,
+                  advantage=0.0, temperature=1.0)
+
+
+class SFTTrainer:
+    """Cross-entropy on kept teacher completions, one learner per student agent; checkpoints like MARL."""
+
+    def __init__(self, cfg: SFTConfig, examples: list[SFTExample] | None = None, teacher_hub=None):
+        from m1.marl.rollout import training_team_config
+        from m1.marl.trainer import QuestionStream, build_learners, find_latest_checkpoint, seed_everything
+
+        self.cfg = cfg
+        seed_everything(cfg.seed)
+        self.out = Path(cfg.out_dir)
+        self.examples = examples if examples is not None else self._load_or_build(teacher_hub)
+        if not self.examples:
+            raise ValueError("SFT: no examples were kept; nothing to train on")
+        team = training_team_config(cfg.team_config(), 1.0)  # split shared model keys: one learner per agent
+        key_of = {a.name: a.model for a in team.agents}
+        self.trained = list(cfg.train_agents or key_of)
+        specs = {a: (key_of[a], team.models[key_of[a]]) for a in self.trained}
+        self.learners = build_learners(specs, cfg.learner, GRPOSettings(beta=0.0), cfg.seed)
+        self.stream = QuestionStream(self.examples, cfg.seed, shuffle=True)
+        per_epoch = math.ceil(len(self.examples) / cfg.batch_size)
+        self.total_steps = cfg.max_steps or per_epoch * cfg.epochs
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        if cfg.checkpoint.resume:
+            latest = find_latest_checkpoint(self.out)
+            if latest is not None:
+                from m1.marl.trainer import load_checkpoint
+
+                state = load_checkpoint(latest, self.learners, self.trained, cfg.seed)
+                self.step, self.stream.cursor = int(state["step"]), int(state["cursor"])
+
+    def _load_or_build(self, teacher_hub) -> list[SFTExample]:
+        d = self.cfg.data
+        path = Path(d.examples) if d.examples else self.out / "sft_examples.jsonl"
+        if path.is_file():
+            return read_examples(path)
+        from m1.marl.trainer import load_questions
+        from m1.team.cpp import Team
+
+        teacher = self.cfg.teacher_config()
+        if teacher is None or not d.questions:
+            raise ValueError(f"data.examples {path} does not exist and no teacher + questions are given to build it")
+        examples, stats = build_sft_data(Team(teacher, hub=teacher_hub), load_questions(d.questions, d.video_dir),
+                                         self.cfg.rewards, None, d.phases, d.rollouts_per_question)
+        log.info("SFT data from teacher %s: %s", teacher.name, stats)
+        write_examples(path, examples)
+        return examples
+
+    def _assigned(self, batch: list[SFTExample], agent: str) -> list[SFTExample]:
+        if self.cfg.data.assign == "all":
+            return batch
+        return [e for e in batch if e.agent == agent]
+
+    def train(self, stop_after: int | None = None) -> list[dict[str, Any]]:
+        from m1.marl.trainer import MetricsLog, save_checkpoint
+
+        cfg = self.cfg
+        last = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
+        logger = MetricsLog(self.out, self.total_steps, self.step, cfg.log.tensorboard, cfg.log.progress)
+        chats = self.learners.chat_models()
+        try:
+            while self.step < last:
+                t0 = time.perf_counter()
+                batch = self.stream.take(cfg.batch_size)
+                samples = {a: [encode_example(chats[a], e) for e in self._assigned(batch, a)] for a in self.trained}
+                lr = self._lr()
+                stats = self.learners.update(samples, lr, "sft")
+                self.step += 1
+                row: dict[str, Any] = {"step": self.step, "epoch": self.stream.epoch, "lr": lr}
+                for agent, st in stats.items():
+                    row.update({f"{agent}/{k}": v for k, v in st.items()})
+                losses = [st["loss"] for st in stats.values() if "loss" in st]
+                row["loss"] = sum(losses) / len(losses) if losses else float("nan")
+                row["time/step"] = time.perf_counter() - t0
+                logger.write(row)
+                self.history.append(row)
+                if self.step % cfg.checkpoint.every == 0 or self.step == self.total_steps:
+                    save_checkpoint(self.out, self.step, self.learners,
+                                    {"step": self.step, "cursor": self.stream.cursor, "seed": cfg.seed,
+                                     "agents": self.trained, "name": cfg.name,
+                                     "config": cfg.model_dump(mode="json")}, cfg.checkpoint.keep_last)
+        finally:
+            logger.close()
+        return self.history
+
+    def _lr(self) -> float:
+        lr = self.cfg.learner.learning_rate()
+        warm = self.cfg.learner.warmup_steps
+        return lr * min(1.0, (self.step + 1) / warm) if warm else lr
+
+
+def sft_main(config_path: str | Path, overrides: list[str] | None = None,
+             progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """`m1 sft --config PATH --set key=value ...`: build (or read) the kept plans, then fine-tune every agent."""
+    cfg = load_sft_config(config_path, overrides)
+    trainer = SFTTrainer(cfg)
+    progress(f"{cfg.name}: {len(trainer.examples)} examples, {trainer.total_steps} steps "
+             f"(starting at {trainer.step})")
+    rows = trainer.train()
+    if rows:
+        progress(f"{cfg.name}: last loss {rows[-1]['loss']:.4f}; checkpoints in {Path(cfg.out_dir) / 'checkpoints'}")
+    return rows

@@ -1,0 +1,339 @@
+"""Multi-agent GRPO trainer on CPU with two tiny random agents (Qwen3 + Qwen2) and the synth browser.
+
+Checks, in the spirit of TRL's and torchtune's trainer tests: one step moves every trainable parameter (full) or
+only the adapter (LoRA); a killed-and-resumed run reproduces the uninterrupted run's losses exactly; the per-step
+DAG follows the configured probabilities; gradient accumulation does not change the update; a DeepSpeed ZeRO-2
+step runs on CPU; the paper's configs load with the paper's numbers.
+"""
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import make_video
+from fakes import FakeChat, FakeVision, scripted_reply
+from m1.config import TeamConfig
+from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig, load_train_config
+from m1.marl.rollout import Sample, build_samples, run_rollouts, sample_topology, score, training_team_config
+from m1.schema import Question
+from m1.team import topology as topo
+
+AGENTS = ["alpha", "beta"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Two shared cores: torch's second thread mostly spins against other jobs (10-100x slower)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def team_dict(**limits):
+    return {
+        "name": "mini-test",
+        "models": {
+            "qa": {"kind": "chat", "device": "cpu",
+                   "tiny": {"arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}},
+            "qb": {"kind": "chat", "device": "cpu",
+                   "tiny": {"arch": "qwen2", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 2}},
+            "vlm": {"kind": "vision", "backend": "synth"},
+        },
+        "agents": [{"name": "alpha", "model": "qa"}, {"name": "beta", "model": "qb"}],
+        "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm", "global_frames": 4,
+                  "rough_frames": 4},
+        "limits": {"max_turns": 2, "max_tool_calls": 3, "plan_tokens": 12, "comm_tokens": 6, "answer_tokens": 8,
+                   "summary_tokens": 8, "batch_episodes": 16, **limits},
+    }
+
+
+@pytest.fixture(scope="module")
+def video(tmp_path_factory):
+    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
+
+
+def questions(video, n=3):
+    return [Question(id=f"q{i}", video=video, text=f"What colour is the square in scene {i}?",
+                     options=["white", "red"], task="mcq", answer="A") for i in range(n)]
+
+
+def varied_reward(episodes):
+    """A reward that differs between rollouts (random tiny models rarely earn different task rewards)."""
+    return [{a: float(sum(sum(g.completion_ids) for g in e.generations if g.agent == a) % 7) for a in AGENTS}
+            for e in episodes]
+
+
+def train_cfg(out, finetune="full", steps=1, **over):
+    data = {"team": team_dict(), "rollout": {"num_generations": 2, "questions_per_step": 2},
+            "grpo": {"beta": 0.05}, "judge": {"kind": "rubric"},
+            "learner": {"finetune": finetune, "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16},
+            "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
+            "log": {"progress": False, "tensorboard": False}}
+    for k, v in over.items():
+        data[k] = {**data[k], **v} if isinstance(data.get(k), dict) else v
+    return TrainConfig.model_validate(data)
+
+
+def make_trainer(cfg, video, reward_fn=varied_reward):
+    from m1.marl.trainer import Trainer
+
+    return Trainer(cfg, questions=questions(video), reward_fn=reward_fn)
+
+
+# ------------------------------------------------------------------------------------------------ parameters move
+def test_full_step_changes_every_trainable_parameter(tmp_path, video, m1_cache):
+    import torch
+
+    # a short prompt cap: rollouts must be generated from the same truncated context the update scores
+    tr = make_trainer(train_cfg(tmp_path / "run", learner={"max_prompt_tokens": 48}), video)
+    before = {a: tr.learners.parameters(a) for a in AGENTS}
+    ref_before = {n: p.clone() for n, p in tr.learners.learners["alpha"].ref.named_parameters()}
+    rows = tr.train()
+    assert [r["step"] for r in rows] == [1]
+    for a in AGENTS:
+        after = tr.learners.parameters(a)
+        assert set(after) == set(before[a]) and len(after) >= 10
+        unchanged = [n for n in after if torch.equal(after[n], before[a][n])]
+        assert not unchanged, f"{a}: parameters that did not move: {unchanged}"
+        row = rows[0]
+        assert row[f"{a}/samples"] > 0 and row[f"{a}/grad_norm"] > 0
+        # the learner's recomputed log-probs are the sampler's (same temperature, same positions)
+        assert row[f"{a}/logp_gap"] < 1e-4
+        assert row[f"{a}/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the update
+    ref = dict(tr.learners.learners["alpha"].ref.named_parameters())
+    assert all(torch.equal(ref[n], p) for n, p in ref_before.items())  # the frozen reference never moves
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1]
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000001"
+    for a in AGENTS:
+        assert (ckpt / "agents" / a / "model" / "config.json").is_file()
+        assert (ckpt / "agents" / a / "optimizer.pt").is_file()
+    # a new trainer on the same out_dir resumes: full weights (tied embeddings) and Adam state load exactly
+    back = make_trainer(train_cfg(tmp_path / "run", learner={"max_prompt_tokens": 48}), video)
+    assert back.step == 1
+    for a in AGENTS:
+        trained, loaded = tr.learners.parameters(a), back.learners.parameters(a)
+        assert all(torch.equal(trained[n], loaded[n]) for n in trained)
+        opt_a = tr.learners.learners[a].optimizer.state_dict()["state"]
+        opt_b = back.learners.learners[a].optimizer.state_dict()["state"]
+        assert all(torch.equal(opt_a[i]["exp_avg_sq"], opt_b[i]["exp_avg_sq"]) for i in opt_a)
+
+
+def test_lora_changes_only_adapter_parameters(tmp_path, video, m1_cache):
+    import torch
+
+    tr = make_trainer(train_cfg(tmp_path / "run", finetune="lora", steps=2), video)
+    policies = {a: tr.learners.learners[a].policy for a in AGENTS}
+    base_before = {a: {n: p.detach().clone() for n, p in m.named_parameters() if not p.requires_grad}
+                   for a, m in policies.items()}
+    adapter_before = {a: tr.learners.parameters(a) for a in AGENTS}
+    tr.train()  # two steps: at step 1 lora_A gets no gradient because lora_B starts at zero
+    for a, model in policies.items():
+        params = dict(model.named_parameters())
+        assert adapter_before[a] and all("lora_" in n for n in adapter_before[a])
+        assert all(torch.equal(params[n], p) for n, p in base_before[a].items()), f"{a}: a base weight moved"
+        moved = [n for n, p in adapter_before[a].items() if not torch.equal(params[n].detach(), p)]
+        assert moved == list(adapter_before[a]), f"{a}: adapter weights that did not move: " \
+                                                 f"{sorted(set(adapter_before[a]) - set(moved))}"
+    assert (tmp_path / "run" / "checkpoints" / "step-000002" / "agents" / "alpha" / "adapter" /
+            "adapter_model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ exact resume
+COMPARED = ["loss", "reward/mean", "epoch", "topology/edges", "topology/active"] + [
+    f"{a}/{k}" for a in AGENTS for k in ("loss", "grad_norm", "kl", "samples", "tokens", "clip_frac")]
+
+
+def test_kill_and_resume_reproduces_losses_exactly(tmp_path, video, m1_cache):
+    """LoRA with dropout (so the torch RNG matters) and beta > 0: 4 steps straight vs 2 + resume + 2."""
+    kw = dict(finetune="lora", steps=4, checkpoint={"every": 2})
+    full = make_trainer(train_cfg(tmp_path / "a", **kw), video).train()
+    killed = make_trainer(train_cfg(tmp_path / "b", **kw), video)
+    first = killed.train(stop_after=3)  # dies after step 3: its newest checkpoint is step 2
+    del killed
+    resumed = make_trainer(train_cfg(tmp_path / "b", **kw), video)
+    assert resumed.step == 2 and resumed.data.cursor == 4
+    second = resumed.train()
+    assert [r["step"] for r in second] == [3, 4]
+    for want, got in zip(full, first[:2] + second):
+        for key in COMPARED:
+            assert got[key] == want[key], f"step {want['step']} {key}: {got[key]!r} != {want[key]!r}"
+    assert any(full[i]["alpha/grad_norm"] > 0 for i in range(4))
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # the killed run's step-3 line was replaced, not duplicated
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+def test_dag_sampling_matches_configured_probabilities():
+    rng = random.Random(7)
+    names = ["a", "b", "c", "d"]
+    n, edge_prob, dropout = 4000, 0.3, 0.2
+    active = edges = possible = 0
+    for _ in range(n):
+        t = sample_topology(names, "random", edge_prob, dropout, rng)
+        assert topo.is_dag(t) and t.active
+        assert all(a in t.active and b in t.active for a, b in t.edges)
+        active += len(t.active)
+        edges += len(t.edges)
+        possible += len(t.active) * (len(t.active) - 1) // 2
+    # P(no agent survives) = 0.2^4 is topped up by one forced agent: expected active share 0.8 + 0.2^4/4
+    assert active / (n * len(names)) == pytest.approx(0.8 + 0.2 ** 4 / 4, abs=0.015)
+    assert edges / possible == pytest.approx(edge_prob, abs=0.02)
+    assert sample_topology(names, "complete", 0.0, 0.9, rng).edges == topo.complete(names).edges
+
+
+def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video):
+    from m1.marl.rollout import advantages_for
+    from m1.models.hub import ModelHub
+    from m1.team.cpp import Team
+
+    base = TeamConfig.model_validate({**team_dict(), "models": {
+        "shared": {"kind": "chat", "path": "fake/a"}, "vlm": {"kind": "vision", "path": "fake/v"}},
+        "agents": [{"name": "alpha", "model": "shared"}, {"name": "beta", "model": "shared"}]})
+    cfg = training_team_config(base, 1.0)
+    assert {a.model for a in cfg.agents} == {"shared@alpha", "shared@beta"}  # one learner per agent
+    assert cfg.sampling.temperature == 1.0
+    hub = ModelHub(cfg.models)
+    vision = FakeVision(reply=lambda req: "TOOL-OUTPUT-TEXT the square is white")
+    for key in ("shared@alpha", "shared@beta"):
+        hub.register(key, FakeChat(key, scripted_reply))
+    hub.register("vlm", vision)
+    dag = sample_topology(AGENTS, "random", 1.0, 0.0, random.Random(0))
+    batch = run_rollouts(Team(cfg, hub=hub), questions(video, 2), 3, dag)
+    assert [[e.question.id for e in g] for g in batch.episodes] == [["q0"] * 3, ["q1"] * 3]
+    assert all(e.topology == dag for e in batch.flat)  # one DAG for the whole step
+    rewards = score(batch, AGENTS, lambda eps: [{"alpha": float(i % 3), "beta": 1.0} for i in range(len(eps))])
+    assert rewards["alpha"] == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+    adv = advantages_for(rewards, scale=True)
+    samples = build_samples(batch, adv, {"alpha": 1.0, "beta": 1.0})
+    for a in AGENTS:
+        gens = [(g, k, gen) for g, grp in enumerate(batch.episodes) for k, e in enumerate(grp)
+                for gen in e.generations if gen.agent == a]
+        assert len(samples[a]) == len(gens) > 0
+        assert {s.phase for s in samples[a]} >= {"plan", "communicate", "answer"}
+        for s, (g, k, gen) in zip(samples[a], gens):
+            assert (s.group, s.rollout) == (g, k) and s.completion_ids == gen.completion_ids
+            assert s.advantage == pytest.approx(float(adv[a][g, k]))
+            assert "TOOL-OUTPUT-TEXT" not in gen.completion  # tool text only ever appears in prompts
+    assert any("TOOL-OUTPUT-TEXT" in str(gen.prompt) for e in batch.flat for gen in e.generations)
+    assert all(s.advantage == 0.0 for s in samples["beta"])  # equal rewards carry no signal
+    assert sorted({round(s.advantage, 3) for s in samples["alpha"]}) == [-1.0, 0.0, 1.0]  # (r - mean) / (std + 1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ learner numerics
+def _synthetic_samples(n=10, seed=0):
+    rng = random.Random(seed)
+    return [Sample(agent="alpha", question_id="q", group=0, rollout=i, phase="plan",
+                   prompt_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(5, 20))],
+                   completion_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(1, 9))],
+                   logprobs=None, reward=0.0, advantage=rng.uniform(-1, 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
+def test_gradient_accumulation_gives_the_full_batch_update(loss_type, m1_cache):
+    import torch
+
+    from m1.marl.trainer import AgentLearner
+
+    spec = TeamConfig.model_validate(team_dict()).models["qa"]
+    grpo = GRPOSettings(beta=0.0, loss_type=loss_type)
+    samples = _synthetic_samples()
+    results = []
+    for micro in (10, 3, 1):
+        # eps=1 makes Adam's first step ~ g / (|g| + 1), smooth in g; with eps=1e-8 it is ~sign(g), which turns
+        # float rounding in near-zero gradient entries into full-size differences.
+        learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1.0, eps=1.0,
+                                                                  micro_batch_size=micro, max_grad_norm=None), grpo)
+        stats = learner.update(samples, lr=1.0)
+        results.append((stats, learner.parameters()))
+    (s0, p0), *rest = results
+    for st, params in rest:
+        assert st["loss"] == pytest.approx(s0["loss"], abs=1e-6)
+        assert st["grad_norm"] == pytest.approx(s0["grad_norm"], rel=1e-4)
+        for n, p in p0.items():
+            torch.testing.assert_close(params[n], p, atol=1e-6, rtol=1e-5)
+
+
+def test_deepspeed_zero2_step_on_cpu(tmp_path, m1_cache):
+    import torch
+
+    from m1.marl.trainer import AgentLearner
+
+    spec = TeamConfig.model_validate(team_dict()).models["qb"]
+    cfg = LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4, precision="fp32", deepspeed="zero2")
+    learner = AgentLearner("beta", "qb", spec, cfg, GRPOSettings(beta=0.0))
+    assert type(learner.optimizer).__name__ == "DeepSpeedZeroOptimizer"
+    assert learner.engine.zero_optimization_stage() == 2
+    before = learner.parameters()
+    stats = learner.update(_synthetic_samples(6), lr=1e-2)  # two micro-batches, one optimizer step
+    after = learner.parameters()
+    assert stats["samples"] == 6 and stats["grad_norm"] > 0
+    assert all(not torch.equal(after[n], before[n]) for n in before)
+    learner.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "deepspeed" / "state").is_dir()
+    twin = AgentLearner("beta", "qb", spec, cfg, GRPOSettings(beta=0.0))
+    twin.load(tmp_path / "ckpt")  # weights and ZeRO optimizer state: the next step is identical
+    nxt = _synthetic_samples(6, seed=1)
+    assert twin.update(nxt, lr=1e-2)["loss"] == learner.update(nxt, lr=1e-2)["loss"]
+    a, b = learner.parameters(), twin.parameters()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+# ------------------------------------------------------------------------------------------------ configs and CLI
+def test_paper_configs_load_with_the_papers_settings():
+    for name, finetune, lr in (("videochat_m1_lora", "lora", 2e-6), ("videochat_m1_full", "full", 1e-7)):
+        cfg = load_train_config(name)
+        assert (cfg.rollout.num_generations, cfg.rollout.questions_per_step, cfg.rollout.temperature) == (4, 8, 1.0)
+        assert cfg.grpo.beta == 1e-5 and cfg.learner.finetune == finetune and cfg.learner.learning_rate() == lr
+        assert (cfg.learner.max_prompt_tokens, cfg.learner.max_completion_tokens) == (1024, 1024)
+        assert cfg.team_config().limits.max_turns == 5 and cfg.learner.deepspeed
+        assert cfg.judge.kind == "llm"
+    lora = load_train_config("videochat_m1_lora").learner.lora
+    assert (lora.r, lora.alpha, lora.dropout) == (8, 16, 0.05)
+    assert load_train_config("mini").team_config().name == "tiny"
+
+
+def test_train_main_runs_from_a_yaml_file(tmp_path, video, m1_cache):
+    from m1.marl.trainer import train_main
+
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text("".join(q.model_dump_json() + "\n" for q in questions(video)))
+    cfg = train_cfg(tmp_path / "out").model_dump(mode="json")
+    cfg["data"] = {"questions": str(qfile)}
+    path = tmp_path / "marl.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    printed = []
+    rows = train_main(path, ["steps=1"], progress=printed.append)  # real rewards: offline rubric judge
+    assert len(rows) == 1 and "reward/col" in rows[0] and "reward/total/alpha" in rows[0]
+    assert "metrics.jsonl" in printed[-1]
+    again = train_main(path, ["steps=1"], progress=printed.append)  # resumes at the end: nothing to do
+    assert again == [] and "nothing to do" in printed[-1]
+
+
+def test_ray_learners_match_local_learners(tmp_path, video, m1_cache):
+    from m1.marl.distributed import ray_available
+
+    if not ray_available():
+        pytest.skip("ray is not installed (pip install ray==2.60.0); the local placement is tested above")
+    import ray
+
+    # only alpha learns (one actor starts); beta acts from the driver with frozen weights
+    local = make_trainer(train_cfg(tmp_path / "local", train_agents=["alpha"]), video).train()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "M1_CACHE": m1_cache, "HF_HUB_OFFLINE": "1"}})
+    try:
+        tr = make_trainer(train_cfg(tmp_path / "ray", placement="ray", train_agents=["alpha"]), video)
+        remote = tr.train()
+        tr.close()
+    finally:
+        ray.shutdown()
+    assert "beta/loss" not in remote[0] and "beta/loss" not in local[0]
+    for key in ("loss", "reward/mean", "alpha/samples", "alpha/tokens"):
+        assert remote[0][key] == pytest.approx(local[0][key], rel=1e-5, abs=1e-7)
+    assert remote[0]["alpha/grad_norm"] == pytest.approx(local[0]["alpha/grad_norm"], rel=1e-4)
+    assert (Path(tmp_path) / "ray" / "checkpoints" / "step-000001" / "agents" / "alpha" / "rng.pt").is_file()
