@@ -80,6 +80,7 @@ class ToolsConfig(Strict):
         "Global Sampling", "Video Retrieval", "Time Stamp Retrieval", "Image Retrieval",
         "Rough Browser", "Fine Browser", "Space Tool", "Grounding Tool"])
     clip: str | None = None  # model key of the CLIP embedder
+    clip_cache_dir: str | None = None  # keep CLIP frame embeddings on disk (keyed by video hash + model)
     browser: str | None = None  # model key of the Rough/Fine Browser VLM
     space: str | None = None  # model key of the Space Tool VLM (defaults to browser)
     grounding: str | None = None  # model key of the Grounding Tool VLM (defaults to browser)

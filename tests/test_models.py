@@ -286,8 +286,8 @@ def test_hub_missing_backend_module_is_a_model_error(monkeypatch):
     hub = ModelHub({"big": ModelSpec(kind="chat", backend="vllm", path="/models/qwen")})
     with pytest.raises(ModelError, match=r"model 'big': backend 'vllm' is unavailable"):
         hub.chat("big")
-    hub = ModelHub({"s": ModelSpec(kind="chat", backend="synth", path="x")})
-    with pytest.raises(ModelError, match=r"model 's': backend 'synth' has no chat models"):
+    hub = ModelHub({"s": ModelSpec(kind="chat", backend="open_clip", clip_name="x")})
+    with pytest.raises(ModelError, match=r"model 's': backend 'open_clip' has no chat models"):
         hub.chat("s")
 
 

@@ -652,11 +652,14 @@ class Trainer:
                               "step": t_end - t0})
 
     def _team(self, step: int):
-        """A team whose sampling seeds derive from (seed, step), so rollouts repeat exactly after a resume."""
+        """One team for the whole run (so CLIP embeddings and decoded frames are reused), reseeded
+        from (seed, step) so rollouts repeat exactly after a resume."""
         from m1.team.cpp import Team
 
-        sampling = self.team_cfg.sampling.model_copy(update={"seed": derive_seed(self.cfg.seed, step, "sampling")})
-        return Team(self.team_cfg.model_copy(update={"sampling": sampling}), hub=self.hub, pool=self.pool)
+        if getattr(self, "_team_obj", None) is None:
+            self._team_obj = Team(self.team_cfg, hub=self.hub, pool=self.pool)
+        self._team_obj.reseed(derive_seed(self.cfg.seed, step, "sampling"))
+        return self._team_obj
 
     def lr_at(self, step: int) -> float:
         lr = self.cfg.learner.learning_rate()

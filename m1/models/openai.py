@@ -96,6 +96,7 @@ def parse_retry_after(headers: Any) -> float | None:
 class _OpenAIBackend:
     """Shared client, retry loop, concurrency and key hygiene for the chat and vision models."""
 
+    remote = True  # I/O-bound: the engine may call several such models of one phase at once
     backoff_base = 0.5  # seconds; attempt k sleeps uniform(0, min(cap, base * 2**k))
     backoff_cap = 20.0
     retry_after_cap = 60.0  # never wait longer than this on a server's Retry-After

@@ -84,6 +84,11 @@ class Team:
         self.order = [a.name for a in self.agents]
         self._clip_index = None
         self._calls = 0
+        self._seed = cfg.sampling.seed
+
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling seed sequence (exact resume of training rollouts)."""
+        self._seed, self._calls = seed, 0
 
     # ------------------------------------------------------------------ entry point
     def run(self, questions: list[Question], topologies: list[Topology] | None = None,
@@ -181,15 +186,21 @@ class Team:
                     self._write_turn(ep, name, st, tool, output="", error=f"{tool}: {exc}")
                 ep.timings["tools"] += time.perf_counter() - t0
                 ep.timings["decode"] += ep.video.decode_seconds - d0
-        for model_key, items in pending.items():
-            from m1.tools import browse
+        from m1.tools import browse
 
-            model = self.hub.vision(model_key)
+        jobs = []
+        for model_key, items in pending.items():
             params = SamplingParams(max_new_tokens=max(browse.max_tokens(i[2], i[3]) for i in items),
                                     temperature=0.0, logprobs=False)
+            jobs.append((self.hub.vision(model_key), items, params))
+
+        def one(job):
+            model, items, params = job
             t0 = time.perf_counter()
             replies = model.describe([i[5] for i in items], params)
-            dt = (time.perf_counter() - t0) / len(items)
+            return replies, (time.perf_counter() - t0) / len(items)
+
+        for (_, items, _), (replies, dt) in zip(jobs, _map_models(one, jobs, [j[0] for j in jobs])):
             for (ep, name, tool, ctx, focus, _req, idx), reply in zip(items, replies):
                 ep.timings["vision"] += dt
                 res = browse.finish(tool, ctx, focus, reply, idx)
@@ -288,21 +299,32 @@ class Team:
                 ep.aggregation += " (summary unreadable: fallback)"
 
     # ------------------------------------------------------------------ helpers
-    def _generate(self, calls: list[_Call]) -> Iterable[tuple[_Call, Generation]]:
-        """One generate call per (model, temperature) for all `calls`; yields them in order."""
+    def _generate(self, calls: list[_Call]) -> list[tuple[_Call, Generation]]:
+        """One generate call per (model, temperature) for all `calls`, returned in call order.
+
+        Calls to different remote models (OpenAI-compatible servers) of one phase overlap in
+        threads, so a team whose agents are served separately waits for the slowest, not the sum;
+        local models run one after another (they share the CPU/GPU anyway)."""
         groups: dict[tuple[str, float], list[_Call]] = defaultdict(list)
         for c in calls:
             temp = c.agent.temperature if c.agent.temperature is not None else self.cfg.sampling.temperature
             groups[(c.agent.model, temp)].append(c)
-        done: dict[int, Generation] = {}
+        jobs = []
         for (model_key, temp), group in groups.items():
-            model = self.hub.chat(model_key)
             self._calls += 1
             params = SamplingParams(max_new_tokens=max(c.max_tokens for c in group), temperature=temp,
-                                    top_p=self.cfg.sampling.top_p, seed=self.cfg.sampling.seed + self._calls)
+                                    top_p=self.cfg.sampling.top_p, seed=self._seed + self._calls)
+            jobs.append((self.hub.chat(model_key), group, params))
+
+        def one(job):
+            model, group, params = job
             t0 = time.perf_counter()
             outs = model.generate([ChatRequest(c.messages) for c in group], params)
-            dt = (time.perf_counter() - t0) / len(group)
+            return outs, (time.perf_counter() - t0) / len(group)
+
+        results = _map_models(one, jobs, [j[0] for j in jobs])
+        done: dict[int, Generation] = {}
+        for (_, group, _), (outs, dt) in zip(jobs, results):
             for c, o in zip(group, outs):
                 c.ep.timings["llm"] += dt
                 gen = Generation(agent=c.agent.name, phase=c.phase, step=c.step, prompt=c.messages,
@@ -330,7 +352,7 @@ class Team:
         if self._clip_index is None:
             from m1.tools.clip_index import ClipIndex
 
-            self._clip_index = ClipIndex(self.hub.clip(self.cfg.tools.clip))
+            self._clip_index = ClipIndex(self.hub.clip(self.cfg.tools.clip), cache_dir=self.cfg.tools.clip_cache_dir)
         return self._clip_index
 
     def _vision_key(self, tool: str) -> str:
@@ -355,6 +377,16 @@ class Team:
     @property
     def generate_calls(self) -> int:
         return self._calls
+
+
+def _map_models(fn: Callable, jobs: list, models: list) -> list:
+    """`fn` over jobs; in threads when there are several and all are remote (I/O-bound)."""
+    if len(jobs) > 1 and all(getattr(m, "remote", False) for m in models):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            return list(pool.map(fn, jobs))
+    return [fn(j) for j in jobs]
 
 
 def _mean(xs: list[float] | None) -> float | None:
