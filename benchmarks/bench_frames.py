@@ -42,7 +42,7 @@ class CountingReader:
         return getattr(self._reader, name)
 
 
-def counting_pool():
+def counting_pool(max_bytes: int):
     from m1.video import VideoPool
 
     class CountingPool(VideoPool):
@@ -54,7 +54,7 @@ def counting_pool():
             reader = super().open(path)
             return CountingReader(reader, self.requested.setdefault(str(reader.path), []))
 
-    return CountingPool()
+    return CountingPool(max_bytes=max_bytes)
 
 
 def team_cfg():
@@ -80,7 +80,7 @@ def episode_counts(cfg, clip_model, video: str, n_episodes: int) -> dict:
         hub.register(key, ScriptedChat(key, plan))
     hub.register("vlm", CannedVision())
     hub.register("clip", clip_model)
-    pool = counting_pool()
+    pool = counting_pool(cfg.limits.frame_cache_mb << 20)  # the cache size the engine uses
     team = Team(cfg, hub=hub, pool=pool)
     qs = [Question(id=f"q{i}", video=video, text="What colour is the square at 01:00?",
                    options=["white", "red", "blue", "green"], task="mcq") for i in range(n_episodes)]

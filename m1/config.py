@@ -133,6 +133,7 @@ class LimitsConfig(Strict):
     answer_tokens: int = 256
     summary_tokens: int = 256
     batch_episodes: int = Field(8, ge=1)
+    frame_cache_mb: int = Field(4096, ge=16)  # decoded frames shared by all agents/episodes (LRU)
 
 
 class SamplingConfig(Strict):

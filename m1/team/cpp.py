@@ -78,7 +78,7 @@ class Team:
 
         self.cfg = cfg
         self.hub = hub if hub is not None else ModelHub(cfg.models)
-        self.pool = pool if pool is not None else VideoPool()
+        self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20)
         self.agents = [PolicyAgent(a, cfg.tools.enabled) for a in cfg.agents]
         self.by_name = {a.name: a for a in self.agents}
         self.order = [a.name for a in self.agents]
