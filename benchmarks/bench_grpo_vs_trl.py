@@ -146,7 +146,7 @@ class OurSide:
                           advantage=float(adv[g, r]), temperature=1.0)
                    for g in range(len(chats)) for r in range(k)]
         self.clock.now["rewards + advantages"] += time.perf_counter() - t
-        self.learner.update(samples, a.lr, "grpo")
+        self.stats = self.learner.update(samples, a.lr, "grpo")
         total = time.perf_counter() - t0
         self.clock.close_step(total)
         self.lengths += [len(c.completion_ids) for c in comps]
@@ -155,7 +155,7 @@ class OurSide:
 
 def build_trl(folder: str, args, chats, answers, callbacks):
     from datasets import Dataset
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -167,10 +167,12 @@ def build_trl(folder: str, args, chats, answers, callbacks):
                      generation_kwargs={"min_new_tokens": args.tokens}, temperature=1.0, top_p=1.0, top_k=0,
                      learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
                      beta=args.beta, epsilon=0.2, loss_type="grpo", scale_rewards="group",
-                     shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                     bf16=False, dataloader_num_workers=0, seed=args.seed, disable_tqdm=True)
+                     shuffle_dataset=False, logging_steps=args.warmup + args.steps, save_strategy="no",
+                     report_to="none", use_cpu=True, bf16=False, dataloader_num_workers=0, seed=args.seed,
+                     disable_tqdm=True)
     trainer = GRPOTrainer(model=folder, processing_class=tok, reward_funcs=[trl_length, trl_answer], args=cfg,
                           train_dataset=ds, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # its metric dicts would bury the table
     return trainer
 
 
@@ -185,13 +187,16 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: usable CPUs)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads, both sides (1: on a shared 2-core machine two threads stall each other)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    if args.steps < 1 or args.warmup < 0:
-        raise SystemExit(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.steps < 1 or args.warmup < 0 or args.threads < 1:
+        raise SystemExit(f"--steps and --threads must be >= 1 and --warmup >= 0, got {args.steps}, "
+                         f"{args.threads} and {args.warmup}")
 
     import os
+    import warnings
 
     import torch
     from transformers import TrainerCallback
@@ -199,7 +204,9 @@ def main() -> None:
     from m1.config import TinySpec
     from m1.models.tiny import ensure_tiny
 
-    threads = args.threads or len(os.sched_getaffinity(0))
+    # TRL's config and the Trainer emit deprecation notices about their own internals on every run
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    threads = args.threads
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     folder = str(ensure_tiny(TinySpec(arch="qwen2", hidden_size=args.hidden, layers=args.layers, heads=4,
@@ -216,8 +223,11 @@ def main() -> None:
     class Alternate(TrainerCallback):
         """Times each TRL step, then runs one of ours on the same prompts before TRL's next step."""
 
-        def on_train_begin(self, targs, state, control, optimizer=None, **kw):
-            trl_clock.wrap(optimizer, "step", "clip + optimizer")
+        def on_pre_optimizer_step(self, targs, state, control, **kw):
+            self.t_opt = time.perf_counter()
+
+        def on_optimizer_step(self, targs, state, control, **kw):
+            trl_clock.now["clip + optimizer"] += time.perf_counter() - self.t_opt
 
         def on_step_begin(self, targs, state, control, **kw):
             self.t0 = time.perf_counter()
@@ -267,7 +277,14 @@ def main() -> None:
     res.add("batch", f"{args.prompts} prompts x {args.generations} generations x {args.tokens} tokens (forced), "
                      f"beta {args.beta}, lr {args.lr}, loss grpo")
     res.add("setup (load both, not timed)", f"{setup_s:.2f} s")
+    trl_opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    res.add("optimizers", f"ours {type(ours.learner.optimizer).__name__}, TRL {type(trl_opt).__name__} "
+                          f"(optim={trainer.args.optim})")
     res.add("steps", f"{args.warmup} warm-up + {args.steps} timed per side, alternating")
+    st = ours.stats
+    res.add("ours, last update", f"loss {st['loss']:.3g}, kl {st.get('kl', float('nan')):.3g}, grad norm "
+                                 f"{st['grad_norm']:.3g}, mean |recomputed - sampled log-prob| "
+                                 f"{st.get('logp_gap', float('nan')):.2g}")
     res.add("TRL per-step times (s)", ", ".join(f"{r['step']:.3f}" for r in trl_clock.steps[args.warmup:]))
     res.add("ours per-step times (s)", ", ".join(f"{r['step']:.3f}" for r in ours.clock.steps[args.warmup:]))
     pieces = ["generation", "rewards + advantages", "logprobs (reference)", "logprobs (policy, grad)", "backward",
@@ -277,8 +294,12 @@ def main() -> None:
                 f"{om.get(piece, 0.0) * 1e3:.1f} ms / {tm.get(piece, 0.0) * 1e3:.1f} ms")
     note = ""
     if ratio > TARGET:
+        share = ", ".join(f"{k} {om.get(k, 0.0) / om['step']:.0%}" for k in pieces
+                          if om.get(k, 0.0) >= 0.05 * om["step"])
         gaps = sorted(((om.get(k, 0.0) - tm.get(k, 0.0), k) for k in pieces), reverse=True)
-        note = "largest excess over TRL: " + ", ".join(f"{k} +{d * 1e3:.0f} ms" for d, k in gaps[:3] if d > 0)
+        note = (f"our step: {share}; slower than TRL in: "
+                + (", ".join(f"{k} +{d * 1e3:.0f} ms" for d, k in gaps[:3] if d > 0) or "nothing")
+                + "; see README")
     res.figures.append(Figure(
         figure=f"GRPO step, one agent, Qwen2 H={args.hidden} L={args.layers}, "
                f"{args.prompts}x{args.generations}x{args.tokens} tokens, beta {args.beta} (median of {args.steps})",
