@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from pydantic import ValidationError
 
+from m1.agents.parsers import format_span as format_answer_span
 from m1.schema import LETTERS, Question
 
 
@@ -127,13 +128,9 @@ def _finite(value: Any, key: str) -> float:
     return x
 
 
-def _fmt_seconds(x: float) -> str:
-    return repr(float(x))
-
-
 def format_span(start: float, end: float) -> str:
     """The grounding answer format used across M1: `[s - e]` in seconds."""
-    return f"[{_fmt_seconds(start)} - {_fmt_seconds(end)}]"
+    return format_answer_span((start, end))
 
 
 def _read_json(path: Path, *, allow_trailing_commas: bool = False) -> Any:

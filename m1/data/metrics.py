@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from m1.agents.parsers import parse_span as parse_text_span
 from m1.schema import LETTERS, Question
 
 Preds = Mapping[str, Any]
@@ -74,30 +75,9 @@ def extract_choice(pred: Any, options: Sequence[str] | int) -> str:
     return best[2] if best else ""
 
 
-_TIME = r"(\d{1,2}:\d{2}(?::\d{2})?(?:\.\d+)?|\d+(?:\.\d+)?)"
-_UNIT = r"\s*(?:s|sec|secs|seconds?)?\s*"
-_SEP = r"(?:-|–|—|~|to|,)"
-_SPAN_PATTERNS = (
-    re.compile(rf"\[\s*{_TIME}{_UNIT}{_SEP}\s*{_TIME}{_UNIT}\]", re.I),
-    re.compile(rf"{_TIME}{_UNIT}(?:-|–|—|~|to)\s*{_TIME}", re.I),
-)
-
-
-def _seconds(token: str) -> float:
-    if ":" in token:
-        value = 0.0
-        for part in token.split(":"):
-            value = value * 60 + float(part)
-        return value
-    return float(token)
-
-
 def parse_span(pred: Any) -> tuple[float, float] | None:
-    """Read the first `[s - e]` span (seconds, or mm:ss / hh:mm:ss) from text; None if absent.
-
-    A bracketed span wins over a bare "s - e" / "s to e" range. Reversed ends are swapped. A pair
-    of numbers (list/tuple) is accepted as is.
-    """
+    """A predicted span: a (start, end) pair as is, or text read by the agents' span parser
+    (`[s - e]`, `s-e`, `from s to e`, mm:ss forms; reversed ends swapped); None if absent."""
     if pred is None:
         return None
     if isinstance(pred, (list, tuple)):
@@ -107,18 +87,10 @@ def parse_span(pred: Any) -> tuple[float, float] | None:
             s, e = float(pred[0]), float(pred[1])
         except (TypeError, ValueError):
             return None
-    else:
-        text = str(pred)
-        for pattern in _SPAN_PATTERNS:
-            m = pattern.search(text)
-            if m:
-                s, e = _seconds(m.group(1)), _seconds(m.group(2))
-                break
-        else:
+        if not (math.isfinite(s) and math.isfinite(e)):
             return None
-    if not (math.isfinite(s) and math.isfinite(e)):
-        return None
-    return (s, e) if s <= e else (e, s)
+        return (s, e) if s <= e else (e, s)
+    return parse_text_span(str(pred))
 
 
 _UNITS = {w: i for i, w in enumerate(

@@ -137,6 +137,26 @@ def _completions(out, prompt_len: int, prompts: list[list[int]], tokenizer, eos:
     return results
 
 
+def _load_into(obj, spec: ModelSpec, name: str, max_batch: int | None, processor_cls, model_cls) -> str:
+    """Shared loading of the chat and vision models: source, device, dtype, eval mode, counters.
+    Sets `obj.processor` (a tokenizer or a processor) and `obj.model`; returns the source."""
+    obj.name, obj.spec, obj.max_batch, obj.calls = name, spec, max_batch, 0
+    obj._lock = threading.Lock()
+    source, local_only = resolve_source(spec, name)
+    obj.device = resolve_device(spec.device)
+    try:
+        obj.processor = processor_cls.from_pretrained(source, local_files_only=local_only)
+        obj.model = model_cls.from_pretrained(source, **_model_kwargs(spec, obj.device, local_only))
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelError(f"model {name!r}: cannot load {source!r}: {exc}") from exc
+    obj.model.to(obj.device).eval()
+    tok = getattr(obj.processor, "tokenizer", obj.processor)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return source
+
+
 class HFChatModel:
     """A causal LM from a local folder, a hub id or a tiny config; batched chat generation."""
 
@@ -145,23 +165,8 @@ class HFChatModel:
             raise ModelError(f"model {name!r}: HFChatModel needs kind 'chat', got {spec.kind!r}")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.name = name
-        self.spec = spec
-        self.max_batch = max_batch
-        self.calls = 0
-        self._lock = threading.Lock()
-        source, local_only = resolve_source(spec, name)
-        self.device = resolve_device(spec.device)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-            self.model = AutoModelForCausalLM.from_pretrained(
-                source, **_model_kwargs(spec, self.device, local_only))
-        except (OSError, ValueError, ImportError) as exc:
-            raise ModelError(f"model {name!r}: cannot load {source!r}: {exc}") from exc
-        self.model.to(self.device).eval()
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        source = _load_into(self, spec, name, max_batch, AutoTokenizer, AutoModelForCausalLM)
+        self.tokenizer = self.processor
         if self.tokenizer.chat_template is None:
             raise ModelError(f"model {name!r}: tokenizer in {source!r} has no chat template")
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
@@ -245,24 +250,8 @@ class HFVisionModel:
             raise ModelError(f"model {name!r}: HFVisionModel needs kind 'vision', got {spec.kind!r}")
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        self.name = name
-        self.spec = spec
-        self.max_batch = max_batch
-        self.calls = 0
-        self._lock = threading.Lock()
-        source, local_only = resolve_source(spec, name)
-        self.device = resolve_device(spec.device)
-        try:
-            self.processor = AutoProcessor.from_pretrained(source, local_files_only=local_only)
-            self.model = AutoModelForImageTextToText.from_pretrained(
-                source, **_model_kwargs(spec, self.device, local_only))
-        except (OSError, ValueError, ImportError) as exc:
-            raise ModelError(f"model {name!r}: cannot load {source!r}: {exc}") from exc
-        self.model.to(self.device).eval()
+        source = _load_into(self, spec, name, max_batch, AutoProcessor, AutoModelForImageTextToText)
         self.tokenizer = self.processor.tokenizer
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
         vp = getattr(self.processor, "video_processor", None)
         if vp is None:
             raise ModelError(f"model {name!r}: processor in {source!r} has no video processor")
