@@ -35,6 +35,7 @@ def infer(
 ) -> None:
     """Answer questions about a folder of videos with a team of policy agents."""
     from m1.config import ConfigError, load_team
+    from m1.models.base import ModelError
     from m1.run import InputError, build_questions, run_questions
 
     try:
@@ -45,7 +46,10 @@ def infer(
         _fail(str(exc))
     for msg in issues:
         typer.secho(f"skipped: {msg}", fg=typer.colors.YELLOW, err=True)
-    summary = run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit)
+    try:
+        summary = run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit)
+    except ModelError as exc:  # finished questions are already in `out`; a rerun resumes
+        _fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)")
     typer.echo(summary.describe())
 
 
@@ -65,6 +69,7 @@ def eval_(
     from m1.config import ConfigError, load_team
     from m1.data.loaders import load_benchmark
     from m1.data.metrics import format_table, score_benchmark
+    from m1.models.base import ModelError
     from m1.run import ResultsFile, run_questions
 
     try:
@@ -78,7 +83,10 @@ def eval_(
         _fail(f"{annotations}: no usable questions ({len(issues)} skipped)")
     out.mkdir(parents=True, exist_ok=True)
     preds_path = out / "predictions.jsonl"
-    summary = run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit)
+    try:
+        summary = run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit)
+    except ModelError as exc:
+        _fail(f"{exc}\n(predictions so far are kept in {preds_path}; rerun to resume)")
     typer.echo(summary.describe())
     rows = ResultsFile(preds_path).read()
     preds = {r["id"]: r["answer"] for r in rows if r.get("answer") is not None}
@@ -105,10 +113,12 @@ def demo(
     from m1.config import ConfigError
     from m1.demo import run_demo
 
+    from m1.models.base import ModelError
+
     try:
         run_demo(out, team, videos=videos, seed=seed, duration=duration,
                  questions_per_video=questions_per_video, overrides=overrides or [], echo=typer.echo)
-    except ConfigError as exc:
+    except (ConfigError, ModelError) as exc:
         _fail(str(exc))
 
 

@@ -115,3 +115,8 @@ def test_infer_clear_errors(folder, tmp_path):
     p = _infer(tmp_path / "nowhere", tmp_path / "o.jsonl", ["--question", "x"])
     _, err = p.communicate(timeout=120)
     assert p.returncode == 2 and "nowhere" in err
+    # a model that cannot be loaded is a clear error naming it, not a traceback
+    p = _infer(folder, tmp_path / "o.jsonl", ["--question", "x", "--team", "tiny", "--set", "models.q3_big.tiny=null",
+                                              "--set", f"models.q3_big.path={tmp_path / 'no-such-model'}"])
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 2 and "q3_big" in err and "no-such-model" in err and "Traceback" not in err
