@@ -38,6 +38,9 @@ def _tiny_source(spec: ModelSpec) -> tuple[str, str]:
     return name, str(folder / CLIP_CHECKPOINT)
 
 
+SYNTH_CLIP = "m1-synth"  # clip_name of the world's own CLIP (`m1 synth train-clip`)
+
+
 class OpenClipModel:
     """CLIP embeddings, L2-normalised float32 rows, computed in batches."""
 
@@ -56,6 +59,11 @@ class OpenClipModel:
         self._lock = threading.Lock()
         if spec.tiny is not None:
             arch, pretrained = _tiny_source(spec)
+        elif spec.clip_name == SYNTH_CLIP:  # the M1-Synth CLIP: trained on first use, then cached
+            from m1.synth.clip_train import ensure_synth_clip, model_files
+
+            cfg_path, ckpt = model_files(ensure_synth_clip())
+            arch, pretrained = register_config(cfg_path), str(ckpt)
         else:
             arch, pretrained = spec.clip_name, spec.pretrained
             if arch and arch.endswith(".json"):  # a custom config file, e.g. a trained synth CLIP

@@ -83,8 +83,9 @@ def make(out: Path = typer.Argument(..., help="Output folder (created if missing
 @app.command("train-clip")
 def train_clip_cmd(out: Path = typer.Option(..., "--out", help="Folder for the trained CLIP (created if missing)."),
                    seed: int = typer.Option(0, "--seed", help="Training seed (worlds, batches, init)."),
-                   steps: int = typer.Option(1200, "--steps", help="Optimizer steps."),
-                   videos: int = typer.Option(8, "--videos", help="Training worlds (5 min each)."),
+                   steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (default: the recipe's)."),
+                   videos: int | None = typer.Option(None, "--videos",
+                                                        help="Training worlds, 5 min each (default: the recipe's)."),
                    eval_videos: int = typer.Option(4, "--eval-videos", help="Held-out videos for evaluation."),
                    eval_seed: int = typer.Option(1000, "--eval-seed", help="Seed of the held-out videos.")) -> None:
     """Train the tiny M1-Synth CLIP into OUT, evaluate retrieval (trained vs random init), print it."""
@@ -92,13 +93,15 @@ def train_clip_cmd(out: Path = typer.Option(..., "--out", help="Folder for the t
 
     from m1.synth.clip_train import METRICS, evaluate_clip, format_table, model_files, train_clip
 
+    given = {k: v for k, v in (("steps", steps), ("videos", videos)) if v is not None}
     try:
-        folder = train_clip(out, seed=seed, steps=steps, videos=videos)
+        folder = train_clip(out, seed=seed, **given)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     metrics = _json.loads((folder / METRICS).read_text())
-    typer.echo(f"trained {steps} steps in {metrics['train_seconds']:.0f} s (+{metrics['data_seconds']:.0f} s data); "
-               f"loss {metrics['first_loss']:.3f} -> {metrics['last_loss_mean20']:.3f}")
+    typer.echo(f"trained {metrics['params']['steps']} steps in {metrics['train_seconds']:.0f} s "
+               f"(+{metrics['data_seconds']:.0f} s data); loss {metrics['first_loss']:.3f} -> "
+               f"{metrics['last_loss_mean20']:.3f}")
     result = evaluate_clip(folder, videos=eval_videos, seed=eval_seed, progress=True)
     metrics["eval"] = {k: v for k, v in result.items() if k != "rows"}
     (folder / METRICS).write_text(_json.dumps(metrics, indent=1) + "\n")
