@@ -149,7 +149,11 @@ class TeacherChatModel:
         notes = _notes(text)
         q = _question(text)
         grounding = "##Timestamp" in text
-        mine = [n for n in notes if n["agent"] == (notes[0]["agent"] if notes else None)]
+        mcq = "Options:" in text
+        if mcq:  # only option letters can answer a multiple-choice question
+            notes = [n for n in notes if re.fullmatch(r"[A-Z]", (n["answer"] or "").strip())]
+        me = re.search(r"^\[([^\]]+)\] plan:", text, re.M)  # the agent's own record comes first
+        mine = [n for n in notes if me and n["agent"] == me.group(1)]
         own = [n for n in mine if _confident(n)]
         if own:
             ans, why = own[-1]["answer"], f"my {own[-1]['tool']} saw it"
@@ -158,8 +162,7 @@ class TeacherChatModel:
             if peers:
                 ans, why = peers.most_common(1)[0][0], "taken from a peer whose browser saw it"
             else:
-                mcq = "Options:" in text
-                guesses = [n["answer"] for n in mine if n["answer"] and (not mcq or re.fullmatch(r"[A-Z]", n["answer"]))]
+                guesses = [n["answer"] for n in mine if n["answer"]]
                 ans, why = (guesses[-1] if guesses else ("A" if mcq else "0")), "a guess"
         if grounding:
             span = parse_span(ans or "")

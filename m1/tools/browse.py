@@ -69,6 +69,7 @@ def prepare(tool: str, ctx: ToolContext, focus: Focus) -> tuple[VisionRequest, l
 
 
 _ANSWER = re.compile(r"##\s*answer\s*:\s*(.+)", re.IGNORECASE)
+_TIMESTAMP = re.compile(r"##\s*timestamps?\s*:\s*(.+)", re.IGNORECASE)
 
 
 def finish(tool: str, ctx: ToolContext, focus: Focus, completion: Completion, idx: list[int]) -> ToolResult:
@@ -82,8 +83,9 @@ def finish(tool: str, ctx: ToolContext, focus: Focus, completion: Completion, id
     m = _ANSWER.search(text)
     answer = m.group(1).strip()[:200] if m else None
     span = None
-    if tool == "Grounding Tool":
-        span = parse_span(text)
+    if tool == "Grounding Tool":  # the span comes from the ##Timestamp line, not from times in the prose
+        stamp = _TIMESTAMP.search(text)
+        span = parse_span(stamp.group(1)) if stamp else None
         s0, e0 = focus.span
         if span and not (s0 - 1e-6 <= span[0] and span[1] <= e0 + 1e-6) and span[1] <= (e0 - s0) + 1e-6:
             span = (span[0] + s0, span[1] + s0)
