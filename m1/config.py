@@ -33,6 +33,10 @@ class TinySpec(Strict):
     intermediate_size: int | None = None
     image_size: int = 64  # open_clip only
     seed: int = 0
+    # Tokenizer corpus (chat models): "default" = a built-in text; "synth" = the prompts and replies of a
+    # teacher-team run on M1-Synth, so the world's prompts become short token runs (the mini team).
+    # Added for the mini team (m1/models/tiny.py handles it).
+    corpus: Literal["default", "synth"] = "default"
 
 
 class ModelSpec(Strict):

@@ -98,16 +98,33 @@ def _default_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024):
-    """Train a byte-level BPE with Qwen-style special tokens and chat template (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# Qwen2's pre-tokenizer split (words, single digits, punctuation runs, newlines). transformers loads any
+# folder whose config says `qwen2` with its Qwen2Tokenizer class, which imposes this split whatever the
+# saved tokenizer.json says; training the BPE on the same split keeps the merges valid for every arch.
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+              r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024, qwen_split: bool = False):
+    """Train a byte-level BPE with Qwen-style special tokens and chat template (deterministic).
+
+    `qwen_split`: pre-tokenize (and normalise, NFC) exactly as transformers' Qwen2Tokenizer does, so
+    the trained merges survive loading the tokenizer through a qwen2 model folder.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     texts = list(corpus) if corpus is not None else _default_corpus()
     if not texts:
         raise ModelError("build_tokenizer: the corpus is empty")
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if qwen_split:
+        bpe.normalizer = normalizers.NFC()
+        bpe.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -122,12 +139,150 @@ def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024):
     return tok
 
 
+# ------------------------------------------------------------------------------------------ synth corpus
+# Bump when the corpus or tokenizer recipe below changes: the tokenizer folder name carries it.
+SYNTH_CORPUS_VERSION = 2
+SYNTH_VOCAB = 4096  # BPE over Qwen-split words; this corpus has fewer distinct pieces than that
+PHRASE_VOCAB = 8192  # the line-level BPE that proposes multi-word phrases
+PHRASE_MIN_COUNT = 8
+# The mini team's agent names and browser token budgets (configs/team/mini.yaml): the corpus run uses
+# the same, so the lines the mini agents read most often become single tokens.
+SYNTH_AGENTS = ("qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small")
+SYNTH_BROWSER_TOKENS = 40
+
+
+def mine_phrases(texts: list[str], vocab_size: int = PHRASE_VOCAB, min_count: int = PHRASE_MIN_COUNT) -> list[str]:
+    """Multi-word phrases that recur in `texts` (prompt boilerplate), to become single added tokens.
+
+    A BPE whose merges may cross spaces (text split at newlines only) finds the recurring chunks; a
+    chunk is kept when it has >= 2 words, no digit, no trailing answer letter, occurs >= `min_count`
+    times and every occurrence starts and ends on a word boundary (so it never cuts a word).
+    """
+    import re
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split("\n", behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    seen: dict[int, list[int]] = {}
+    for enc, text in zip(bpe.encode_batch(texts), texts):
+        for tid, (s, e) in zip(enc.ids, enc.offsets):
+            piece = text[s:e]
+            left = s == 0 or not (text[s - 1].isalnum() and piece[:1].isalnum())
+            right = e == len(text) or not (text[e].isalnum() and piece[-1:].isalnum())
+            st = seen.setdefault(tid, [0, 0])
+            st[0] += 1
+            st[1] += left and right
+    letter_end = re.compile(r"(^|[\s:(])[A-Z]\W*$")
+    out = []
+    for tid, (n, aligned) in seen.items():
+        piece = bpe.decode([tid])
+        if (n >= min_count and aligned == n and len(piece.split()) >= 2 and "\n" not in piece
+                and not any(c.isdigit() for c in piece) and not letter_end.search(piece)):
+            out.append(piece)
+    return sorted(set(out), key=lambda p: (-len(p), p))
+
+
+def synth_tokenizer(texts: list[str]):
+    """Words by Qwen's split (valid for every arch), plus recurring phrases, clock times, agent tags as tokens."""
+    from tokenizers import AddedToken
+
+    tok = build_tokenizer(texts, vocab_size=SYNTH_VOCAB, qwen_split=True)
+    extra = mine_phrases(texts)
+    extra += [f"{m:02d}:{s:02d}" for m in range(21) for s in range(60)]  # "01:15" as one token
+    extra += [str(i) for i in range(10, 121)]  # Qwen's split would cut every number into single digits
+    extra += [f"[{a}]" for a in SYNTH_AGENTS]
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in extra])
+    return tok
+
+
+def synth_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: float = 120.0) -> list[str]:
+    """Prompts and replies of a rule-based teacher team on a small M1-Synth world.
+
+    Every phase's real prompt (plan, communicate, answer, summary) with real tool notes (a tiny
+    random CLIP for retrieval, the pixel-reading synth vision model for browsing), so the
+    tokenizer learns the words and lines the mini team reads. The world seed is fixed and apart
+    from any training or evaluation seed; the built-in corpus is appended for general coverage.
+    """
+    from m1.config import TeamConfig
+    from m1.run import read_questions
+    from m1.synth.make import make_dataset
+    from m1.team.cpp import Team
+
+    qfile = make_dataset(Path(workdir), videos, seed, duration=duration, questions_per_video=12, progress=False)
+    questions, issues = read_questions(qfile, qfile.parent)
+    if issues or not questions:
+        raise ModelError(f"synth tokenizer corpus: bad questions in {qfile}: {issues[:3]}")
+    teachers = {f"t{i}": {"kind": "chat", "backend": "synth", "error_rate": rate, "seed": i}
+                for i, rate in enumerate((0.0, 0.1, 0.2, 0.3))}
+    clip = {"kind": "clip", "backend": "open_clip", "device": "cpu",
+            "tiny": {"arch": "open_clip", "hidden_size": 64, "layers": 2, "image_size": 64, "seed": 6}}
+    budget = SYNTH_BROWSER_TOKENS
+    cfg = TeamConfig.model_validate({
+        "name": "corpus", "models": {**teachers, "vision": {"kind": "vision", "backend": "synth"}, "clip": clip},
+        "agents": [{"name": name, "model": f"t{i}"} for i, name in enumerate(SYNTH_AGENTS)],
+        "tools": {"browser": "vision", "clip": "clip", "rough_tokens": budget, "fine_tokens": budget,
+                  "space_tokens": budget, "grounding_tokens": budget},
+        "limits": {"max_turns": 4, "batch_episodes": 16}})
+    texts: list[str] = []
+    for ep in Team(cfg).run(questions):
+        for gen in ep.generations:
+            texts += [m["content"] for m in gen.prompt if isinstance(m.get("content"), str)]
+            texts.append(gen.completion)
+    return texts + _default_corpus()
+
+
+def ensure_synth_tokenizer(root: Path) -> Path:
+    """The folder of the M1-Synth tokenizer under `root`, built once and shared by every model."""
+    from transformers import AutoTokenizer  # noqa: F401  (fail early if transformers is missing)
+
+    final = Path(root) / f"tokenizer-synth-v{SYNTH_CORPUS_VERSION}"
+    if (final / "tokenizer_config.json").is_file():
+        return final
+    Path(root).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        tok = synth_tokenizer(synth_corpus(tmp / "world"))
+        shutil.rmtree(tmp / "world")
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if (final / "tokenizer_config.json").is_file():
+                shutil.rmtree(tmp, ignore_errors=True)
+                return final
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _tokenizer_for(spec: TinySpec, root: Path):
+    if spec.corpus == "synth":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(ensure_synth_tokenizer(root), local_files_only=True)
+        tok.padding_side = "left"
+        return tok
+    return build_tokenizer()
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("M1_CACHE") or Path.home() / ".cache" / "m1") / "tiny"
 
 
 def spec_hash(spec: TinySpec) -> str:
-    payload = json.dumps({"recipe": RECIPE_VERSION, **spec.model_dump()}, sort_keys=True)
+    fields = spec.model_dump()
+    if fields.get("corpus") == "default":  # keeps the hashes (cache folders) of specs older than the field
+        fields.pop("corpus")
+    payload = json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -198,7 +353,7 @@ def _build_text(spec: TinySpec, out: Path) -> None:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     head_dim = _head_dim(spec)
-    tok = build_tokenizer()
+    tok = _tokenizer_for(spec, out.parent)
     common = _text_common(spec, tok, 4096)
     torch.manual_seed(spec.seed)
     if spec.arch == "qwen2":
@@ -228,7 +383,7 @@ def _build_vl(spec: TinySpec, out: Path) -> None:
     from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                               Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
 
-    tok = build_tokenizer()
+    tok = _tokenizer_for(spec, out.parent)
     head_dim = _head_dim(spec)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text_cfg = _text_common(spec, tok, 8192)

@@ -1,0 +1,503 @@
+"""The mini team on M1-Synth: untrained, SFT on the rule-based teacher, SFT + MARL, and the teacher team itself,
+each over several training seeds on one held-out question set; writes the table to docs/mini_team.md.
+
+Per seed s: the four tiny agents of configs/team/mini.yaml are initialised from their spec seeds shifted by s,
+fine-tuned on the teacher's kept generations (configs/sft/mini.yaml: each seat learns from the teacher seat of its
+name), then trained with multi-agent GRPO from those weights (configs/marl/mini.yaml). The teacher team's row varies
+its error-draw seeds with s. Every team answers the same held-out questions (a world seed never used in training)
+greedily over the complete graph; accuracy is `m1.data.metrics.is_correct` of the team's final answer.
+
+    python scripts/mini_team.py            # the full run (3 seeds) -> docs/mini_team.md
+    python scripts/mini_team.py --quick    # a short version for CI (1 seed, few questions, few steps)
+
+The held-out set is only ever evaluated: no setting is chosen from it inside this script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from m1.config import TeamConfig, load_team  # noqa: E402
+
+log = logging.getLogger("mini_team")
+
+ROWS = ("untrained", "sft", "sft+marl", "teacher")
+LABELS = {"untrained": "mini team, untrained", "sft": "mini team, SFT", "sft+marl": "mini team, SFT + MARL",
+          "teacher": "teacher team (rule-based)"}
+
+
+@dataclass
+class Budget:
+    """Everything that sets the size (and CPU time) of a run."""
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    train_videos: int = 20
+    eval_videos: int = 8
+    duration: float = 120.0  # seconds per video
+    questions_per_video: int = 10
+    train_seed: int = 1  # world seed of the training questions
+    eval_seed: int = 1001  # world seed of the held-out questions (never trained on)
+    sft_epochs: int | None = None  # None: configs/sft/mini.yaml
+    sft_max_steps: int | None = None
+    marl_steps: int | None = None  # None: configs/marl/mini.yaml
+    marl_questions_per_step: int | None = None
+    progress: bool = True
+    communicate_per_episode: int | None = 1  # communicate examples kept per (question, agent); None: all
+    tiny_clip: bool = False  # a random tiny CLIP instead of the configs' trained one (CI: no 4-minute CLIP training)
+    overrides_sft: list[str] = field(default_factory=list)
+    overrides_marl: list[str] = field(default_factory=list)
+
+
+FULL = Budget()
+QUICK = Budget(seeds=(0,), train_videos=2, eval_videos=1, duration=60.0, questions_per_video=8,
+               sft_epochs=2, marl_steps=2, marl_questions_per_step=2, tiny_clip=True)
+# the random CLIP of configs/team/tiny.yaml, for --quick and tests
+TINY_CLIP = {"kind": "clip", "backend": "open_clip", "device": "cpu",
+             "tiny": {"arch": "open_clip", "hidden_size": 64, "layers": 2, "image_size": 64, "seed": 6}}
+
+
+# ------------------------------------------------------------------------------------------------ configs
+def with_tools(cfg: TeamConfig, clip_cache: Path | None, tiny_clip: bool) -> TeamConfig:
+    """Share one on-disk CLIP embedding cache; optionally swap the CLIP for a random tiny one."""
+    models = dict(cfg.models)
+    if tiny_clip:
+        from m1.config import ModelSpec
+
+        models[cfg.tools.clip] = ModelSpec.model_validate(TINY_CLIP)
+    tools = cfg.tools.model_copy(update={"clip_cache_dir": str(clip_cache) if clip_cache else None})
+    return cfg.model_copy(update={"models": models, "tools": tools})
+
+
+def mini_config(seed: int, weights: dict[str, Path] | None = None, clip_cache: Path | None = None,
+                tiny_clip: bool = False) -> TeamConfig:
+    """The mini team for training seed `seed`: tiny specs with seeds shifted by 1000*seed, or trained weights."""
+    cfg = load_team("mini")
+    models = {}
+    chat_keys = {a.model for a in cfg.agents}
+    for key, spec in cfg.models.items():
+        if key in chat_keys:
+            if weights is not None:
+                agent = next(a.name for a in cfg.agents if a.model == key)
+                spec = spec.model_copy(update={"tiny": None, "path": str(weights[agent])})
+            elif spec.tiny is not None:
+                spec = spec.model_copy(update={"tiny": spec.tiny.model_copy(update={"seed": spec.tiny.seed + 1000 * seed})})
+        models[key] = spec
+    return with_tools(cfg.model_copy(update={"models": models}), clip_cache, tiny_clip)
+
+
+def teacher_config(seed: int, clip_cache: Path | None = None, tiny_clip: bool = False) -> TeamConfig:
+    """configs/team/synth_teacher.yaml with its error-draw seeds shifted by 100*seed (its own tool budgets)."""
+    cfg = load_team("synth_teacher")
+    models = {k: (s.model_copy(update={"seed": s.seed + 100 * seed}) if s.backend == "synth" and s.kind == "chat"
+                  else s) for k, s in cfg.models.items()}
+    return with_tools(cfg.model_copy(update={"models": models}), clip_cache, tiny_clip)
+
+
+def sft_teacher_config(sft_cfg, clip_cache: Path | None, tiny_clip: bool = False) -> TeamConfig:
+    """The teacher that writes SFT data: synth_teacher seated under the students' names, with the students' tools."""
+    return with_tools(sft_cfg.teacher_config(), clip_cache, tiny_clip)
+
+
+# ------------------------------------------------------------------------------------------------ data
+def make_sets(out: Path, b: Budget) -> tuple[list, list]:
+    from m1.run import read_questions
+    from m1.synth.make import make_dataset
+
+    sets = []
+    for name, videos, seed in (("train", b.train_videos, b.train_seed), ("heldout", b.eval_videos, b.eval_seed)):
+        folder = out / name
+        qfile = folder / "questions.jsonl"
+        if not qfile.is_file():
+            make_dataset(folder, videos, seed, duration=b.duration, questions_per_video=b.questions_per_video,
+                         progress=b.progress)
+        qs, issues = read_questions(qfile, folder)
+        if issues:
+            raise ValueError(f"{qfile}: {issues[:3]}")
+        sets.append(qs)
+    train_ids = {(q.video, q.text) for q in sets[0]}
+    if any((q.video, q.text) in train_ids for q in sets[1]):  # different world seeds: must never overlap
+        raise ValueError("held-out questions overlap the training questions")
+    return sets[0], sets[1]
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False) -> dict[str, Any]:
+    """Greedy team answers on `questions`: accuracy, per-family accuracy, strict-format rates per phase."""
+    from m1.data.metrics import is_correct
+    from m1.team.cpp import Team
+
+    team = Team(cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"temperature": 0.0})}), pool=pool)
+    episodes = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(questions), desc=f"eval {cfg.name}", unit="q", leave=False)
+    episodes = team.run(questions, on_episode=(lambda e: bar.update(1)) if bar else None)
+    if bar:
+        bar.close()
+    fam: dict[str, list[bool]] = defaultdict(list)
+    parse: dict[str, list[bool]] = defaultdict(list)
+    for ep in episodes:
+        fam[ep.question.meta.get("family", ep.question.task)].append(bool(is_correct(ep.question, ep.final_answer)))
+        for g in ep.generations:
+            parse[g.phase].append(bool(g.parse_ok))
+    allc = [c for v in fam.values() for c in v]
+    return {"accuracy": sum(allc) / len(allc), "n": len(allc),
+            "family": {f: sum(v) / len(v) for f, v in sorted(fam.items())},
+            "family_n": {f: len(v) for f, v in sorted(fam.items())},
+            "parse_ok": {p: sum(v) / len(v) for p, v in sorted(parse.items())},
+            "failed": sum(e.error is not None for e in episodes)}
+
+
+# ------------------------------------------------------------------------------------------------ training
+def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, tiny_clip: bool = False,
+                   communicate_per_episode: int | None = None):
+    """Teacher generations on the training questions, kept by the paper's rule (cached in out/sft_examples.jsonl).
+
+    `communicate_per_episode` thins the communicate examples (almost all `continue()`, and the longest prompts) to
+    the first N of each agent in each episode: a data budget applied after the keep rule, counted in the stats.
+    """
+    from m1.marl.sft import build_sft_data, read_examples, write_examples
+    from m1.team.cpp import Team
+
+    path = out / "sft_examples.jsonl"
+    if path.is_file():
+        return read_examples(path), json.loads((out / "sft_examples.stats.json").read_text())
+    teacher = Team(sft_teacher_config(sft_cfg, clip_cache, tiny_clip), pool=pool)
+    examples, stats = build_sft_data(teacher, train_qs, sft_cfg.rewards, None, sft_cfg.data.phases,
+                                     sft_cfg.data.rollouts_per_question)
+    if communicate_per_episode is not None:
+        seen: dict[tuple[str, str], int] = defaultdict(int)
+        thinned = []
+        for e in examples:
+            if e.phase == "communicate":
+                seen[(e.question_id, e.agent)] += 1
+                if seen[(e.question_id, e.agent)] > communicate_per_episode:
+                    continue
+            thinned.append(e)
+        stats["thinned_communicate"] = len(examples) - len(thinned)
+        examples = thinned
+    stats["by_phase"] = {ph: sum(e.phase == ph for e in examples) for ph in sorted({e.phase for e in examples})}
+    write_examples(path, examples)
+    (out / "sft_examples.stats.json").write_text(json.dumps(stats, indent=1))
+    return examples, stats
+
+
+def final_weights(run_dir: Path, agents: list[str]) -> dict[str, Path]:
+    """The agents' full-model folders in the newest checkpoint of a run."""
+    from m1.marl.trainer import find_latest_checkpoint
+
+    ckpt = find_latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint was written")
+    out = {a: ckpt / "agents" / a / "model" for a in agents}
+    missing = [str(p) for p in out.values() if not (p / "config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(f"{ckpt}: no full-model folder for {missing} (finetune must be 'full')")
+    return out
+
+
+def run_sft(seed: int, examples, out: Path, b: Budget, clip_cache: Path) -> tuple[dict[str, Path], list[dict]]:
+    from m1.marl.config import load_sft_config
+    from m1.marl.sft import SFTTrainer
+
+    cfg = load_sft_config("mini", list(b.overrides_sft))
+    team = mini_config(seed, clip_cache=clip_cache, tiny_clip=b.tiny_clip)
+    update: dict[str, Any] = {"team": team, "team_overrides": [], "seed": seed, "out_dir": str(out),
+                              "log": cfg.log.model_copy(update={"progress": b.progress})}
+    if b.sft_epochs is not None:
+        update["epochs"] = b.sft_epochs
+    if b.sft_max_steps is not None:
+        update["max_steps"] = b.sft_max_steps
+    cfg = cfg.model_copy(update=update)
+    shutil.rmtree(out, ignore_errors=True)
+    trainer = SFTTrainer(cfg, examples=list(examples))
+    rows = trainer.train()
+    trainer.learners.shutdown()
+    return final_weights(out, [a.name for a in team.agents]), rows
+
+
+def run_marl(seed: int, sft_weights: dict[str, Path], train_qs: list, out: Path, b: Budget, clip_cache: Path,
+             pool) -> tuple[dict[str, Path], list[dict]]:
+    from m1.marl.config import load_train_config
+    from m1.marl.trainer import Trainer
+
+    cfg = load_train_config("mini", list(b.overrides_marl))
+    team = mini_config(seed, weights=sft_weights, clip_cache=clip_cache, tiny_clip=b.tiny_clip)
+    update: dict[str, Any] = {"team": team, "team_overrides": [], "seed": seed, "out_dir": str(out),
+                              "log": cfg.log.model_copy(update={"progress": b.progress})}
+    if b.marl_steps is not None:
+        update["steps"] = b.marl_steps
+    if b.marl_questions_per_step is not None:
+        update["rollout"] = cfg.rollout.model_copy(update={"questions_per_step": b.marl_questions_per_step})
+    cfg = cfg.model_copy(update=update)
+    shutil.rmtree(out, ignore_errors=True)
+    trainer = Trainer(cfg, questions=train_qs)
+    trainer.pool = pool  # share decoded frames with the evaluations
+    try:
+        rows = trainer.train()
+    finally:
+        trainer.close()
+    return final_weights(out, [a.name for a in team.agents]), rows
+
+
+# ------------------------------------------------------------------------------------------------ trained on first use
+def recipe_hash(b: Budget) -> str:
+    """Names a cached trained team: the three mini configs, synth_teacher and the training budget."""
+    import hashlib
+
+    from m1.config import CONFIG_DIR
+    from m1.models.tiny import RECIPE_VERSION, SYNTH_CORPUS_VERSION
+
+    h = hashlib.sha256(json.dumps({"recipe": RECIPE_VERSION, "corpus": SYNTH_CORPUS_VERSION,
+                                   "budget": {k: v for k, v in asdict(b).items() if k != "progress"}},
+                                  sort_keys=True).encode())
+    for rel in ("team/mini.yaml", "team/synth_teacher.yaml", "sft/mini.yaml", "marl/mini.yaml"):
+        h.update((CONFIG_DIR / rel).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def ensure_mini_team(cache_dir: Path | None = None, progress: bool = True, budget: Budget | None = None) -> TeamConfig:
+    """The trained mini team (seed 0: SFT on the teacher, then MARL, the full run's settings), trained on first use.
+
+    Weights are cached under `$M1_CACHE/mini_team/<recipe hash>/<agent>` (the hash covers the configs and the
+    budget, so a changed recipe retrains); the returned config points the four agents at them. First use trains
+    without evaluating (data, teacher examples, SFT, MARL) with progress bars.
+    """
+    b = replace(budget or FULL, seeds=(0,), progress=progress)
+    root = Path(cache_dir) if cache_dir is not None else Path(os.environ.get("M1_CACHE") or Path.home() / ".cache" /
+                                                               "m1") / "mini_team"
+    final = root / recipe_hash(b)
+    agents = [a.name for a in load_team("mini").agents]
+    weights = {a: final / a for a in agents}
+    if all((p / "config.json").is_file() for p in weights.values()):
+        return mini_config(0, weights, tiny_clip=b.tiny_clip)
+    from m1.marl.config import load_sft_config
+    from m1.video import VideoPool
+
+    work = root / f".work-{final.name}"
+    pool, clip_cache = VideoPool(), work / "clip_cache"
+    train_qs, _ = make_sets(work / "data", b)
+    sft_cfg = load_sft_config("mini", list(b.overrides_sft))
+    examples, _ = build_examples(sft_cfg, train_qs, work, clip_cache, pool, b.tiny_clip, b.communicate_per_episode)
+    sft_w, _ = run_sft(0, examples, work / "sft", b, clip_cache)
+    marl_w, _ = run_marl(0, sft_w, train_qs, work / "marl", b, clip_cache, pool)
+    tmp = root / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for a, src in marl_w.items():
+        shutil.copytree(src, tmp / a)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    shutil.rmtree(work, ignore_errors=True)
+    return mini_config(0, weights, tiny_clip=b.tiny_clip)
+
+
+# ------------------------------------------------------------------------------------------------ the table
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    return (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def fmt(xs: list[float]) -> str:
+    m, s = mean_std(xs)
+    return f"{100 * m:.1f} ± {100 * s:.1f}" if len(xs) > 1 else f"{100 * m:.1f}"
+
+
+def render_table(results: dict[str, list[dict]], meta: dict[str, Any]) -> str:
+    seeds = meta["seeds"]
+    lines = [f"| team | accuracy % (mean ± std over {len(seeds)} seed{'s' if len(seeds) > 1 else ''}) | per seed | "
+             "plans in strict format |", "|---|---|---|---|"]
+    for row in ROWS:
+        rs = results.get(row) or []
+        if not rs:
+            continue
+        acc = [r["accuracy"] for r in rs]
+        plan = [r["parse_ok"].get("plan", float("nan")) for r in rs]
+        lines.append(f"| {LABELS[row]} | {fmt(acc)} | {', '.join(f'{100 * a:.1f}' for a in acc)} | "
+                     f"{100 * statistics.fmean(plan):.0f}% |")
+    fams = sorted({f for rs in results.values() for r in rs for f in r["family"]})
+    first = next(iter(results.values()))[0]
+    fam_lines = ["| family | n | " + " | ".join(LABELS[r] for r in ROWS if results.get(r)) + " |",
+                 "|---|---|" + "---|" * sum(bool(results.get(r)) for r in ROWS)]
+    for f in fams:
+        cells = [fmt([r["family"].get(f, float("nan")) for r in results[row]]) for row in ROWS if results.get(row)]
+        fam_lines.append(f"| {f} | {first['family_n'].get(f, 0)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nPer question family (accuracy %, mean ± std over seeds):\n\n" + "\n".join(fam_lines)
+
+
+def verdict(results: dict[str, list[dict]]) -> str:
+    if len(results.get("sft", [])) < 2 or len(results.get("sft+marl", [])) < 2:
+        return "Fewer than 2 seeds: no claim about the seed spread."
+    sft, marl = [r["accuracy"] for r in results["sft"]], [r["accuracy"] for r in results["sft+marl"]]
+    gap = statistics.fmean(marl) - statistics.fmean(sft)
+    spread = max(statistics.stdev(sft), statistics.stdev(marl))
+    holds = gap > spread
+    return (f"SFT+MARL − SFT = {100 * gap:+.1f} points; the larger seed std is {100 * spread:.1f} points: "
+            f"the gain {'exceeds' if holds else 'does NOT exceed'} the seed spread.")
+
+
+def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, list[dict]]) -> None:
+    b = meta["budget"]
+    text = [
+        "# The mini team on M1-Synth",
+        "",
+        "Regenerate with `python scripts/mini_team.py` (this file is written by it; `--quick` is the CI version).",
+        "",
+        table,
+        "",
+        verdict(results),
+        "",
+        f"Held-out: {meta['n_heldout']} questions on {b['eval_videos']} videos of {b['duration']:.0f} s (world seed "
+        f"{b['eval_seed']}); training: {meta['n_train']} questions on {b['train_videos']} videos (world seed "
+        f"{b['train_seed']}); SFT examples from the teacher: {meta['n_examples']} (keep-rule stats and thinning: "
+        f"{json.dumps(meta['sft_stats'])}). Seeds {list(meta['seeds'])}: tiny init, data order and rollout "
+        "sampling for the mini team; error draws for the teacher team. Answers are greedy; the team aggregates by "
+        "vote (MCQ, numeric) or the first agent's summary (open, grounding).",
+        "",
+        f"Settings: SFT `{meta['sft_settings']}`; MARL `{meta['marl_settings']}`.",
+        "",
+        f"Run time: {meta['wall_seconds'] / 60:.1f} min wall, {meta['cpu_seconds'] / 60:.1f} min CPU (process user + "
+        f"system) on {os.cpu_count()} cores, torch threads {meta['torch_threads']}. Stages (wall s): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in meta["stage_seconds"].items()) + ". One-time builds cached under "
+        "`$M1_CACHE` and not counted when already there: the synth tokenizer (~0.5 min) and the trained synth CLIP "
+        "(~4 min)" + ("; this run used a random tiny CLIP instead." if b.get("tiny_clip") else "."),
+        "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(text))
+
+
+# ------------------------------------------------------------------------------------------------ main
+def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS) -> dict[str, Any]:
+    """The whole experiment; returns {"results": {row: [per-seed eval]}, "meta": {...}, "table": str}."""
+    import torch
+
+    from m1.marl.config import load_sft_config
+    from m1.video import VideoPool
+
+    t_wall, t_cpu = time.perf_counter(), time.process_time()
+    stages: dict[str, float] = defaultdict(float)
+    out.mkdir(parents=True, exist_ok=True)
+    clip_cache = out / "clip_cache"
+    pool = VideoPool()
+
+    def stage(name: str, t0: float) -> float:
+        now = time.perf_counter()
+        stages[name] += now - t0
+        return now
+
+    t = time.perf_counter()
+    train_qs, held_qs = make_sets(out / "data", b)
+    t = stage("data", t)
+    sft_cfg = load_sft_config("mini", list(b.overrides_sft))
+    examples, stats = build_examples(sft_cfg, train_qs, out, clip_cache, pool, b.tiny_clip,
+                                     b.communicate_per_episode)
+    t = stage("teacher SFT data", t)
+    results: dict[str, list[dict]] = {r: [] for r in rows}
+    curves: dict[str, Any] = {}
+    for seed in b.seeds:
+        if "untrained" in rows:
+            results["untrained"].append(evaluate(mini_config(seed, None, clip_cache, b.tiny_clip), held_qs, pool,
+                                                 b.progress))
+            t = stage("eval", t)
+        if "teacher" in rows:
+            results["teacher"].append(evaluate(teacher_config(seed, clip_cache, b.tiny_clip), held_qs, pool, b.progress))
+            t = stage("eval", t)
+        if "sft" in rows or "sft+marl" in rows:
+            sft_w, sft_rows = run_sft(seed, examples, out / f"seed{seed}" / "sft", b, clip_cache)
+            t = stage("sft", t)
+            curves[f"seed{seed}/sft_loss"] = [r["loss"] for r in sft_rows]
+            if "sft" in rows:
+                results["sft"].append(evaluate(mini_config(seed, sft_w, clip_cache, b.tiny_clip), held_qs, pool,
+                                               b.progress))
+                t = stage("eval", t)
+            if "sft+marl" in rows:
+                marl_w, marl_rows = run_marl(seed, sft_w, train_qs, out / f"seed{seed}" / "marl", b, clip_cache, pool)
+                t = stage("marl", t)
+                curves[f"seed{seed}/marl_reward"] = [r.get("reward/mean") for r in marl_rows]
+                curves[f"seed{seed}/marl_team_res"] = [r.get("reward/team_res") for r in marl_rows]
+                results["sft+marl"].append(evaluate(mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
+                                                    b.progress))
+                t = stage("eval", t)
+        log.info("seed %d done: %s", seed, {r: v[-1]["accuracy"] for r, v in results.items() if v})
+    from m1.marl.config import load_train_config
+
+    marl_cfg = load_train_config("mini", list(b.overrides_marl))
+    meta = {"seeds": list(b.seeds), "budget": asdict(b), "n_train": len(train_qs), "n_heldout": len(held_qs),
+            "n_examples": len(examples),
+            "sft_stats": stats, "wall_seconds": time.perf_counter() - t_wall,
+            "cpu_seconds": time.process_time() - t_cpu, "torch_threads": torch.get_num_threads(),
+            "stage_seconds": dict(stages),
+            "sft_settings": _settings(sft_cfg, ("learner", "epochs", "batch_size", "max_steps"), b.sft_epochs and
+                                      {"epochs": b.sft_epochs} or {}),
+            "marl_settings": _settings(marl_cfg, ("learner", "rollout", "grpo", "rewards", "steps"),
+                                       {k: v for k, v in (("steps", b.marl_steps),) if v is not None})}
+    table = render_table({r: v for r, v in results.items() if v}, meta)
+    (out / "results.json").write_text(json.dumps({"results": results, "meta": meta, "curves": curves}, indent=1))
+    if doc is not None:
+        write_doc(doc, table, meta, results)
+    return {"results": results, "meta": meta, "table": table, "curves": curves}
+
+
+def _settings(cfg, keys: tuple[str, ...], extra: dict[str, Any]) -> str:
+    d = cfg.model_dump(mode="json")
+    keep = {k: d[k] for k in keys if k in d}
+    if "learner" in keep:
+        keep["learner"] = {k: keep["learner"][k] for k in ("finetune", "lr", "warmup_steps", "micro_batch_size",
+                                                           "max_prompt_tokens", "max_completion_tokens")}
+    if "rollout" in keep and "questions_per_step" in extra:
+        keep["rollout"]["questions_per_step"] = extra.pop("questions_per_step")
+    keep.update(extra)
+    return json.dumps(keep, separators=(", ", ": "))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the short CI version (1 seed, few questions and steps)")
+    ap.add_argument("--out", type=Path, default=None, help="work folder (default runs/mini_team[_quick])")
+    ap.add_argument("--doc", type=Path, default=None,
+                    help="where to write the table (default docs/mini_team.md; --quick: <out>/mini_team.md)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on 1)")
+    ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override configs/sft/mini.yaml (repeatable)")
+    ap.add_argument("--marl-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override configs/marl/mini.yaml (repeatable)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    log.setLevel(logging.INFO)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    b = QUICK if args.quick else FULL
+    b = replace(b, overrides_sft=args.sft_set, overrides_marl=args.marl_set, progress=not args.no_progress)
+    if args.seeds:
+        b = replace(b, seeds=tuple(args.seeds))
+    out = args.out or REPO / "runs" / ("mini_team_quick" if args.quick else "mini_team")
+    doc = args.doc or (out / "mini_team.md" if args.quick else REPO / "docs" / "mini_team.md")
+    res = run(out, b, doc)
+    print(res["table"])
+    print(verdict(res["results"]))
+    m = res["meta"]
+    print(f"wall {m['wall_seconds'] / 60:.1f} min, CPU {m['cpu_seconds'] / 60:.1f} min; table in {doc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The mini team pipeline (scripts/mini_team.py) with tiny budgets: data, teacher SFT data, SFT, MARL, table.
+
+These check behaviour (the SFT loss falls, trained agents write plans in the strict format far more often than
+untrained ones, MARL runs from the SFT weights, the table is produced), not the research claim of the full run.
+"""
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def mt():
+    spec = importlib.util.spec_from_file_location("mini_team", REPO / "scripts" / "mini_team.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["mini_team"] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+BUDGET = dict(seeds=(0,), train_videos=1, eval_videos=1, duration=60.0, questions_per_video=8, progress=False,
+              tiny_clip=True)  # a random tiny CLIP: the configs' trained one costs minutes on first use
+
+
+def test_synth_tokenizer_makes_prompts_short(m1_cache):
+    from m1.agents.prompts import plan_messages
+    from m1.config import TinySpec
+    from m1.models.tiny import build_tokenizer, ensure_tiny, spec_hash
+    from m1.schema import Question
+    from transformers import AutoTokenizer
+
+    spec = TinySpec(arch="qwen2", hidden_size=32, layers=1, heads=2, kv_heads=1, corpus="synth")
+    assert spec_hash(spec) != spec_hash(spec.model_copy(update={"corpus": "default"}))
+    tok = AutoTokenizer.from_pretrained(ensure_tiny(spec))
+    q = Question(id="x", video="v.mp4", text="What colour is the shape that appears at 01:20?",
+                 options=["red", "blue", "green", "white"], task="mcq")
+    text = tok.apply_chat_template(plan_messages(q, ["Global Sampling", "Time Stamp Retrieval", "Rough Browser"]),
+                                   tokenize=False, add_generation_prompt=True)
+    n_synth, n_default = len(tok(text)["input_ids"]), len(build_tokenizer()(text)["input_ids"])
+    assert n_synth * 3 < n_default, (n_synth, n_default)
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt):
+    from m1.marl.config import load_sft_config
+    from m1.video import VideoPool
+
+    b = replace(mt.Budget(**BUDGET), sft_max_steps=60, marl_steps=1, marl_questions_per_step=1,
+                overrides_sft=["batch_size=16", "learner.micro_batch_size=16"],
+                overrides_marl=["rollout.num_generations=2"])
+    pool, clip_cache = VideoPool(), tmp_path / "clip"
+    train_qs, held_qs = mt.make_sets(tmp_path / "data", b)
+    assert train_qs and held_qs and {q.id for q in train_qs}.isdisjoint({q.id for q in held_qs})
+
+    # teacher data: the paper's keep rule, every phase, seated under the students' names
+    sft_cfg = load_sft_config("mini")
+    examples, stats = mt.build_examples(sft_cfg, train_qs, tmp_path, clip_cache, pool, tiny_clip=True)
+    assert stats["kept"] == len(examples) > 0
+    assert {e.agent for e in examples} <= {"qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small"}
+    assert {"plan", "answer"} <= {e.phase for e in examples}
+    assert (tmp_path / "sft_examples.jsonl").is_file()
+
+    # SFT: the loss falls and plans parse far more often than with random weights
+    untrained = mt.evaluate(mt.mini_config(0, clip_cache=clip_cache, tiny_clip=True), held_qs, pool)
+    weights, rows = mt.run_sft(0, examples, tmp_path / "sft", b, clip_cache)
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == 60 and sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+    assert set(weights) == {"qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small"}
+    sft = mt.evaluate(mt.mini_config(0, weights, clip_cache, tiny_clip=True), held_qs, pool)
+    assert untrained["parse_ok"]["plan"] < 0.05  # random weights: no plan in the strict format
+    assert sft["parse_ok"]["plan"] > untrained["parse_ok"]["plan"] + 0.25, (untrained["parse_ok"], sft["parse_ok"])
+    assert sft["n"] == untrained["n"] == len(held_qs)
+
+    # MARL starts from the SFT weights and writes new full-model folders
+    marl_w, marl_rows = mt.run_marl(0, weights, train_qs, tmp_path / "marl", b, clip_cache, pool)
+    assert len(marl_rows) == 1 and marl_rows[0]["episodes/failed"] == 0
+    assert all(p.is_dir() and p != weights[a] for a, p in marl_w.items())
+
+    # the table
+    results = {"untrained": [untrained], "sft": [sft]}
+    table = mt.render_table(results, {"seeds": [0]})
+    assert "| mini team, untrained |" in table and "| mini team, SFT |" in table and "| family |" in table
+    assert "Fewer than 2 seeds" in mt.verdict(results)
+
+
+def test_table_reports_mean_std_and_the_seed_spread_verdict(mt):
+    def res(acc):
+        return {"accuracy": acc, "n": 10, "family": {"order": acc}, "family_n": {"order": 10},
+                "parse_ok": {"plan": 1.0}}
+
+    results = {"sft": [res(0.40), res(0.42), res(0.44)], "sft+marl": [res(0.50), res(0.52), res(0.54)]}
+    table = mt.render_table(results, {"seeds": [0, 1, 2]})
+    assert "| mini team, SFT | 42.0 ± 2.0 | 40.0, 42.0, 44.0 | 100% |" in table
+    assert "exceeds" in mt.verdict(results)
+    results["sft+marl"] = [res(0.40), res(0.48), res(0.44)]
+    assert "does NOT exceed" in mt.verdict(results)
+
+
+def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
+    """The whole `run` with only the cheap rows (no training): files and timing are written."""
+    b = mt.Budget(**BUDGET)
+    doc = tmp_path / "doc.md"
+    res = mt.run(tmp_path / "out", b, doc, rows=("untrained", "teacher"))
+    text = doc.read_text()
+    assert "| teacher team (rule-based) |" in text and "min CPU" in text
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["meta"]["n_heldout"] == res["results"]["teacher"][0]["n"] > 0
+    assert res["results"]["teacher"][0]["accuracy"] > res["results"]["untrained"][0]["accuracy"]
