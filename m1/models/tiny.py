@@ -250,18 +250,24 @@ def ensure_synth_tokenizer(root: Path) -> Path:
         tok = synth_tokenizer(synth_corpus(tmp / "world"))
         shutil.rmtree(tmp / "world")
         tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if (final / "tokenizer_config.json").is_file():
-                shutil.rmtree(tmp, ignore_errors=True)
-                return final
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
+        _publish(tmp, final, "tokenizer_config.json")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _publish(tmp: Path, final: Path, marker: str) -> None:
+    """Rename a finished build into place. If another process finished first, keep theirs; a
+    stale folder without `marker` (an unfinished build) is replaced."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if (final / marker).is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
 
 
 def _tokenizer_for(spec: TinySpec, root: Path):
@@ -306,15 +312,7 @@ def ensure_tiny(spec: TinySpec, cache_dir: Path | None = None) -> Path:
         # The marker is written last: a folder without it is an unfinished build.
         (tmp / "m1_tiny.json").write_text(json.dumps(
             {"recipe": RECIPE_VERSION, "spec": spec.model_dump()}, indent=2, sort_keys=True))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process finished first (or a stale folder without marker is in the way).
-            if (final / "m1_tiny.json").is_file():
-                shutil.rmtree(tmp, ignore_errors=True)
-                return final
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
+        _publish(tmp, final, "m1_tiny.json")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
