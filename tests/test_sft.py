@@ -182,6 +182,6 @@ def test_sft_main_and_configs(tmp_path, m1_cache):
     assert full.learner.finetune == "full" and full.learner.learning_rate() == 1e-6
     assert full.teacher_config().models["qwen3_8b"].backend == "openai"
     assert load_sft_config("videochat_m1_lora").learner.lora.r == 8
-    assert load_sft_config("mini").team_config().name == "tiny"
+    assert load_sft_config("mini").team_config().name == "mini"
     with pytest.raises(ValueError, match="teacher"):
         SFTConfig.model_validate({"team": STUDENTS, "data": {"questions": "q.jsonl"}})

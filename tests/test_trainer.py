@@ -295,7 +295,7 @@ def test_paper_configs_load_with_the_papers_settings():
         assert cfg.judge.kind == "llm"
     lora = load_train_config("videochat_m1_lora").learner.lora
     assert (lora.r, lora.alpha, lora.dropout) == (8, 16, 0.05)
-    assert load_train_config("mini").team_config().name == "tiny"
+    assert load_train_config("mini").team_config().name == "mini"
 
 
 def test_train_main_runs_from_a_yaml_file(tmp_path, video, m1_cache):
