@@ -17,16 +17,6 @@ from m1.team import topology as topo
 AGENTS = ["alpha", "beta"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def q(i=0, answer="A"):
     return Question(id=f"q{i}", video="v.mp4", text="What colour is the square?", options=["white", "red"],
                     task="mcq", answer=answer)

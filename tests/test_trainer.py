@@ -23,17 +23,6 @@ from m1.team import topology as topo
 AGENTS = ["alpha", "beta"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two shared cores: torch's second thread mostly spins against other jobs (10-100x slower)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def team_dict(**limits):
     return {
         "name": "mini-test",

@@ -165,7 +165,7 @@ class Team:
                 st.tool_calls += 1
                 st.step += 1
                 st.acted = acted = True
-                ctx = self._context(ep, st)
+                ctx = self._context(ep, st, tool)
                 d0 = ep.video.decode_seconds
                 if TOOL_NAMES.get(tool) == "select":
                     self._run_select(ep, name, st, tool, ctx)
@@ -342,9 +342,11 @@ class Team:
             e.timings[f"phase_{name}"] += dt  # wall time of the whole batch's phase
         return result
 
-    def _context(self, ep: _Episode, st: _AgentState) -> ToolContext:
+    def _context(self, ep: _Episode, st: _AgentState, tool: str) -> ToolContext:
+        """The CLIP index is handed (and its model loaded) only to the tools that retrieve."""
+        clip = self._clip() if tool in ("Video Retrieval", "Image Retrieval") else None
         return ToolContext(question=ep.question, video=ep.video, key_info=st.key_info, cfg=self.cfg.tools,
-                           focus=st.focus, clip=self._clip())
+                           focus=st.focus, clip=clip)
 
     def _clip(self):
         if self.cfg.tools.clip is None:
