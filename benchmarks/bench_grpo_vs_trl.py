@@ -18,6 +18,7 @@ with and without gradient, rewards, backward, clip + optimizer step); "other" is
 
     python benchmarks/bench_grpo_vs_trl.py [--steps 10] [--warmup 2] [--prompts 8] [--generations 4]
                                            [--tokens 64] [--hidden 256] [--layers 4] [--beta 0.04] [--json out.json]
+                                           [--no-prompt-sharing]
 """
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ class OurSide:
         spec = ModelSpec(kind="chat", path=folder, dtype="float32", device="cpu")
         cfg = LearnerConfig(finetune="full", lr=args.lr, weight_decay=0.0, max_grad_norm=1.0,
                             micro_batch_size=args.prompts * args.generations, max_prompt_tokens=1024,
-                            max_completion_tokens=args.tokens, precision="fp32")
+                            max_completion_tokens=args.tokens, precision="fp32",
+                            share_prompt_forward=not args.no_prompt_sharing)
         grpo = GRPOSettings(beta=args.beta, clip_eps_low=0.2, loss_type="grpo", scale_rewards=True,
                             old_logprobs="policy")
         self.learner = AgentLearner("solo", "solo", spec, cfg, grpo, seed=args.seed)
@@ -190,6 +192,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads, both sides (1: on a shared 2-core machine two threads stall each other)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-prompt-sharing", action="store_true",
+                   help="ours: one joint prompt+completion forward per row (learner.share_prompt_forward: false)")
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
         raise SystemExit(f"--steps and --threads must be >= 1 and --warmup >= 0, got {args.steps}, "

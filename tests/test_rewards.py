@@ -179,6 +179,12 @@ def test_agent_rewards_breakdown_and_weights():
     out = agent_rewards(ep, w, RubricJudge())
     assert out["a2"].total == pytest.approx(0.5 * -1 + 2.0 * 0.5 + 3.0 * 1.0)
     assert out["a3"].total == pytest.approx(0.5 * 1 + 0.0 + 0.0)
+    # the shared team term: every agent gets w_team * team_res on top (team right here: +1; wrong: -1)
+    team = agent_rewards(ep, RewardConfig(w_team=0.5), RubricJudge())
+    assert [team[a].total for a in ("a1", "a2", "a3")] == pytest.approx([3.5, 1.0, 1.5])
+    wrong = agent_rewards(episode(records={"a1": good_record("B")}, answers={}, final="D"), RewardConfig(w_team=0.5),
+                          RubricJudge())["a1"]
+    assert wrong.total == pytest.approx(1.0 + 1.0 + 1.0 - 0.5)
     # w_col = 0 needs no judge; w_col != 0 does
     out = agent_rewards(ep, RewardConfig(w_col=0.0), None)
     assert out["a1"].total == 2.0 and out["a1"].verdict_ok
@@ -399,7 +405,9 @@ def test_rubric_plan_feasibility(plan):
 ])
 def test_rubric_tool_appropriateness(question, bad, good):
     def rec(tools):
-        return AgentRecord(plan=list(tools), turns=[turn(1, tools[0]), turn(2, tools[1], answer="B")], answer="B")
+        ki = question.text  # drawn from the question, so only the tools decide the verdict
+        return AgentRecord(plan=list(tools), turns=[turn(1, tools[0], key_info=ki), turn(2, tools[1], key_info=ki,
+                                                                                          answer="B")], answer="B")
 
     vb = rubric(question, rec(bad))
     assert vb.value == 0 and not vb.criteria["tools_appropriate"] and vb.criteria["plan_feasible"]
@@ -419,12 +427,13 @@ def test_rubric_error_turn_and_no_calls():
 def test_rubric_step_management():
     base = ["Global Sampling", "Rough Browser"]
     # within the limit, distinct calls: fine
-    ok = AgentRecord(plan=base, turns=[turn(1, "Global Sampling"), turn(2, "Rough Browser", key_info="a"),
-                                       turn(3, "Rough Browser", key_info="b", answer="B")])
+    ok = AgentRecord(plan=base, turns=[turn(1, "Global Sampling"), turn(2, "Rough Browser", key_info="the ball colour"),
+                                       turn(3, "Rough Browser", key_info="the colour of the ball", answer="B")])
     assert rubric(MCQ, ok).value == 1
     # too many calls
+    keys = ["the ball", "ball colour", "colour ball", "the colour", "ball", "colour of the ball"]  # all distinct
     many = AgentRecord(plan=base, turns=[turn(i, "Rough Browser" if i > 1 else "Global Sampling",
-                                              key_info=f"k{i}") for i in range(1, 7)])
+                                              key_info=keys[i - 1]) for i in range(1, 7)])
     v = rubric(MCQ, many)
     assert v.value == 0 and not v.criteria["steps_managed"] and "6 tool calls" in v.reason
     assert rubric(MCQ, many, limit=6).value == 1
@@ -458,3 +467,34 @@ def test_rubric_step_management():
 def test_question_cues(text, cue):
     cues = question_cues(Question(id="x", video="v.mp4", text=text))
     assert [k for k, v in cues.items() if v] == ([cue] if cue else [])
+
+
+@pytest.mark.parametrize("key_info,ok", [
+    ("the ball", True),
+    ("the colour of the ball", True),
+    ("every red square and the blue circle together",  # linking words allowed: 4 of 5 content words named
+     True),
+    ("the yellow square", False),  # another object than the question's
+    ("the shape at 01:08", False),  # a time the question does not state
+    ("", False),
+])
+def test_key_info_problem(key_info, ok):
+    from m1.marl.judge import key_info_problem
+
+    q = Question(id="q", video="v.mp4", text="Where is the red square relative to the blue circle, and what colour "
+                 "is the ball?", options=["left", "right"], task="mcq", answer="A")
+    assert (key_info_problem(q, key_info) is None) == ok
+    # a time stated in the question is fine; options count as part of the question
+    qt = Question(id="q2", video="v.mp4", text="What appears at 00:14?", options=["a green ring", "a cup"],
+                  task="mcq", answer="A")
+    assert key_info_problem(qt, "what appears at 00:14") is None
+    assert key_info_problem(qt, "the green ring") is None
+    assert "00:41" in key_info_problem(qt, "what appears at 00:41")
+
+
+def test_rubric_rejects_key_info_for_another_object():
+    rec = good_record()
+    assert rubric(MCQ, rec).value == 1
+    wrong = rec.model_copy(update={"turns": [t.model_copy(update={"key_info": "the green cube"}) for t in rec.turns]})
+    v = rubric(MCQ, wrong)
+    assert v.value == 0 and not v.criteria["tools_appropriate"] and "green cube" in v.reason

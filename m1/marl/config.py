@@ -47,6 +47,9 @@ class LearnerConfig(Strict):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     deepspeed: str | None = None  # path of a DeepSpeed JSON (configs/deepspeed/zero2.json); None: plain torch
     gradient_checkpointing: bool = False
+    # Run each distinct prompt of a micro-batch once and reuse its key/value cache for its completions (GRPO's K
+    # rollouts share a prompt); same log-probs and gradients as one joint pass. Off: the joint pass.
+    share_prompt_forward: bool = True
 
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.finetune]

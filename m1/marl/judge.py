@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 RUBRIC_JUDGE_NAME = "offline-rubric-judge"
 # Bump when a prompt text changes: it is part of every cache key, so old verdicts stop matching.
-PROMPT_VERSION = "m1-judge-v1"
+PROMPT_VERSION = "m1-judge-v2"
 MAX_OUTPUT_CHARS = 800  # per tool output in the rendered trajectory
 MAX_REPLY_CHARS = 4_000  # judge replies longer than this are cut before parsing
 
@@ -48,7 +48,7 @@ __all__ = [
     "RUBRIC_JUDGE_NAME", "PROMPT_VERSION", "Verdict", "JudgeItem", "CorrectItem", "Judge",
     "LLMJudge", "RubricJudge", "RateLimiter", "parse_verdict", "render_trajectory",
     "collaboration_messages", "correctness_messages", "normalize_answer", "question_cues",
-    "judge_items",
+    "key_info_problem", "judge_items",
 ]
 
 
@@ -179,8 +179,9 @@ _COLLAB_TASK = (
     "about.\n"
     "2. Fitting tools - each call suits the question (for example a stated time calls for Time "
     "Stamp Retrieval, left/right or distance questions for the Space Tool, finding when something "
-    "happens for the Grounding Tool, counting for sampling across the whole video), and failed "
-    "calls were not ignored.\n"
+    "happens for the Grounding Tool, counting for sampling across the whole video), what each "
+    "call looks for is taken from the question (the objects, times and events it names, not "
+    "others), and failed calls were not ignored.\n"
     "3. Sound step management - no pointless repeats, no extra tools once the answer was clear, "
     "and no more than {limit} tool calls in total.\n"
     "Otherwise give 0.\n\n"
@@ -445,6 +446,49 @@ def question_cues(question: Question) -> dict[str, bool]:
     }
 
 
+_KEY_STOPWORDS = frozenset(
+    "the a an and or of in on at to is are was were be it its this that these those which what when where who "
+    "how does do did with from by for as while both each every any all one than then there their into onto over "
+    "under".split())
+_KEY_TOKEN = re.compile(r"\d+:\d+(?::\d+)?|\d+(?:\.\d+)?|[a-z]+")
+KEY_INFO_MIN_SHARE = 0.75  # share of the key info's content words that must come from the question
+
+
+def _content_tokens(text: str) -> list[str]:
+    """Times, numbers and crudely stemmed content words (>= 3 letters, no stopwords) of a text."""
+    out = []
+    for t in _KEY_TOKEN.findall(text.lower()):
+        if t[0].isdigit():
+            out.append(t)
+        elif len(t) >= 3 and t not in _KEY_STOPWORDS:
+            for suffix in ("ing", "ed", "es", "s", "e"):
+                if t.endswith(suffix) and len(t) - len(suffix) >= 3:
+                    t = t[:-len(suffix)]
+                    break
+            out.append(t)
+    return out
+
+
+def key_info_problem(question: Question, key_info: str | None) -> str | None:
+    """Why a key info is not drawn from the question, or None when it is.
+
+    Drawn from the question: it names something, every time or number in it appears in the question or its
+    options, and at least KEY_INFO_MIN_SHARE of its content words do (so a few linking words are allowed but
+    another colour, object or time is not).
+    """
+    words = _content_tokens(key_info or "")
+    if not words:
+        return f"the key info {key_info!r} names nothing to look for"
+    source = set(_content_tokens(question.text + " " + " ".join(question.options or [])))
+    foreign_numbers = [w for w in words if w[0].isdigit() and w not in source]
+    if foreign_numbers:
+        return f"the key info {key_info!r} names times or numbers {foreign_numbers} that the question does not"
+    share = sum(w in source for w in words) / len(words)
+    if share < KEY_INFO_MIN_SHARE:
+        return f"the key info {key_info!r} is not drawn from the question ({share:.0%} of its words are)"
+    return None
+
+
 # cue -> (tools that satisfy it, what to say when missing)
 _CUE_TOOLS: dict[str, tuple[tuple[str, ...], str]] = {
     "time": (("Time Stamp Retrieval",), "the question states a time but Time Stamp Retrieval was not used"),
@@ -463,7 +507,8 @@ class RubricJudge:
     - tools_appropriate: at least one tool was called; the called tools cover every cue of the
       question (a stated time -> Time Stamp Retrieval, grounding task -> Grounding Tool,
       spatial words -> Space Tool, counting words -> Global Sampling, which samples the whole
-      video); no call ended in an error.
+      video); no call ended in an error; every key info the tools were given is drawn from the
+      question (`key_info_problem`: a search for another object or time misleads the tools).
     - steps_managed: at most `tool_call_limit` calls; no two calls of the same tool with the same
       key info; no `add tool` decision once a tool had already suggested an answer.
     `correct` is a normalised exact match against the reference answer.
@@ -526,6 +571,10 @@ class RubricJudge:
         for cue, present in question_cues(item.question).items():
             fits, why = _CUE_TOOLS[cue]
             if present and not used.intersection(fits):
+                tool_problems.append(why)
+        for ki in dict.fromkeys(t.key_info for t in rec.turns):
+            why = key_info_problem(item.question, ki)
+            if why:
                 tool_problems.append(why)
         errors = [f"call {i} ({t.tool})" for i, t in enumerate(rec.turns, 1) if t.error]
         if errors:

@@ -1,4 +1,5 @@
-"""Per-agent rewards for multi-agent GRPO: R = w_res * R_res + w_format * R_format + w_col * R_col.
+"""Per-agent rewards for multi-agent GRPO: R = w_res * R_res + w_format * R_format + w_col * R_col
+(+ w_team * team_res, ours, off by default).
 
 - R_res (result): each agent's own answer against the ground truth.
   MCQ: +1 for the right letter, -1 otherwise (also when no letter can be read).
@@ -14,8 +15,10 @@
   One call over the limit thus turns the best verdict (1) into -1, below a failed verdict (0):
   the penalty is "strong" because it dominates the judge's whole range.
 
-The team's answer (`episode.final_answer`) is scored with the same rule and logged as `team_res`;
-it is not part of `total` (each agent is rewarded for its own answer).
+The team's answer (`episode.final_answer`) is scored with the same rule and logged as `team_res`.
+In the paper each agent is rewarded for its own answer only, which is our default (`w_team` = 0).
+`w_team` > 0 (ours) adds `w_team * team_res` to every agent's total: a shared team term that also
+rewards the generations no own-answer reward reaches, such as the summarizer's merged answer.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ class RewardConfig(Strict):
     w_res: float = 1.0
     w_format: float = 1.0
     w_col: float = 1.0
+    w_team: float = 0.0  # ours: weight of the team's result, shared by every agent (paper: 0)
     tool_call_limit: int = Field(5, ge=1)
     # added once per tool call past the limit; must be <= 0
     over_limit_penalty: float = Field(-2.0, le=0.0)
@@ -229,7 +233,7 @@ def batch_agent_rewards(episodes: Sequence[Episode], cfg: RewardConfig,
             col = value + pen
             fmt = format_reward(ep, a)
             per[a] = RewardBreakdown(
-                agent=a, res=r, format=fmt, col=col, total=cfg.w_res * r + cfg.w_format * fmt + cfg.w_col * col,
+                agent=a, res=r, format=fmt, col=col, total=cfg.w_res * r + cfg.w_format * fmt + cfg.w_col * col + cfg.w_team * team_res,
                 team_res=team_res, verdict=value, verdict_ok=ok, judge=v.judge if v else "none (w_col=0)",
                 judge_reason=v.reason if v else "", tool_calls=n_calls, penalty=pen)
         out.append(per)

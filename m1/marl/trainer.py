@@ -150,7 +150,18 @@ class AgentLearner:
 
         Prompts are left-padded and completions right-padded so all completions start at one column; positions
         count real tokens only (as `generate` does with left padding), so the values match the sampler's.
+        GRPO's K completions of a question share one prompt: when rows repeat prompts (and `share_prompt_forward`
+        is on), each distinct prompt is run once and its key/value cache is reused by its completions.
         """
+        prompts = list(dict.fromkeys(tuple(p) for p, _ in rows))
+        longest = max(len(c) for _, c in rows)
+        if (self.cfg.share_prompt_forward and len(prompts) < len(rows) and longest > 0
+                and self._can_share_prompt(model)):
+            return self._shared_prompt_logprobs(model, rows, [list(p) for p in prompts], temperature)
+        return self._joint_logprobs(model, rows, temperature)
+
+    def _joint_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float):
+        """One forward over prompt + completion for every row (no sharing)."""
         import torch
 
         from m1.marl.grpo import token_logprobs
@@ -172,6 +183,73 @@ class AgentLearner:
         logits = out.logits[:, :-1]  # the logits at column P-1+t score completion token t
         logp = token_logprobs(logits, input_ids[:, p_len:], temperature)
         return logp, torch.tensor(cmask, device=self.device)
+
+    def _can_share_prompt(self, model) -> bool:
+        """Whether a prompt's cache can be carried into a second forward with gradient intact.
+
+        Not through a DeepSpeed engine: each engine forward hooks its outputs to run the engine's backward
+        prologue (ZeRO `enter_backward`, callback queueing), so with the prompt pass's cache feeding the completion
+        pass the prologue runs twice in one backward. On one CPU rank (ZeRO-2, fp32) the gradients still match the
+        joint pass, but multi-rank reduction under a doubled prologue is untested, so the engine keeps the joint
+        pass. Not with gradient checkpointing in training (the layers drop the cache), nor with sliding-window
+        layers (their cache is cut to the window).
+        """
+        if self.engine is not None and model is self.engine:
+            return False
+        if self.cfg.gradient_checkpointing and model.training:
+            return False
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = base.config
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            return all(t == "full_attention" for t in layer_types)
+        return not getattr(config, "use_sliding_window", False)
+
+    def _shared_prompt_logprobs(self, model, rows: list[tuple[list[int], list[int]]], prompts: list[list[int]],
+                                temperature: float):
+        """`_joint_logprobs` computed with one forward per distinct prompt and one over the completions.
+
+        Pass 1 runs the U distinct prompts (left-padded) with a cache, under the caller's grad mode, so gradient
+        reaches the prompt's keys and values exactly as in the joint pass; its last column scores completion
+        token 0. The cache is then gathered to the B rows (the gather's backward sums the K rows' gradients back
+        into their shared prompt). Pass 2 runs completion tokens 0..C-2 (right-padded) on that cache, with the
+        attention mask [prompt mask, completion mask] and positions continuing after each prompt's real tokens;
+        its logits score tokens 1..C-1.
+        """
+        import torch
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        from m1.marl.grpo import token_logprobs
+
+        pad = self.tokenizer.pad_token_id
+        which = {tuple(p): i for i, p in enumerate(prompts)}
+        group = torch.tensor([which[tuple(p)] for p, _ in rows], device=self.device)
+        p_len = max(len(p) for p in prompts)
+        c_len = max(len(c) for _, c in rows)
+        p_ids = torch.tensor([[pad] * (p_len - len(p)) + p for p in prompts], device=self.device)
+        p_attn = torch.tensor([[0] * (p_len - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        c_ids = torch.tensor([c + [pad] * (c_len - len(c)) for _, c in rows], device=self.device)
+        c_attn = torch.tensor([[1] * len(c) + [0] * (c_len - len(c)) for _, c in rows], device=self.device)
+
+        out = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(-1) - 1).clamp(min=0),
+                    logits_to_keep=1, use_cache=True)
+        first = token_logprobs(out.logits[group], c_ids[:, :1], temperature)  # [B, 1]
+        if c_len == 1:
+            return first, c_attn.float()
+        cache = out.past_key_values
+        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer or
+                                                      layer.get_seq_length() != p_len for layer in cache.layers):
+            raise RuntimeError(f"agent {self.agent!r}: the prompt pass returned {type(cache).__name__} "
+                               f"({[type(layer).__name__ for layer in getattr(cache, 'layers', [])][:3]}...), "
+                               f"not a full-attention DynamicCache of {p_len} tokens; set "
+                               "learner.share_prompt_forward: false for this model")
+        cache.batch_select_indices(group)
+        attention = torch.cat([p_attn[group], c_attn[:, :-1]], dim=1)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, p_len:]
+        out = model(input_ids=c_ids[:, :-1], attention_mask=attention, position_ids=positions,
+                    past_key_values=cache, use_cache=True)
+        rest = token_logprobs(out.logits, c_ids[:, 1:], temperature)  # [B, C-1]
+        return torch.cat([first, rest], dim=1), c_attn.float()
 
     def _padded(self, values: list[list[float] | None], width: int):
         import torch
