@@ -277,4 +277,13 @@ def load_config(model: type[BaseModel], path: str | Path, overrides: list[str] |
 
 
 def load_team(path: str | Path, overrides: list[str] | None = None) -> TeamConfig:
-    return load_config(TeamConfig, path, overrides, "team")
+    """A team config; a model `path` written as `./x` or `../x` is taken relative to the YAML file's folder (so a
+    config can name weights shipped beside it wherever the command runs), any other path as given."""
+    cfg = load_config(TeamConfig, path, overrides, "team")
+    folder = resolve_config_path(path, "team").parent
+    models = {}
+    for key, spec in cfg.models.items():
+        if spec.path and spec.path.startswith(("./", "../")):
+            spec = spec.model_copy(update={"path": str((folder / spec.path).resolve())})
+        models[key] = spec
+    return cfg.model_copy(update={"models": models})

@@ -48,7 +48,7 @@ class Budget:
 
     seeds: tuple[int, ...] = (0, 1, 2)
     train_videos: int = 20
-    eval_videos: int = 8
+    eval_videos: int = 16
     duration: float = 120.0  # seconds per video
     questions_per_video: int = 10
     train_seed: int = 1  # world seed of the training questions
@@ -258,55 +258,23 @@ def run_marl(seed: int, sft_weights: dict[str, Path], train_qs: list, out: Path,
     return final_weights(out, [a.name for a in team.agents]), rows
 
 
-# ------------------------------------------------------------------------------------------------ trained on first use
-def recipe_hash(b: Budget) -> str:
-    """Names a cached trained team: the three mini configs, synth_teacher and the training budget."""
-    import hashlib
+# ------------------------------------------------------------------------------------------------ shipped weights
+def export_weights(out: Path, seed: int, dest: Path) -> None:
+    """Copy seed `seed`'s SFT+MARL agents (full-model folders, no optimizer) to `dest`/<agent>, replacing it whole.
 
-    from m1.config import CONFIG_DIR
-    from m1.models.tiny import RECIPE_VERSION, SYNTH_CORPUS_VERSION
-
-    h = hashlib.sha256(json.dumps({"recipe": RECIPE_VERSION, "corpus": SYNTH_CORPUS_VERSION,
-                                   "budget": {k: v for k, v in asdict(b).items() if k != "progress"}},
-                                  sort_keys=True).encode())
-    for rel in ("team/mini.yaml", "team/synth_teacher.yaml", "sft/mini.yaml", "marl/mini.yaml"):
-        h.update((CONFIG_DIR / rel).read_bytes())
-    return h.hexdigest()[:12]
-
-
-def ensure_mini_team(cache_dir: Path | None = None, progress: bool = True, budget: Budget | None = None) -> TeamConfig:
-    """The trained mini team (seed 0: SFT on the teacher, then MARL, the full run's settings), trained on first use.
-
-    Weights are cached under `$M1_CACHE/mini_team/<recipe hash>/<agent>` (the hash covers the configs and the
-    budget, so a changed recipe retrains); the returned config points the four agents at them. First use trains
-    without evaluating (data, teacher examples, SFT, MARL) with progress bars.
+    `configs/team/mini_trained.yaml` (the team of `make demo`) reads the copy shipped in assets/mini_team.
     """
-    b = replace(budget or FULL, seeds=(0,), progress=progress)
-    root = Path(cache_dir) if cache_dir is not None else Path(os.environ.get("M1_CACHE") or Path.home() / ".cache" /
-                                                               "m1") / "mini_team"
-    final = root / recipe_hash(b)
     agents = [a.name for a in load_team("mini").agents]
-    weights = {a: final / a for a in agents}
-    if all((p / "config.json").is_file() for p in weights.values()):
-        return mini_config(0, weights, tiny_clip=b.tiny_clip)
-    from m1.marl.config import load_sft_config
-    from m1.video import VideoPool
-
-    work = root / f".work-{final.name}"
-    pool, clip_cache = VideoPool(), work / "clip_cache"
-    train_qs, _ = make_sets(work / "data", b)
-    sft_cfg = load_sft_config("mini", list(b.overrides_sft))
-    examples, _ = build_examples(sft_cfg, train_qs, work, clip_cache, pool, b.tiny_clip, b.communicate_per_episode)
-    sft_w, _ = run_sft(0, examples, work / "sft", b, clip_cache)
-    marl_w, _ = run_marl(0, sft_w, train_qs, work / "marl", b, clip_cache, pool)
-    tmp = root / f".{final.name}.tmp"
+    weights = final_weights(out / f"seed{seed}" / "marl", agents)
+    tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    for a, src in marl_w.items():
-        shutil.copytree(src, tmp / a)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    shutil.rmtree(work, ignore_errors=True)
-    return mini_config(0, weights, tiny_clip=b.tiny_clip)
+    for agent, src in weights.items():
+        shutil.copytree(src, tmp / agent)
+    (tmp / "SOURCE.md").write_text(
+        f"The mini team after SFT + MARL, training seed {seed}, written by `python scripts/mini_team.py --export "
+        f"{dest}` (see docs/mini_team.md for the run and its settings).\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
 
 
 # ------------------------------------------------------------------------------------------------ the table
@@ -384,8 +352,67 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
 
 
 # ------------------------------------------------------------------------------------------------ main
-def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS) -> dict[str, Any]:
-    """The whole experiment; returns {"results": {row: [per-seed eval]}, "meta": {...}, "table": str}."""
+def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: int | None = None) -> dict[str, Any]:
+    """Every row of one training seed: {"results": {row: eval}, "curves": {...}, "stages": {name: wall s}}.
+
+    Reads the held-out/training questions and the teacher's SFT examples that `run` prepared under `out`, so it
+    can run in a worker process (`--jobs`) as well as in the parent.
+    """
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    from m1.marl.config import load_sft_config
+    from m1.video import VideoPool
+
+    pool, clip_cache = VideoPool(), out / "clip_cache"
+    train_qs, held_qs = make_sets(out / "data", b)
+    examples, _ = build_examples(load_sft_config("mini", list(b.overrides_sft)), train_qs, out, clip_cache, pool,
+                                 b.tiny_clip, b.communicate_per_episode)
+    results: dict[str, dict] = {}
+    curves: dict[str, Any] = {}
+    stages: dict[str, float] = defaultdict(float)
+    t = time.perf_counter()
+
+    def stage(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        stages[name] += now - t
+        t = now
+
+    if "untrained" in rows:
+        results["untrained"] = evaluate(mini_config(seed, None, clip_cache, b.tiny_clip), held_qs, pool, b.progress)
+        stage("eval")
+    if "teacher" in rows:
+        results["teacher"] = evaluate(teacher_config(seed, clip_cache, b.tiny_clip), held_qs, pool, b.progress)
+        stage("eval")
+    if "sft" in rows or "sft+marl" in rows:
+        sft_w, sft_rows = run_sft(seed, examples, out / f"seed{seed}" / "sft", b, clip_cache)
+        stage("sft")
+        curves[f"seed{seed}/sft_loss"] = [r["loss"] for r in sft_rows]
+        if "sft" in rows:
+            results["sft"] = evaluate(mini_config(seed, sft_w, clip_cache, b.tiny_clip), held_qs, pool, b.progress)
+            stage("eval")
+        if "sft+marl" in rows:
+            marl_w, marl_rows = run_marl(seed, sft_w, train_qs, out / f"seed{seed}" / "marl", b, clip_cache, pool)
+            stage("marl")
+            curves[f"seed{seed}/marl_reward"] = [r.get("reward/mean") for r in marl_rows]
+            curves[f"seed{seed}/marl_team_res"] = [r.get("reward/team_res") for r in marl_rows]
+            results["sft+marl"] = evaluate(mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
+                                           b.progress)
+            stage("eval")
+    log.info("seed %d done: %s", seed, {r: v["accuracy"] for r, v in results.items()})
+    return {"results": results, "curves": curves, "stages": dict(stages)}
+
+
+def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jobs: int = 1) -> dict[str, Any]:
+    """The whole experiment; returns {"results": {row: [per-seed eval]}, "meta": {...}, "table": str}.
+
+    `jobs` > 1 runs that many seeds at once, each in its own process with the parent's torch thread count; the
+    reported CPU time then adds the workers' (user + system) to the parent's.
+    """
+    import resource
+
     import torch
 
     from m1.marl.config import load_sft_config
@@ -396,54 +423,47 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS) ->
     out.mkdir(parents=True, exist_ok=True)
     clip_cache = out / "clip_cache"
     pool = VideoPool()
-
-    def stage(name: str, t0: float) -> float:
-        now = time.perf_counter()
-        stages[name] += now - t0
-        return now
-
     t = time.perf_counter()
     train_qs, held_qs = make_sets(out / "data", b)
-    t = stage("data", t)
+    stages["data"] = time.perf_counter() - t
+    t = time.perf_counter()
     sft_cfg = load_sft_config("mini", list(b.overrides_sft))
     examples, stats = build_examples(sft_cfg, train_qs, out, clip_cache, pool, b.tiny_clip,
                                      b.communicate_per_episode)
-    t = stage("teacher SFT data", t)
+    stages["teacher SFT data"] = time.perf_counter() - t
+    if jobs > 1 and not b.tiny_clip:
+        # train (or find) the world's CLIP once, before several workers would each train it
+        from m1.synth.clip_train import ensure_synth_clip
+
+        ensure_synth_clip(progress=b.progress)
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if jobs > 1 and len(b.seeds) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+            futures = [ex.submit(run_seed, seed, out, b, rows, torch.get_num_threads()) for seed in b.seeds]
+            per_seed = [f.result() for f in futures]
+    else:
+        per_seed = [run_seed(seed, out, b, rows) for seed in b.seeds]
+    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     results: dict[str, list[dict]] = {r: [] for r in rows}
     curves: dict[str, Any] = {}
-    for seed in b.seeds:
-        if "untrained" in rows:
-            results["untrained"].append(evaluate(mini_config(seed, None, clip_cache, b.tiny_clip), held_qs, pool,
-                                                 b.progress))
-            t = stage("eval", t)
-        if "teacher" in rows:
-            results["teacher"].append(evaluate(teacher_config(seed, clip_cache, b.tiny_clip), held_qs, pool, b.progress))
-            t = stage("eval", t)
-        if "sft" in rows or "sft+marl" in rows:
-            sft_w, sft_rows = run_sft(seed, examples, out / f"seed{seed}" / "sft", b, clip_cache)
-            t = stage("sft", t)
-            curves[f"seed{seed}/sft_loss"] = [r["loss"] for r in sft_rows]
-            if "sft" in rows:
-                results["sft"].append(evaluate(mini_config(seed, sft_w, clip_cache, b.tiny_clip), held_qs, pool,
-                                               b.progress))
-                t = stage("eval", t)
-            if "sft+marl" in rows:
-                marl_w, marl_rows = run_marl(seed, sft_w, train_qs, out / f"seed{seed}" / "marl", b, clip_cache, pool)
-                t = stage("marl", t)
-                curves[f"seed{seed}/marl_reward"] = [r.get("reward/mean") for r in marl_rows]
-                curves[f"seed{seed}/marl_team_res"] = [r.get("reward/team_res") for r in marl_rows]
-                results["sft+marl"].append(evaluate(mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
-                                                    b.progress))
-                t = stage("eval", t)
-        log.info("seed %d done: %s", seed, {r: v[-1]["accuracy"] for r, v in results.items() if v})
+    for one in per_seed:  # in seed order
+        for r, v in one["results"].items():
+            results[r].append(v)
+        curves.update(one["curves"])
+        for k, v in one["stages"].items():
+            stages[k] += v
     from m1.marl.config import load_train_config
 
     marl_cfg = load_train_config("mini", list(b.overrides_marl))
+    child_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     meta = {"seeds": list(b.seeds), "budget": asdict(b), "n_train": len(train_qs), "n_heldout": len(held_qs),
             "n_examples": len(examples),
             "sft_stats": stats, "wall_seconds": time.perf_counter() - t_wall,
-            "cpu_seconds": time.process_time() - t_cpu, "torch_threads": torch.get_num_threads(),
-            "stage_seconds": dict(stages),
+            "cpu_seconds": time.process_time() - t_cpu + child_cpu, "torch_threads": torch.get_num_threads(),
+            "jobs": jobs, "stage_seconds": dict(stages),
             "sft_settings": _settings(sft_cfg, ("learner", "epochs", "batch_size", "max_steps"), b.sft_epochs and
                                       {"epochs": b.sft_epochs} or {}),
             "marl_settings": _settings(marl_cfg, ("learner", "rollout", "grpo", "rewards", "steps"),
@@ -475,10 +495,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="where to write the table (default docs/mini_team.md; --quick: <out>/mini_team.md)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on 1)")
+    ap.add_argument("--jobs", type=int, default=1, help="seeds trained at once, one process each")
     ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override configs/sft/mini.yaml (repeatable)")
     ap.add_argument("--marl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override configs/marl/mini.yaml (repeatable)")
+    ap.add_argument("--export", type=Path, default=None, metavar="DIR",
+                    help="copy the first seed's SFT+MARL agents to DIR (the shipped copy is assets/mini_team)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -492,7 +515,9 @@ def main(argv: list[str] | None = None) -> None:
         b = replace(b, seeds=tuple(args.seeds))
     out = args.out or REPO / "runs" / ("mini_team_quick" if args.quick else "mini_team")
     doc = args.doc or (out / "mini_team.md" if args.quick else REPO / "docs" / "mini_team.md")
-    res = run(out, b, doc)
+    res = run(out, b, doc, jobs=args.jobs)
+    if args.export is not None:
+        export_weights(out, b.seeds[0], args.export)
     print(res["table"])
     print(verdict(res["results"]))
     m = res["meta"]

@@ -1,6 +1,6 @@
 import pytest
 
-from m1.config import ConfigError, TeamConfig, load_team
+from m1.config import CONFIG_DIR, ConfigError, TeamConfig, load_team
 
 
 def test_shipped_configs_load():
@@ -63,3 +63,22 @@ def test_model_needs_a_source():
 def test_enabled_tools_need_both_groups():
     with pytest.raises(ConfigError, match="select tool and one browse tool"):
         load_team("tiny", ["tools.enabled=[Global Sampling, Image Retrieval]"])
+
+
+def test_model_path_relative_to_the_yaml(tmp_path, monkeypatch):
+    """`./x` model paths follow the YAML file; hub ids and plain relative paths are kept as written."""
+    import yaml
+
+    data = yaml.safe_load((CONFIG_DIR / "team" / "tiny.yaml").read_text())
+    chat = next(k for k, m in data["models"].items() if m["kind"] == "chat")
+    other = next(k for k, m in data["models"].items() if m["kind"] == "chat" and k != chat)
+    for key, path in ((chat, "./weights/agent"), (other, "Qwen/Qwen3-8B")):
+        data["models"][key].pop("tiny", None)
+        data["models"][key]["path"] = path
+    folder = tmp_path / "cfgs"
+    folder.mkdir()
+    (folder / "team.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)  # somewhere else than the YAML's folder
+    cfg = load_team(folder / "team.yaml")
+    assert cfg.models[chat].path == str(folder / "weights" / "agent")
+    assert cfg.models[other].path == "Qwen/Qwen3-8B"

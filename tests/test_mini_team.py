@@ -111,3 +111,16 @@ def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["meta"]["n_heldout"] == res["results"]["teacher"][0]["n"] > 0
     assert res["results"]["teacher"][0]["accuracy"] > res["results"]["untrained"][0]["accuracy"]
+
+
+def test_seeds_in_worker_processes_match_one_process(tmp_path, m1_cache, mt, monkeypatch):
+    """--jobs 2: the same per-seed results as running the seeds one after another, workers' CPU time counted."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # spawned workers import the script as `mini_team`
+    b = mt.Budget(**{**BUDGET, "seeds": (0, 1)})
+    rows = ("untrained", "teacher")
+    one = mt.run(tmp_path / "one", b, None, rows=rows, jobs=1)
+    two = mt.run(tmp_path / "two", b, None, rows=rows, jobs=2)
+    for row in rows:
+        assert [r["accuracy"] for r in two["results"][row]] == [r["accuracy"] for r in one["results"][row]]
+        assert [r["family"] for r in two["results"][row]] == [r["family"] for r in one["results"][row]]
+    assert two["meta"]["jobs"] == 2 and two["meta"]["cpu_seconds"] > 0.5 * one["meta"]["cpu_seconds"]
