@@ -9,8 +9,10 @@ greedily over the complete graph; accuracy is `m1.data.metrics.is_correct` of th
 
     python scripts/mini_team.py            # the full run (3 seeds) -> docs/mini_team.md
     python scripts/mini_team.py --quick    # a short version for CI (1 seed, few questions, few steps)
+    python scripts/mini_team.py --dev --rows sft sft+marl --marl-set learner.lr=1e-4   # choose settings
 
-The held-out set is only ever evaluated: no setting is chosen from it inside this script.
+The held-out set is only ever evaluated: settings are chosen with `--dev`, which evaluates on another world
+(seed 2001, never trained on, never reported as the result) and writes its table under the work folder.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class Budget:
 
 
 FULL = Budget()
+DEV_SEED = 2001  # world seed of the dev questions that settings are chosen on (neither trained on nor reported)
 QUICK = Budget(seeds=(0,), train_videos=2, eval_videos=1, duration=60.0, questions_per_video=8,
                sft_epochs=2, marl_steps=2, marl_questions_per_step=2, tiny_clip=True)
 # the random CLIP of configs/team/tiny.yaml, for --quick and tests
@@ -120,7 +123,7 @@ def make_sets(out: Path, b: Budget) -> tuple[list, list]:
     from m1.synth.make import make_dataset
 
     sets = []
-    for name, videos, seed in (("train", b.train_videos, b.train_seed), ("heldout", b.eval_videos, b.eval_seed)):
+    for name, videos, seed in (("train", b.train_videos, b.train_seed), (f"eval{b.eval_seed}", b.eval_videos, b.eval_seed)):
         folder = out / name
         qfile = folder / "questions.jsonl"
         if not qfile.is_file():
@@ -494,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--doc", type=Path, default=None,
                     help="where to write the table (default docs/mini_team.md; --quick: <out>/mini_team.md)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
+    ap.add_argument("--dev", action="store_true",
+                    help=f"evaluate on the dev world (seed {DEV_SEED}) instead of the held-out one, to choose settings")
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which teams to train/evaluate")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on 1)")
     ap.add_argument("--jobs", type=int, default=1, help="seeds trained at once, one process each")
     ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
@@ -513,9 +519,12 @@ def main(argv: list[str] | None = None) -> None:
     b = replace(b, overrides_sft=args.sft_set, overrides_marl=args.marl_set, progress=not args.no_progress)
     if args.seeds:
         b = replace(b, seeds=tuple(args.seeds))
-    out = args.out or REPO / "runs" / ("mini_team_quick" if args.quick else "mini_team")
-    doc = args.doc or (out / "mini_team.md" if args.quick else REPO / "docs" / "mini_team.md")
-    res = run(out, b, doc, jobs=args.jobs)
+    if args.dev:
+        b = replace(b, eval_seed=DEV_SEED)
+    name = "mini_team" + ("_quick" if args.quick else "") + ("_dev" if args.dev else "")
+    out = args.out or REPO / "runs" / name
+    doc = args.doc or (out / "mini_team.md" if args.quick or args.dev else REPO / "docs" / "mini_team.md")
+    res = run(out, b, doc, rows=tuple(r for r in ROWS if r in args.rows), jobs=args.jobs)
     if args.export is not None:
         export_weights(out, b.seeds[0], args.export)
     print(res["table"])

@@ -274,6 +274,32 @@ def test_deepspeed_zero2_step_on_cpu(tmp_path, m1_cache):
 
 
 # ------------------------------------------------------------------------------------------------ configs and CLI
+def test_lr_schedules_warm_up_then_hold_or_decay_to_zero():
+    def lrs(schedule, warm=0, total=5):
+        cfg = LearnerConfig(finetune="full", lr=1.0, warmup_steps=warm, lr_schedule=schedule)
+        return [round(cfg.lr_at(s, total), 6) for s in range(total)]
+
+    assert lrs("constant") == [1.0] * 5
+    assert lrs("constant", warm=2) == [0.5, 1.0, 1.0, 1.0, 1.0]
+    assert lrs("linear") == [1.0, 0.8, 0.6, 0.4, 0.2]
+    assert lrs("linear", warm=1) == [1.0, 1.0, 0.75, 0.5, 0.25]
+    assert lrs("cosine") == [1.0, 0.904508, 0.654508, 0.345492, 0.095492]
+    assert LearnerConfig(lr=1.0, lr_schedule="cosine").lr_at(7, 5) == 0.0  # past the end: stays at 0
+
+
+def test_sft_trainer_follows_the_lr_schedule(tmp_path, m1_cache):
+    from m1.marl.config import SFTConfig
+    from m1.marl.sft import SFTExample, SFTTrainer
+
+    examples = [SFTExample(agent="qwen2_small", question_id=f"q{i}", phase="plan", messages=[{"role": "user", "content": "hi"}],
+                           completion="##Plan: x") for i in range(6)]
+    cfg = SFTConfig(team="tiny", train_agents=["qwen2_small"], data={"examples": str(tmp_path / "ex.jsonl")},
+                    learner={"finetune": "full", "lr": 1e-2, "lr_schedule": "linear", "micro_batch_size": 2},
+                    epochs=1, batch_size=2, out_dir=str(tmp_path / "out"), log={"progress": False})
+    rows = SFTTrainer(cfg, examples=examples).train()
+    assert [round(r["lr"], 6) for r in rows] == [1e-2, round(1e-2 * 2 / 3, 6), round(1e-2 / 3, 6)]
+
+
 def test_paper_configs_load_with_the_papers_settings():
     for name, finetune, lr in (("videochat_m1_lora", "lora", 2e-6), ("videochat_m1_full", "full", 1e-7)):
         cfg = load_train_config(name)

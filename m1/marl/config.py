@@ -7,6 +7,7 @@ lr 1e-7) so a config only states what differs. The learner block is shared by MA
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +40,9 @@ class LearnerConfig(Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)
     max_grad_norm: float | None = Field(1.0, gt=0.0)  # None: no clipping
-    warmup_steps: int = Field(0, ge=0)  # linear warm-up, then constant
+    warmup_steps: int = Field(0, ge=0)  # linear warm-up from lr/warmup_steps to lr
+    # after warm-up: keep lr ("constant"), or decay it to 0 at the last step ("linear", TRL's default; "cosine")
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     micro_batch_size: int = Field(8, ge=1)  # samples per forward/backward; gradients accumulate over a step
     max_prompt_tokens: int = Field(1024, ge=1)  # longer prompts keep their last tokens
     max_completion_tokens: int = Field(1024, ge=1)  # longer completions are cut (the rest is not trained)
@@ -53,6 +56,23 @@ class LearnerConfig(Strict):
 
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.finetune]
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """The lr of optimizer step `step` (0-based) of `total_steps`: warm-up, then `lr_schedule`.
+
+        A decaying schedule ends near 0, so the weights a run ends on are not one noisy full-size step away from
+        where the loss had settled (the seed-to-seed spread of small runs shrinks).
+        """
+        lr = self.learning_rate()
+        warm = self.warmup_steps
+        if warm and step < warm:
+            return lr * (step + 1) / warm
+        if self.lr_schedule == "constant" or total_steps <= warm:
+            return lr
+        frac = min(1.0, (step - warm) / max(1, total_steps - warm))  # 0 at the end of warm-up, 1 past the end
+        if self.lr_schedule == "linear":
+            return lr * (1.0 - frac)
+        return lr * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
 class DataConfig(Strict):

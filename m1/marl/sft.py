@@ -198,7 +198,7 @@ class SFTTrainer:
                 t0 = time.perf_counter()
                 batch = self.stream.take(cfg.batch_size)
                 samples = {a: [encode_example(chats[a], e) for e in self._assigned(batch, a)] for a in self.trained}
-                lr = self._lr()
+                lr = cfg.learner.lr_at(self.step, self.total_steps)
                 stats = self.learners.update(samples, lr, "sft")
                 self.step += 1
                 row: dict[str, Any] = {"step": self.step, "epoch": self.stream.epoch, "lr": lr}
@@ -217,11 +217,6 @@ class SFTTrainer:
         finally:
             logger.close()
         return self.history
-
-    def _lr(self) -> float:
-        lr = self.cfg.learner.learning_rate()
-        warm = self.cfg.learner.warmup_steps
-        return lr * min(1.0, (self.step + 1) / warm) if warm else lr
 
 
 def sft_main(config_path: str | Path, overrides: list[str] | None = None,

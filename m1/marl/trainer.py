@@ -740,9 +740,7 @@ class Trainer:
         return self._team_obj
 
     def lr_at(self, step: int) -> float:
-        lr = self.cfg.learner.learning_rate()
-        warm = self.cfg.learner.warmup_steps
-        return lr * min(1.0, (step + 1) / warm) if warm else lr
+        return self.cfg.learner.lr_at(step, self.cfg.steps)
 
     def _metrics(self, batch, rewards, advantages, stats, topology, seconds) -> dict[str, Any]:
         import torch
