@@ -319,8 +319,15 @@ def verdict(results: dict[str, list[dict]]) -> str:
     gap = statistics.fmean(marl) - statistics.fmean(sft)
     spread = max(statistics.stdev(sft), statistics.stdev(marl))
     holds = gap > spread
-    return (f"SFT+MARL − SFT = {100 * gap:+.1f} points; the larger seed std is {100 * spread:.1f} points: "
+    text = (f"SFT+MARL − SFT = {100 * gap:+.1f} points; the larger seed std is {100 * spread:.1f} points: "
             f"the gain {'exceeds' if holds else 'does NOT exceed'} the seed spread.")
+    if len(sft) == len(marl):  # MARL of seed s starts from the SFT weights of seed s: the pairs are comparable
+        gains = [m - s for s, m in zip(sft, marl)]
+        g_mean, g_std = mean_std(gains)
+        text += (f" Per seed (MARL from that seed's SFT weights): {', '.join(f'{100 * g:+.1f}' for g in gains)} "
+                 f"points, {100 * g_mean:+.1f} ± {100 * g_std:.1f}; "
+                 f"{sum(g > 0 for g in gains)} of {len(gains)} seeds improve.")
+    return text
 
 
 def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, list[dict]]) -> None:

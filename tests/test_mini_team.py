@@ -97,8 +97,9 @@ def test_table_reports_mean_std_and_the_seed_spread_verdict(mt):
     table = mt.render_table(results, {"seeds": [0, 1, 2]})
     assert "| mini team, SFT | 42.0 ± 2.0 | 40.0, 42.0, 44.0 | 100% |" in table
     assert "exceeds" in mt.verdict(results)
+    assert "+10.0, +10.0, +10.0 points, +10.0 ± 0.0; 3 of 3 seeds improve" in mt.verdict(results)
     results["sft+marl"] = [res(0.40), res(0.48), res(0.44)]
-    assert "does NOT exceed" in mt.verdict(results)
+    assert "does NOT exceed" in mt.verdict(results) and "1 of 3 seeds improve" in mt.verdict(results)
 
 
 def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
