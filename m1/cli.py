@@ -12,7 +12,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="M1: multi-agent collaborative policy planning for video understanding.")
 
 
-DEMO_TEAM = "synth_teacher"  # the offline team with meaning: M1-Synth vision + rule-based teacher
+DEMO_TEAM = "mini_trained"  # the mini team after SFT + MARL on M1-Synth (weights in assets/mini_team)
 
 
 def _fail(msg: str) -> None:
@@ -102,7 +102,7 @@ def eval_(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("runs/demo"), "--out", help="Folder for data, results and traces."),
-    team: str = typer.Option(DEMO_TEAM, "--team", "-t", help="Team config (default: the offline synth team)."),
+    team: str = typer.Option(DEMO_TEAM, "--team", "-t", help="Team config (default: the trained mini team, offline)."),
     videos: int = typer.Option(3, help="How many M1-Synth videos to generate."),
     seed: int = typer.Option(0, help="World seed."),
     duration: float = typer.Option(120.0, help="Video length in seconds."),

@@ -1,0 +1,40 @@
+"""`m1 demo` on the shipped trained mini team (assets/mini_team via configs/team/mini_trained.yaml)."""
+from pathlib import Path
+
+from m1.config import load_team
+
+REPO = Path(__file__).resolve().parents[1]
+# a random tiny CLIP instead of the world's trained one (which costs minutes to train on first use)
+TINY_CLIP = ("models.clip={kind: clip, backend: open_clip, device: cpu, "
+             "tiny: {arch: open_clip, hidden_size: 64, layers: 2, image_size: 64, seed: 6}}")
+
+
+def test_mini_trained_points_at_shipped_weights():
+    cfg = load_team("mini_trained")
+    mini = load_team("mini")
+    assert [a.name for a in cfg.agents] == [a.name for a in mini.agents]
+    for agent in cfg.agents:
+        folder = Path(cfg.models[agent.model].path)
+        assert folder == (REPO / "assets" / "mini_team" / agent.name).resolve()
+        assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+        assert (folder / "tokenizer.json").is_file()
+
+
+def test_demo_runs_the_trained_team_and_reports_accuracy(tmp_path, m1_cache):
+    from m1.cli import DEMO_TEAM
+    from m1.demo import run_demo
+
+    assert DEMO_TEAM == "mini_trained"
+    lines: list[str] = []
+    out = run_demo(tmp_path / "demo", DEMO_TEAM, videos=1, duration=40.0, questions_per_video=4,
+                   overrides=[TINY_CLIP], echo=lines.append)
+    text = "\n".join(lines)
+    assert out["total"] == 4 and 0 <= out["correct"] <= 4
+    assert "(team mini_trained)" in text and "votes: qwen3_big=" in text
+    results = (tmp_path / "demo" / "results.jsonl").read_text().splitlines()
+    assert len(results) == 4
+    # trained agents answer in the strict format (random weights almost never do)
+    import json
+
+    ok = [a["parse_ok"] for r in map(json.loads, results) for a in r["agents"].values()]
+    assert len(ok) == 16 and sum(ok) / len(ok) > 0.5, ok
