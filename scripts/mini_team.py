@@ -123,7 +123,8 @@ def make_sets(out: Path, b: Budget) -> tuple[list, list]:
     from m1.synth.make import make_dataset
 
     sets = []
-    for name, videos, seed in (("train", b.train_videos, b.train_seed), (f"eval{b.eval_seed}", b.eval_videos, b.eval_seed)):
+    for name, videos, seed in (("train", b.train_videos, b.train_seed),
+                               (f"eval{b.eval_seed}", b.eval_videos, b.eval_seed)):
         folder = out / name
         qfile = folder / "questions.jsonl"
         if not qfile.is_file():
@@ -341,7 +342,8 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
         "",
         verdict(results),
         "",
-        f"Held-out: {meta['n_heldout']} questions on {b['eval_videos']} videos of {b['duration']:.0f} s (world seed "
+        f"{'Dev (settings are chosen here; not held-out)' if b['eval_seed'] == DEV_SEED else 'Held-out'}: "
+        f"{meta['n_heldout']} questions on {b['eval_videos']} videos of {b['duration']:.0f} s (world seed "
         f"{b['eval_seed']}); training: {meta['n_train']} questions on {b['train_videos']} videos (world seed "
         f"{b['train_seed']}); SFT examples from the teacher: {meta['n_examples']} (keep-rule stats and thinning: "
         f"{json.dumps(meta['sft_stats'])}). Seeds {list(meta['seeds'])}: tiny init, data order and rollout "

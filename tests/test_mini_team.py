@@ -108,7 +108,10 @@ def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
     doc = tmp_path / "doc.md"
     res = mt.run(tmp_path / "out", b, doc, rows=("untrained", "teacher"))
     text = doc.read_text()
-    assert "| teacher team (rule-based) |" in text and "min CPU" in text
+    assert "| teacher team (rule-based) |" in text and "min CPU" in text and "Held-out: " in text
+    mt.write_doc(doc, res["table"], {**res["meta"], "budget": {**res["meta"]["budget"], "eval_seed": mt.DEV_SEED}},
+                 res["results"])
+    assert "Dev (settings are chosen here; not held-out): " in doc.read_text()
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["meta"]["n_heldout"] == res["results"]["teacher"][0]["n"] > 0
     assert res["results"]["teacher"][0]["accuracy"] > res["results"]["untrained"][0]["accuracy"]
