@@ -47,8 +47,11 @@ def test_keep_rule_needs_one_right_agent_and_an_unchanged_plan():
     assert examples[0].completion == "plan by alpha" and examples[0].messages[0]["content"] == "plan prompt for alpha"
     assert stats == {"episodes": 4, "episodes_failed": 1, "episodes_nobody_right": 1, "kept": 3,
                      "dropped_plan_changed": 1}
-    more, _ = select_examples(eps[:1], RewardConfig(), phases=("plan", "answer"))
-    assert [(e.agent, e.phase) for e in more] == [("alpha", "plan"), ("alpha", "answer")]
+    # ours: only plans need an unchanged plan; beta's revising decision and its answer are kept
+    more, stats = select_examples(eps[:1], RewardConfig(), phases=("plan", "communicate", "answer"))
+    assert [(e.agent, e.phase) for e in more] == [("alpha", "plan"), ("alpha", "communicate"), ("alpha", "answer"),
+                                                 ("beta", "communicate"), ("beta", "answer")]
+    assert stats["dropped_plan_changed"] == 1
 
 
 def fake_teacher(answer_letter):

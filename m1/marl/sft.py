@@ -4,8 +4,12 @@ Data (`build_sft_data`): run a teacher team (the rule-based teacher of M1-Synth,
 agents) over questions and keep a generation by the paper's rule: **at least one agent of the episode answered
 right, and the writing agent's plan was never changed** (it never added a tool during communication). "Right" is a
 positive result reward R_res (MCQ: the right letter; grounding: IoU above 0.5; numeric: MRA above 0.5; open: the
-judge's or an exact-match verdict). By default only plan generations are kept (`phases: [plan]`); the prompts are the
-teacher's chats, so any student can be trained on them with its own tokenizer.
+judge's or an exact-match verdict). By default only plan generations are kept (`phases: [plan]`), as in the paper.
+The other phases (ours) need only the first condition: the plan condition is about plans, and an episode whose plan
+was revised is exactly where the communicate step that revised it, and the answers written from the revised evidence,
+are worth learning (on M1-Synth the teacher revises every "flash near the end" plan, so the strict rule would leave
+the students almost no open-ended answers). The prompts are the teacher's chats, so any student can be trained on them
+with its own tokenizer.
 
 Training (`SFTTrainer`): each student agent's learner (LoRA or full, the same `AgentLearner` as MARL) minimises
 cross-entropy on the completion tokens only — prompt tokens, tool outputs and memory text are context — averaged over
@@ -71,7 +75,8 @@ def right_agents(episodes: Sequence[Episode], rewards: RewardConfig, judge=None)
 
 def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=None,
                     phases: Sequence[str] = ("plan",)) -> tuple[list[SFTExample], dict[str, int]]:
-    """Apply the keep rule to episodes; returns the examples and counts of why others were dropped."""
+    """Apply the keep rule to episodes (plan examples also need an unchanged plan); returns the examples and counts
+    of why others were dropped."""
     stats = {"episodes": len(episodes), "episodes_failed": 0, "episodes_nobody_right": 0, "kept": 0,
              "dropped_plan_changed": 0}
     examples: list[SFTExample] = []
@@ -85,7 +90,7 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
         for gen in ep.generations:
             if gen.phase not in phases:
                 continue
-            if not plan_unchanged(ep, gen.agent):
+            if gen.phase == "plan" and not plan_unchanged(ep, gen.agent):
                 stats["dropped_plan_changed"] += 1
                 continue
             examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
