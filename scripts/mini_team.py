@@ -6,6 +6,8 @@ fine-tuned on the teacher's kept generations (configs/sft/mini.yaml: each seat l
 name), then trained with multi-agent GRPO from those weights (configs/marl/mini.yaml). The teacher team's row varies
 its error-draw seeds with s. Every team answers the same held-out questions (a world seed never used in training)
 greedily over the complete graph; accuracy is `m1.data.metrics.is_correct` of the team's final answer.
+Rerunning with the same --out resumes a killed run: finished stages are reused, training resumes from its newest
+checkpoint, and a folder left by other settings is started again.
 
     python scripts/mini_team.py            # the full run (3 seeds) -> docs/mini_team.md
     python scripts/mini_team.py --quick    # a short version for CI (1 seed, few questions, few steps)
@@ -140,6 +142,45 @@ def make_sets(out: Path, b: Budget) -> tuple[list, list]:
     return sets[0], sets[1]
 
 
+# ------------------------------------------------------------------------------------------------ resuming
+def stage_folder(folder: Path, settings: dict[str, Any]) -> None:
+    """Keep `folder` (so its trainer resumes from the newest checkpoint) only if it was started with `settings`.
+
+    A killed run then repeats no finished stage and resumes a half-done one; a folder left by other settings is
+    cleared, so a stale checkpoint is never mistaken for this run's.
+    """
+    marker = folder / "settings.json"
+    text = json.dumps(settings, sort_keys=True, default=str)
+    if marker.is_file() and marker.read_text() == text:
+        return
+    if folder.exists():
+        log.info("%s: started with other settings, starting it again", folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    marker.write_text(text)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every step's row of a (possibly resumed) training run, from its metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def evaluate_cached(path: Path, cfg: TeamConfig, questions: list, pool, progress: bool = False) -> dict[str, Any]:
+    """`evaluate`, stored in `path` with the team and question ids it was computed for (a killed run reuses it)."""
+    key = json.dumps({"team": cfg.model_dump(mode="json"), "questions": [q.id for q in questions]}, sort_keys=True)
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved["result"]
+    result = evaluate(cfg, questions, pool, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "result": result}))
+    tmp.replace(path)
+    return result
+
+
 # ------------------------------------------------------------------------------------------------ evaluation
 def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False) -> dict[str, Any]:
     """Greedy team answers on `questions`: accuracy, per-family accuracy, strict-format rates per phase."""
@@ -231,11 +272,11 @@ def run_sft(seed: int, examples, out: Path, b: Budget, clip_cache: Path) -> tupl
     if b.sft_max_steps is not None:
         update["max_steps"] = b.sft_max_steps
     cfg = cfg.model_copy(update=update)
-    shutil.rmtree(out, ignore_errors=True)
+    stage_folder(out, {"config": cfg.model_dump(mode="json", exclude={"log"}), "examples": len(examples)})
     trainer = SFTTrainer(cfg, examples=list(examples))
-    rows = trainer.train()
+    trainer.train()
     trainer.learners.shutdown()
-    return final_weights(out, [a.name for a in team.agents]), rows
+    return final_weights(out, [a.name for a in team.agents]), read_metrics(out)
 
 
 def run_marl(seed: int, sft_weights: dict[str, Path], train_qs: list, out: Path, b: Budget, clip_cache: Path,
@@ -252,14 +293,18 @@ def run_marl(seed: int, sft_weights: dict[str, Path], train_qs: list, out: Path,
     if b.marl_questions_per_step is not None:
         update["rollout"] = cfg.rollout.model_copy(update={"questions_per_step": b.marl_questions_per_step})
     cfg = cfg.model_copy(update=update)
-    shutil.rmtree(out, ignore_errors=True)
+    # the SFT files' sizes and write times: SFT trained again means MARL starts again
+    sft_stamp = {a: sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in p.iterdir())
+                 for a, p in sorted(sft_weights.items())}
+    stage_folder(out, {"config": cfg.model_dump(mode="json", exclude={"log"}), "questions": len(train_qs),
+                       "sft": sft_stamp})
     trainer = Trainer(cfg, questions=train_qs)
     trainer.pool = pool  # share decoded frames with the evaluations
     try:
-        rows = trainer.train()
+        trainer.train()
     finally:
         trainer.close()
-    return final_weights(out, [a.name for a in team.agents]), rows
+    return final_weights(out, [a.name for a in team.agents]), read_metrics(out)
 
 
 # ------------------------------------------------------------------------------------------------ shipped weights
@@ -392,26 +437,33 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
         stages[name] += now - t
         t = now
 
+    seed_dir = out / f"seed{seed}"
     if "untrained" in rows:
-        results["untrained"] = evaluate(mini_config(seed, None, clip_cache, b.tiny_clip), held_qs, pool, b.progress)
+        results["untrained"] = evaluate_cached(seed_dir / "eval_untrained.json",
+                                               mini_config(seed, None, clip_cache, b.tiny_clip), held_qs, pool,
+                                               b.progress)
         stage("eval")
     if "teacher" in rows:
-        results["teacher"] = evaluate(teacher_config(seed, clip_cache, b.tiny_clip), held_qs, pool, b.progress)
+        results["teacher"] = evaluate_cached(seed_dir / "eval_teacher.json",
+                                             teacher_config(seed, clip_cache, b.tiny_clip), held_qs, pool, b.progress)
         stage("eval")
     if "sft" in rows or "sft+marl" in rows:
-        sft_w, sft_rows = run_sft(seed, examples, out / f"seed{seed}" / "sft", b, clip_cache)
+        sft_w, sft_rows = run_sft(seed, examples, seed_dir / "sft", b, clip_cache)
         stage("sft")
         curves[f"seed{seed}/sft_loss"] = [r["loss"] for r in sft_rows]
         if "sft" in rows:
-            results["sft"] = evaluate(mini_config(seed, sft_w, clip_cache, b.tiny_clip), held_qs, pool, b.progress)
+            results["sft"] = evaluate_cached(seed_dir / "sft" / "eval.json",
+                                             mini_config(seed, sft_w, clip_cache, b.tiny_clip), held_qs, pool,
+                                             b.progress)
             stage("eval")
         if "sft+marl" in rows:
-            marl_w, marl_rows = run_marl(seed, sft_w, train_qs, out / f"seed{seed}" / "marl", b, clip_cache, pool)
+            marl_w, marl_rows = run_marl(seed, sft_w, train_qs, seed_dir / "marl", b, clip_cache, pool)
             stage("marl")
             curves[f"seed{seed}/marl_reward"] = [r.get("reward/mean") for r in marl_rows]
             curves[f"seed{seed}/marl_team_res"] = [r.get("reward/team_res") for r in marl_rows]
-            results["sft+marl"] = evaluate(mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
-                                           b.progress)
+            results["sft+marl"] = evaluate_cached(seed_dir / "marl" / "eval.json",
+                                                  mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
+                                                  b.progress)
             stage("eval")
     log.info("seed %d done: %s", seed, {r: v["accuracy"] for r, v in results.items()})
     return {"results": results, "curves": curves, "stages": dict(stages)}

@@ -46,7 +46,7 @@ def test_synth_tokenizer_makes_prompts_short(m1_cache):
     assert tok.decode(tok(text)["input_ids"]) == text
 
 
-def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt):
+def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     from m1.marl.config import load_sft_config
     from m1.video import VideoPool
 
@@ -71,7 +71,8 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt):
     losses = [r["loss"] for r in rows]
     assert len(losses) == 60 and sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
     assert set(weights) == {"qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small"}
-    sft = mt.evaluate(mt.mini_config(0, weights, clip_cache, tiny_clip=True), held_qs, pool)
+    sft = mt.evaluate_cached(tmp_path / "sft" / "eval.json", mt.mini_config(0, weights, clip_cache, tiny_clip=True),
+                             held_qs, pool)
     assert untrained["parse_ok"]["plan"] < 0.05  # random weights: no plan in the strict format
     assert sft["parse_ok"]["plan"] > untrained["parse_ok"]["plan"] + 0.25, (untrained["parse_ok"], sft["parse_ok"])
     assert sft["n"] == untrained["n"] == len(held_qs)
@@ -81,11 +82,34 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt):
     assert len(marl_rows) == 1 and marl_rows[0]["episodes/failed"] == 0
     assert all(p.is_dir() and p != weights[a] for a, p in marl_w.items())
 
+    # the same calls again (a killed run started over): finished stages are reused, nothing is trained or evaluated
+    def written(ws):
+        return {a: (p / "model.safetensors").stat().st_mtime_ns for a, p in ws.items()}
+
+    before = written(weights), written(marl_w)
+    monkeypatch.setattr(mt, "evaluate", lambda *a, **k: pytest.fail("a finished evaluation ran again"))
+    assert mt.run_sft(0, examples, tmp_path / "sft", b, clip_cache) == (weights, rows)
+    assert mt.evaluate_cached(tmp_path / "sft" / "eval.json", mt.mini_config(0, weights, clip_cache, tiny_clip=True),
+                              held_qs, pool) == sft
+    assert mt.run_marl(0, weights, train_qs, tmp_path / "marl", b, clip_cache, pool) == (marl_w, marl_rows)
+    assert (written(weights), written(marl_w)) == before
+
     # the table
     results = {"untrained": [untrained], "sft": [sft]}
     table = mt.render_table(results, {"seeds": [0]})
     assert "| mini team, untrained |" in table and "| mini team, SFT |" in table and "| family |" in table
     assert "Fewer than 2 seeds" in mt.verdict(results)
+
+
+def test_stage_folder_keeps_its_own_run_and_clears_another(tmp_path, mt):
+    run = tmp_path / "sft"
+    mt.stage_folder(run, {"lr": 1e-3})
+    (run / "checkpoints").mkdir()
+    mt.stage_folder(run, {"lr": 1e-3})  # same settings: the trainer will resume from what is there
+    assert (run / "checkpoints").is_dir()
+    mt.stage_folder(run, {"lr": 3e-4})  # other settings: a stale checkpoint must not be resumed
+    assert not (run / "checkpoints").exists()
+    assert json.loads((run / "settings.json").read_text()) == {"lr": 3e-4}
 
 
 def test_table_reports_mean_std_and_the_seed_spread_verdict(mt):
