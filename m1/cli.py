@@ -48,6 +48,8 @@ def infer(
         typer.secho(f"skipped: {msg}", fg=typer.colors.YELLOW, err=True)
     try:
         summary = run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit)
+    except InputError as exc:  # e.g. `out` holds another team's answers
+        _fail(str(exc))
     except ModelError as exc:  # finished questions are already in `out`; a rerun resumes
         _fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)")
     typer.echo(summary.describe())
@@ -70,7 +72,7 @@ def eval_(
     from m1.data.loaders import load_benchmark
     from m1.data.metrics import format_table, score_benchmark
     from m1.models.base import ModelError
-    from m1.run import ResultsFile, run_questions
+    from m1.run import InputError, ResultsFile, run_questions
 
     try:
         cfg = load_team(team, overrides or [])
@@ -85,6 +87,8 @@ def eval_(
     preds_path = out / "predictions.jsonl"
     try:
         summary = run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit)
+    except InputError as exc:  # e.g. `out` holds another team's predictions
+        _fail(str(exc))
     except ModelError as exc:
         _fail(f"{exc}\n(predictions so far are kept in {preds_path}; rerun to resume)")
     typer.echo(summary.describe())

@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from m1.config import load_team
-from m1.run import ResultsFile, read_questions, run_questions
+from m1.run import ResultsFile, check_team, read_questions, run_questions
 
 
 def run_demo(out: Path, team: str, videos: int = 3, seed: int = 0, duration: float = 120.0,
@@ -26,6 +26,7 @@ def run_demo(out: Path, team: str, videos: int = 3, seed: int = 0, duration: flo
     for msg in issues:
         echo(f"skipped: {msg}")
     cfg = load_team(team, overrides or [])
+    check_team(out / "results.jsonl", cfg, restart=True)  # another team's (or weights') answers are stale here
     summary = run_questions(cfg, questions, out / "results.jsonl", trace_dir=out / "traces")
     rows = {r["id"]: r for r in ResultsFile(out / "results.jsonl").read()}
     per_family: dict[str, list[int]] = defaultdict(lambda: [0, 0])

@@ -3,6 +3,8 @@
 Results are one JSON line per question, written with a single append of the whole line and
 flushed to disk; on start, a torn last line left by a killed run is cut off, and ids already
 present are skipped. So a run killed at any moment and rerun lists every id exactly once.
+Beside it, `<results>.team.json` records the team that wrote it (config and local weight files): resuming
+with another team would mix two teams' answers in one file, so it is refused with the fields that differ.
 """
 from __future__ import annotations
 
@@ -165,12 +167,57 @@ class RunSummary:
         return "\n".join(lines)
 
 
+def team_signature(cfg: TeamConfig) -> dict:
+    """What decides a team's answers: its config and, for local weights, each file's name, size and write time."""
+    weights = {}
+    for key, spec in sorted(cfg.models.items()):
+        folder = Path(spec.path) if spec.path else None
+        if folder is not None and folder.is_dir():
+            weights[key] = sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in folder.iterdir()
+                                  if f.is_file())
+    return {"config": cfg.model_dump(mode="json"), "weights": weights}
+
+
+def _flat(d, prefix: str = "") -> dict[str, object]:
+    if isinstance(d, dict):
+        out: dict[str, object] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): d}
+
+
+def check_team(results: Path, cfg: TeamConfig, restart: bool = False) -> None:
+    """Make sure `results` holds (or will hold) only answers of team `cfg`.
+
+    If it has answers from a team with another signature: with `restart` they are deleted (the demo starts over),
+    otherwise InputError names the differing fields. Then the signature of `cfg` is recorded beside it.
+    """
+    results = Path(results)
+    stamp = results.with_name(results.name + ".team.json")
+    sig = team_signature(cfg)
+    if stamp.is_file() and results.is_file() and results.stat().st_size:
+        old = json.loads(stamp.read_text())
+        if old != sig:
+            a, b = _flat(old), _flat(sig)
+            diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            if not restart:
+                raise InputError(
+                    f"{results} holds answers of another team (differs in {', '.join(diff[:5])}"
+                    f"{', ...' if len(diff) > 5 else ''}); resuming would mix two teams: use another --out or "
+                    f"move the file")
+            results.unlink()
+    results.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(sig, indent=1))
+
+
 def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_dir: Path | None = None,
                   limit: int | None = None, team=None, progress: bool = True) -> RunSummary:
     from tqdm import tqdm
 
     from m1.team.cpp import Team
 
+    check_team(Path(out), cfg)
     results = ResultsFile(out)
     todo = [q for q in questions if q.id not in results.done]
     summary = RunSummary(out=Path(out), skipped_done=len(questions) - len(todo))

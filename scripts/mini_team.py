@@ -543,8 +543,9 @@ def _settings(cfg, keys: tuple[str, ...], extra: dict[str, Any]) -> str:
     d = cfg.model_dump(mode="json")
     keep = {k: d[k] for k in keys if k in d}
     if "learner" in keep:
-        keep["learner"] = {k: keep["learner"][k] for k in ("finetune", "lr", "warmup_steps", "micro_batch_size",
-                                                           "max_prompt_tokens", "max_completion_tokens")}
+        keep["learner"] = {k: keep["learner"][k] for k in ("finetune", "lr", "warmup_steps", "lr_schedule",
+                                                           "micro_batch_size", "max_prompt_tokens",
+                                                           "max_completion_tokens")}
     if "rollout" in keep and "questions_per_step" in extra:
         keep["rollout"]["questions_per_step"] = extra.pop("questions_per_step")
     keep.update(extra)

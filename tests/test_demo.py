@@ -33,8 +33,9 @@ def test_demo_runs_the_trained_team_and_reports_accuracy(tmp_path, m1_cache):
     assert "(team mini_trained)" in text and "votes: qwen3_big=" in text
     results = (tmp_path / "demo" / "results.jsonl").read_text().splitlines()
     assert len(results) == 4
-    # trained agents answer in the strict format (random weights almost never do)
+    # trained agents often answer in the strict format, random weights never do (0% in docs/mini_team.md); MARL
+    # traded some of SFT's answer format for accuracy (43-64% of held-out answers parse after it, 77% after SFT)
     import json
 
     ok = [a["parse_ok"] for r in map(json.loads, results) for a in r["agents"].values()]
-    assert len(ok) == 16 and sum(ok) / len(ok) > 0.5, ok
+    assert len(ok) == 16 and sum(ok) / len(ok) > 0.25, ok

@@ -106,6 +106,30 @@ def test_sigkill_then_resume_lists_each_id_once(folder, tmp_path, m1_cache):
     assert p.returncode == 0, stderr
     got = [json.loads(l)["id"] for l in out.read_text().splitlines()]
     assert sorted(got) == ids  # each exactly once
+    # resuming into the same file with another team would mix two teams' answers: refused, naming what differs
+    p = _infer(folder, out, [*args[:-1], "limits.batch_episodes=3"])
+    _, stderr = p.communicate(timeout=300)
+    assert p.returncode == 2 and "another team" in stderr and "limits.batch_episodes" in stderr, stderr
+    assert [json.loads(l)["id"] for l in out.read_text().splitlines()] == got
+
+
+def test_results_record_their_team_and_weights(tmp_path):
+    from m1.run import InputError, check_team
+
+    weights = tmp_path / "w"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"x" * 10)
+    cfg = load_team("tiny", ["models.q3_big.tiny=null", f"models.q3_big.path={weights}"])
+    out = tmp_path / "res.jsonl"
+    check_team(out, cfg)
+    out.write_text('{"id": "a"}\n')
+    check_team(out, cfg)  # the same team resumes
+    (weights / "model.safetensors").write_bytes(b"y" * 11)  # retrained weights, same config
+    with pytest.raises(InputError, match="weights.q3_big"):
+        check_team(out, cfg)
+    assert out.read_text() == '{"id": "a"}\n'  # nothing lost
+    check_team(out, cfg, restart=True)  # the demo starts over instead
+    assert not out.exists()
 
 
 def test_infer_clear_errors(folder, tmp_path):
