@@ -138,6 +138,15 @@ def test_format_reward_is_share_of_parsed_generations():
     assert format_reward(ep, "a1") == pytest.approx(0.75)
     assert format_reward(ep, "a2") == 0.0
     assert format_reward(ep, "nobody") == 0.0
+    # per phase: one unparsed plan weighs as much as three parsed communication decisions
+    ep = episode(gens={"a1": [False, True, True, True], "a2": [True]})
+    for g in ep.generations[1:4]:
+        g.phase = "communicate"
+    assert format_reward(ep, "a1") == pytest.approx(0.75)
+    assert format_reward(ep, "a1", "phases") == pytest.approx((0.0 + 1.0) / 2)
+    assert format_reward(ep, "a2", "phases") == 1.0
+    rewards = batch_agent_rewards([ep], RewardConfig(format="phases", w_col=0.0), None)[0]
+    assert rewards["a1"].format == pytest.approx(0.5)
 
 
 def test_over_limit_penalty():

@@ -9,7 +9,9 @@
   Numeric: VSI-Bench's mean relative accuracy (MRA, in [0, 1]) mapped the same way.
   Open-ended: the judge's correctness verdict (+1/-1), or a normalised exact match without one.
 - R_format: the share of the agent's generations (plan, communicate, answer, summary) whose
-  reply parsed in the strict format, in [0, 1].
+  reply parsed in the strict format, in [0, 1]. `format: phases` (ours) averages the share per
+  phase instead, so a plan or an answer counts as much as all communication decisions together
+  (these are most generations, and with the plain share MARL let plans and answers drift).
 - R_col: the judge's binary verdict on the agent's memory record, in {0, 1} as in the paper,
   plus `over_limit_penalty` (default -2) for every tool call past `tool_call_limit` (default 5).
   One call over the limit thus turns the best verdict (1) into -1, below a failed verdict (0):
@@ -58,6 +60,7 @@ class RewardConfig(Strict):
     grounding_threshold: float = Field(0.5, gt=0.0, le=1.0)  # IoU needed for +1 in threshold mode
     numeric: Literal["linear", "threshold"] = "linear"
     numeric_threshold: float = Field(0.5, gt=0.0, le=1.0)  # MRA needed for +1 in threshold mode
+    format: Literal["generations", "phases"] = "generations"  # R_format: share of generations, or mean per phase
 
 
 class RewardBreakdown(BaseModel):
@@ -163,12 +166,18 @@ def result_reward(question: Question, answer: str | None, judge: Judge | None = 
 
 
 # ----------------------------------------------------------------------------- R_format
-def format_reward(episode: Episode, agent: str) -> float:
-    """Share of the agent's generations that parsed in the strict format; 0.0 if it wrote none."""
+def format_reward(episode: Episode, agent: str, mode: str = "generations") -> float:
+    """Share of the agent's generations that parsed in the strict format (`phases`: the mean of that share over
+    the phases it wrote); 0.0 if it wrote none."""
     gens = [g for g in episode.generations if g.agent == agent]
     if not gens:
         return 0.0
-    return sum(g.parse_ok for g in gens) / len(gens)
+    if mode == "generations":
+        return sum(g.parse_ok for g in gens) / len(gens)
+    by_phase: dict[str, list[bool]] = {}
+    for g in gens:
+        by_phase.setdefault(g.phase, []).append(g.parse_ok)
+    return sum(sum(v) / len(v) for v in by_phase.values()) / len(by_phase)
 
 
 # ----------------------------------------------------------------------------- R_col
@@ -231,7 +240,7 @@ def batch_agent_rewards(episodes: Sequence[Episode], cfg: RewardConfig,
             v = next(verdicts, None)
             value, ok = (v.value, v.ok) if v is not None else (0, True)
             col = value + pen
-            fmt = format_reward(ep, a)
+            fmt = format_reward(ep, a, cfg.format)
             per[a] = RewardBreakdown(
                 agent=a, res=r, format=fmt, col=col, total=cfg.w_res * r + cfg.w_format * fmt + cfg.w_col * col + cfg.w_team * team_res,
                 team_res=team_res, verdict=value, verdict_ok=ok, judge=v.judge if v else "none (w_col=0)",
