@@ -167,14 +167,15 @@ class RunSummary:
         return "\n".join(lines)
 
 
+def weight_stamp(folder: Path) -> list[list]:
+    """Each file of a weights folder as [name, size, write time]: changes whenever the weights are written again."""
+    return sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in Path(folder).iterdir() if f.is_file())
+
+
 def team_signature(cfg: TeamConfig) -> dict:
-    """What decides a team's answers: its config and, for local weights, each file's name, size and write time."""
-    weights = {}
-    for key, spec in sorted(cfg.models.items()):
-        folder = Path(spec.path) if spec.path else None
-        if folder is not None and folder.is_dir():
-            weights[key] = sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in folder.iterdir()
-                                  if f.is_file())
+    """What decides a team's answers: its config and the `weight_stamp` of each local weights folder."""
+    weights = {key: weight_stamp(Path(spec.path)) for key, spec in sorted(cfg.models.items())
+               if spec.path and Path(spec.path).is_dir()}
     return {"config": cfg.model_dump(mode="json"), "weights": weights}
 
 

@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from m1.config import TeamConfig, load_team  # noqa: E402
+from m1.run import read_questions, team_signature, weight_stamp  # noqa: E402
 
 log = logging.getLogger("mini_team")
 
@@ -121,7 +122,6 @@ def sft_teacher_config(sft_cfg, clip_cache: Path | None, tiny_clip: bool = False
 
 # ------------------------------------------------------------------------------------------------ data
 def make_sets(out: Path, b: Budget) -> tuple[list, list]:
-    from m1.run import read_questions
     from m1.synth.make import make_dataset
 
     sets = []
@@ -167,8 +167,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def evaluate_cached(path: Path, cfg: TeamConfig, questions: list, pool, progress: bool = False) -> dict[str, Any]:
-    """`evaluate`, stored in `path` with the team and question ids it was computed for (a killed run reuses it)."""
-    key = json.dumps({"team": cfg.model_dump(mode="json"), "questions": [q.id for q in questions]}, sort_keys=True)
+    """`evaluate`, stored in `path` with the team (config and weights) and question ids it was computed for (a
+    killed run reuses it)."""
+    key = json.dumps({"team": team_signature(cfg), "questions": [q.id for q in questions]}, sort_keys=True)
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
@@ -293,9 +294,8 @@ def run_marl(seed: int, sft_weights: dict[str, Path], train_qs: list, out: Path,
     if b.marl_questions_per_step is not None:
         update["rollout"] = cfg.rollout.model_copy(update={"questions_per_step": b.marl_questions_per_step})
     cfg = cfg.model_copy(update=update)
-    # the SFT files' sizes and write times: SFT trained again means MARL starts again
-    sft_stamp = {a: sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in p.iterdir())
-                 for a, p in sorted(sft_weights.items())}
+    # SFT trained again (new weight files) means MARL starts again
+    sft_stamp = {a: weight_stamp(p) for a, p in sorted(sft_weights.items())}
     stage_folder(out, {"config": cfg.model_dump(mode="json", exclude={"log"}), "questions": len(train_qs),
                        "sft": sft_stamp})
     trainer = Trainer(cfg, questions=train_qs)
