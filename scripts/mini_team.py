@@ -59,7 +59,7 @@ class Budget:
     train_seed: int = 1  # world seed of the training questions
     eval_seed: int = 1001  # world seed of the held-out questions (never trained on)
     sft_epochs: int | None = None  # None: configs/sft/mini.yaml
-    sft_max_steps: int | None = 300  # the SFT compute of 5 epochs over 20 videos' examples, now ~2.5 epochs
+    sft_max_steps: int | None = 300  # replaces epochs: 5 epochs over 20 videos' examples, ~2.5 over 40 videos'
     marl_steps: int | None = None  # None: configs/marl/mini.yaml
     marl_questions_per_step: int | None = None
     progress: bool = True
@@ -72,7 +72,7 @@ class Budget:
 FULL = Budget()
 DEV_SEED = 2001  # world seed of the dev questions that settings are chosen on (neither trained on nor reported)
 QUICK = Budget(seeds=(0,), train_videos=2, eval_videos=1, duration=60.0, questions_per_video=8,
-               sft_epochs=2, marl_steps=2, marl_questions_per_step=2, tiny_clip=True)
+               sft_epochs=2, sft_max_steps=None, marl_steps=2, marl_questions_per_step=2, tiny_clip=True)
 # the random CLIP of configs/team/tiny.yaml, for --quick and tests
 TINY_CLIP = {"kind": "clip", "backend": "open_clip", "device": "cpu",
              "tiny": {"arch": "open_clip", "hidden_size": 64, "layers": 2, "image_size": 64, "seed": 6}}
