@@ -52,7 +52,8 @@ def episode(question=MCQ, records=None, answers=None, gens=None, final="B", eid=
     agents = list(records)
     return Episode(id=eid, question=question, topology=Topology(agents=agents, active=agents, edges=[]),
                    memory=records,
-                   generations=[gen(a, ok) for a, oks in gens.items() for ok in oks],
+                   generations=[gen(a, ok, "plan" if i == 0 else "answer") for a, oks in gens.items()
+                                for i, ok in enumerate(oks)],
                    answers=[AgentAnswer(agent=a, answer=x) for a, x in answers.items() if x is not None],
                    final_answer=final)
 
@@ -258,6 +259,26 @@ def test_judge_prompt_renders_the_trajectory():
                    "a blue ball rolls", "error: Fine Browser: no frames", "add tool Space Tool",
                    "Final answer of the agent: B", "##Verdict:", "no more than 5 tool calls"):
         assert needle in text, needle
+
+
+def test_a_plan_the_parser_repaired_earns_no_collaboration_credit():
+    """The record holds the plan the team ran; when the agent's plan reply did not parse, that plan was repaired
+    or filled in (the question as key info) and must not be credited to the agent (MARL exploited it)."""
+    ep = episode(records={"a1": good_record("B"), "a2": good_record("B")},
+                 gens={"a1": [True, True], "a2": [False, True]})
+    ep.generations[2] = ep.generations[2].model_copy(update={"completion": "##tool call: continue()"})
+    items = [JudgeItem.from_episode(ep, a) for a in ("a1", "a2")]
+    assert items[0].unreadable_plan is None and items[1].unreadable_plan == "##tool call: continue()"
+    ok, bad = RubricJudge().judge(items)
+    assert ok.value == 1 and bad.value == 0
+    assert bad.criteria == {"plan_feasible": False, "tools_appropriate": True, "steps_managed": True}
+    assert "required format" in bad.reason
+    out = agent_rewards(ep, RewardConfig(), RubricJudge())
+    assert (out["a1"].col, out["a2"].col) == (1.0, 0.0)
+    # the LLM judge is shown the reply the agent wrote, and told the plan it sees was not written by the agent
+    text = content(collaboration_messages(items[1], tool_call_limit=5))
+    assert "'##tool call: continue()'" in text and "not written by the agent" in text
+    assert "not written by the agent" not in content(collaboration_messages(items[0], tool_call_limit=5))
 
 
 @pytest.mark.parametrize("reply,value,ok,lenient", [

@@ -77,6 +77,10 @@ class JudgeItem:
     agent: str
     record: AgentRecord
     episode_id: str = ""
+    # None when the agent's plan reply parsed in the strict format; else that reply. The team then ran a plan it
+    # read leniently or filled in (the question as key info, default tools): judging that plan would credit the
+    # agent for the system's repair, which MARL learned to exploit on the mini team (README, mini team).
+    unreadable_plan: str | None = None
 
     @classmethod
     def from_episode(cls, episode: Episode, agent: str) -> JudgeItem:
@@ -88,7 +92,9 @@ class JudgeItem:
             ans = next((a for a in episode.answers if a.agent == agent), None)
             if ans is not None:
                 rec = rec.model_copy(update={"answer": ans.answer, "reason": ans.reason})
-        return cls(question=episode.question, agent=agent, record=rec, episode_id=episode.id)
+        bad = next((g.completion for g in episode.generations
+                    if g.agent == agent and g.phase == "plan" and not g.parse_ok), None)
+        return cls(question=episode.question, agent=agent, record=rec, episode_id=episode.id, unreadable_plan=bad)
 
 
 @dataclass
@@ -131,6 +137,9 @@ def render_trajectory(item: JudgeItem, max_output_chars: int = MAX_OUTPUT_CHARS)
     if q.options:
         lines.append("Options:\n" + q.options_block())
     lines.append(f"Task type: {q.task}")
+    if item.unreadable_plan is not None:
+        lines.append(f"The agent's plan reply was not in the required format: {_clip(item.unreadable_plan, 300)!r}. "
+                     "The plan below was read leniently or filled in by the system, not written by the agent.")
     lines.append("Planned tools: " + (", ".join(rec.plan) if rec.plan else "(no plan)"))
     lines.append(f"What the agent looks for: {rec.key_info or '(nothing stated)'}")
     if not rec.turns:
@@ -176,7 +185,7 @@ _COLLAB_TASK = (
     "Decide whether this trajectory is sound. Give 1 only if all three hold:\n"
     "1. Feasible plan - the planned tools can actually answer this question: frames are selected "
     "before they are browsed, and the selection targets the part of the video the question is "
-    "about.\n"
+    "about. A plan the agent did not write in the required format is not feasible.\n"
     "2. Fitting tools - each call suits the question (for example a stated time calls for Time "
     "Stamp Retrieval, left/right or distance questions for the Space Tool, finding when something "
     "happens for the Grounding Tool, counting for sampling across the whole video), what each "
@@ -502,8 +511,9 @@ class RubricJudge:
     """The offline rubric judge: deterministic rules standing in for the LLM judge on CPU runs.
 
     Verdict 1 iff all three criteria hold:
-    - plan_feasible: the plan has >= 1 selection and >= 1 browsing tool, the first is a selection
-      tool, and every name is a known tool.
+    - plan_feasible: the agent's plan reply parsed in the strict format (not repaired or filled in by
+      the parser), has >= 1 selection and >= 1 browsing tool, the first is a selection tool, and
+      every name is a known tool.
     - tools_appropriate: at least one tool was called; the called tools cover every cue of the
       question (a stated time -> Time Stamp Retrieval, grounding task -> Grounding Tool,
       spatial words -> Space Tool, counting words -> Global Sampling, which samples the whole
@@ -550,6 +560,9 @@ class RubricJudge:
         # 1. feasible plan
         plan_problems = []
         unknown = [t for t in rec.plan if t not in SELECT_TOOLS and t not in BROWSE_TOOLS]
+        if item.unreadable_plan is not None:
+            plan_problems.append("the plan reply was not in the required format (the plan run was repaired or "
+                                 "filled in by the parser)")
         if not rec.plan:
             plan_problems.append("no plan")
         else:
