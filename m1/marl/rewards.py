@@ -11,10 +11,11 @@
 - R_format: the share of the agent's generations (plan, communicate, answer, summary) whose
   reply parsed in the strict format, in [0, 1]. `format: phases` (ours) averages the share per
   phase instead, so a plan or an answer counts as much as all communication decisions together
-  (these are most generations). On the mini team it kept neither plans nor answers in format:
-  the plan drift there comes from R_col (README, mini team).
+  (these are most generations). On the mini team it kept neither plans nor answers in format.
 - R_col: the judge's binary verdict on the agent's memory record, in {0, 1} as in the paper,
   plus `over_limit_penalty` (default -2) for every tool call past `tool_call_limit` (default 5).
+  A plan reply the parser had to repair or fill in fails the verdict (`JudgeItem.unreadable_plan`):
+  crediting the repaired plan is what drove the mini team's plans out of format under MARL.
   One call over the limit thus turns the best verdict (1) into -1, below a failed verdict (0):
   the penalty is "strong" because it dominates the judge's whole range.
 
