@@ -214,6 +214,46 @@ def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video
     assert sorted({round(s.advantage, 3) for s in samples["alpha"]}) == [-1.0, 0.0, 1.0]  # (r - mean) / (std + 1e-4)
 
 
+def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
+    """credit: phase — answers are reinforced by their own outcome, other generations by the total reward."""
+    from types import SimpleNamespace
+
+    from m1.marl.rollout import advantages_for
+    from m1.models.hub import ModelHub
+    from m1.team.cpp import Team
+
+    cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "models": {
+        "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
+        "vlm": {"kind": "vision", "path": "fake/v"}}}), 1.0)
+    hub = ModelHub(cfg.models)
+    for key in ("qa", "qb"):
+        hub.register(key, FakeChat(key, scripted_reply))
+    hub.register("vlm", FakeVision(reply=lambda req: "the square is white"))
+    batch = run_rollouts(Team(cfg, hub=hub), questions(video, 1), 3, sample_topology(AGENTS, "complete", 1, 0, None))
+    # rollout k: total rises with k (a better plan), the outcome falls (a worse answer)
+    rewards = score(batch, AGENTS, lambda eps: [{a: SimpleNamespace(total=float(k), outcome=float(-k))
+                                                 for a in AGENTS} for k in range(len(eps))])
+    assert batch.outcomes["alpha"] == [[0.0, -1.0, -2.0]]
+    samples = build_samples(batch, advantages_for(rewards, True), {"alpha": 1.0, "beta": 1.0},
+                            advantages_for(batch.outcomes, True))
+    by_phase = {}
+    for s in samples["alpha"]:
+        by_phase.setdefault(s.phase, {})[s.rollout] = round(s.advantage, 3)
+    assert by_phase["answer"] == {0: 1.0, 1: 0.0, 2: -1.0}
+    assert by_phase["plan"] == {0: -1.0, 1: 0.0, 2: 1.0}
+    # plain-number rewards have no outcome: the trainer refuses phase credit instead of guessing
+    score(batch, AGENTS, lambda eps: [{a: 1.0 for a in AGENTS} for _ in eps])
+    assert batch.outcomes == {}
+
+
+def test_phase_credit_needs_rewards_with_an_outcome(tmp_path, video, m1_cache):
+    from m1.marl.rollout import RolloutError
+
+    trainer = make_trainer(train_cfg(tmp_path, rollout={"credit": "phase"}), video)
+    with pytest.raises(RolloutError, match="outcome"):
+        trainer.train_step()
+
+
 # ------------------------------------------------------------------------------------------------ learner numerics
 def _synthetic_samples(n=10, seed=0):
     rng = random.Random(seed)

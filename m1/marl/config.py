@@ -90,6 +90,10 @@ class RolloutConfig(Strict):
     topology: Literal["random", "complete"] = "random"
     edge_prob: float = Field(0.5, ge=0.0, le=1.0)
     dropout: float = Field(0.25, ge=0.0, lt=1.0)
+    # episode (paper): every generation of an agent carries the advantage of its total reward. phase (ours): its
+    # answer generations carry the advantage of the outcome (w_res * R_res + w_team * team_res) alone, so the
+    # plan's judged quality and the other generations' format do not decide which answer letter is reinforced.
+    credit: Literal["episode", "phase"] = "episode"
 
 
 class GRPOSettings(Strict):

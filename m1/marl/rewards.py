@@ -23,6 +23,8 @@ The team's answer (`episode.final_answer`) is scored with the same rule and logg
 In the paper each agent is rewarded for its own answer only, which is our default (`w_team` = 0).
 `w_team` > 0 (ours) adds `w_team * team_res` to every agent's total: a shared team term that also
 rewards the generations no own-answer reward reaches, such as the summarizer's merged answer.
+`outcome` = w_res * R_res + w_team * team_res is the part of the total an answer generation decides; with
+`rollout.credit: phase` (ours) the answer is trained on the advantage of the outcome alone (m1.marl.rollout).
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ class RewardBreakdown(BaseModel):
     col: float
     total: float
     team_res: float
+    outcome: float  # w_res * res + w_team * team_res: the answer's share of total (`rollout.credit: phase`)
     verdict: int
     verdict_ok: bool
     judge: str
@@ -245,7 +248,7 @@ def batch_agent_rewards(episodes: Sequence[Episode], cfg: RewardConfig,
             fmt = format_reward(ep, a, cfg.format)
             per[a] = RewardBreakdown(
                 agent=a, res=r, format=fmt, col=col, total=cfg.w_res * r + cfg.w_format * fmt + cfg.w_col * col + cfg.w_team * team_res,
-                team_res=team_res, verdict=value, verdict_ok=ok, judge=v.judge if v else "none (w_col=0)",
+                team_res=team_res, outcome=cfg.w_res * r + cfg.w_team * team_res, verdict=value, verdict_ok=ok, judge=v.judge if v else "none (w_col=0)",
                 judge_reason=v.reason if v else "", tool_calls=n_calls, penalty=pen)
         out.append(per)
     return out

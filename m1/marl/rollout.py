@@ -7,7 +7,8 @@ inference). Then, for every agent:
 - its reward on each episode comes from the reward function (default: `m1.marl.rewards.batch_agent_rewards`);
 - the advantage of rollout k of question g is normalised within that agent's own K rollouts of g;
 - every generation the agent wrote in that episode (plan, each communication decision, answer, summary) becomes
-  one sample carrying that advantage. A sample holds the prompt token ids (the chat the agent saw, including tool
+  one sample carrying that advantage (with `credit: phase`, answers carry the advantage of the reward's
+  `outcome` part instead: their own result, not the plan's judged quality or other generations' format). A sample holds the prompt token ids (the chat the agent saw, including tool
   outputs and other agents' memory) and the completion token ids (what the agent wrote). Only completion tokens are
   ever trained on, so tool outputs and peers' text are context, never targets.
 
@@ -58,6 +59,7 @@ class RolloutBatch:
     episodes: list[list[Episode]]
     topology: Topology
     rewards: dict[str, list[list[float]]] = field(default_factory=dict)  # agent -> [G][K]
+    outcomes: dict[str, list[list[float]]] = field(default_factory=dict)  # agent -> [G][K], when rewards have one
     breakdowns: list[dict[str, Any]] = field(default_factory=list)  # flat, episode order
 
     @property
@@ -117,7 +119,8 @@ def run_rollouts(team, questions: Sequence[Question], k: int, topology: Topology
 
 
 def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> dict[str, list[list[float]]]:
-    """Fill `batch.rewards[agent][g][k]` (NaN where an agent has no reward, e.g. a failed episode)."""
+    """Fill `batch.rewards[agent][g][k]` (NaN where an agent has no reward, e.g. a failed episode), and
+    `batch.outcomes` alike when every reward has an `.outcome` (RewardBreakdown)."""
     flat = batch.flat
     per_episode = reward_fn(flat)
     if len(per_episode) != len(flat):
@@ -125,20 +128,26 @@ def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> di
     batch.breakdowns = list(per_episode)
     k = len(batch.episodes[0]) if batch.episodes else 0
     rewards: dict[str, list[list[float]]] = {a: [] for a in agents}
+    outcomes: dict[str, list[list[float]]] = {a: [] for a in agents}
+    has_outcome = all(hasattr(v, "outcome") for per in per_episode for v in per.values())
     for i, (ep, per) in enumerate(zip(flat, per_episode)):
         g, r = divmod(i, k)
         for a in agents:
             if r == 0:
                 rewards[a].append([])
+                outcomes[a].append([])
             value = per.get(a) if ep.error is None else None
             rewards[a][g].append(float("nan") if value is None else float(getattr(value, "total", value)))
+            outcomes[a][g].append(float("nan") if value is None or not has_outcome else float(value.outcome))
     batch.rewards = rewards
+    batch.outcomes = outcomes if has_outcome else {}
     return rewards
 
 
-def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float]
-                  ) -> dict[str, list[Sample]]:
-    """Per-agent samples: every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]."""
+def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float],
+                  answer_advantages: dict[str, Any] | None = None) -> dict[str, list[Sample]]:
+    """Per-agent samples: every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with
+    `answer_advantages` (credit: phase), its answer generations get answer_advantages[agent][g, k] instead."""
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
@@ -151,11 +160,12 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                         "ids; training needs a backend that reports them (hf, vllm)")
                 if not gen.completion_ids:
                     continue  # nothing was generated: nothing to train on
+                table = answer_advantages if answer_advantages is not None and gen.phase == "answer" else advantages
                 out[gen.agent].append(Sample(
                     agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase=gen.phase,
                     prompt_ids=list(gen.prompt_ids), completion_ids=list(gen.completion_ids),
                     logprobs=list(gen.logprobs) if gen.logprobs is not None else None,
-                    reward=batch.rewards[gen.agent][g][k], advantage=float(advantages[gen.agent][g, k]),
+                    reward=batch.rewards[gen.agent][g][k], advantage=float(table[gen.agent][g, k]),
                     temperature=temperatures[gen.agent]))
     return out
 

@@ -46,8 +46,8 @@ from typing import Any, Callable
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig, load_train_config
-from m1.marl.rollout import (RewardFn, Sample, advantages_for, agent_temperature, build_samples, run_rollouts,
-                             sample_topology, score, training_team_config)
+from m1.marl.rollout import (RewardFn, RolloutError, Sample, advantages_for, agent_temperature, build_samples,
+                             run_rollouts, sample_topology, score, training_team_config)
 
 log = logging.getLogger(__name__)
 
@@ -716,7 +716,13 @@ class Trainer:
         # 4. rewards -> per-agent group advantages -> one sample per generation
         rewards = score(batch, self.trained, self.reward_fn)
         advantages = advantages_for(rewards, cfg.grpo.scale_rewards)
-        samples = build_samples(batch, advantages, self.temperatures)
+        answer_adv = None
+        if cfg.rollout.credit == "phase":  # answers: the advantage of their own outcome only
+            if not batch.outcomes:
+                raise RolloutError("rollout.credit 'phase' needs rewards with an `outcome` part (RewardBreakdown); "
+                                   "this reward function returns plain numbers")
+            answer_adv = advantages_for(batch.outcomes, cfg.grpo.scale_rewards)
+        samples = build_samples(batch, advantages, self.temperatures, answer_adv)
         t_reward = time.perf_counter()
 
         # 5. one optimizer step per agent
