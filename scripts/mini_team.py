@@ -174,8 +174,8 @@ def evaluate_cached(path: Path, cfg: TeamConfig, questions: list, pool, progress
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
             return saved["result"]
-    result = evaluate(cfg, questions, pool, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
+    result = evaluate(cfg, questions, pool, progress, traces=path.with_suffix(".traces.jsonl"))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"key": key, "result": result}))
     tmp.replace(path)
@@ -183,9 +183,15 @@ def evaluate_cached(path: Path, cfg: TeamConfig, questions: list, pool, progress
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
-def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False) -> dict[str, Any]:
-    """Greedy team answers on `questions`: accuracy, per-family accuracy, strict-format rates per phase."""
+def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, traces: Path | None = None
+             ) -> dict[str, Any]:
+    """Greedy team answers on `questions`: accuracy, per-family accuracy, strict-format rates per phase.
+
+    `traces`: also write one JSON line per question (truth, team answer, each agent's answer and which of its
+    generations parsed), so a change in accuracy can be traced to questions and agents without rerunning.
+    """
     from m1.data.metrics import is_correct
+    from m1.marl.rewards import agent_answer
     from m1.team.cpp import Team
 
     team = Team(cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"temperature": 0.0})}), pool=pool)
@@ -204,6 +210,19 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False) -> 
         fam[ep.question.meta.get("family", ep.question.task)].append(bool(is_correct(ep.question, ep.final_answer)))
         for g in ep.generations:
             parse[g.phase].append(bool(g.parse_ok))
+    if traces is not None:
+        lines = []
+        for ep in episodes:
+            q = ep.question
+            lines.append(json.dumps({
+                "id": q.id, "family": q.meta.get("family", q.task), "truth": q.answer, "answer": ep.final_answer,
+                "correct": bool(is_correct(q, ep.final_answer)), "aggregation": ep.aggregation, "error": ep.error,
+                "agents": {a: {"answer": agent_answer(ep, a), "correct": bool(is_correct(q, agent_answer(ep, a))),
+                               "parsed": [[g.phase, g.parse_ok] for g in ep.generations if g.agent == a]}
+                           for a in ep.memory}}))
+        tmp = traces.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(traces)
     allc = [c for v in fam.values() for c in v]
     return {"accuracy": sum(allc) / len(allc), "n": len(allc),
             "family": {f: sum(v) / len(v) for f, v in sorted(fam.items())},

@@ -77,6 +77,11 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     assert untrained["parse_ok"]["plan"] < 0.05  # random weights: no plan in the strict format
     assert sft["parse_ok"]["plan"] > untrained["parse_ok"]["plan"] + 0.25, (untrained["parse_ok"], sft["parse_ok"])
     assert sft["n"] == untrained["n"] == len(held_qs)
+    traces = [json.loads(line) for line in (tmp_path / "sft" / "eval.traces.jsonl").read_text().splitlines()]
+    assert [t["id"] for t in traces] == [q.id for q in held_qs]
+    assert sum(t["correct"] for t in traces) == round(sft["accuracy"] * sft["n"])
+    assert all(set(t["agents"]) <= set(weights) and all(p[0] in ("plan", "communicate", "answer", "summary")
+               for a in t["agents"].values() for p in a["parsed"]) for t in traces)
 
     # MARL starts from the SFT weights and writes new full-model folders
     marl_w, marl_rows = mt.run_marl(0, weights, train_qs, tmp_path / "marl", b, clip_cache, pool)
