@@ -231,6 +231,21 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, tra
             "failed": sum(e.error is not None for e in episodes)}
 
 
+def answer_changes(before: Path, after: Path) -> dict[str, int] | None:
+    """How a second team's answers differ from a first's on the same questions, from their `.traces.jsonl`
+    files: answers changed, wrong ones made right ("fixed"), right ones made wrong ("broken"). None when either
+    file is missing (an evaluation cached before traces were written)."""
+    if not (before.is_file() and after.is_file()):
+        return None
+    a, b = ({t["id"]: t for t in (json.loads(line) for line in p.read_text().splitlines() if line.strip())}
+            for p in (before, after))
+    if set(a) != set(b):
+        raise ValueError(f"{before} and {after} cover different questions")
+    return {"n": len(a), "changed": sum(a[i]["answer"] != b[i]["answer"] for i in a),
+            "fixed": sum(b[i]["correct"] and not a[i]["correct"] for i in a),
+            "broken": sum(a[i]["correct"] and not b[i]["correct"] for i in a)}
+
+
 # ------------------------------------------------------------------------------------------------ training
 def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, tiny_clip: bool = False,
                    communicate_per_episode: int | None = None):
@@ -395,7 +410,18 @@ def verdict(results: dict[str, list[dict]]) -> str:
     return text
 
 
-def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, list[dict]]) -> None:
+def changes_text(curves: dict[str, Any]) -> list[str]:
+    """A paragraph on how many held-out answers MARL changed per seed (a gain made of few fixes and no breaks is
+    learning; many changes both ways are a perturbation), or nothing when no traces were compared."""
+    parts = [f"{key.split('/')[0]}: {c['changed']} of {c['n']} team answers changed, {c['fixed']} wrong → right, "
+             f"{c['broken']} right → wrong" for key, c in sorted(curves.items())
+             if key.endswith("/marl_changes") and c]
+    return [f"What MARL changed, against the same seed's SFT team: {'; '.join(parts)}.", ""] if parts else []
+
+
+def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, list[dict]],
+              curves: dict[str, Any] | None = None) -> None:
+    curves = curves or {}
     b = meta["budget"]
     text = [
         "# The mini team on M1-Synth",
@@ -406,6 +432,7 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
         "",
         verdict(results),
         "",
+        *changes_text(curves),
         f"{'Dev (settings are chosen here; not held-out)' if b['eval_seed'] == DEV_SEED else 'Held-out'}: "
         f"{meta['n_heldout']} questions on {b['eval_videos']} videos of {b['duration']:.0f} s (world seed "
         f"{b['eval_seed']}); training: {meta['n_train']} questions on {b['train_videos']} videos (world seed "
@@ -484,6 +511,9 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
                                                   mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
                                                   b.progress)
             stage("eval")
+            if "sft" in rows:
+                curves[f"seed{seed}/marl_changes"] = answer_changes(seed_dir / "sft" / "eval.traces.jsonl",
+                                                                    seed_dir / "marl" / "eval.traces.jsonl")
     log.info("seed %d done: %s", seed, {r: v["accuracy"] for r, v in results.items()})
     return {"results": results, "curves": curves, "stages": dict(stages)}
 
@@ -555,7 +585,7 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     table = render_table({r: v for r, v in results.items() if v}, meta)
     (out / "results.json").write_text(json.dumps({"results": results, "meta": meta, "curves": curves}, indent=1))
     if doc is not None:
-        write_doc(doc, table, meta, results)
+        write_doc(doc, table, meta, results, curves)
     return {"results": results, "meta": meta, "table": table, "curves": curves}
 
 

@@ -132,6 +132,24 @@ def test_table_reports_mean_std_and_the_seed_spread_verdict(mt):
     assert "does NOT exceed" in mt.verdict(results) and "1 of 3 seeds improve" in mt.verdict(results)
 
 
+def test_answer_changes_count_fixes_and_breaks_from_traces(tmp_path, mt):
+    def traces(name, rows):
+        path = tmp_path / name
+        path.write_text("\n".join(json.dumps({"id": i, "answer": a, "correct": c}) for i, a, c in rows) + "\n")
+        return path
+
+    sft = traces("sft.jsonl", [("q1", "A", True), ("q2", "B", False), ("q3", "C", False), ("q4", "D", True)])
+    marl = traces("marl.jsonl", [("q1", "A", True), ("q2", "C", True), ("q3", "D", False), ("q4", "B", False)])
+    got = mt.answer_changes(sft, marl)
+    assert got == {"n": 4, "changed": 3, "fixed": 1, "broken": 1}
+    assert mt.answer_changes(sft, tmp_path / "missing.jsonl") is None
+    assert mt.changes_text({"seed0/marl_changes": got, "seed1/marl_changes": None, "seed0/sft_loss": [1.0]}) == [
+        "What MARL changed, against the same seed's SFT team: seed0: 3 of 4 team answers changed, 1 wrong → right, "
+        "1 right → wrong.", ""]
+    with pytest.raises(ValueError, match="different questions"):
+        mt.answer_changes(sft, traces("other.jsonl", [("q9", "A", True)]))
+
+
 def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
     """The whole `run` with only the cheap rows (no training): files and timing are written."""
     b = mt.Budget(**BUDGET)
