@@ -246,10 +246,13 @@ def batch_agent_rewards(episodes: Sequence[Episode], cfg: RewardConfig,
             value, ok = (v.value, v.ok) if v is not None else (0, True)
             col = value + pen
             fmt = format_reward(ep, a, cfg.format)
+            outcome = cfg.w_res * r + cfg.w_team * team_res
             per[a] = RewardBreakdown(
-                agent=a, res=r, format=fmt, col=col, total=cfg.w_res * r + cfg.w_format * fmt + cfg.w_col * col + cfg.w_team * team_res,
-                team_res=team_res, outcome=cfg.w_res * r + cfg.w_team * team_res, verdict=value, verdict_ok=ok, judge=v.judge if v else "none (w_col=0)",
-                judge_reason=v.reason if v else "", tool_calls=n_calls, penalty=pen)
+                agent=a, res=r, format=fmt, col=col,
+                total=cfg.w_res * r + cfg.w_format * fmt + cfg.w_col * col + cfg.w_team * team_res,  # this order: reruns match earlier runs bit for bit
+                team_res=team_res, outcome=outcome, verdict=value, verdict_ok=ok,
+                judge=v.judge if v else "none (w_col=0)", judge_reason=v.reason if v else "", tool_calls=n_calls,
+                penalty=pen)
         out.append(per)
     return out
 

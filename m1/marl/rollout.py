@@ -8,9 +8,10 @@ inference). Then, for every agent:
 - the advantage of rollout k of question g is normalised within that agent's own K rollouts of g;
 - every generation the agent wrote in that episode (plan, each communication decision, answer, summary) becomes
   one sample carrying that advantage (with `credit: phase`, answers carry the advantage of the reward's
-  `outcome` part instead: their own result, not the plan's judged quality or other generations' format). A sample holds the prompt token ids (the chat the agent saw, including tool
-  outputs and other agents' memory) and the completion token ids (what the agent wrote). Only completion tokens are
-  ever trained on, so tool outputs and peers' text are context, never targets.
+  `outcome` part instead: their own result, not the plan's judged quality or other generations' format).
+  A sample holds the prompt token ids (the chat the agent saw, including tool outputs and other agents' memory)
+  and the completion token ids (what the agent wrote). Only completion tokens are ever trained on, so tool
+  outputs and peers' text are context, never targets.
 
 Episodes that failed (unreadable video) have no generations and a NaN reward, which `group_advantages` treats as a
 missing sample.
