@@ -249,7 +249,8 @@ def batch_agent_rewards(episodes: Sequence[Episode], cfg: RewardConfig,
             outcome = cfg.w_res * r + cfg.w_team * team_res
             per[a] = RewardBreakdown(
                 agent=a, res=r, format=fmt, col=col,
-                total=cfg.w_res * r + cfg.w_format * fmt + cfg.w_col * col + cfg.w_team * team_res,  # this order: reruns match earlier runs bit for bit
+                # summed in this order so that reruns reproduce earlier runs bit for bit
+                total=cfg.w_res * r + cfg.w_format * fmt + cfg.w_col * col + cfg.w_team * team_res,
                 team_res=team_res, outcome=outcome, verdict=value, verdict_ok=ok,
                 judge=v.judge if v else "none (w_col=0)", judge_reason=v.reason if v else "", tool_calls=n_calls,
                 penalty=pen)
