@@ -214,12 +214,13 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, tra
         lines = []
         for ep in episodes:
             q = ep.question
+            answers = {a: agent_answer(ep, a) for a in ep.memory}
             lines.append(json.dumps({
                 "id": q.id, "family": q.meta.get("family", q.task), "truth": q.answer, "answer": ep.final_answer,
                 "correct": bool(is_correct(q, ep.final_answer)), "aggregation": ep.aggregation, "error": ep.error,
-                "agents": {a: {"answer": agent_answer(ep, a), "correct": bool(is_correct(q, agent_answer(ep, a))),
+                "agents": {a: {"answer": ans, "correct": bool(is_correct(q, ans)),
                                "parsed": [[g.phase, g.parse_ok] for g in ep.generations if g.agent == a]}
-                           for a in ep.memory}}))
+                           for a, ans in answers.items()}}))
         tmp = traces.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
         tmp.replace(traces)

@@ -241,7 +241,7 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
         by_phase.setdefault(s.phase, {})[s.rollout] = round(s.advantage, 3)
     assert by_phase["answer"] == {0: 1.0, 1: 0.0, 2: -1.0}
     assert by_phase["plan"] == {0: -1.0, 1: 0.0, 2: 1.0}
-    # plain-number rewards have no outcome: the trainer refuses phase credit instead of guessing
+    # plain-number rewards have no outcome part (the trainer then refuses phase credit: next test)
     score(batch, AGENTS, lambda eps: [{a: 1.0 for a in AGENTS} for _ in eps])
     assert batch.outcomes == {}
 

@@ -139,7 +139,8 @@ def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> di
                 outcomes[a].append([])
             value = per.get(a) if ep.error is None else None
             rewards[a][g].append(float("nan") if value is None else float(getattr(value, "total", value)))
-            outcomes[a][g].append(float("nan") if value is None or not has_outcome else float(value.outcome))
+            if has_outcome:
+                outcomes[a][g].append(float("nan") if value is None else float(value.outcome))
     batch.rewards = rewards
     batch.outcomes = outcomes if has_outcome else {}
     return rewards
