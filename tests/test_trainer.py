@@ -254,6 +254,66 @@ def test_phase_credit_needs_rewards_with_an_outcome(tmp_path, video, m1_cache):
         trainer.train_step()
 
 
+def test_answer_samples_credit_each_answer_among_answers_to_the_same_notes(video):
+    """answer_samples: M — every answer prompt is sampled M more times; the original and the extra answers are
+    credited within their own group (same notes), the other generations keep the episode advantage."""
+    from m1.marl.rewards import RewardConfig, answer_rewards
+    from m1.marl.rollout import advantages_for, resample_answers
+    from m1.models.hub import ModelHub
+    from m1.team.cpp import Team
+
+    cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "models": {
+        "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
+        "vlm": {"kind": "vision", "path": "fake/v"}}}), 1.0)
+    hub = ModelHub(cfg.models)
+    for key in ("qa", "qb"):
+        hub.register(key, FakeChat(key, scripted_reply))  # every original answer: "A", right, in format
+    hub.register("vlm", FakeVision(reply=lambda req: "the square is white"))
+    batch = run_rollouts(Team(cfg, hub=hub), questions(video, 2), 2, sample_topology(AGENTS, "complete", 1, 0, None))
+    rewards = score(batch, AGENTS, lambda eps: [{a: float(k % 2) for a in AGENTS} for k in range(len(eps))])
+    # the resampler answers B (wrong, in format), then "A" (right, out of format), then gibberish (wrong, unreadable)
+    replies = iter(["##Answer: B\n##Reason: no", "A", "no idea"] * 100)
+    resampler = FakeChat("resampler", lambda messages: next(replies))
+    groups = resample_answers(batch, ["alpha"], lambda agent: resampler, 3, {"alpha": 1.0}, 8, 0,
+                              lambda pairs: answer_rewards(pairs, RewardConfig(), None), True)
+    assert len(groups) == 4 and {(x.group, x.rollout) for x in groups} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert len(resampler.batches) == 1 and len(resampler.batches[0]) == 4 * 3  # one call, M per prompt
+    for x in groups:
+        assert x.rewards == [2.0, 0.0, 1.0, -1.0]  # w_res * R_res + w_format * strict parse
+        assert [round(a, 3) for a in x.advantages] == [1.162, -0.387, 0.387, -1.162]
+    samples = build_samples(batch, advantages_for(rewards, True), {"alpha": 1.0, "beta": 1.0}, None, groups)
+    answers = [s for s in samples["alpha"] if s.phase == "answer"]
+    assert len(answers) == 4 * (1 + 3)
+    assert [round(s.advantage, 3) for s in answers[:4]] == [1.162, -0.387, 0.387, -1.162]
+    assert answers[1].completion_ids == [ord(c) % 97 for c in "##Answer: B\n##Reason: no"]
+    assert {s.rollout: round(s.advantage, 3) for s in samples["alpha"] if s.phase == "plan"} == {0: -0.707,
+                                                                                                 1: 0.707}
+    assert sum(s.phase == "answer" for s in samples["beta"]) == 4  # beta was not resampled
+
+
+def test_answer_samples_and_phase_credit_do_not_mix():
+    with pytest.raises(ValueError, match="answer_samples"):
+        train_cfg("unused", rollout={"credit": "phase", "answer_samples": 2})
+
+
+def test_answer_samples_in_a_training_step(tmp_path, video, m1_cache, monkeypatch):
+    """The trainer resamples every trained agent's answers and trains on the extra ones too (tiny models)."""
+    import m1.marl.trainer as trainer_mod
+
+    made = []
+    real = trainer_mod.resample_answers
+    monkeypatch.setattr(trainer_mod, "resample_answers", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    plain = make_trainer(train_cfg(tmp_path / "plain"), video).train_step()
+    row = make_trainer(train_cfg(tmp_path / "resampled", rollout={"answer_samples": 2}), video).train_step()
+    (groups,) = made
+    assert 0.0 <= row["answer_groups/mixed"] <= 1.0 and -2.0 <= row["answer_groups/reward"] <= 2.0
+    for agent in AGENTS:  # same rollouts (the resampler has its own seed), plus the extra answers
+        mine = [x for x in groups if x.agent == agent]
+        assert mine and all(len(x.extra) == 2 and len(x.advantages) == 3 for x in mine)
+        extra = sum(bool(o.completion_ids) for x in mine for o in x.extra)
+        assert row[f"{agent}/samples"] == plain[f"{agent}/samples"] + extra
+
+
 # ------------------------------------------------------------------------------------------------ learner numerics
 def _synthetic_samples(n=10, seed=0):
     rng = random.Random(seed)

@@ -94,6 +94,16 @@ class RolloutConfig(Strict):
     # answer generations carry the advantage of the outcome (w_res * R_res + w_team * team_res) alone, so the
     # plan's judged quality and the other generations' format do not decide which answer letter is reinforced.
     credit: Literal["episode", "phase"] = "episode"
+    # ours: sample each answer prompt M more times; answers are then credited within their prompt's M + 1 answers
+    # (by w_res * R_res + w_format * strict parse), which isolates how the agent read its notes. 0: off.
+    answer_samples: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_answer_credit(self):
+        if self.answer_samples and self.credit != "episode":
+            raise ValueError(f"rollout.answer_samples ({self.answer_samples}) sets the answers' credit itself; "
+                             f"leave rollout.credit at 'episode' (got {self.credit!r})")
+        return self
 
 
 class GRPOSettings(Strict):

@@ -35,7 +35,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from m1.agents.parsers import parse_span
+from m1.agents.parsers import parse_answer, parse_span
 from m1.config import Strict
 from m1.data.metrics import extract_choice, iou, mra, parse_number
 from m1.marl.judge import CorrectItem, Judge, JudgeItem, normalize_answer
@@ -44,7 +44,7 @@ from m1.schema import LETTERS, Episode, Question
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "RewardConfig", "RewardBreakdown", "result_reward", "format_reward", "collaboration_reward",
+    "RewardConfig", "RewardBreakdown", "result_reward", "answer_rewards", "format_reward", "collaboration_reward",
     "tool_penalty", "agent_answer", "agent_rewards", "batch_agent_rewards", "log_breakdowns",
     "summarize",
 ]
@@ -168,6 +168,14 @@ def result_reward(question: Question, answer: str | None, judge: Judge | None = 
                   cfg: RewardConfig | None = None) -> float:
     """R_res of one answer in [-1, 1] (see the module docstring for each task's rule)."""
     return _result_rewards([(question, answer)], cfg or RewardConfig(), judge)[0]
+
+
+def answer_rewards(pairs: Sequence[tuple[Question, str]], cfg: RewardConfig, judge: Judge | None) -> list[float]:
+    """w_res * R_res + w_format * (strict parse) of answer replies, each read on its own: what one answer to a
+    given prompt decides (`rollout.answer_samples`, ours, compares answers to the same notes with it)."""
+    parsed = [parse_answer(text, q) for q, text in pairs]
+    res = _result_rewards([(q, p.answer or None) for (q, _), p in zip(pairs, parsed)], cfg, judge)
+    return [cfg.w_res * r + cfg.w_format * float(p.ok) for r, p in zip(res, parsed)]
 
 
 # ----------------------------------------------------------------------------- R_format

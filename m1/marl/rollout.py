@@ -13,6 +13,10 @@ inference). Then, for every agent:
   and the completion token ids (what the agent wrote). Only completion tokens are ever trained on, so tool
   outputs and peers' text are context, never targets.
 
+With `answer_samples: M` (ours), each answer prompt is also sampled M more times. The original answer and the M
+extra ones read the same notes, so their group advantage (over w_res * R_res + w_format * strict parse of each
+answer) credits only how the agent read its notes; the extra answers become samples too.
+
 Episodes that failed (unreadable video) have no generations and a NaN reward, which `group_advantages` treats as a
 missing sample.
 """
@@ -33,6 +37,20 @@ RewardFn = Callable[[list[Episode]], list[dict[str, Any]]]
 
 class RolloutError(RuntimeError):
     pass
+
+
+@dataclass
+class AnswerGroup:
+    """One answer prompt of one agent in rollout (g, k) with the M extra answers sampled from it
+    (`rollout.answer_samples`). Rewards and advantages list the original answer first."""
+
+    agent: str
+    group: int
+    rollout: int
+    index: int  # the original answer's position in episode.generations
+    extra: list[Any]  # the M extra Completions (text, prompt_ids, completion_ids, logprobs)
+    rewards: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -146,14 +164,64 @@ def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> di
     return rewards
 
 
-def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float],
-                  answer_advantages: dict[str, Any] | None = None) -> dict[str, list[Sample]]:
-    """Per-agent samples: every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with
-    `answer_advantages` (credit: phase), its answer generations get answer_advantages[agent][g, k] instead."""
-    out: dict[str, list[Sample]] = {a: [] for a in advantages}
+def resample_answers(batch: RolloutBatch, agents: Sequence[str], chat_for: Callable[[str], Any], m: int,
+                     temperatures: dict[str, float], max_new_tokens: int, seed: int,
+                     answer_rewards: Callable[[list[tuple[Question, str]]], list[float]],
+                     scale: bool) -> list[AnswerGroup]:
+    """Sample every answer prompt of `agents` M more times (one generate call per agent) and fill each group's
+    rewards (`answer_rewards` over (question, completion text) pairs, original answer first) and advantages."""
+    from m1.marl.grpo import group_advantages
+    from m1.models.base import ChatRequest, SamplingParams
+
+    if m < 1:
+        raise RolloutError(f"answer_samples must be >= 1 to resample, got {m}")
+    groups: list[AnswerGroup] = []
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
-            for gen in ep.generations:
+            for i, gen in enumerate(ep.generations):
+                if gen.phase == "answer" and gen.agent in agents and gen.completion_ids:
+                    groups.append(AnswerGroup(agent=gen.agent, group=g, rollout=k, index=i, extra=[]))
+    for n, agent in enumerate(agents):
+        mine = [x for x in groups if x.agent == agent]
+        if not mine:
+            continue
+        gens = [batch.episodes[x.group][x.rollout].generations[x.index] for x in mine]
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperatures[agent], seed=seed + n)
+        outs = chat_for(agent).generate([ChatRequest(gen.prompt) for gen in gens for _ in range(m)], params)
+        if len(outs) != m * len(gens):
+            raise RolloutError(f"agent {agent!r}: {len(outs)} answers for {m * len(gens)} resample requests")
+        for j, (x, gen) in enumerate(zip(mine, gens)):
+            x.extra = outs[j * m:(j + 1) * m]
+            if any(o.prompt_ids != gen.prompt_ids for o in x.extra):
+                raise RolloutError(f"agent {agent!r}, question {batch.questions[x.group].id!r}: resampled answers "
+                                   "were tokenized with another prompt than the original answer")
+    pairs = []
+    for x in groups:
+        q, gen = batch.questions[x.group], batch.episodes[x.group][x.rollout].generations[x.index]
+        pairs += [(q, gen.completion)] + [(q, o.text) for o in x.extra]
+    flat = answer_rewards(pairs)
+    if len(flat) != len(pairs):
+        raise RolloutError(f"answer reward returned {len(flat)} values for {len(pairs)} answers")
+    width = m + 1
+    if groups:
+        adv = group_advantages([flat[i * width:(i + 1) * width] for i in range(len(groups))], scale=scale)
+        for i, x in enumerate(groups):
+            x.rewards = flat[i * width:(i + 1) * width]
+            x.advantages = [float(v) for v in adv[i]]
+    return groups
+
+
+def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float],
+                  answer_advantages: dict[str, Any] | None = None,
+                  answer_groups: Sequence[AnswerGroup] = ()) -> dict[str, list[Sample]]:
+    """Per-agent samples: every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with
+    `answer_advantages` (credit: phase), its answer generations get answer_advantages[agent][g, k] instead; an
+    answer with an `AnswerGroup` gets its group's advantage and is followed by the group's extra answers."""
+    out: dict[str, list[Sample]] = {a: [] for a in advantages}
+    resampled = {(x.agent, x.group, x.rollout, x.index): x for x in answer_groups}
+    for g, group in enumerate(batch.episodes):
+        for k, ep in enumerate(group):
+            for i, gen in enumerate(ep.generations):
                 if gen.agent not in out:
                     continue
                 if gen.prompt_ids is None or gen.completion_ids is None:
@@ -163,12 +231,23 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                 if not gen.completion_ids:
                     continue  # nothing was generated: nothing to train on
                 table = answer_advantages if answer_advantages is not None and gen.phase == "answer" else advantages
+                extra = resampled.get((gen.agent, g, k, i))
                 out[gen.agent].append(Sample(
                     agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase=gen.phase,
                     prompt_ids=list(gen.prompt_ids), completion_ids=list(gen.completion_ids),
                     logprobs=list(gen.logprobs) if gen.logprobs is not None else None,
-                    reward=batch.rewards[gen.agent][g][k], advantage=float(table[gen.agent][g, k]),
+                    reward=batch.rewards[gen.agent][g][k] if extra is None else extra.rewards[0],
+                    advantage=float(table[gen.agent][g, k]) if extra is None else extra.advantages[0],
                     temperature=temperatures[gen.agent]))
+                if extra is None:
+                    continue
+                for o, r, a in zip(extra.extra, extra.rewards[1:], extra.advantages[1:]):
+                    if o.completion_ids:
+                        out[gen.agent].append(Sample(
+                            agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase="answer",
+                            prompt_ids=list(o.prompt_ids), completion_ids=list(o.completion_ids),
+                            logprobs=list(o.logprobs) if o.logprobs is not None else None, reward=r, advantage=a,
+                            temperature=temperatures[gen.agent]))
     return out
 
 

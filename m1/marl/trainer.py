@@ -46,8 +46,9 @@ from typing import Any, Callable
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig, load_train_config
+from m1.marl.rewards import answer_rewards
 from m1.marl.rollout import (RewardFn, RolloutError, Sample, advantages_for, agent_temperature, build_samples,
-                             run_rollouts, sample_topology, score, training_team_config)
+                             resample_answers, run_rollouts, sample_topology, score, training_team_config)
 
 log = logging.getLogger(__name__)
 
@@ -662,7 +663,7 @@ class Trainer:
         self.pool = VideoPool()
         self.data = QuestionStream(questions if questions is not None else
                                    load_questions(cfg.data.questions, cfg.data.video_dir), cfg.seed, cfg.data.shuffle)
-        key_of = {a.name: a.model for a in self.team_cfg.agents}
+        key_of = self.model_keys = {a.name: a.model for a in self.team_cfg.agents}
         specs = {a: (key_of[a], self.team_cfg.models[key_of[a]]) for a in self.trained}
         self.learners = build_learners(specs, cfg.learner, cfg.grpo, cfg.seed, cfg.placement, cfg.ray)
         for agent, chat in self.learners.chat_models().items():
@@ -722,7 +723,13 @@ class Trainer:
                 raise RolloutError("rollout.credit 'phase' needs rewards with an `outcome` part (RewardBreakdown); "
                                    "this reward function returns plain numbers")
             answer_adv = advantages_for(batch.outcomes, cfg.grpo.scale_rewards)
-        samples = build_samples(batch, advantages, self.temperatures, answer_adv)
+        answer_groups = []
+        if cfg.rollout.answer_samples:  # answers: M more per answer prompt, credited within that prompt's answers
+            answer_groups = resample_answers(
+                batch, self.trained, lambda a: self.hub.chat(self.model_keys[a]), cfg.rollout.answer_samples,
+                self.temperatures, self.team_cfg.limits.answer_tokens, derive_seed(cfg.seed, step, "answers"),
+                lambda pairs: answer_rewards(pairs, cfg.rewards, self.judge), cfg.grpo.scale_rewards)
+        samples = build_samples(batch, advantages, self.temperatures, answer_adv, answer_groups)
         t_reward = time.perf_counter()
 
         # 5. one optimizer step per agent
@@ -731,7 +738,7 @@ class Trainer:
         t_end = time.perf_counter()
 
         # 6. metrics
-        return self._metrics(batch, rewards, advantages, stats, topology,
+        return self._metrics(batch, rewards, advantages, stats, topology, answer_groups,
                              {"rollout": t_rollout - t0, "reward": t_reward - t_rollout, "update": t_end - t_reward,
                               "step": t_end - t0})
 
@@ -748,7 +755,7 @@ class Trainer:
     def lr_at(self, step: int) -> float:
         return self.cfg.learner.lr_at(step, self.cfg.steps)
 
-    def _metrics(self, batch, rewards, advantages, stats, topology, seconds) -> dict[str, Any]:
+    def _metrics(self, batch, rewards, advantages, stats, topology, answer_groups, seconds) -> dict[str, Any]:
         import torch
 
         row: dict[str, Any] = {"step": self.step, "epoch": self.data.epoch, "lr": self.lr_at(self.step - 1)}
@@ -767,6 +774,11 @@ class Trainer:
             from m1.marl.rewards import summarize
 
             row.update(summarize(batch.breakdowns))
+        if answer_groups:  # how often the resampled answers disagreed (only those groups carry signal)
+            row["answer_groups/reward"] = sum(sum(x.rewards) for x in answer_groups) / sum(
+                len(x.rewards) for x in answer_groups)
+            row["answer_groups/mixed"] = sum(max(x.rewards) > min(x.rewards) for x in answer_groups) / len(
+                answer_groups)
         row["topology/active"] = len(topology.active)
         row["topology/edges"] = len(topology.edges)
         row["episodes/failed"] = sum(e.error is not None for e in batch.flat)
