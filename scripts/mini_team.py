@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -219,7 +220,8 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, tra
                 "id": q.id, "family": q.meta.get("family", q.task), "truth": q.answer, "answer": ep.final_answer,
                 "correct": bool(is_correct(q, ep.final_answer)), "aggregation": ep.aggregation, "error": ep.error,
                 "agents": {a: {"answer": ans, "correct": bool(is_correct(q, ans)),
-                               "parsed": [[g.phase, g.parse_ok] for g in ep.generations if g.agent == a]}
+                               "parsed": [[g.phase, g.parse_ok] for g in ep.generations if g.agent == a],
+                               "notes_letters": notes_letters(ep, a)}
                            for a, ans in answers.items()}}))
         tmp = traces.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
@@ -230,6 +232,40 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, tra
             "family_n": {f: len(v) for f, v in sorted(fam.items())},
             "parse_ok": {p: sum(v) / len(v) for p, v in sorted(parse.items())},
             "failed": sum(e.error is not None for e in episodes)}
+
+
+_NOTED_LETTER = re.compile(r"##Answer: ([A-Z])\b")
+
+
+def notes_letters(episode, agent: str) -> list[str] | None:
+    """The option letters the notes in the agent's answer prompt name (the synth browsers end their reports with
+    `##Answer: X`; the reply template's `##Answer: <option letter>` does not match). None for non-MCQ questions."""
+    if not episode.question.options:
+        return None
+    prompts = [g.prompt for g in episode.generations if g.agent == agent and g.phase == "answer"]
+    return _NOTED_LETTER.findall(prompts[-1][-1]["content"]) if prompts else []
+
+
+def reading(traces: Path) -> dict[str, int] | None:
+    """How agents used their notes on MCQ questions, from a `.traces.jsonl`: agent answers, those whose notes
+    named the true letter ("evidence"), and those of them answered right ("read"). None without such traces."""
+    if not traces.is_file():
+        return None
+    out = {"answers": 0, "evidence": 0, "read": 0}
+    for line in traces.read_text().splitlines():
+        if not line.strip():
+            continue
+        t = json.loads(line)
+        for a in t["agents"].values():
+            if "notes_letters" not in a:
+                return None  # traces written before notes were recorded
+            if a["notes_letters"] is None:
+                continue  # not an MCQ question
+            out["answers"] += 1
+            if t["truth"] in a["notes_letters"]:
+                out["evidence"] += 1
+                out["read"] += bool(a["correct"])
+    return out
 
 
 def answer_changes(before: Path, after: Path) -> dict[str, int] | None:
@@ -420,6 +456,18 @@ def changes_text(curves: dict[str, Any]) -> list[str]:
     return [f"What MARL changed, against the same seed's SFT team: {'; '.join(parts)}.", ""] if parts else []
 
 
+def reading_text(curves: dict[str, Any]) -> list[str]:
+    """A paragraph on how often agents' notes held the true letter and how often they then answered it, per seed
+    and stage (planning finds the evidence, answering has to read it), or nothing without such traces."""
+    parts = []
+    for key, r in sorted(curves.items()):
+        if key.endswith("_reading") and r and r["answers"]:
+            seed, stage = key.split("/")[0], key.split("/")[1].removesuffix("_reading").upper()
+            parts.append(f"{seed} {stage}: notes named the true letter for {r['evidence']} of {r['answers']} "
+                         f"agent answers, {100 * r['read'] / max(r['evidence'], 1):.0f}% of those answered it")
+    return [f"Reading the notes (MCQ): {'; '.join(parts)}.", ""] if parts else []
+
+
 def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, list[dict]],
               curves: dict[str, Any] | None = None) -> None:
     curves = curves or {}
@@ -434,6 +482,7 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
         verdict(results),
         "",
         *changes_text(curves),
+        *reading_text(curves),
         f"{'Dev (settings are chosen here; not held-out)' if b['eval_seed'] == DEV_SEED else 'Held-out'}: "
         f"{meta['n_heldout']} questions on {b['eval_videos']} videos of {b['duration']:.0f} s (world seed "
         f"{b['eval_seed']}); training: {meta['n_train']} questions on {b['train_videos']} videos (world seed "
@@ -502,6 +551,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
             results["sft"] = evaluate_cached(seed_dir / "sft" / "eval.json",
                                              mini_config(seed, sft_w, clip_cache, b.tiny_clip), held_qs, pool,
                                              b.progress)
+            curves[f"seed{seed}/sft_reading"] = reading(seed_dir / "sft" / "eval.traces.jsonl")
             stage("eval")
         if "sft+marl" in rows:
             marl_w, marl_rows = run_marl(seed, sft_w, train_qs, seed_dir / "marl", b, clip_cache, pool)
@@ -512,6 +562,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
                                                   mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
                                                   b.progress)
             stage("eval")
+            curves[f"seed{seed}/marl_reading"] = reading(seed_dir / "marl" / "eval.traces.jsonl")
             if "sft" in rows:
                 curves[f"seed{seed}/marl_changes"] = answer_changes(seed_dir / "sft" / "eval.traces.jsonl",
                                                                     seed_dir / "marl" / "eval.traces.jsonl")

@@ -150,6 +150,33 @@ def test_answer_changes_count_fixes_and_breaks_from_traces(tmp_path, mt):
         mt.answer_changes(sft, traces("other.jsonl", [("q9", "A", True)]))
 
 
+def test_reading_counts_notes_that_name_the_truth(tmp_path, m1_cache, mt):
+    """The teacher's browsers end their reports with `##Answer: X`: traces record those letters per agent, and
+    `reading` counts how often they held the truth and how often the agent then answered it."""
+    from m1.video import VideoPool
+
+    b = mt.Budget(**BUDGET)
+    _, held_qs = mt.make_sets(tmp_path / "data", b)
+    res = mt.evaluate(mt.teacher_config(0, tmp_path / "clip", tiny_clip=True), held_qs, VideoPool(),
+                      traces=tmp_path / "teacher.traces.jsonl")
+    traces = [json.loads(line) for line in (tmp_path / "teacher.traces.jsonl").read_text().splitlines()]
+    mcq = {q.id for q in held_qs if q.options}
+    agents = [(t, a) for t in traces for a in t["agents"].values()]
+    assert all((a["notes_letters"] is None) == (t["id"] not in mcq) for t, a in agents)
+    noted = [(t, a) for t, a in agents if a["notes_letters"]]
+    assert noted and all(set(a["notes_letters"]) <= set("ABCD") for _, a in noted)
+    got = mt.reading(tmp_path / "teacher.traces.jsonl")
+    assert got == {"answers": sum(t["id"] in mcq for t, _ in agents),
+                   "evidence": sum(t["truth"] in a["notes_letters"] for t, a in noted),
+                   "read": sum(t["truth"] in a["notes_letters"] and a["correct"] for t, a in noted)}
+    assert got["read"] > 0.5 * got["evidence"] > 0 and res["n"] == len(held_qs)
+    assert mt.reading_text({"seed0/sft_reading": {"answers": 10, "evidence": 4, "read": 3},
+                            "seed0/marl_reading": None}) == [
+        "Reading the notes (MCQ): seed0 SFT: notes named the true letter for 4 of 10 agent answers, 75% of those "
+        "answered it.", ""]
+    assert mt.reading(tmp_path / "missing.jsonl") is None
+
+
 def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
     """The whole `run` with only the cheap rows (no training): files and timing are written."""
     b = mt.Budget(**BUDGET)
