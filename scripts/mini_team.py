@@ -248,10 +248,12 @@ def notes_letters(episode, agent: str) -> list[str] | None:
 
 def reading(traces: Path) -> dict[str, int] | None:
     """How agents used their notes on MCQ questions, from a `.traces.jsonl`: agent answers, those whose notes
-    named the true letter ("evidence"), and those of them answered right ("read"). None without such traces."""
+    named the true letter ("evidence") and those of them answered right ("read"), and the answers for which the
+    letter the notes name most often is the truth ("majority": what copying that letter would score). None
+    without such traces."""
     if not traces.is_file():
         return None
-    out = {"answers": 0, "evidence": 0, "read": 0}
+    out = {"answers": 0, "evidence": 0, "read": 0, "majority": 0}
     for line in traces.read_text().splitlines():
         if not line.strip():
             continue
@@ -259,10 +261,13 @@ def reading(traces: Path) -> dict[str, int] | None:
         for a in t["agents"].values():
             if "notes_letters" not in a:
                 return None  # traces written before notes were recorded
-            if a["notes_letters"] is None:
+            letters = a["notes_letters"]
+            if letters is None:
                 continue  # not an MCQ question
             out["answers"] += 1
-            if t["truth"] in a["notes_letters"]:
+            if letters:
+                out["majority"] += max(letters, key=letters.count) == t["truth"]  # ties: the first named
+            if t["truth"] in letters:
                 out["evidence"] += 1
                 out["read"] += bool(a["correct"])
     return out
@@ -459,13 +464,20 @@ def changes_text(curves: dict[str, Any]) -> list[str]:
 def reading_text(curves: dict[str, Any]) -> list[str]:
     """A paragraph on how often agents' notes held the true letter and how often they then answered it, per seed
     and stage (planning finds the evidence, answering has to read it), or nothing without such traces."""
+    def one(r: dict[str, int]) -> str:
+        return (f"the truth in the notes of {r['evidence']} of {r['answers']} agent answers, "
+                f"{100 * r['read'] / max(r['evidence'], 1):.0f}% of those answered right "
+                f"(the letter the notes name most, first on ties: right for {100 * r['majority'] / r['answers']:.0f}% of all)")
+
+    seeds = sorted({key.split("/")[0] for key in curves if key.endswith("_reading")})
     parts = []
-    for key, r in sorted(curves.items()):
-        if key.endswith("_reading") and r and r["answers"]:
-            seed, stage = key.split("/")[0], key.split("/")[1].removesuffix("_reading").upper()
-            parts.append(f"{seed} {stage}: notes named the true letter for {r['evidence']} of {r['answers']} "
-                         f"agent answers, {100 * r['read'] / max(r['evidence'], 1):.0f}% of those answered it")
-    return [f"Reading the notes (MCQ): {'; '.join(parts)}.", ""] if parts else []
+    for seed in seeds:
+        stages = [(name, curves.get(f"{seed}/{stage}_reading")) for name, stage in (("SFT", "sft"), ("MARL", "marl"))]
+        stages = [f"{name} {one(r)}" for name, r in stages if r and r["answers"]]
+        if stages:
+            parts.append(f"{seed}: {'; '.join(stages)}")
+    return [f"Reading the notes (MCQ; notes are the tool reports an agent sees when it answers): "
+            f"{' — '.join(parts)}.", ""] if parts else []
 
 
 def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, list[dict]],

@@ -6,6 +6,7 @@ untrained ones, MARL runs from the SFT weights, the table is produced), not the 
 import importlib.util
 import json
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -166,14 +167,19 @@ def test_reading_counts_notes_that_name_the_truth(tmp_path, m1_cache, mt):
     noted = [(t, a) for t, a in agents if a["notes_letters"]]
     assert noted and all(set(a["notes_letters"]) <= set("ABCD") for _, a in noted)
     got = mt.reading(tmp_path / "teacher.traces.jsonl")
+    majority = sum(Counter(a["notes_letters"]).most_common(1)[0][0] == t["truth"] for t, a in noted)
     assert got == {"answers": sum(t["id"] in mcq for t, _ in agents),
                    "evidence": sum(t["truth"] in a["notes_letters"] for t, a in noted),
-                   "read": sum(t["truth"] in a["notes_letters"] and a["correct"] for t, a in noted)}
-    assert got["read"] > 0.5 * got["evidence"] > 0 and res["n"] == len(held_qs)
-    assert mt.reading_text({"seed0/sft_reading": {"answers": 10, "evidence": 4, "read": 3},
-                            "seed0/marl_reading": None}) == [
-        "Reading the notes (MCQ): seed0 SFT: notes named the true letter for 4 of 10 agent answers, 75% of those "
-        "answered it.", ""]
+                   "read": sum(t["truth"] in a["notes_letters"] and a["correct"] for t, a in noted),
+                   "majority": majority}
+    assert got["read"] > 0.5 * got["evidence"] > 0 and got["evidence"] >= majority and res["n"] == len(held_qs)
+    assert mt.reading_text({"seed0/sft_reading": {"answers": 10, "evidence": 4, "read": 3, "majority": 2},
+                            "seed0/marl_reading": None, "seed1/marl_reading": {"answers": 8, "evidence": 8,
+                                                                               "read": 2, "majority": 6}}) == [
+        "Reading the notes (MCQ; notes are the tool reports an agent sees when it answers): seed0: SFT the truth "
+        "in the notes of 4 of 10 agent answers, 75% of those answered right (the letter the notes name most, first "
+        "on ties: right for 20% of all) — seed1: MARL the truth in the notes of 8 of 8 agent answers, 25% of those "
+        "answered right (the letter the notes name most, first on ties: right for 75% of all).", ""]
     assert mt.reading(tmp_path / "missing.jsonl") is None
 
 
