@@ -278,6 +278,21 @@ def test_vision_reads_pixels(hand_script):
         model.describe([VisionRequest(frames.astype(np.float32), list(times), "x")], PARAMS)
 
 
+def test_vision_names_the_letter_of_rotated_options(hand_script):
+    """MARL's rotate_options moves the options; the browser's answer letter moves with them."""
+    from m1.marl.rollout import rotate_options
+
+    model = SynthVisionModel(None, "synth")
+    q = next(q for q in make_questions(hand_script, "x", random.Random(0)) if "00:22" in q.text)
+    times = np.arange(10, 34, 1.0)
+    frames = np.stack([render_frame(hand_script, t) for t in times])
+    for shift in range(len(q.options)):
+        r = rotate_options(q, shift)
+        text = model.describe([VisionRequest(frames, list(times), prompt_for(r))], PARAMS)[0].text
+        assert re.search(r"##Answer: (\w)", text).group(1) == r.answer == LETTERS[(LETTERS.index(q.answer) + shift)
+                                                                                   % len(q.options)]
+
+
 def test_parse_options_formats():
     assert parse_options("Q?\nA: red\nB: blue\nC: green\nD: white") == ["red", "blue", "green", "white"]
     assert parse_options("(A) left\n(B) right") == ["left", "right"]

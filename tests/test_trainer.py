@@ -291,6 +291,40 @@ def test_answer_samples_credit_each_answer_among_answers_to_the_same_notes(video
     assert sum(s.phase == "answer" for s in samples["beta"]) == 4  # beta was not resampled
 
 
+def test_rotated_rollouts_spread_the_truth_over_the_letters(video):
+    """rotate_options: rollout k sees the options rotated by k places, the truth letter moved with them (the synth
+    browser follows: tests/test_synth.py)."""
+    from m1.marl.rollout import rotate_options
+
+    q = Question(id="q", video=video, text="Where is the square?", options=["top", "left", "right", "bottom"],
+                 task="mcq", answer="B")
+    assert [(r.options, r.answer) for r in (rotate_options(q, k) for k in range(4))] == [
+        (["top", "left", "right", "bottom"], "B"), (["bottom", "top", "left", "right"], "C"),
+        (["right", "bottom", "top", "left"], "D"), (["left", "right", "bottom", "top"], "A")]
+    assert rotate_options(q.model_copy(update={"answer": "left"}), 1).answer == "C"  # truth given as option text
+    open_q = q.model_copy(update={"task": "open", "options": [], "answer": "red"})
+    assert rotate_options(open_q, 3) is open_q
+    with pytest.raises(Exception, match="not one of its option letters"):
+        rotate_options(q.model_copy(update={"answer": "purple"}), 1)
+
+    from m1.models.hub import ModelHub
+    from m1.team.cpp import Team
+
+    cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "models": {
+        "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
+        "vlm": {"kind": "vision", "path": "fake/v"}}}), 1.0)
+    hub = ModelHub(cfg.models)
+    for key in ("qa", "qb"):
+        hub.register(key, FakeChat(key, scripted_reply))
+    hub.register("vlm", FakeVision(reply=lambda req: "the square is white"))
+    two = [Question(id="q", video=video, text="What colour is the square?", options=["white", "red"], task="mcq",
+                    answer="A")]
+    batch = run_rollouts(Team(cfg, hub=hub), two, 2, sample_topology(AGENTS, "complete", 1, 0, None), rotate=True)
+    assert [(e.question.options, e.question.answer) for e in batch.episodes[0]] == [(["white", "red"], "A"),
+                                                                                    (["red", "white"], "B")]
+    assert batch.questions == two  # the group keeps the question as asked
+
+
 def test_answer_samples_and_phase_credit_do_not_mix():
     with pytest.raises(ValueError, match="answer_samples"):
         train_cfg("unused", rollout={"credit": "phase", "answer_samples": 2})

@@ -97,6 +97,9 @@ class RolloutConfig(Strict):
     # ours: sample each answer prompt M more times; answers are then credited within their prompt's M + 1 answers
     # (by w_res * R_res + w_format * strict parse), which isolates how the agent read its notes. 0: off.
     answer_samples: int = Field(0, ge=0)
+    # ours: rollout k of an MCQ question sees its options rotated by k places (truth letter moved with them), so a
+    # question's K rollouts spread its answer over the letters and no letter is reinforced for its own sake
+    rotate_options: bool = False
 
     @model_validator(mode="after")
     def _one_answer_credit(self):

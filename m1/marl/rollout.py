@@ -125,11 +125,37 @@ def sample_topology(agents: list[str], mode: str, edge_prob: float, dropout: flo
     return topo.random_dag(agents, edge_prob, dropout, rng)
 
 
-def run_rollouts(team, questions: Sequence[Question], k: int, topology: Topology) -> RolloutBatch:
-    """Run each question K times over `topology`; returns episodes grouped [question][rollout]."""
+def rotate_options(question: Question, shift: int) -> Question:
+    """The MCQ `question` with its options moved `shift` places down the letters (the last ones wrap to the top)
+    and its ground-truth letter moved with them; other questions unchanged."""
+    from m1.data.metrics import extract_choice
+    from m1.schema import LETTERS
+
+    n = len(question.options)
+    if question.task != "mcq" or n < 2 or shift % n == 0:
+        return question
+    truth = question.answer
+    if truth is not None:
+        letter = truth.strip().upper()
+        if letter not in LETTERS[:n]:
+            letter = extract_choice(truth, question.options)
+        if not letter:
+            raise RolloutError(f"question {question.id!r}: ground truth {truth!r} is not one of its option letters")
+        truth = LETTERS[(LETTERS.index(letter) + shift) % n]
+    options = [question.options[(i - shift) % n] for i in range(n)]
+    return question.model_copy(update={"options": options, "answer": truth})
+
+
+def run_rollouts(team, questions: Sequence[Question], k: int, topology: Topology,
+                 rotate: bool = False) -> RolloutBatch:
+    """Run each question K times over `topology`; returns episodes grouped [question][rollout].
+
+    `rotate` (ours, `rollout.rotate_options`): rollout k of an MCQ question sees its options rotated by k places,
+    so its K rollouts put the true answer under different letters and a letter reinforced for its own sake (not
+    for what the notes say) gains as often as it loses within the group."""
     if k < 1:
         raise RolloutError(f"num_generations must be >= 1, got {k}")
-    repeated = [q for q in questions for _ in range(k)]
+    repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(k)]
     flat = team.run(repeated, topologies=[topology] * len(repeated))
     if len(flat) != len(repeated):
         raise RolloutError(f"team returned {len(flat)} episodes for {len(repeated)} requests")
@@ -197,8 +223,9 @@ def resample_answers(batch: RolloutBatch, agents: Sequence[str], chat_for: Calla
                                    "were tokenized with another prompt than the original answer")
     pairs = []
     for x in groups:
-        q, gen = batch.questions[x.group], batch.episodes[x.group][x.rollout].generations[x.index]
-        pairs += [(q, gen.completion)] + [(q, o.text) for o in x.extra]
+        ep = batch.episodes[x.group][x.rollout]
+        gen = ep.generations[x.index]
+        pairs += [(ep.question, gen.completion)] + [(ep.question, o.text) for o in x.extra]
     flat = answer_rewards(pairs)
     if len(flat) != len(pairs):
         raise RolloutError(f"answer reward returned {len(flat)} values for {len(pairs)} answers")

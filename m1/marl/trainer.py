@@ -711,7 +711,7 @@ class Trainer:
 
         # 3. K episodes per question, generated with the current weights
         team = self._team(step)
-        batch = run_rollouts(team, questions, cfg.rollout.num_generations, topology)
+        batch = run_rollouts(team, questions, cfg.rollout.num_generations, topology, cfg.rollout.rotate_options)
         t_rollout = time.perf_counter()
 
         # 4. rewards -> per-agent group advantages -> one sample per generation
