@@ -214,11 +214,8 @@ def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video
     assert sorted({round(s.advantage, 3) for s in samples["alpha"]}) == [-1.0, 0.0, 1.0]  # (r - mean) / (std + 1e-4)
 
 
-def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
-    """credit: phase — answers are reinforced by their own outcome, other generations by the total reward."""
-    from types import SimpleNamespace
-
-    from m1.marl.rollout import advantages_for
+def scripted_team():
+    """The two-agent team with well-behaved scripted agents (plan, continue, answer "A") and a fixed browser."""
     from m1.models.hub import ModelHub
     from m1.team.cpp import Team
 
@@ -229,7 +226,16 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     for key in ("qa", "qb"):
         hub.register(key, FakeChat(key, scripted_reply))
     hub.register("vlm", FakeVision(reply=lambda req: "the square is white"))
-    batch = run_rollouts(Team(cfg, hub=hub), questions(video, 1), 3, sample_topology(AGENTS, "complete", 1, 0, None))
+    return Team(cfg, hub=hub)
+
+
+def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
+    """credit: phase — answers are reinforced by their own outcome, other generations by the total reward."""
+    from types import SimpleNamespace
+
+    from m1.marl.rollout import advantages_for
+
+    batch = run_rollouts(scripted_team(), questions(video, 1), 3, sample_topology(AGENTS, "complete", 1, 0, None))
     # rollout k: total rises with k (a better plan), the outcome falls (a worse answer)
     rewards = score(batch, AGENTS, lambda eps: [{a: SimpleNamespace(total=float(k), outcome=float(-k))
                                                  for a in AGENTS} for k in range(len(eps))])
@@ -259,17 +265,8 @@ def test_answer_samples_credit_each_answer_among_answers_to_the_same_notes(video
     credited within their own group (same notes), the other generations keep the episode advantage."""
     from m1.marl.rewards import RewardConfig, answer_rewards
     from m1.marl.rollout import advantages_for, resample_answers
-    from m1.models.hub import ModelHub
-    from m1.team.cpp import Team
-
-    cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "models": {
-        "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
-        "vlm": {"kind": "vision", "path": "fake/v"}}}), 1.0)
-    hub = ModelHub(cfg.models)
-    for key in ("qa", "qb"):
-        hub.register(key, FakeChat(key, scripted_reply))  # every original answer: "A", right, in format
-    hub.register("vlm", FakeVision(reply=lambda req: "the square is white"))
-    batch = run_rollouts(Team(cfg, hub=hub), questions(video, 2), 2, sample_topology(AGENTS, "complete", 1, 0, None))
+    # every original answer: "A", right, in format
+    batch = run_rollouts(scripted_team(), questions(video, 2), 2, sample_topology(AGENTS, "complete", 1, 0, None))
     rewards = score(batch, AGENTS, lambda eps: [{a: float(k % 2) for a in AGENTS} for k in range(len(eps))])
     # the resampler answers B (wrong, in format), then "A" (right, out of format), then gibberish (wrong, unreadable)
     replies = iter(["##Answer: B\n##Reason: no", "A", "no idea"] * 100)
@@ -294,7 +291,7 @@ def test_answer_samples_credit_each_answer_among_answers_to_the_same_notes(video
 def test_rotated_rollouts_spread_the_truth_over_the_letters(video):
     """rotate_options: rollout k sees the options rotated by k places, the truth letter moved with them (the synth
     browser follows: tests/test_synth.py)."""
-    from m1.marl.rollout import rotate_options
+    from m1.marl.rollout import RolloutError, rotate_options
 
     q = Question(id="q", video=video, text="Where is the square?", options=["top", "left", "right", "bottom"],
                  task="mcq", answer="B")
@@ -304,22 +301,12 @@ def test_rotated_rollouts_spread_the_truth_over_the_letters(video):
     assert rotate_options(q.model_copy(update={"answer": "left"}), 1).answer == "C"  # truth given as option text
     open_q = q.model_copy(update={"task": "open", "options": [], "answer": "red"})
     assert rotate_options(open_q, 3) is open_q
-    with pytest.raises(Exception, match="not one of its option letters"):
+    with pytest.raises(RolloutError, match="not one of its option letters"):
         rotate_options(q.model_copy(update={"answer": "purple"}), 1)
 
-    from m1.models.hub import ModelHub
-    from m1.team.cpp import Team
-
-    cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "models": {
-        "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
-        "vlm": {"kind": "vision", "path": "fake/v"}}}), 1.0)
-    hub = ModelHub(cfg.models)
-    for key in ("qa", "qb"):
-        hub.register(key, FakeChat(key, scripted_reply))
-    hub.register("vlm", FakeVision(reply=lambda req: "the square is white"))
     two = [Question(id="q", video=video, text="What colour is the square?", options=["white", "red"], task="mcq",
                     answer="A")]
-    batch = run_rollouts(Team(cfg, hub=hub), two, 2, sample_topology(AGENTS, "complete", 1, 0, None), rotate=True)
+    batch = run_rollouts(scripted_team(), two, 2, sample_topology(AGENTS, "complete", 1, 0, None), rotate=True)
     assert [(e.question.options, e.question.answer) for e in batch.episodes[0]] == [(["white", "red"], "A"),
                                                                                     (["red", "white"], "B")]
     assert batch.questions == two  # the group keeps the question as asked
