@@ -464,16 +464,15 @@ def changes_text(curves: dict[str, Any]) -> list[str]:
 def reading_text(curves: dict[str, Any]) -> list[str]:
     """A paragraph on how often agents' notes held the true letter and how often they then answered it, per seed
     and stage (planning finds the evidence, answering has to read it), or nothing without such traces."""
-    def one(r: dict[str, int]) -> str:
-        return (f"the truth in the notes of {r['evidence']} of {r['answers']} agent answers, "
-                f"{100 * r['read'] / max(r['evidence'], 1):.0f}% of those answered right "
-                f"(the letter the notes name most, first on ties: right for {100 * r['majority'] / r['answers']:.0f}% of all)")
+    def one(name: str, r: dict[str, int]) -> str:
+        return (f"{name} the truth in the notes of {r['evidence']} of {r['answers']} agent answers, "
+                f"{100 * r['read'] / max(r['evidence'], 1):.0f}% of those answered right (the letter the notes name "
+                f"most, first on ties: right for {100 * r['majority'] / r['answers']:.0f}% of all)")
 
-    seeds = sorted({key.split("/")[0] for key in curves if key.endswith("_reading")})
     parts = []
-    for seed in seeds:
-        stages = [(name, curves.get(f"{seed}/{stage}_reading")) for name, stage in (("SFT", "sft"), ("MARL", "marl"))]
-        stages = [f"{name} {one(r)}" for name, r in stages if r and r["answers"]]
+    for seed in sorted({key.split("/")[0] for key in curves if key.endswith("_reading")}):
+        found = [(name, curves.get(f"{seed}/{stage}_reading")) for name, stage in (("SFT", "sft"), ("MARL", "marl"))]
+        stages = [one(name, r) for name, r in found if r and r["answers"]]
         if stages:
             parts.append(f"{seed}: {'; '.join(stages)}")
     return [f"Reading the notes (MCQ; notes are the tool reports an agent sees when it answers): "

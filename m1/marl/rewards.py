@@ -44,7 +44,7 @@ from m1.schema import LETTERS, Episode, Question
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "RewardConfig", "RewardBreakdown", "result_reward", "answer_rewards", "format_reward", "collaboration_reward",
+    "RewardConfig", "RewardBreakdown", "truth_letter", "result_reward", "answer_rewards", "format_reward", "collaboration_reward",
     "tool_penalty", "agent_answer", "agent_rewards", "batch_agent_rewards", "log_breakdowns",
     "summarize",
 ]
@@ -95,7 +95,8 @@ def _mapped(score: float, mode: str, threshold: float) -> float:
     return 1.0 if score >= threshold else -1.0
 
 
-def _truth_letter(question: Question) -> str:
+def truth_letter(question: Question) -> str:
+    """The ground truth of an MCQ question as its option letter (given as a letter or as the option's text)."""
     gt = (question.answer or "").strip()
     valid = LETTERS[:len(question.options)] if question.options else ""
     if len(gt) == 1 and gt.upper() in valid:
@@ -113,7 +114,7 @@ def _rule_score(question: Question, answer: str | None, cfg: RewardConfig) -> fl
         raise ValueError(f"question {question.id!r}: no ground truth answer; the result reward needs one")
     task = question.task
     if task == "mcq":
-        truth = _truth_letter(question)
+        truth = truth_letter(question)
         return 1.0 if answer is not None and extract_choice(answer, question.options) == truth else -1.0
     if task == "grounding":
         gt = parse_span(question.answer)

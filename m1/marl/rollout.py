@@ -128,7 +128,7 @@ def sample_topology(agents: list[str], mode: str, edge_prob: float, dropout: flo
 def rotate_options(question: Question, shift: int) -> Question:
     """The MCQ `question` with its options moved `shift` places down the letters (the last ones wrap to the top)
     and its ground-truth letter moved with them; other questions unchanged."""
-    from m1.data.metrics import extract_choice
+    from m1.marl.rewards import truth_letter
     from m1.schema import LETTERS
 
     n = len(question.options)
@@ -136,12 +136,7 @@ def rotate_options(question: Question, shift: int) -> Question:
         return question
     truth = question.answer
     if truth is not None:
-        letter = truth.strip().upper()
-        if letter not in LETTERS[:n]:
-            letter = extract_choice(truth, question.options)
-        if not letter:
-            raise RolloutError(f"question {question.id!r}: ground truth {truth!r} is not one of its option letters")
-        truth = LETTERS[(LETTERS.index(letter) + shift) % n]
+        truth = LETTERS[(LETTERS.index(truth_letter(question)) + shift) % n]
     options = [question.options[(i - shift) % n] for i in range(n)]
     return question.model_copy(update={"options": options, "answer": truth})
 
