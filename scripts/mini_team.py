@@ -304,7 +304,7 @@ def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, t
         return read_examples(path), json.loads((out / "sft_examples.stats.json").read_text())
     teacher = Team(sft_teacher_config(sft_cfg, clip_cache, tiny_clip), pool=pool)
     examples, stats = build_sft_data(teacher, train_qs, sft_cfg.rewards, None, sft_cfg.data.phases,
-                                     sft_cfg.data.rollouts_per_question)
+                                     sft_cfg.data.rollouts_per_question, sft_cfg.data.rotate_options)
     if communicate_per_episode is not None:
         seen: dict[tuple[str, str], int] = defaultdict(int)
         thinned = []
@@ -679,6 +679,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which teams to train/evaluate")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on 1)")
     ap.add_argument("--jobs", type=int, default=1, help="seeds trained at once, one process each")
+    ap.add_argument("--sft-steps", type=int, default=None, help="SFT optimizer steps (default: the budget's)")
     ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override configs/sft/mini.yaml (repeatable)")
     ap.add_argument("--marl-set", action="append", default=[], metavar="KEY=VALUE",
@@ -700,6 +701,8 @@ def main(argv: list[str] | None = None) -> None:
         b = replace(b, eval_seed=DEV_SEED)
     if args.train_videos:
         b = replace(b, train_videos=args.train_videos)
+    if args.sft_steps:
+        b = replace(b, sft_max_steps=args.sft_steps)
     name = "mini_team" + ("_quick" if args.quick else "") + ("_dev" if args.dev else "")
     out = args.out or REPO / "runs" / name
     doc = args.doc or (out / "mini_team.md" if args.quick or args.dev else REPO / "docs" / "mini_team.md")

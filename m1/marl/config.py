@@ -207,6 +207,9 @@ class SFTDataConfig(Strict):
     teacher: str | TeamConfig | None = None  # team producing the plans (rule-based teacher or an API team)
     teacher_overrides: list[str] = Field(default_factory=list)
     rollouts_per_question: int = Field(1, ge=1)  # sampled teams may produce different plans
+    # ours: rollout r of an MCQ question shows its options rotated by r places (m1/marl/rollout.py rotate_options),
+    # so a deterministic teacher still yields new answers, under balanced letters, from the same questions
+    rotate_options: bool = False
     phases: list[Literal["plan", "communicate", "answer", "summary"]] = Field(default_factory=lambda: ["plan"])
     # all: every student agent learns every kept example; same_name: only examples of the agent with its name
     assign: Literal["all", "same_name"] = "all"

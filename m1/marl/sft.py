@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
 from m1.marl.rewards import RewardConfig, batch_agent_rewards
+from m1.marl.rollout import rotate_options
 from m1.schema import Episode, Question
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,11 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
 
 
 def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, judge=None,
-                   phases: Sequence[str] = ("plan",), rollouts: int = 1) -> tuple[list[SFTExample], dict[str, int]]:
-    """Run the teacher `team` `rollouts` times over every question and keep plans by the paper's rule."""
-    repeated = [q for q in questions for _ in range(rollouts)]
+                   phases: Sequence[str] = ("plan",), rollouts: int = 1,
+                   rotate: bool = False) -> tuple[list[SFTExample], dict[str, int]]:
+    """Run the teacher `team` `rollouts` times over every question and keep plans by the paper's rule; with
+    `rotate`, rollout r of an MCQ question sees its options rotated by r places."""
+    repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(rollouts)]
     episodes = team.run(repeated)
     return select_examples(episodes, rewards, judge, phases)
 
@@ -181,7 +184,8 @@ class SFTTrainer:
         if teacher is None or not d.questions:
             raise ValueError(f"data.examples {path} does not exist and no teacher + questions are given to build it")
         examples, stats = build_sft_data(Team(teacher, hub=teacher_hub), load_questions(d.questions, d.video_dir),
-                                         self.cfg.rewards, None, d.phases, d.rollouts_per_question)
+                                         self.cfg.rewards, None, d.phases, d.rollouts_per_question,
+                                         d.rotate_options)
         log.info("SFT data from teacher %s: %s", teacher.name, stats)
         write_examples(path, examples)
         return examples
