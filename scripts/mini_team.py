@@ -60,7 +60,7 @@ class Budget:
     train_seed: int = 1  # world seed of the training questions
     eval_seed: int = 1001  # world seed of the held-out questions (never trained on)
     sft_epochs: int | None = None  # None: configs/sft/mini.yaml
-    sft_max_steps: int | None = 300  # replaces epochs: 5 epochs over 20 videos' examples, ~2.5 over 40 videos'
+    sft_max_steps: int | None = 600  # replaces epochs: ~1.7 epochs over the rotated teacher examples of 40 videos
     marl_steps: int | None = None  # None: configs/marl/mini.yaml
     marl_questions_per_step: int | None = None
     progress: bool = True
@@ -640,7 +640,7 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
             "sft_stats": stats, "wall_seconds": time.perf_counter() - t_wall,
             "cpu_seconds": time.process_time() - t_cpu + child_cpu, "torch_threads": torch.get_num_threads(),
             "jobs": jobs, "stage_seconds": dict(stages),
-            "sft_settings": _settings(sft_cfg, ("learner", "epochs", "batch_size", "max_steps"),
+            "sft_settings": _settings(sft_cfg, ("data", "learner", "epochs", "batch_size", "max_steps"),
                                       {k: v for k, v in (("epochs", b.sft_epochs), ("max_steps", b.sft_max_steps))
                                        if v is not None}),
             "marl_settings": _settings(marl_cfg, ("learner", "rollout", "grpo", "rewards", "steps"),
@@ -659,6 +659,8 @@ def _settings(cfg, keys: tuple[str, ...], extra: dict[str, Any]) -> str:
         keep["learner"] = {k: keep["learner"][k] for k in ("finetune", "lr", "warmup_steps", "lr_schedule",
                                                            "micro_batch_size", "max_prompt_tokens",
                                                            "max_completion_tokens")}
+    if "data" in keep:  # where the SFT examples come from
+        keep["data"] = {k: keep["data"][k] for k in ("phases", "assign", "rollouts_per_question", "rotate_options")}
     if "rollout" in keep and "questions_per_step" in extra:
         keep["rollout"]["questions_per_step"] = extra.pop("questions_per_step")
     keep.update(extra)
