@@ -291,7 +291,8 @@ def answer_changes(before: Path, after: Path) -> dict[str, int] | None:
 # ------------------------------------------------------------------------------------------------ training
 def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, tiny_clip: bool = False,
                    communicate_per_episode: int | None = None):
-    """Teacher generations on the training questions, kept by the paper's rule (cached in out/sft_examples.jsonl).
+    """Teacher generations on the training questions, kept by the paper's rule (cached in out/sft_examples.jsonl,
+    rebuilt when the data settings recorded in its stats differ from these).
 
     `communicate_per_episode` thins the communicate examples (almost all `continue()`, and the longest prompts) to
     the first N of each agent in each episode: a data budget applied after the keep rule, counted in the stats.
@@ -299,9 +300,13 @@ def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, t
     from m1.marl.sft import build_sft_data, read_examples, write_examples
     from m1.team.cpp import Team
 
-    path = out / "sft_examples.jsonl"
-    if path.is_file():
-        return read_examples(path), json.loads((out / "sft_examples.stats.json").read_text())
+    path, stats_path = out / "sft_examples.jsonl", out / "sft_examples.stats.json"
+    settings = {**sft_data_settings(sft_cfg), "communicate_per_episode": communicate_per_episode}
+    if path.is_file() and stats_path.is_file():
+        cached = json.loads(stats_path.read_text())
+        if cached.get("data") == settings:
+            return read_examples(path), cached
+        log.info("%s was built with other data settings: rebuilding it", path)
     teacher = Team(sft_teacher_config(sft_cfg, clip_cache, tiny_clip), pool=pool)
     examples, stats = build_sft_data(teacher, train_qs, sft_cfg.rewards, None, sft_cfg.data.phases,
                                      sft_cfg.data.rollouts_per_question, sft_cfg.data.rotate_options)
@@ -317,9 +322,17 @@ def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, t
         stats["thinned_communicate"] = len(examples) - len(thinned)
         examples = thinned
     stats["by_phase"] = {ph: sum(e.phase == ph for e in examples) for ph in sorted({e.phase for e in examples})}
+    stats["data"] = settings
     write_examples(path, examples)
-    (out / "sft_examples.stats.json").write_text(json.dumps(stats, indent=1))
+    stats_path.write_text(json.dumps(stats, indent=1))
     return examples, stats
+
+
+def sft_data_settings(sft_cfg) -> dict[str, Any]:
+    """The settings that decide which teacher examples SFT learns from."""
+    d = sft_cfg.data
+    return {"phases": list(d.phases), "assign": d.assign, "rollouts_per_question": d.rollouts_per_question,
+            "rotate_options": d.rotate_options, "teacher_overrides": list(d.teacher_overrides)}
 
 
 def final_weights(run_dir: Path, agents: list[str]) -> dict[str, Path]:
@@ -660,7 +673,7 @@ def _settings(cfg, keys: tuple[str, ...], extra: dict[str, Any]) -> str:
                                                            "micro_batch_size", "max_prompt_tokens",
                                                            "max_completion_tokens")}
     if "data" in keep:  # where the SFT examples come from
-        keep["data"] = {k: keep["data"][k] for k in ("phases", "assign", "rollouts_per_question", "rotate_options")}
+        keep["data"] = {k: v for k, v in sft_data_settings(cfg).items() if k != "teacher_overrides"}
     if "rollout" in keep and "questions_per_step" in extra:
         keep["rollout"]["questions_per_step"] = extra.pop("questions_per_step")
     keep.update(extra)

@@ -66,6 +66,14 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     assert {e.agent for e in examples} <= {"qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small"}
     assert {"plan", "answer"} <= {e.phase for e in examples}
     assert (tmp_path / "sft_examples.jsonl").is_file()
+    # the file is reused for the same data settings and rebuilt for others (a stale cache must not be trained on)
+    with monkeypatch.context() as m:
+        m.setattr(mt, "sft_teacher_config", lambda *a, **k: pytest.fail("rebuilt"))
+        assert mt.build_examples(sft_cfg, train_qs, tmp_path, clip_cache, pool, tiny_clip=True) == (examples, stats)
+        m.setattr(mt, "sft_teacher_config", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("rebuild")))
+        other = sft_cfg.model_copy(update={"data": sft_cfg.data.model_copy(update={"rotate_options": False})})
+        with pytest.raises(RuntimeError, match="rebuild"):
+            mt.build_examples(other, train_qs, tmp_path, clip_cache, pool, tiny_clip=True)
 
     # SFT: the loss falls and plans parse far more often than with random weights
     untrained = mt.evaluate(mt.mini_config(0, clip_cache=clip_cache, tiny_clip=True), held_qs, pool)

@@ -93,7 +93,6 @@ def test_build_sft_data_from_a_teacher_team(tmp_path, video):
         read_examples(tmp_path / "bad.jsonl")
 
 
-
 def test_rotated_teacher_rollouts_move_the_truth_letter(video):
     """rollout 1 of a two-option question shows the options swapped, so a teacher that always says B is right
     there only, and the examples kept from it show the swapped options"""
@@ -103,6 +102,7 @@ def test_rotated_teacher_rollouts_move_the_truth_letter(video):
     assert all("A: red\nB: white" in content(e.messages) for e in kept)
     kept, stats = build_sft_data(fake_teacher("A"), qs, RewardConfig(), rollouts=2, rotate=True)
     assert len(kept) == 3 * 2 and all("A: white\nB: red" in content(e.messages) for e in kept)
+
 
 STUDENTS = {
     "name": "students",
