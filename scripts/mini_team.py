@@ -295,7 +295,8 @@ def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, t
     rebuilt when the data settings recorded in its stats differ from these).
 
     `communicate_per_episode` thins the communicate examples (almost all `continue()`, and the longest prompts) to
-    the first N of each agent in each episode: a data budget applied after the keep rule, counted in the stats.
+    the first N of each agent per question (over all its rollouts): a data budget applied after the keep rule,
+    counted in the stats.
     """
     from m1.marl.sft import build_sft_data, read_examples, write_examples
     from m1.team.cpp import Team
@@ -309,7 +310,8 @@ def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, t
         log.info("%s was built with other data settings: rebuilding it", path)
     teacher = Team(sft_teacher_config(sft_cfg, clip_cache, tiny_clip), pool=pool)
     examples, stats = build_sft_data(teacher, train_qs, sft_cfg.rewards, None, sft_cfg.data.phases,
-                                     sft_cfg.data.rollouts_per_question, sft_cfg.data.rotate_options)
+                                     sft_cfg.data.rollouts_per_question, sft_cfg.data.rotate_options,
+                                     sft_cfg.data.keep_revised_plans)
     if communicate_per_episode is not None:
         seen: dict[tuple[str, str], int] = defaultdict(int)
         thinned = []
@@ -332,7 +334,8 @@ def sft_data_settings(sft_cfg) -> dict[str, Any]:
     """The settings that decide which teacher examples SFT learns from."""
     d = sft_cfg.data
     return {"phases": list(d.phases), "assign": d.assign, "rollouts_per_question": d.rollouts_per_question,
-            "rotate_options": d.rotate_options, "teacher_overrides": list(d.teacher_overrides)}
+            "rotate_options": d.rotate_options, "keep_revised_plans": d.keep_revised_plans,
+            "teacher_overrides": list(d.teacher_overrides)}
 
 
 def final_weights(run_dir: Path, agents: list[str]) -> dict[str, Path]:

@@ -52,6 +52,13 @@ def test_keep_rule_needs_one_right_agent_and_an_unchanged_plan():
     assert [(e.agent, e.phase) for e in more] == [("alpha", "plan"), ("alpha", "communicate"), ("alpha", "answer"),
                                                  ("beta", "communicate"), ("beta", "answer")]
     assert stats["dropped_plan_changed"] == 1
+    # ours: keep_revised_plans keeps a revised plan only when its own agent answered right
+    revised = [eps[0], episode({"alpha": "B", "beta": "A"}, changed={"beta"}, i=4)]
+    kept, stats = select_examples(revised, RewardConfig(), keep_revised_plans=True)
+    assert [(e.question_id, e.agent) for e in kept] == [("q0", "alpha"), ("q4", "alpha"), ("q4", "beta")]
+    assert stats["kept_revised_plans"] == 1 and stats["dropped_plan_changed"] == 1  # beta in q0 answered wrong
+    assert [(e.question_id, e.agent) for e in select_examples(revised, RewardConfig())[0]] == [
+        ("q0", "alpha"), ("q4", "alpha")]
 
 
 def fake_teacher(answer_letter):

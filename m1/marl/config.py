@@ -210,6 +210,9 @@ class SFTDataConfig(Strict):
     # ours: rollout r of an MCQ question shows its options rotated by r places (m1/marl/rollout.py rotate_options),
     # so a deterministic teacher still yields new answers, under balanced letters, from the same questions
     rotate_options: bool = False
+    # ours: also keep a plan its agent revised during the episode when that agent answered right (the paper drops
+    # every changed plan); the revision itself is learnt from the communicate example
+    keep_revised_plans: bool = False
     phases: list[Literal["plan", "communicate", "answer", "summary"]] = Field(default_factory=lambda: ["plan"])
     # all: every student agent learns every kept example; same_name: only examples of the agent with its name
     assign: Literal["all", "same_name"] = "all"

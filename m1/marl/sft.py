@@ -8,8 +8,10 @@ judge's or an exact-match verdict). By default only plan generations are kept (`
 The other phases (ours) need only the first condition: the plan condition is about plans, and an episode whose plan
 was revised is exactly where the communicate step that revised it, and the answers written from the revised evidence,
 are worth learning (on M1-Synth the teacher revises every "flash near the end" plan, so the strict rule would leave
-the students almost no open-ended answers). The prompts are the teacher's chats, so any student can be trained on them
-with its own tokenizer.
+the students almost no open-ended answers). `keep_revised_plans` (ours) also keeps the plan of an agent that revised
+it when that agent itself answered right: the revision is then learnt from its communicate example, and questions the
+teacher always revises (M1-Synth's late flashes: 0 of 640 plans kept by the strict rule) get plan examples at all.
+The prompts are the teacher's chats, so any student can be trained on them with its own tokenizer.
 
 Training (`SFTTrainer`): each student agent's learner (LoRA or full, the same `AgentLearner` as MARL) minimises
 cross-entropy on the completion tokens only — prompt tokens, tool outputs and memory text are context — averaged over
@@ -75,11 +77,14 @@ def right_agents(episodes: Sequence[Episode], rewards: RewardConfig, judge=None)
 
 
 def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=None,
-                    phases: Sequence[str] = ("plan",)) -> tuple[list[SFTExample], dict[str, int]]:
-    """Apply the keep rule to episodes (plan examples also need an unchanged plan); returns the examples and counts
-    of why others were dropped."""
+                    phases: Sequence[str] = ("plan",),
+                    keep_revised_plans: bool = False) -> tuple[list[SFTExample], dict[str, int]]:
+    """Apply the keep rule to episodes (plan examples also need an unchanged plan, or with `keep_revised_plans` an
+    agent that answered right after revising it); returns the examples and counts of why others were dropped."""
     stats = {"episodes": len(episodes), "episodes_failed": 0, "episodes_nobody_right": 0, "kept": 0,
              "dropped_plan_changed": 0}
+    if keep_revised_plans:
+        stats["kept_revised_plans"] = 0
     examples: list[SFTExample] = []
     for ep, right in zip(episodes, right_agents(episodes, rewards, judge)):
         if ep.error is not None:
@@ -92,8 +97,10 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
             if gen.phase not in phases:
                 continue
             if gen.phase == "plan" and not plan_unchanged(ep, gen.agent):
-                stats["dropped_plan_changed"] += 1
-                continue
+                if not (keep_revised_plans and gen.agent in right):
+                    stats["dropped_plan_changed"] += 1
+                    continue
+                stats["kept_revised_plans"] += 1
             examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
                                        messages=gen.prompt, completion=gen.completion))
             stats["kept"] += 1
@@ -102,12 +109,13 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
 
 def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, judge=None,
                    phases: Sequence[str] = ("plan",), rollouts: int = 1,
-                   rotate: bool = False) -> tuple[list[SFTExample], dict[str, int]]:
-    """Run the teacher `team` `rollouts` times over every question and keep plans by the paper's rule; with
-    `rotate`, rollout r of an MCQ question sees its options rotated by r places."""
+                   rotate: bool = False, keep_revised_plans: bool = False
+                   ) -> tuple[list[SFTExample], dict[str, int]]:
+    """Run the teacher `team` `rollouts` times over every question and keep plans by the paper's rule (see
+    `select_examples`); with `rotate`, rollout r of an MCQ question sees its options rotated by r places."""
     repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(rollouts)]
     episodes = team.run(repeated)
-    return select_examples(episodes, rewards, judge, phases)
+    return select_examples(episodes, rewards, judge, phases, keep_revised_plans)
 
 
 def write_examples(path: str | Path, examples: Sequence[SFTExample]) -> Path:
@@ -185,7 +193,7 @@ class SFTTrainer:
             raise ValueError(f"data.examples {path} does not exist and no teacher + questions are given to build it")
         examples, stats = build_sft_data(Team(teacher, hub=teacher_hub), load_questions(d.questions, d.video_dir),
                                          self.cfg.rewards, None, d.phases, d.rollouts_per_question,
-                                         d.rotate_options)
+                                         d.rotate_options, d.keep_revised_plans)
         log.info("SFT data from teacher %s: %s", teacher.name, stats)
         write_examples(path, examples)
         return examples
