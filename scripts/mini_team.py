@@ -53,14 +53,16 @@ class Budget:
     """Everything that sets the size (and CPU time) of a run."""
 
     seeds: tuple[int, ...] = (0, 1, 2)
-    train_videos: int = 40  # 20 videos left SFT's seed spread at 7.5 points on the dev world; 40: 2.0 (same steps)
+    # 20 videos left SFT's seed spread at 7.5 points on the dev world, 40: 2.0 (same steps); 120 (3x the unique
+    # questions, so the students must copy objects and times from the question rather than recall them)
+    train_videos: int = 120
     eval_videos: int = 16
     duration: float = 120.0  # seconds per video
     questions_per_video: int = 10
     train_seed: int = 1  # world seed of the training questions
     eval_seed: int = 1001  # world seed of the held-out questions (never trained on)
     sft_epochs: int | None = None  # None: configs/sft/mini.yaml
-    sft_max_steps: int | None = 600  # replaces epochs: ~1.7 epochs over the rotated teacher examples of 40 videos
+    sft_max_steps: int | None = 600  # replaces epochs: ~0.5 passes over the teacher examples of 120 videos
     marl_steps: int | None = None  # None: configs/marl/mini.yaml
     marl_questions_per_step: int | None = None
     progress: bool = True
@@ -193,6 +195,7 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, tra
     """
     from m1.data.metrics import is_correct
     from m1.marl.rewards import agent_answer
+    from m1.synth.teacher import plan_for
     from m1.team.cpp import Team
 
     team = Team(cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"temperature": 0.0})}), pool=pool)
@@ -219,9 +222,10 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, tra
             lines.append(json.dumps({
                 "id": q.id, "family": q.meta.get("family", q.task), "truth": q.answer, "answer": ep.final_answer,
                 "correct": bool(is_correct(q, ep.final_answer)), "aggregation": ep.aggregation, "error": ep.error,
+                "teacher_key_info": plan_for(q.text)[0],
                 "agents": {a: {"answer": ans, "correct": bool(is_correct(q, ans)),
                                "parsed": [[g.phase, g.parse_ok] for g in ep.generations if g.agent == a],
-                               "notes_letters": notes_letters(ep, a)}
+                               "notes_letters": notes_letters(ep, a), "key_info": plan_key_info(ep, a)}
                            for a, ans in answers.items()}}))
         tmp = traces.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
@@ -235,6 +239,17 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, tra
 
 
 _NOTED_LETTER = re.compile(r"##Answer: ([A-Z])\b")
+
+
+_KEY_INFO = re.compile(r"##key info:[ \t]*(.*)")
+
+
+def plan_key_info(episode, agent: str) -> str:
+    """The key info the agent wrote in its plan ("" if none); memory holds the latest one, which an added tool's
+    key info replaces."""
+    plans = [g.completion for g in episode.generations if g.agent == agent and g.phase == "plan"]
+    m = _KEY_INFO.search(plans[0]) if plans else None
+    return m.group(1).strip() if m else ""
 
 
 def notes_letters(episode, agent: str) -> list[str] | None:
@@ -270,6 +285,28 @@ def reading(traces: Path) -> dict[str, int] | None:
             if t["truth"] in letters:
                 out["evidence"] += 1
                 out["read"] += bool(a["correct"])
+    return out
+
+
+def key_info_copied(traces: Path) -> dict[str, dict[str, int]] | None:
+    """Per agent, on the non-open questions of a `.traces.jsonl` (M1-Synth's open questions have a fixed key info),
+    how many plans wrote the key info the teacher writes: the question's object, objects or time, copied. A wrong
+    one sends retrieval to the wrong clip. None without such traces."""
+    if not traces.is_file():
+        return None
+    out: dict[str, dict[str, int]] = {}
+    for line in traces.read_text().splitlines():
+        if not line.strip():
+            continue
+        t = json.loads(line)
+        if "teacher_key_info" not in t:
+            return None  # traces written before key info was recorded
+        if t["family"] == "open":
+            continue
+        for name, a in t["agents"].items():
+            c = out.setdefault(name, {"questions": 0, "copied": 0})
+            c["questions"] += 1
+            c["copied"] += a["key_info"].strip().lower() == t["teacher_key_info"].lower()
     return out
 
 
@@ -495,6 +532,20 @@ def reading_text(curves: dict[str, Any]) -> list[str]:
             f"{' — '.join(parts)}.", ""] if parts else []
 
 
+def key_info_text(curves: dict[str, Any]) -> list[str]:
+    """A paragraph on how many plans copied the teacher's key info, per seed, stage and agent (finding the evidence
+    starts there), or nothing without such traces."""
+    parts = []
+    for seed in sorted({key.split("/")[0] for key in curves if key.endswith("_key_info")}):
+        found = [(name, curves.get(f"{seed}/{stage}_key_info")) for name, stage in (("SFT", "sft"), ("MARL", "marl"))]
+        stages = [f"{name} " + ", ".join(f"{a} {c['copied']}/{c['questions']}" for a, c in per.items())
+                  for name, per in found if per]
+        if stages:
+            parts.append(f"{seed}: {'; '.join(stages)}")
+    return [f"Key info as the teacher writes it (the question's object, objects or time; open questions excluded), "
+            f"plans per agent: {' — '.join(parts)}.", ""] if parts else []
+
+
 def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, list[dict]],
               curves: dict[str, Any] | None = None) -> None:
     curves = curves or {}
@@ -510,6 +561,7 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
         "",
         *changes_text(curves),
         *reading_text(curves),
+        *key_info_text(curves),
         f"{'Dev (settings are chosen here; not held-out)' if b['eval_seed'] == DEV_SEED else 'Held-out'}: "
         f"{meta['n_heldout']} questions on {b['eval_videos']} videos of {b['duration']:.0f} s (world seed "
         f"{b['eval_seed']}); training: {meta['n_train']} questions on {b['train_videos']} videos (world seed "
@@ -579,6 +631,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
                                              mini_config(seed, sft_w, clip_cache, b.tiny_clip), held_qs, pool,
                                              b.progress)
             curves[f"seed{seed}/sft_reading"] = reading(seed_dir / "sft" / "eval.traces.jsonl")
+            curves[f"seed{seed}/sft_key_info"] = key_info_copied(seed_dir / "sft" / "eval.traces.jsonl")
             stage("eval")
         if "sft+marl" in rows:
             marl_w, marl_rows = run_marl(seed, sft_w, train_qs, seed_dir / "marl", b, clip_cache, pool)
@@ -590,6 +643,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
                                                   b.progress)
             stage("eval")
             curves[f"seed{seed}/marl_reading"] = reading(seed_dir / "marl" / "eval.traces.jsonl")
+            curves[f"seed{seed}/marl_key_info"] = key_info_copied(seed_dir / "marl" / "eval.traces.jsonl")
             if "sft" in rows:
                 curves[f"seed{seed}/marl_changes"] = answer_changes(seed_dir / "sft" / "eval.traces.jsonl",
                                                                     seed_dir / "marl" / "eval.traces.jsonl")

@@ -52,7 +52,7 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     from m1.marl.config import load_sft_config
     from m1.video import VideoPool
 
-    b = replace(mt.Budget(**BUDGET), sft_max_steps=60, marl_steps=1, marl_questions_per_step=1,
+    b = replace(mt.Budget(**BUDGET), sft_max_steps=80, marl_steps=1, marl_questions_per_step=1,
                 overrides_sft=["batch_size=16", "learner.micro_batch_size=16"],
                 overrides_marl=["rollout.num_generations=2"])
     pool, clip_cache = VideoPool(), tmp_path / "clip"
@@ -79,7 +79,7 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     untrained = mt.evaluate(mt.mini_config(0, clip_cache=clip_cache, tiny_clip=True), held_qs, pool)
     weights, rows = mt.run_sft(0, examples, tmp_path / "sft", b, clip_cache)
     losses = [r["loss"] for r in rows]
-    assert len(losses) == 60 and sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+    assert len(losses) == 80 and sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
     assert set(weights) == {"qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small"}
     sft = mt.evaluate_cached(tmp_path / "sft" / "eval.json", mt.mini_config(0, weights, clip_cache, tiny_clip=True),
                              held_qs, pool)
@@ -189,6 +189,22 @@ def test_reading_counts_notes_that_name_the_truth(tmp_path, m1_cache, mt):
         "on ties: right for 20% of all) — seed1: MARL the truth in the notes of 8 of 8 agent answers, 25% of those "
         "answered right (the letter the notes name most, first on ties: right for 75% of all).", ""]
     assert mt.reading(tmp_path / "missing.jsonl") is None
+    # the teacher's agents write the teacher's key info (wrong plans come from error draws, which keep the key)
+    copied = mt.key_info_copied(tmp_path / "teacher.traces.jsonl")
+    n_open = sum(q.meta.get("family") == "open" for q in held_qs)
+    assert set(copied) == set(traces[0]["agents"])
+    assert all(c == {"questions": len(held_qs) - n_open, "copied": len(held_qs) - n_open} for c in copied.values())
+    assert mt.key_info_text({"seed0/sft_key_info": {"a": {"questions": 5, "copied": 2}}, "seed0/marl_key_info": None,
+                             "seed1/marl_key_info": {"a": {"questions": 5, "copied": 4}}}) == [
+        "Key info as the teacher writes it (the question's object, objects or time; open questions excluded), plans "
+        "per agent: seed0: SFT a 2/5 — seed1: MARL a 4/5.", ""]
+    lines = (tmp_path / "teacher.traces.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["agents"][next(iter(first["agents"]))]["key_info"] = "something else"
+    (tmp_path / "one_wrong.jsonl").write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    fewer = mt.key_info_copied(tmp_path / "one_wrong.jsonl")
+    assert sum(c["copied"] for c in fewer.values()) == sum(c["copied"] for c in copied.values()) - (
+        first["family"] != "open")
 
 
 def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
