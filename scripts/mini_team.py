@@ -678,6 +678,11 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     examples, stats = build_examples(sft_cfg, train_qs, out, clip_cache, pool, b.tiny_clip,
                                      b.communicate_per_episode)
     stages["teacher SFT data"] = time.perf_counter() - t
+    # each seed reads the examples from disk and opens its own videos, so the parent lets go of its frame cache and
+    # readers before the seeds train (it held 4.4 GB after building 120 videos' examples, and was the process the
+    # out-of-memory killer took when two runs shared a 24 GB machine; the examples themselves are ~0.2 GB)
+    n_examples = len(examples)
+    del examples, pool
     if jobs > 1 and not b.tiny_clip:
         # train (or find) the world's CLIP once, before several workers would each train it
         from m1.synth.clip_train import ensure_synth_clip
@@ -707,7 +712,7 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     marl_cfg = load_train_config("mini", list(b.overrides_marl))
     child_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     meta = {"seeds": list(b.seeds), "budget": asdict(b), "n_train": len(train_qs), "n_heldout": len(held_qs),
-            "n_examples": len(examples),
+            "n_examples": n_examples,
             "sft_stats": stats, "wall_seconds": time.perf_counter() - t_wall,
             "cpu_seconds": time.process_time() - t_cpu + child_cpu, "torch_threads": torch.get_num_threads(),
             "jobs": jobs, "stage_seconds": dict(stages),
