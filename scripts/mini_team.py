@@ -242,15 +242,18 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, tra
 _NOTED_LETTER = re.compile(r"##Answer: ([A-Z])\b")
 
 
-_KEY_INFO = re.compile(r"##key info:[ \t]*(.*)")
-
-
 def plan_key_info(episode, agent: str) -> str:
-    """The key info the agent wrote in its plan ("" if none); memory holds the latest one, which an added tool's
-    key info replaces."""
-    plans = [g.completion for g in episode.generations if g.agent == agent and g.phase == "plan"]
-    m = _KEY_INFO.search(plans[0]) if plans else None
-    return m.group(1).strip() if m else ""
+    """The key info the agent's plan ran with: its first step's ("" without steps). The record's own key_info is
+    the latest one, which an added tool's key info replaces."""
+    rec = episode.memory.get(agent)
+    return rec.turns[0].key_info if rec is not None and rec.turns else ""
+
+
+def read_traces(path: Path) -> list[dict] | None:
+    """The question lines of an evaluation's `.traces.jsonl`, or None when it was not written."""
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def notes_letters(episode, agent: str) -> list[str] | None:
@@ -267,13 +270,11 @@ def reading(traces: Path) -> dict[str, int] | None:
     named the true letter ("evidence") and those of them answered right ("read"), and the answers for which the
     letter the notes name most often is the truth ("majority": what copying that letter would score). None
     without such traces."""
-    if not traces.is_file():
+    lines = read_traces(traces)
+    if lines is None:
         return None
     out = {"answers": 0, "evidence": 0, "read": 0, "majority": 0}
-    for line in traces.read_text().splitlines():
-        if not line.strip():
-            continue
-        t = json.loads(line)
+    for t in lines:
         for a in t["agents"].values():
             if "notes_letters" not in a:
                 return None  # traces written before notes were recorded
@@ -293,13 +294,11 @@ def key_info_copied(traces: Path) -> dict[str, dict[str, int]] | None:
     """Per agent, on the non-open questions of a `.traces.jsonl` (M1-Synth's open questions have a fixed key info),
     how many plans wrote the key info the teacher writes: the question's object, objects or time, copied. A wrong
     one sends retrieval to the wrong clip. None without such traces."""
-    if not traces.is_file():
+    lines = read_traces(traces)
+    if lines is None:
         return None
     out: dict[str, dict[str, int]] = {}
-    for line in traces.read_text().splitlines():
-        if not line.strip():
-            continue
-        t = json.loads(line)
+    for t in lines:
         if "teacher_key_info" not in t:
             return None  # traces written before key info was recorded
         if t["family"] == "open":
@@ -315,10 +314,10 @@ def answer_changes(before: Path, after: Path) -> dict[str, int] | None:
     """How a second team's answers differ from a first's on the same questions, from their `.traces.jsonl`
     files: answers changed, wrong ones made right ("fixed"), right ones made wrong ("broken"). None when either
     file is missing (an evaluation cached before traces were written)."""
-    if not (before.is_file() and after.is_file()):
+    first, second = read_traces(before), read_traces(after)
+    if first is None or second is None:
         return None
-    a, b = ({t["id"]: t for t in (json.loads(line) for line in p.read_text().splitlines() if line.strip())}
-            for p in (before, after))
+    a, b = ({t["id"]: t for t in lines} for lines in (first, second))
     if set(a) != set(b):
         raise ValueError(f"{before} and {after} cover different questions")
     return {"n": len(a), "changed": sum(a[i]["answer"] != b[i]["answer"] for i in a),
