@@ -214,12 +214,13 @@ def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video
     assert sorted({round(s.advantage, 3) for s in samples["alpha"]}) == [-1.0, 0.0, 1.0]  # (r - mean) / (std + 1e-4)
 
 
-def scripted_team():
-    """The two-agent team with well-behaved scripted agents (plan, continue, answer "A") and a fixed browser."""
+def scripted_team(**aggregation):
+    """The two-agent team with well-behaved scripted agents (plan, continue, answer "A") and a fixed browser;
+    `aggregation` overrides the team's aggregation block (mcq="summarizer": the first agent also summarizes)."""
     from m1.models.hub import ModelHub
     from m1.team.cpp import Team
 
-    cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "models": {
+    cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "aggregation": aggregation, "models": {
         "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
         "vlm": {"kind": "vision", "path": "fake/v"}}}), 1.0)
     hub = ModelHub(cfg.models)
@@ -230,12 +231,13 @@ def scripted_team():
 
 
 def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
-    """credit: phase — answers are reinforced by their own outcome, other generations by the total reward."""
+    """credit: phase — answers and the summary (what decides the team answer) are reinforced by their outcome,
+    other generations by the total reward."""
     from types import SimpleNamespace
 
     from m1.marl.rollout import advantages_for
 
-    batch = run_rollouts(scripted_team(), questions(video, 1), 3, sample_topology(AGENTS, "complete", 1, 0, None))
+    batch = run_rollouts(scripted_team(mcq="summarizer"), questions(video, 1), 3, sample_topology(AGENTS, "complete", 1, 0, None))
     # rollout k: total rises with k (a better plan), the outcome falls (a worse answer)
     rewards = score(batch, AGENTS, lambda eps: [{a: SimpleNamespace(total=float(k), outcome=float(-k))
                                                  for a in AGENTS} for k in range(len(eps))])
@@ -246,6 +248,7 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     for s in samples["alpha"]:
         by_phase.setdefault(s.phase, {})[s.rollout] = round(s.advantage, 3)
     assert by_phase["answer"] == {0: 1.0, 1: 0.0, 2: -1.0}
+    assert by_phase["summary"] == {0: 1.0, 1: 0.0, 2: -1.0}  # alpha, the first agent, summarizes
     assert by_phase["plan"] == {0: -1.0, 1: 0.0, 2: 1.0}
     # plain-number rewards have no outcome part (the trainer then refuses phase credit: next test)
     score(batch, AGENTS, lambda eps: [{a: 1.0 for a in AGENTS} for _ in eps])

@@ -23,8 +23,9 @@ The team's answer (`episode.final_answer`) is scored with the same rule and logg
 In the paper each agent is rewarded for its own answer only, which is our default (`w_team` = 0).
 `w_team` > 0 (ours) adds `w_team * team_res` to every agent's total: a shared team term that also
 rewards the generations no own-answer reward reaches, such as the summarizer's merged answer.
-`outcome` = w_res * R_res + w_team * team_res is the part of the total an answer generation decides; with
-`rollout.credit: phase` (ours) the answer is trained on the advantage of the outcome alone (m1.marl.rollout).
+`outcome` = w_res * R_res + w_team * team_res is the part of the total an answer (or the summarizer's summary)
+decides; with `rollout.credit: phase` (ours) both are trained on the advantage of the outcome alone
+(m1.marl.rollout).
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ inference). Then, for every agent:
 - its reward on each episode comes from the reward function (default: `m1.marl.rewards.batch_agent_rewards`);
 - the advantage of rollout k of question g is normalised within that agent's own K rollouts of g;
 - every generation the agent wrote in that episode (plan, each communication decision, answer, summary) becomes
-  one sample carrying that advantage (with `credit: phase`, answers carry the advantage of the reward's
-  `outcome` part instead: their own result, not the plan's judged quality or other generations' format).
+  one sample carrying that advantage (with `credit: phase`, answers and the summarizer's summary carry the
+  advantage of the reward's `outcome` part instead: the result they decide, not the plan's judged quality or
+  other generations' format).
   A sample holds the prompt token ids (the chat the agent saw, including tool outputs and other agents' memory)
   and the completion token ids (what the agent wrote). Only completion tokens are ever trained on, so tool
   outputs and peers' text are context, never targets.
@@ -233,11 +234,14 @@ def resample_answers(batch: RolloutBatch, agents: Sequence[str], chat_for: Calla
     return groups
 
 
+OUTCOME_PHASES = ("answer", "summary")  # what `credit: phase` trains on the outcome: the generations that decide it
+
+
 def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float],
                   answer_advantages: dict[str, Any] | None = None,
                   answer_groups: Sequence[AnswerGroup] = ()) -> dict[str, list[Sample]]:
     """Per-agent samples: every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with
-    `answer_advantages` (credit: phase), its answer generations get answer_advantages[agent][g, k] instead; an
+    `answer_advantages` (credit: phase), its answers and summaries get answer_advantages[agent][g, k] instead; an
     answer with an `AnswerGroup` gets its group's advantage and is followed by the group's extra answers."""
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
     resampled = {(x.agent, x.group, x.rollout, x.index): x for x in answer_groups}
@@ -252,7 +256,7 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                         "ids; training needs a backend that reports them (hf, vllm)")
                 if not gen.completion_ids:
                     continue  # nothing was generated: nothing to train on
-                table = answer_advantages if answer_advantages is not None and gen.phase == "answer" else advantages
+                table = answer_advantages if answer_advantages is not None and gen.phase in OUTCOME_PHASES else advantages
                 extra = resampled.get((gen.agent, g, k, i))
                 out[gen.agent].append(Sample(
                     agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase=gen.phase,
