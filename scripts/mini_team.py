@@ -61,10 +61,6 @@ class Budget:
     duration: float = 120.0  # seconds per video
     questions_per_video: int = 10
     train_seed: int = 1  # world seed of the training questions
-    # MARL questions (ours): None trains MARL on the SFT questions; N makes a world of N videos (seed `marl_seed`)
-    # whose questions SFT never saw, so the rewards measure what the students do on questions they did not learn
-    marl_videos: int | None = None
-    marl_seed: int = 3
     eval_seed: int = 1001  # world seed of the held-out questions (never trained on)
     sft_epochs: int | None = None  # None: configs/sft/mini.yaml
     sft_max_steps: int | None = 600  # replaces epochs: ~0.5 passes over the teacher examples of 120 videos
@@ -129,18 +125,12 @@ def sft_teacher_config(sft_cfg, clip_cache: Path | None, tiny_clip: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ data
-def make_sets(out: Path, b: Budget) -> tuple[list, list, list]:
-    """(SFT training, held-out, MARL) questions, each world rendered under `out` on first use; the MARL questions
-    are the SFT ones unless `b.marl_videos` asks for a world of their own."""
+def make_sets(out: Path, b: Budget) -> tuple[list, list]:
     from m1.synth.make import make_dataset
 
-    worlds = [("train", b.train_videos, b.train_seed), (f"eval{b.eval_seed}", b.eval_videos, b.eval_seed)]
-    if b.marl_videos:
-        if b.marl_seed in (b.train_seed, b.eval_seed):
-            raise ValueError(f"marl_seed {b.marl_seed} is the world seed of the training or held-out questions")
-        worlds.append((f"marl{b.marl_seed}", b.marl_videos, b.marl_seed))
     sets = []
-    for name, videos, seed in worlds:
+    for name, videos, seed in (("train", b.train_videos, b.train_seed),
+                               (f"eval{b.eval_seed}", b.eval_videos, b.eval_seed)):
         folder = out / name
         qfile = folder / "questions.jsonl"
         if not qfile.is_file():
@@ -153,7 +143,7 @@ def make_sets(out: Path, b: Budget) -> tuple[list, list, list]:
     train_ids = {(q.video, q.text) for q in sets[0]}
     if any((q.video, q.text) in train_ids for q in sets[1]):  # different world seeds: must never overlap
         raise ValueError("held-out questions overlap the training questions")
-    return sets[0], sets[1], sets[2] if b.marl_videos else sets[0]
+    return sets[0], sets[1]
 
 
 # ------------------------------------------------------------------------------------------------ resuming
@@ -575,10 +565,7 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
         f"{'Dev (settings are chosen here; not held-out)' if b['eval_seed'] == DEV_SEED else 'Held-out'}: "
         f"{meta['n_heldout']} questions on {b['eval_videos']} videos of {b['duration']:.0f} s (world seed "
         f"{b['eval_seed']}); training: {meta['n_train']} questions on {b['train_videos']} videos (world seed "
-        f"{b['train_seed']}); "
-        + (f"MARL: {meta['n_marl']} other questions on {b['marl_videos']} videos (world seed {b['marl_seed']}); "
-           if meta.get("n_marl") else "MARL on the training questions; ")
-        + f"SFT examples from the teacher: {meta['n_examples']} (keep-rule stats and thinning: "
+        f"{b['train_seed']}); SFT examples from the teacher: {meta['n_examples']} (keep-rule stats and thinning: "
         f"{json.dumps(meta['sft_stats'])}). Seeds {list(meta['seeds'])}: tiny init, data order and rollout "
         "sampling for the mini team; error draws for the teacher team. Answers are greedy; the team aggregates by "
         "vote (MCQ, numeric) or the first agent's summary (open, grounding).",
@@ -611,7 +598,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
     from m1.video import VideoPool
 
     pool, clip_cache = VideoPool(), out / "clip_cache"
-    train_qs, held_qs, marl_qs = make_sets(out / "data", b)
+    train_qs, held_qs = make_sets(out / "data", b)
     examples, _ = build_examples(load_sft_config("mini", list(b.overrides_sft)), train_qs, out, clip_cache, pool,
                                  b.tiny_clip, b.communicate_per_episode)
     results: dict[str, dict] = {}
@@ -647,7 +634,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
             curves[f"seed{seed}/sft_key_info"] = key_info_copied(seed_dir / "sft" / "eval.traces.jsonl")
             stage("eval")
         if "sft+marl" in rows:
-            marl_w, marl_rows = run_marl(seed, sft_w, marl_qs, seed_dir / "marl", b, clip_cache, pool)
+            marl_w, marl_rows = run_marl(seed, sft_w, train_qs, seed_dir / "marl", b, clip_cache, pool)
             stage("marl")
             curves[f"seed{seed}/marl_reward"] = [r.get("reward/mean") for r in marl_rows]
             curves[f"seed{seed}/marl_team_res"] = [r.get("reward/team_res") for r in marl_rows]
@@ -683,7 +670,7 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     clip_cache = out / "clip_cache"
     pool = VideoPool()
     t = time.perf_counter()
-    train_qs, held_qs, marl_qs = make_sets(out / "data", b)
+    train_qs, held_qs = make_sets(out / "data", b)
     stages["data"] = time.perf_counter() - t
     t = time.perf_counter()
     sft_cfg = load_sft_config("mini", list(b.overrides_sft))
@@ -724,7 +711,6 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     marl_cfg = load_train_config("mini", list(b.overrides_marl))
     child_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     meta = {"seeds": list(b.seeds), "budget": asdict(b), "n_train": len(train_qs), "n_heldout": len(held_qs),
-            "n_marl": len(marl_qs) if b.marl_videos else None,
             "n_examples": n_examples,
             "sft_stats": stats, "wall_seconds": time.perf_counter() - t_wall,
             "cpu_seconds": time.process_time() - t_cpu + child_cpu, "torch_threads": torch.get_num_threads(),
@@ -767,9 +753,6 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"evaluate on the dev world (seed {DEV_SEED}) instead of the held-out one, to choose settings")
     ap.add_argument("--train-videos", type=int, default=None,
                     help=f"videos in the training world (default {FULL.train_videos}, {FULL.questions_per_video} questions each)")
-    ap.add_argument("--marl-videos", type=int, default=None,
-                    help="train MARL on a world of its own with this many videos (0: on the SFT questions; "
-                         f"default {FULL.marl_videos or 0})")
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which teams to train/evaluate")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on 1)")
     ap.add_argument("--jobs", type=int, default=1, help="seeds trained at once, one process each")
@@ -797,8 +780,6 @@ def main(argv: list[str] | None = None) -> None:
         b = replace(b, train_videos=args.train_videos)
     if args.sft_steps:
         b = replace(b, sft_max_steps=args.sft_steps)
-    if args.marl_videos is not None:
-        b = replace(b, marl_videos=args.marl_videos or None)
     name = "mini_team" + ("_quick" if args.quick else "") + ("_dev" if args.dev else "")
     out = args.out or REPO / "runs" / name
     doc = args.doc or (out / "mini_team.md" if args.quick or args.dev else REPO / "docs" / "mini_team.md")

@@ -56,7 +56,7 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
                 overrides_sft=["batch_size=16", "learner.micro_batch_size=16"],
                 overrides_marl=["rollout.num_generations=2"])
     pool, clip_cache = VideoPool(), tmp_path / "clip"
-    train_qs, held_qs, marl_qs = mt.make_sets(tmp_path / "data", b)
+    train_qs, held_qs = mt.make_sets(tmp_path / "data", b)
     assert train_qs and held_qs and {q.id for q in train_qs}.isdisjoint({q.id for q in held_qs})
 
     # teacher data: the paper's keep rule, every phase, seated under the students' names
@@ -159,30 +159,13 @@ def test_answer_changes_count_fixes_and_breaks_from_traces(tmp_path, mt):
         mt.answer_changes(sft, traces("other.jsonl", [("q9", "A", True)]))
 
 
-def test_marl_world_is_its_own_unless_asked_otherwise(tmp_path, m1_cache, mt):
-    """MARL trains on the SFT questions by default; `marl_videos` renders a third world that shares no video or
-    question with the SFT or held-out ones; a MARL world seed equal to either of theirs is refused."""
-    b = mt.Budget(**BUDGET)
-    train_qs, held_qs, marl_qs = mt.make_sets(tmp_path / "data", b)
-    assert marl_qs is train_qs
-    train_qs2, held_qs2, marl_qs = mt.make_sets(tmp_path / "data", replace(b, marl_videos=1))
-    assert [q.id for q in train_qs2] == [q.id for q in train_qs] and [q.id for q in held_qs2] == [q.id for q in held_qs]
-    assert len(marl_qs) == b.questions_per_video
-    others = {q.video for q in train_qs + held_qs}
-    assert {q.video for q in marl_qs}.isdisjoint(others)
-    assert Path(marl_qs[0].video).parents[1].name == f"marl{b.marl_seed}"
-    assert Path(marl_qs[0].video).read_bytes() != Path(train_qs[0].video).read_bytes()  # another world, not a copy
-    with pytest.raises(ValueError, match="marl_seed 1 "):
-        mt.make_sets(tmp_path / "data", replace(b, marl_videos=1, marl_seed=b.train_seed))
-
-
 def test_reading_counts_notes_that_name_the_truth(tmp_path, m1_cache, mt):
     """The teacher's browsers end their reports with `##Answer: X`: traces record those letters per agent, and
     `reading` counts how often they held the truth and how often the agent then answered it."""
     from m1.video import VideoPool
 
     b = mt.Budget(**BUDGET)
-    _, held_qs, _ = mt.make_sets(tmp_path / "data", b)
+    _, held_qs = mt.make_sets(tmp_path / "data", b)
     res = mt.evaluate(mt.teacher_config(0, tmp_path / "clip", tiny_clip=True), held_qs, VideoPool(),
                       traces=tmp_path / "teacher.traces.jsonl")
     traces = [json.loads(line) for line in (tmp_path / "teacher.traces.jsonl").read_text().splitlines()]
