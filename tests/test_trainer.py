@@ -237,7 +237,8 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
 
     from m1.marl.rollout import advantages_for
 
-    batch = run_rollouts(scripted_team(mcq="summarizer"), questions(video, 1), 3, sample_topology(AGENTS, "complete", 1, 0, None))
+    dag = sample_topology(AGENTS, "complete", 1, 0, None)
+    batch = run_rollouts(scripted_team(mcq="summarizer"), questions(video, 1), 3, dag)
     # rollout k: total rises with k (a better plan), the outcome falls (a worse answer)
     rewards = score(batch, AGENTS, lambda eps: [{a: SimpleNamespace(total=float(k), outcome=float(-k))
                                                  for a in AGENTS} for k in range(len(eps))])

@@ -256,7 +256,8 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                         "ids; training needs a backend that reports them (hf, vllm)")
                 if not gen.completion_ids:
                     continue  # nothing was generated: nothing to train on
-                table = answer_advantages if answer_advantages is not None and gen.phase in OUTCOME_PHASES else advantages
+                outcome_credit = answer_advantages is not None and gen.phase in OUTCOME_PHASES
+                table = answer_advantages if outcome_credit else advantages
                 extra = resampled.get((gen.agent, g, k, i))
                 out[gen.agent].append(Sample(
                     agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase=gen.phase,
