@@ -236,6 +236,12 @@ def test_open_answers():
     assert r.answer == "An ice cream." and r.lenient and not r.ok
     r = parse_answer("", OPEN)
     assert r.answer == "" and not r.ok and not r.lenient and r.error
+    # an option letter where there are no options (MARL drifted the mini team's open answers into "A"): kept as the
+    # answer, but not in the strict format
+    for text in ("##Answer: A\n##Reason: r", "##Answer: C.\n##Reason: r"):
+        r = parse_answer(text, OPEN)
+        assert r.answer in ("A", "C.") and not r.ok and r.lenient
+    assert parse_answer("##Answer: a\n##Reason: r", OPEN).ok  # a lower-case word is an answer
 
 
 @pytest.mark.parametrize("text, span", [

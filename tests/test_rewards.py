@@ -192,9 +192,11 @@ def test_agent_rewards_breakdown_and_weights():
     # the shared team term: every agent gets w_team * team_res on top (team right here: +1; wrong: -1)
     team = agent_rewards(ep, RewardConfig(w_team=0.5), RubricJudge())
     assert [team[a].total for a in ("a1", "a2", "a3")] == pytest.approx([3.5, 1.0, 1.5])
-    # the outcome (what an answer decides, for credit: phase) leaves format and collaboration out
-    assert [team[a].outcome for a in ("a1", "a2", "a3")] == pytest.approx([1.5, -0.5, 1.5])
-    assert out["a2"].outcome == pytest.approx(0.5 * -1)
+    # the outcome (what an answer decides, for credit: phase): the result, the answer's own format (a1 parsed,
+    # a2 and a3 did not), the team term; not the plan's format nor the collaboration verdict
+    assert [team[a].outcome for a in ("a1", "a2", "a3")] == pytest.approx([1.5 + 1.0, -0.5, 1.5])
+    assert out["a2"].outcome == pytest.approx(0.5 * -1 + 2.0 * 0.0)
+    assert out["a1"].outcome == pytest.approx(0.5 * 1 + 2.0 * 1.0)
     wrong = agent_rewards(episode(records={"a1": good_record("B")}, answers={}, final="D"), RewardConfig(w_team=0.5),
                           RubricJudge())["a1"]
     assert wrong.total == pytest.approx(1.0 + 1.0 + 1.0 - 0.5)

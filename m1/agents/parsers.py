@@ -650,7 +650,12 @@ def _strict_value(value: str, question: Question) -> tuple[str, tuple[float, flo
             return None
         s, e = float(m.group(1)), float(m.group(2))
         return (format_span((s, e)), (s, e)) if s <= e else None
+    if not question.options and _BARE_LETTER.fullmatch(value.strip()):
+        return None  # an option letter for a question without options: the answer kept, the format failed
     return (_squash(value), None) if value.strip() else None
+
+
+_BARE_LETTER = re.compile(r"[A-Z][.)]?")
 
 
 def _lenient_value(value: str, question: Question) -> tuple[str | None, tuple[float, float] | None, str | None]:

@@ -91,8 +91,9 @@ class RolloutConfig(Strict):
     edge_prob: float = Field(0.5, ge=0.0, le=1.0)
     dropout: float = Field(0.25, ge=0.0, lt=1.0)
     # episode (paper): every generation of an agent carries the advantage of its total reward. phase (ours): its
-    # answers and summaries carry the advantage of the outcome (w_res * R_res + w_team * team_res) alone, so the
-    # plan's judged quality and the other generations' format do not decide which answer is reinforced.
+    # answers and summaries carry the advantage of the outcome (w_res * R_res + w_format * answer parsed +
+    # w_team * team_res) alone, so the plan's judged quality and the other generations' format do not decide which
+    # answer is reinforced.
     credit: Literal["episode", "phase"] = "episode"
     # ours: sample each answer prompt M more times; answers are then credited within their prompt's M + 1 answers
     # (by w_res * R_res + w_format * strict parse), which isolates how the agent read its notes. 0: off.

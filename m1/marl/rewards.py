@@ -23,9 +23,10 @@ The team's answer (`episode.final_answer`) is scored with the same rule and logg
 In the paper each agent is rewarded for its own answer only, which is our default (`w_team` = 0).
 `w_team` > 0 (ours) adds `w_team * team_res` to every agent's total: a shared team term that also
 rewards the generations no own-answer reward reaches, such as the summarizer's merged answer.
-`outcome` = w_res * R_res + w_team * team_res is the part of the total an answer (or the summarizer's summary)
-decides; with `rollout.credit: phase` (ours) both are trained on the advantage of the outcome alone
-(m1.marl.rollout).
+`outcome` = w_res * R_res + w_format * (the agent's answer parsed strictly) + w_team * team_res is what an answer
+(or the summarizer's summary) decides; with `rollout.credit: phase` (ours) both are trained on the advantage of the
+outcome alone (m1.marl.rollout). The answer's own format is part of it so that a reply the parser must rescue
+(an option letter for an open question, say) loses to a well-formed one with the same result.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ from m1.schema import LETTERS, Episode, Question
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "RewardConfig", "RewardBreakdown", "truth_letter", "result_reward", "answer_rewards", "format_reward", "collaboration_reward",
+    "RewardConfig", "RewardBreakdown", "truth_letter", "result_reward", "answer_rewards", "format_reward",
+    "answer_parsed", "collaboration_reward",
     "tool_penalty", "agent_answer", "agent_rewards", "batch_agent_rewards", "log_breakdowns",
     "summarize",
 ]
@@ -79,7 +81,7 @@ class RewardBreakdown(BaseModel):
     col: float
     total: float
     team_res: float
-    outcome: float  # w_res * res + w_team * team_res: the answer's share of total (`rollout.credit: phase`)
+    outcome: float  # w_res * res + w_format * answer parsed + w_team * team_res: what the answer decides
     verdict: int
     verdict_ok: bool
     judge: str
@@ -195,6 +197,12 @@ def format_reward(episode: Episode, agent: str, mode: str = "generations") -> fl
     return sum(sum(v) / len(v) for v in by_phase.values()) / len(by_phase)
 
 
+def answer_parsed(episode: Episode, agent: str) -> float:
+    """1.0 if the agent's last answer reply parsed in the strict format, else 0.0 (also when it wrote none)."""
+    answers = [g for g in episode.generations if g.agent == agent and g.phase == "answer"]
+    return float(answers[-1].parse_ok) if answers else 0.0
+
+
 # ----------------------------------------------------------------------------- R_col
 def tool_penalty(n_calls: int, cfg: RewardConfig) -> float:
     """`over_limit_penalty` per tool call past the limit (0 within it)."""
@@ -256,7 +264,7 @@ def batch_agent_rewards(episodes: Sequence[Episode], cfg: RewardConfig,
             value, ok = (v.value, v.ok) if v is not None else (0, True)
             col = value + pen
             fmt = format_reward(ep, a, cfg.format)
-            outcome = cfg.w_res * r + cfg.w_team * team_res
+            outcome = cfg.w_res * r + cfg.w_format * answer_parsed(ep, a) + cfg.w_team * team_res
             per[a] = RewardBreakdown(
                 agent=a, res=r, format=fmt, col=col,
                 # summed in this order so that reruns reproduce earlier runs bit for bit

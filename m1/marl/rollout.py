@@ -8,8 +8,8 @@ inference). Then, for every agent:
 - the advantage of rollout k of question g is normalised within that agent's own K rollouts of g;
 - every generation the agent wrote in that episode (plan, each communication decision, answer, summary) becomes
   one sample carrying that advantage (with `credit: phase`, answers and the summarizer's summary carry the
-  advantage of the reward's `outcome` part instead: the result they decide, not the plan's judged quality or
-  other generations' format).
+  advantage of the reward's `outcome` part instead: the result they decide and the answer's own format, not the
+  plan's judged quality or other generations' format).
   A sample holds the prompt token ids (the chat the agent saw, including tool outputs and other agents' memory)
   and the completion token ids (what the agent wrote). Only completion tokens are ever trained on, so tool
   outputs and peers' text are context, never targets.
