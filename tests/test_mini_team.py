@@ -159,6 +159,15 @@ def test_answer_changes_count_fixes_and_breaks_from_traces(tmp_path, mt):
         mt.answer_changes(sft, traces("other.jsonl", [("q9", "A", True)]))
 
 
+def test_held_out_world_must_not_repeat_a_training_video(tmp_path, mt):
+    """The worlds sit in different folders, so the check compares video bytes: the same world seed is refused."""
+    b = mt.Budget(**BUDGET)
+    train_qs, held_qs = mt.make_sets(tmp_path / "ok", b)
+    assert {q.video for q in train_qs}.isdisjoint({q.video for q in held_qs})
+    with pytest.raises(ValueError, match=f"same bytes as training video.*seed {b.train_seed}"):
+        mt.make_sets(tmp_path / "same", replace(b, eval_seed=b.train_seed))
+
+
 def test_reading_counts_notes_that_name_the_truth(tmp_path, m1_cache, mt):
     """The teacher's browsers end their reports with `##Answer: X`: traces record those letters per agent, and
     `reading` counts how often they held the truth and how often the agent then answered it."""
