@@ -19,8 +19,6 @@ The held-out set is only ever evaluated: settings are chosen with `--dev`, which
 from __future__ import annotations
 
 import argparse
-import functools
-import hashlib
 import json
 import logging
 import os
@@ -131,6 +129,7 @@ def sft_teacher_config(sft_cfg, clip_cache: Path | None, tiny_clip: bool = False
 # ------------------------------------------------------------------------------------------------ data
 def make_sets(out: Path, b: Budget) -> tuple[list, list]:
     from m1.synth.make import make_dataset
+    from m1.tools.clip_index import file_sha256
 
     sets = []
     for name, videos, seed in (("train", b.train_videos, b.train_seed),
@@ -146,18 +145,13 @@ def make_sets(out: Path, b: Budget) -> tuple[list, list]:
         sets.append(qs)
     # the two worlds live in different folders, so compare what the videos hold: a held-out video rendered from a
     # training script (the same world seed, say) would let the table score questions the students were trained on
-    train_videos = {_digest(v): v for v in {q.video for q in sets[0]}}
+    train_videos = {file_sha256(v): v for v in {q.video for q in sets[0]}}
     for v in sorted({q.video for q in sets[1]}):
-        if _digest(v) in train_videos:
-            raise ValueError(f"held-out video {v} has the same bytes as training video {train_videos[_digest(v)]}: "
-                             f"the held-out world (seed {b.eval_seed}) must differ from the training world "
-                             f"(seed {b.train_seed})")
+        same = train_videos.get(file_sha256(v))
+        if same is not None:
+            raise ValueError(f"held-out video {v} has the same bytes as training video {same}: the held-out world "
+                             f"(seed {b.eval_seed}) must differ from the training world (seed {b.train_seed})")
     return sets[0], sets[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _digest(video: str) -> str:
-    return hashlib.sha256(Path(video).read_bytes()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------ resuming
