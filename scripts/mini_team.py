@@ -592,6 +592,12 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
 
 
 # ------------------------------------------------------------------------------------------------ main
+def world_tag(b: Budget) -> str:
+    """Suffix of an evaluation's files: none on the held-out world, `_world<seed>` on another (the dev world), so
+    settings can be compared on dev in the main run's folder, from its trained weights, without touching its table."""
+    return "" if b.eval_seed == FULL.eval_seed else f"_world{b.eval_seed}"
+
+
 def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: int | None = None) -> dict[str, Any]:
     """Every row of one training seed: {"results": {row: eval}, "curves": {...}, "stages": {name: wall s}}.
 
@@ -621,13 +627,14 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
         t = now
 
     seed_dir = out / f"seed{seed}"
+    ev = "eval" + world_tag(b)
     if "untrained" in rows:
-        results["untrained"] = evaluate_cached(seed_dir / "eval_untrained.json",
+        results["untrained"] = evaluate_cached(seed_dir / f"{ev}_untrained.json",
                                                mini_config(seed, None, clip_cache, b.tiny_clip), held_qs, pool,
                                                b.progress)
         stage("eval")
     if "teacher" in rows:
-        results["teacher"] = evaluate_cached(seed_dir / "eval_teacher.json",
+        results["teacher"] = evaluate_cached(seed_dir / f"{ev}_teacher.json",
                                              teacher_config(seed, clip_cache, b.tiny_clip), held_qs, pool, b.progress)
         stage("eval")
     if "sft" in rows or "sft+marl" in rows:
@@ -635,26 +642,26 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
         stage("sft")
         curves[f"seed{seed}/sft_loss"] = [r["loss"] for r in sft_rows]
         if "sft" in rows:
-            results["sft"] = evaluate_cached(seed_dir / "sft" / "eval.json",
+            results["sft"] = evaluate_cached(seed_dir / "sft" / f"{ev}.json",
                                              mini_config(seed, sft_w, clip_cache, b.tiny_clip), held_qs, pool,
                                              b.progress)
-            curves[f"seed{seed}/sft_reading"] = reading(seed_dir / "sft" / "eval.traces.jsonl")
-            curves[f"seed{seed}/sft_key_info"] = key_info_copied(seed_dir / "sft" / "eval.traces.jsonl")
+            curves[f"seed{seed}/sft_reading"] = reading(seed_dir / "sft" / f"{ev}.traces.jsonl")
+            curves[f"seed{seed}/sft_key_info"] = key_info_copied(seed_dir / "sft" / f"{ev}.traces.jsonl")
             stage("eval")
         if "sft+marl" in rows:
             marl_w, marl_rows = run_marl(seed, sft_w, train_qs, seed_dir / "marl", b, clip_cache, pool)
             stage("marl")
             curves[f"seed{seed}/marl_reward"] = [r.get("reward/mean") for r in marl_rows]
             curves[f"seed{seed}/marl_team_res"] = [r.get("reward/team_res") for r in marl_rows]
-            results["sft+marl"] = evaluate_cached(seed_dir / "marl" / "eval.json",
+            results["sft+marl"] = evaluate_cached(seed_dir / "marl" / f"{ev}.json",
                                                   mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
                                                   b.progress)
             stage("eval")
-            curves[f"seed{seed}/marl_reading"] = reading(seed_dir / "marl" / "eval.traces.jsonl")
-            curves[f"seed{seed}/marl_key_info"] = key_info_copied(seed_dir / "marl" / "eval.traces.jsonl")
+            curves[f"seed{seed}/marl_reading"] = reading(seed_dir / "marl" / f"{ev}.traces.jsonl")
+            curves[f"seed{seed}/marl_key_info"] = key_info_copied(seed_dir / "marl" / f"{ev}.traces.jsonl")
             if "sft" in rows:
-                curves[f"seed{seed}/marl_changes"] = answer_changes(seed_dir / "sft" / "eval.traces.jsonl",
-                                                                    seed_dir / "marl" / "eval.traces.jsonl")
+                curves[f"seed{seed}/marl_changes"] = answer_changes(seed_dir / "sft" / f"{ev}.traces.jsonl",
+                                                                    seed_dir / "marl" / f"{ev}.traces.jsonl")
     log.info("seed %d done: %s", seed, {r: v["accuracy"] for r, v in results.items()})
     return {"results": results, "curves": curves, "stages": dict(stages)}
 
@@ -677,6 +684,12 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     out.mkdir(parents=True, exist_ok=True)
     clip_cache = out / "clip_cache"
     pool = VideoPool()
+    if not b.tiny_clip:
+        # train (or find) the world's CLIP here, where `progress` reaches its bars, rather than on first use inside
+        # the teacher's episodes; the workers of --jobs then find it cached instead of each training it
+        from m1.synth.clip_train import ensure_synth_clip
+
+        ensure_synth_clip(progress=b.progress)
     t = time.perf_counter()
     train_qs, held_qs = make_sets(out / "data", b)
     stages["data"] = time.perf_counter() - t
@@ -690,11 +703,6 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     # out-of-memory killer took when two runs shared a 24 GB machine; the examples themselves are ~0.2 GB)
     n_examples = len(examples)
     del examples, pool
-    if jobs > 1 and not b.tiny_clip:
-        # train (or find) the world's CLIP once, before several workers would each train it
-        from m1.synth.clip_train import ensure_synth_clip
-
-        ensure_synth_clip(progress=b.progress)
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if jobs > 1 and len(b.seeds) > 1:
         import multiprocessing as mp
@@ -729,7 +737,8 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
             "marl_settings": _settings(marl_cfg, ("learner", "rollout", "grpo", "rewards", "steps"),
                                        {k: v for k, v in (("steps", b.marl_steps),) if v is not None})}
     table = render_table({r: v for r, v in results.items() if v}, meta)
-    (out / "results.json").write_text(json.dumps({"results": results, "meta": meta, "curves": curves}, indent=1))
+    (out / f"results{world_tag(b)}.json").write_text(json.dumps({"results": results, "meta": meta, "curves": curves},
+                                                                 indent=1))
     if doc is not None:
         write_doc(doc, table, meta, results, curves)
     return {"results": results, "meta": meta, "table": table, "curves": curves}
@@ -755,10 +764,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="the short CI version (1 seed, few questions and steps)")
     ap.add_argument("--out", type=Path, default=None, help="work folder (default runs/mini_team[_quick])")
     ap.add_argument("--doc", type=Path, default=None,
-                    help="where to write the table (default docs/mini_team.md; --quick: <out>/mini_team.md)")
+                    help="where to write the table (default docs/mini_team.md; --quick, --dev: in <out>)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
     ap.add_argument("--dev", action="store_true",
-                    help=f"evaluate on the dev world (seed {DEV_SEED}) instead of the held-out one, to choose settings")
+                    help=f"evaluate on the dev world (seed {DEV_SEED}) instead of the held-out one, to choose settings; "
+                         f"its evaluations and results carry the suffix _world{DEV_SEED}, so --out may be the main "
+                         "run's folder (its trained weights are reused)")
     ap.add_argument("--train-videos", type=int, default=None,
                     help=f"videos in the training world (default {FULL.train_videos}, {FULL.questions_per_video} questions each)")
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which teams to train/evaluate")
@@ -790,7 +801,8 @@ def main(argv: list[str] | None = None) -> None:
         b = replace(b, sft_max_steps=args.sft_steps)
     name = "mini_team" + ("_quick" if args.quick else "") + ("_dev" if args.dev else "")
     out = args.out or REPO / "runs" / name
-    doc = args.doc or (out / "mini_team.md" if args.quick or args.dev else REPO / "docs" / "mini_team.md")
+    doc = args.doc or (out / f"mini_team{world_tag(b)}.md" if args.quick or args.dev
+                       else REPO / "docs" / "mini_team.md")
     res = run(out, b, doc, rows=tuple(r for r in ROWS if r in args.rows), jobs=args.jobs)
     if args.export is not None:
         export_weights(out, b.seeds[0], args.export)

@@ -230,6 +230,15 @@ def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
     assert saved["meta"]["n_heldout"] == res["results"]["teacher"][0]["n"] > 0
     assert res["results"]["teacher"][0]["accuracy"] > res["results"]["untrained"][0]["accuracy"]
 
+    # the dev world evaluated in the same folder: its own files, the held-out ones untouched
+    held_out = {p: p.read_bytes() for p in (tmp_path / "out").glob("**/*.json*")}
+    dev = mt.run(tmp_path / "out", mt.Budget(**{**BUDGET, "eval_seed": mt.DEV_SEED}), None, rows=("teacher",))
+    assert {p: p.read_bytes() for p in held_out} == held_out
+    dev_saved = json.loads((tmp_path / "out" / f"results_world{mt.DEV_SEED}.json").read_text())
+    assert dev_saved["results"]["teacher"][0]["accuracy"] == dev["results"]["teacher"][0]["accuracy"]
+    assert (tmp_path / "out" / "seed0" / f"eval_world{mt.DEV_SEED}_teacher.traces.jsonl").is_file()
+    assert dev_saved["meta"]["n_heldout"] > 0 and dev_saved["results"]["teacher"][0]["family"] != {}
+
 
 def test_seeds_in_worker_processes_match_one_process(tmp_path, m1_cache, mt, monkeypatch):
     """--jobs 2: the same per-seed results as running the seeds one after another, workers' CPU time counted."""
