@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -513,12 +514,19 @@ def verdict(results: dict[str, list[dict]]) -> str:
     return text
 
 
+def sign_test_p(fixed: int, broken: int) -> float:
+    """Exact two-sided sign (McNemar) test on the questions one team got right and the other wrong: the chance of
+    a split at least this uneven if each such question were a fair coin."""
+    n, k = fixed + broken, min(fixed, broken)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+
+
 def changes_text(curves: dict[str, Any]) -> list[str]:
     """A paragraph on how many held-out answers MARL changed per seed (a gain made of few fixes and no breaks is
     learning; many changes both ways are a perturbation), or nothing when no traces were compared."""
     parts = [f"{key.split('/')[0]}: {c['changed']} of {c['n']} team answers changed, {c['fixed']} wrong → right, "
-             f"{c['broken']} right → wrong" for key, c in sorted(curves.items())
-             if key.endswith("/marl_changes") and c]
+             f"{c['broken']} right → wrong (sign test p = {sign_test_p(c['fixed'], c['broken']):.2f})"
+             for key, c in sorted(curves.items()) if key.endswith("/marl_changes") and c]
     return [f"What MARL changed, against the same seed's SFT team: {'; '.join(parts)}.", ""] if parts else []
 
 
