@@ -251,6 +251,12 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     assert by_phase["answer"] == {0: 1.0, 1: 0.0, 2: -1.0}
     assert by_phase["summary"] == {0: 1.0, 1: 0.0, 2: -1.0}  # alpha, the first agent, summarizes
     assert by_phase["plan"] == {0: -1.0, 1: 0.0, 2: 1.0}
+    # rollout.train_phases: the other phases' generations are not trained on; the kept ones keep their credit
+    only = build_samples(batch, advantages_for(rewards, True), {"alpha": 1.0, "beta": 1.0},
+                         advantages_for(batch.outcomes, True), phases=("answer", "summary"))
+    assert [(s.phase, s.rollout, s.advantage) for s in only["alpha"]] == [
+        (s.phase, s.rollout, s.advantage) for s in samples["alpha"] if s.phase in ("answer", "summary")]
+    assert {s.phase for s in only["alpha"]} == {"answer", "summary"} and {s.phase for s in only["beta"]} == {"answer"}
     # plain-number rewards have no outcome part (the trainer then refuses phase credit: next test)
     score(batch, AGENTS, lambda eps: [{a: 1.0 for a in AGENTS} for _ in eps])
     assert batch.outcomes == {}
@@ -319,6 +325,19 @@ def test_rotated_rollouts_spread_the_truth_over_the_letters(video):
 def test_answer_samples_and_phase_credit_do_not_mix():
     with pytest.raises(ValueError, match="answer_samples"):
         train_cfg("unused", rollout={"credit": "phase", "answer_samples": 2})
+    with pytest.raises(ValueError, match="train_phases"):
+        train_cfg("unused", rollout={"train_phases": []})
+    with pytest.raises(ValueError, match="train_phases"):
+        train_cfg("unused", rollout={"train_phases": ["answers"]})
+
+
+def test_train_phases_leave_other_generations_out_of_the_step(tmp_path, video, m1_cache):
+    """rollout.train_phases [answer]: each agent trains on its answers only (same rollouts as a full step)."""
+    plain = make_trainer(train_cfg(tmp_path / "plain"), video).train_step()
+    row = make_trainer(train_cfg(tmp_path / "answers", rollout={"train_phases": ["answer"]}), video).train_step()
+    for agent in AGENTS:
+        assert 0 < row[f"{agent}/samples"] < plain[f"{agent}/samples"]
+        assert row[f"{agent}/samples"] == 2 * 2  # 2 questions x K=2 rollouts, one answer each
 
 
 def test_answer_samples_in_a_training_step(tmp_path, video, m1_cache, monkeypatch):

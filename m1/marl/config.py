@@ -101,6 +101,10 @@ class RolloutConfig(Strict):
     # ours: rollout k of an MCQ question sees its options rotated by k places (truth letter moved with them), so a
     # question's K rollouts spread its answer over the letters and no letter is reinforced for its own sake
     rotate_options: bool = False
+    # ours: the phases whose generations are trained on; the others still run and shape the episode, but carry no
+    # gradient (e.g. [answer, summary]: learn to read the notes while plans and tool use stay as SFT left them)
+    train_phases: list[Literal["plan", "communicate", "answer", "summary"]] = Field(
+        default_factory=lambda: ["plan", "communicate", "answer", "summary"], min_length=1)
 
     @model_validator(mode="after")
     def _one_answer_credit(self):

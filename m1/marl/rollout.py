@@ -24,7 +24,7 @@ missing sample.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,16 +239,18 @@ OUTCOME_PHASES = ("answer", "summary")  # what `credit: phase` trains on the out
 
 def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float],
                   answer_advantages: dict[str, Any] | None = None,
-                  answer_groups: Sequence[AnswerGroup] = ()) -> dict[str, list[Sample]]:
+                  answer_groups: Sequence[AnswerGroup] = (),
+                  phases: Collection[str] | None = None) -> dict[str, list[Sample]]:
     """Per-agent samples: every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with
     `answer_advantages` (credit: phase), its answers and summaries get answer_advantages[agent][g, k] instead; an
-    answer with an `AnswerGroup` gets its group's advantage and is followed by the group's extra answers."""
+    answer with an `AnswerGroup` gets its group's advantage and is followed by the group's extra answers.
+    With `phases` (`rollout.train_phases`), generations of other phases are left out."""
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
     resampled = {(x.agent, x.group, x.rollout, x.index): x for x in answer_groups}
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
             for i, gen in enumerate(ep.generations):
-                if gen.agent not in out:
+                if gen.agent not in out or (phases is not None and gen.phase not in phases):
                     continue
                 if gen.prompt_ids is None or gen.completion_ids is None:
                     raise RolloutError(

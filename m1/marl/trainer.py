@@ -729,7 +729,8 @@ class Trainer:
                 batch, self.trained, lambda a: self.hub.chat(self.model_keys[a]), cfg.rollout.answer_samples,
                 self.temperatures, self.team_cfg.limits.answer_tokens, derive_seed(cfg.seed, step, "answers"),
                 lambda pairs: answer_rewards(pairs, cfg.rewards, self.judge), cfg.grpo.scale_rewards)
-        samples = build_samples(batch, advantages, self.temperatures, answer_adv, answer_groups)
+        samples = build_samples(batch, advantages, self.temperatures, answer_adv, answer_groups,
+                                cfg.rollout.train_phases)
         t_reward = time.perf_counter()
 
         # 5. one optimizer step per agent
