@@ -105,6 +105,17 @@ def test_multi_agent_advantages_per_agent_independent():
         multi_agent_advantages([[1.0, 2.0]])
 
 
+def test_greedy_baseline_advantages_are_reward_minus_the_greedy_run():
+    from m1.marl.grpo import baseline_advantages
+
+    nan = float("nan")
+    got = baseline_advantages([[1.0, -1.0, 1.0], [-1.0, 1.0, nan], [0.5, 0.5, 0.5]], [-1.0, 1.0, nan])
+    # beating greedy counts double a group's spread, matching greedy counts 0, a missing value gives 0
+    assert torch.equal(got, torch.tensor([[2.0, 0.0, 2.0], [-2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match=r"\[G, K\]"):
+        baseline_advantages([[1.0, 2.0]], [1.0, 2.0])
+
+
 def test_advantages_bad_shape_errors():
     with pytest.raises(ValueError, match=r"\[K\] or \[G, K\]"):
         group_advantages(torch.zeros(2, 2, 2))

@@ -331,6 +331,37 @@ def test_answer_samples_and_phase_credit_do_not_mix():
         train_cfg("unused", rollout={"train_phases": ["answers"]})
 
 
+def test_greedy_baseline_step_credits_rewards_minus_the_greedy_run(tmp_path, video, m1_cache, monkeypatch):
+    """grpo.baseline greedy: each question is also run greedily; advantages are rewards minus that run's, the
+    sampled rollouts are those of a plain step, and the greedy team's result is logged."""
+    import torch
+
+    import m1.marl.trainer as trainer_mod
+
+    seen = []
+    real = trainer_mod.advantages_for
+    monkeypatch.setattr(trainer_mod, "advantages_for", lambda *a: seen.append((a, real(*a))) or seen[-1][1])
+    plain = make_trainer(train_cfg(tmp_path / "plain", grpo={"beta": 0.05, "scale_rewards": False}),
+                         video).train_step()
+    row = make_trainer(train_cfg(tmp_path / "greedy", grpo={"beta": 0.05, "scale_rewards": False,
+                                                            "baseline": "greedy"}), video).train_step()
+    (rewards, scale, base), adv = seen[-1][0], seen[-1][1]
+    for agent in AGENTS:
+        assert len(base[agent]) == 2 and all(len(g) == 1 for g in base[agent])  # one greedy run per question
+        want = torch.tensor(rewards[agent]) - torch.tensor(base[agent])
+        torch.testing.assert_close(adv[agent], want)
+        assert row[f"{agent}/samples"] == plain[f"{agent}/samples"]
+    assert seen[0][0][0] == rewards  # same sampled rollouts as the plain step
+    flat = [r for a in AGENTS for g in base[a] for r in g]
+    assert row["greedy/reward"] == pytest.approx(sum(flat) / len(flat))
+    # with the task rewards, the greedy team's own result is logged too
+    real = make_trainer(train_cfg(tmp_path / "real", grpo={"beta": 0.05, "scale_rewards": False,
+                                                          "baseline": "greedy"}), video, reward_fn=None).train_step()
+    assert -1.0 <= real["greedy/team_res"] <= 1.0 and -1.0 <= real["greedy/res"] <= 1.0
+    with pytest.raises(ValueError, match="scale_rewards"):
+        train_cfg("unused", grpo={"baseline": "greedy"})
+
+
 def test_train_phases_leave_other_generations_out_of_the_step(tmp_path, video, m1_cache):
     """rollout.train_phases [answer]: each agent trains on its answers only (same rollouts as a full step)."""
     plain = make_trainer(train_cfg(tmp_path / "plain"), video).train_step()

@@ -122,6 +122,10 @@ class GRPOSettings(Strict):
     clip_eps_high: float | None = Field(None, ge=0.0)
     loss_type: Literal["grpo", "bnpo", "token-mean", "dr_grpo", "dapo"] = "grpo"
     scale_rewards: bool = True  # divide by the group std (False: Dr. GRPO)
+    # group: advantages relative to the K rollouts' mean (GRPO). greedy (ours, after ReMax): each question is also
+    # run once greedily (not trained on) and a rollout's advantage is its reward minus the greedy run's, so a sample
+    # gains only by beating the greedy decoding the team is evaluated with, and matching it earns nothing
+    baseline: Literal["group", "greedy"] = "group"
     # policy: old = logp.detach() (one update per rollout batch, TRL's on-policy case);
     # rollout: old = the sampler's log-probs (use when generation may lag the weights, e.g. vLLM)
     old_logprobs: Literal["policy", "rollout"] = "policy"
@@ -195,6 +199,10 @@ class TrainConfig(Strict):
                 raise ValueError(f"train_agents: no agent named {a!r} in team {team.name!r} (agents: {names})")
         if self.judge.kind == "none" and self.rewards.w_col != 0:
             raise ValueError(f"judge.kind is 'none' but rewards.w_col={self.rewards.w_col}; set w_col: 0")
+        if self.grpo.baseline == "greedy" and (self.grpo.scale_rewards or self.rollout.answer_samples):
+            raise ValueError("grpo.baseline 'greedy' takes rewards minus the greedy run's, unscaled and for every "
+                             f"generation: set grpo.scale_rewards: false (got {self.grpo.scale_rewards}) and "
+                             f"rollout.answer_samples: 0 (got {self.rollout.answer_samples})")
         if self.grpo.loss_type == "dr_grpo" and self.learner.max_completion_tokens < 1:
             raise ValueError("grpo.loss_type dr_grpo needs learner.max_completion_tokens")
         return self

@@ -90,6 +90,20 @@ def group_advantages(rewards: Any, eps: float = ADV_EPS, scale: bool = True) -> 
     return adv.squeeze(0) if squeeze else adv
 
 
+def baseline_advantages(rewards: Any, baseline: Any) -> "torch.Tensor":
+    """Advantages ``r - b`` of ``[G, K]`` rewards against one baseline per group ``[G]`` (ours, after ReMax: the
+    reward of the question's greedy run, so a sample is pushed up only when it beats greedy decoding). NaN in a
+    reward or in its group's baseline gives 0."""
+    import torch
+
+    r, b = _as_reward_tensor(rewards), _as_reward_tensor(baseline)
+    if r.dim() != 2 or b.shape != r.shape[:1]:
+        raise ValueError(f"baseline_advantages: rewards must be [G, K] and the baseline [G], got "
+                         f"{tuple(r.shape)} and {tuple(b.shape)}")
+    adv = r - b.unsqueeze(-1)
+    return torch.where(torch.isnan(adv), torch.zeros_like(adv), adv)
+
+
 def multi_agent_advantages(
     rewards: Mapping[str, Any], eps: float = ADV_EPS, scale: bool = True
 ) -> dict[str, "torch.Tensor"]:

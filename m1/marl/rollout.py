@@ -280,8 +280,12 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
     return out
 
 
-def advantages_for(rewards: dict[str, list[list[float]]], scale: bool) -> dict[str, Any]:
-    """GRPO advantages per agent over its [G, K] rewards (see m1.marl.grpo.group_advantages)."""
-    from m1.marl.grpo import multi_agent_advantages
+def advantages_for(rewards: dict[str, list[list[float]]], scale: bool,
+                   baseline: dict[str, list[list[float]]] | None = None) -> dict[str, Any]:
+    """GRPO advantages per agent over its [G, K] rewards (see m1.marl.grpo.group_advantages); with `baseline`
+    (each agent's [G, 1] rewards of the greedy runs, `grpo.baseline: greedy`), rewards minus that instead."""
+    from m1.marl.grpo import baseline_advantages, multi_agent_advantages
 
-    return multi_agent_advantages(rewards, scale=scale)
+    if baseline is None:
+        return multi_agent_advantages(rewards, scale=scale)
+    return {a: baseline_advantages(r, [g[0] for g in baseline[a]]) for a, r in rewards.items()}

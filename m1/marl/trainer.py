@@ -712,17 +712,22 @@ class Trainer:
         # 3. K episodes per question, generated with the current weights
         team = self._team(step)
         batch = run_rollouts(team, questions, cfg.rollout.num_generations, topology, cfg.rollout.rotate_options)
+        greedy = None  # grpo.baseline greedy: each question once more, greedily, as the baseline (not trained on)
+        if cfg.grpo.baseline == "greedy":
+            greedy = run_rollouts(self._team(step, greedy=True), questions, 1, topology)
         t_rollout = time.perf_counter()
 
         # 4. rewards -> per-agent group advantages -> one sample per generation
         rewards = score(batch, self.trained, self.reward_fn)
-        advantages = advantages_for(rewards, cfg.grpo.scale_rewards)
+        base = score(greedy, self.trained, self.reward_fn) if greedy is not None else None
+        advantages = advantages_for(rewards, cfg.grpo.scale_rewards, base)
         answer_adv = None
         if cfg.rollout.credit == "phase":  # answers: the advantage of their own outcome only
             if not batch.outcomes:
                 raise RolloutError("rollout.credit 'phase' needs rewards with an `outcome` part (RewardBreakdown); "
                                    "this reward function returns plain numbers")
-            answer_adv = advantages_for(batch.outcomes, cfg.grpo.scale_rewards)
+            answer_adv = advantages_for(batch.outcomes, cfg.grpo.scale_rewards,
+                                        greedy.outcomes if greedy is not None else None)
         answer_groups = []
         if cfg.rollout.answer_samples:  # answers: M more per answer prompt, credited within that prompt's answers
             answer_groups = resample_answers(
@@ -739,19 +744,35 @@ class Trainer:
         t_end = time.perf_counter()
 
         # 6. metrics
-        return self._metrics(batch, rewards, advantages, stats, topology, answer_groups,
-                             {"rollout": t_rollout - t0, "reward": t_reward - t_rollout, "update": t_end - t_reward,
-                              "step": t_end - t0})
+        row = self._metrics(batch, rewards, advantages, stats, topology, answer_groups,
+                            {"rollout": t_rollout - t0, "reward": t_reward - t_rollout, "update": t_end - t_reward,
+                             "step": t_end - t0})
+        if greedy is not None:  # the greedy team on this step's questions: what evaluation measures
+            flat = [r for a in base for g in base[a] for r in g if not math.isnan(r)]
+            row["greedy/reward"] = sum(flat) / len(flat) if flat else float("nan")
+            if all(hasattr(v, "team_res") for per in greedy.breakdowns for v in per.values()):
+                from m1.marl.rewards import summarize
 
-    def _team(self, step: int):
+                row.update({f"greedy/{k.split('/', 1)[1]}": v for k, v in summarize(greedy.breakdowns).items()
+                            if k in ("reward/res", "reward/team_res")})
+        return row
+
+    def _team(self, step: int, greedy: bool = False):
         """One team for the whole run (so CLIP embeddings and decoded frames are reused), reseeded
-        from (seed, step) so rollouts repeat exactly after a resume."""
+        from (seed, step) so rollouts repeat exactly after a resume; `greedy`: its copy decoding greedily."""
         from m1.team.cpp import Team
 
-        if getattr(self, "_team_obj", None) is None:
-            self._team_obj = Team(self.team_cfg, hub=self.hub, pool=self.pool)
-        self._team_obj.reseed(derive_seed(self.cfg.seed, step, "sampling"))
-        return self._team_obj
+        name = "_greedy_team" if greedy else "_team_obj"
+        if getattr(self, name, None) is None:
+            cfg = self.team_cfg
+            if greedy:
+                cfg = cfg.model_copy(update={
+                    "sampling": cfg.sampling.model_copy(update={"temperature": 0.0}),
+                    "agents": [a.model_copy(update={"temperature": None}) for a in cfg.agents]})
+            setattr(self, name, Team(cfg, hub=self.hub, pool=self.pool))
+        team = getattr(self, name)
+        team.reseed(derive_seed(self.cfg.seed, step, "greedy" if greedy else "sampling"))
+        return team
 
     def lr_at(self, step: int) -> float:
         return self.cfg.learner.lr_at(step, self.cfg.steps)
