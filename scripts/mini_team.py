@@ -156,15 +156,19 @@ def make_sets(out: Path, b: Budget) -> tuple[list, list]:
 
 
 # ------------------------------------------------------------------------------------------------ resuming
-def stage_folder(folder: Path, settings: dict[str, Any]) -> None:
+def stage_folder(folder: Path, settings: dict[str, Any], root: Path | None = None) -> None:
     """Keep `folder` (so its trainer resumes from the newest checkpoint) only if it was started with `settings`.
 
     A killed run then repeats no finished stage and resumes a half-done one; a folder left by other settings is
-    cleared, so a stale checkpoint is never mistaken for this run's.
+    cleared, so a stale checkpoint is never mistaken for this run's. Paths under `root` (the run's --out) are
+    recorded relative to it, so a copy of a run folder (`cp -a`, which keeps the weight files' times) reuses its
+    finished stages: a MARL variant can start from another run's SFT weights without touching that run.
     """
     marker = folder / "settings.json"
-    text = json.dumps(settings, sort_keys=True, default=str)
-    if marker.is_file() and marker.read_text() == text:
+    raw = json.dumps(settings, sort_keys=True, default=str)
+    text = raw.replace(f'"{root}/', '"<run>/') if root is not None else raw
+    if marker.is_file() and marker.read_text() in (text, raw):  # raw: a marker written before paths were relative
+        marker.write_text(text)
         return
     if folder.exists():
         log.info("%s: started with other settings, starting it again", folder)
@@ -411,7 +415,8 @@ def run_sft(seed: int, examples, out: Path, b: Budget, clip_cache: Path) -> tupl
     if b.sft_max_steps is not None:
         update["max_steps"] = b.sft_max_steps
     cfg = cfg.model_copy(update=update)
-    stage_folder(out, {"config": cfg.model_dump(mode="json", exclude={"log"}), "examples": len(examples)})
+    stage_folder(out, {"config": cfg.model_dump(mode="json", exclude={"log"}), "examples": len(examples)},
+                 root=out.parent.parent)  # out is <run>/seed<k>/sft
     trainer = SFTTrainer(cfg, examples=list(examples))
     trainer.train()
     trainer.learners.shutdown()
@@ -435,7 +440,7 @@ def run_marl(seed: int, sft_weights: dict[str, Path], train_qs: list, out: Path,
     # SFT trained again (new weight files) means MARL starts again
     sft_stamp = {a: weight_stamp(p) for a, p in sorted(sft_weights.items())}
     stage_folder(out, {"config": cfg.model_dump(mode="json", exclude={"log"}), "questions": len(train_qs),
-                       "sft": sft_stamp})
+                       "sft": sft_stamp}, root=out.parent.parent)  # out is <run>/seed<k>/marl
     trainer = Trainer(cfg, questions=train_qs)
     trainer.pool = pool  # share decoded frames with the evaluations
     try:

@@ -5,6 +5,7 @@ untrained ones, MARL runs from the SFT weights, the table is produced), not the 
 """
 import importlib.util
 import json
+import shutil
 import sys
 from collections import Counter
 from dataclasses import replace
@@ -125,6 +126,28 @@ def test_stage_folder_keeps_its_own_run_and_clears_another(tmp_path, mt):
     mt.stage_folder(run, {"lr": 3e-4})  # other settings: a stale checkpoint must not be resumed
     assert not (run / "checkpoints").exists()
     assert json.loads((run / "settings.json").read_text()) == {"lr": 3e-4}
+
+
+def test_stage_folder_of_a_copied_run_keeps_its_finished_stages(tmp_path, mt):
+    def settings(root):
+        return {"out_dir": f"{root}/seed0/sft", "clip": f"{root}/clip_cache", "lr": 1e-3}
+
+    first, copy = tmp_path / "runs" / "a", tmp_path / "runs" / "a2"  # a2 shares a prefix with a: only whole folders match
+    mt.stage_folder(first / "seed0" / "sft", settings(first), root=first)
+    (first / "seed0" / "sft" / "checkpoints").mkdir()
+    assert str(first) not in (first / "seed0" / "sft" / "settings.json").read_text()
+    shutil.copytree(first, copy)
+    mt.stage_folder(copy / "seed0" / "sft", settings(copy), root=copy)
+    assert (copy / "seed0" / "sft" / "checkpoints").is_dir()
+    mt.stage_folder(copy / "seed0" / "sft", {**settings(copy), "lr": 3e-4}, root=copy)
+    assert not (copy / "seed0" / "sft" / "checkpoints").exists()
+    # a marker written with absolute paths (before they were made relative) still counts for its own folder
+    legacy = tmp_path / "legacy"
+    (legacy / "seed0" / "sft" / "checkpoints").mkdir(parents=True)
+    (legacy / "seed0" / "sft" / "settings.json").write_text(json.dumps(settings(legacy), sort_keys=True))
+    mt.stage_folder(legacy / "seed0" / "sft", settings(legacy), root=legacy)
+    assert (legacy / "seed0" / "sft" / "checkpoints").is_dir()
+    assert "<run>/seed0/sft" in (legacy / "seed0" / "sft" / "settings.json").read_text()
 
 
 def test_table_reports_mean_std_and_the_seed_spread_verdict(mt):
