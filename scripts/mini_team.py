@@ -666,6 +666,8 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
             stage("marl")
             curves[f"seed{seed}/marl_reward"] = [r.get("reward/mean") for r in marl_rows]
             curves[f"seed{seed}/marl_team_res"] = [r.get("reward/team_res") for r in marl_rows]
+            # with grpo.baseline greedy: the greedy team's result per step, the training curve of what is evaluated
+            curves[f"seed{seed}/marl_greedy_team_res"] = [r.get("greedy/team_res") for r in marl_rows]
             results["sft+marl"] = evaluate_cached(seed_dir / "marl" / f"{ev}.json",
                                                   mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
                                                   b.progress)

@@ -96,6 +96,7 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     # MARL starts from the SFT weights and writes new full-model folders
     marl_w, marl_rows = mt.run_marl(0, weights, train_qs, tmp_path / "marl", b, clip_cache, pool)
     assert len(marl_rows) == 1 and marl_rows[0]["episodes/failed"] == 0
+    assert -1.0 <= marl_rows[0]["greedy/team_res"] <= 1.0  # the greedy baseline's run, kept as a curve by run_seed
     assert all(p.is_dir() and p != weights[a] for a, p in marl_w.items())
 
     # the same calls again (a killed run started over): finished stages are reused, nothing is trained or evaluated
