@@ -133,7 +133,7 @@ def test_stage_folder_of_a_copied_run_keeps_its_finished_stages(tmp_path, mt):
     def settings(root):
         return {"out_dir": f"{root}/seed0/sft", "clip": f"{root}/clip_cache", "lr": 1e-3}
 
-    first, copy = tmp_path / "runs" / "a", tmp_path / "runs" / "a2"  # a2 shares a prefix with a: only whole folders match
+    first, copy = tmp_path / "runs" / "a", tmp_path / "runs" / "a2"  # a2 shares a prefix with a
     mt.stage_folder(first / "seed0" / "sft", settings(first), root=first)
     (first / "seed0" / "sft" / "checkpoints").mkdir()
     assert str(first) not in (first / "seed0" / "sft" / "settings.json").read_text()
