@@ -191,6 +191,12 @@ class TeamConfig(Strict):
         if spec.kind != kind:
             raise ValueError(f"{where}: model {ref!r} is a {spec.kind} model, {kind} needed")
 
+    def greedy(self) -> "TeamConfig":
+        """This team decoding greedily (temperature 0 for every agent): how teams are evaluated, and the baseline
+        run of `grpo.baseline: greedy`."""
+        return self.model_copy(update={"sampling": self.sampling.model_copy(update={"temperature": 0.0}),
+                                       "agents": [a.model_copy(update={"temperature": None}) for a in self.agents]})
+
     @property
     def summarizer(self) -> str:
         return self.aggregation.summarizer or self.agents[0].name

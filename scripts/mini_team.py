@@ -212,7 +212,7 @@ def evaluate(cfg: TeamConfig, questions: list, pool, progress: bool = False, tra
     from m1.synth.teacher import plan_for
     from m1.team.cpp import Team
 
-    team = Team(cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"temperature": 0.0})}), pool=pool)
+    team = Team(cfg.greedy(), pool=pool)
     episodes = []
     bar = None
     if progress:

@@ -20,6 +20,14 @@ def test_dotted_overrides_change_values():
     assert cfg.topology.mode == "random" and cfg.tools.enabled == ["Global Sampling", "Rough Browser"]
 
 
+def test_greedy_copy_drops_every_temperature_and_keeps_the_rest():
+    cfg = load_team("tiny", ["sampling.temperature=1.0", "agents.1.temperature=0.7"])
+    greedy = cfg.greedy()
+    assert greedy.sampling.temperature == 0.0 and [a.temperature for a in greedy.agents] == [None] * len(cfg.agents)
+    assert [a.name for a in greedy.agents] == [a.name for a in cfg.agents] and greedy.models == cfg.models
+    assert cfg.sampling.temperature == 1.0 and cfg.agents[1].temperature == 0.7  # the original is untouched
+
+
 @pytest.mark.parametrize("override, words", [
     (["limits.max_turnz=2"], ["unknown key", "limits.max_turnz", "tiny.yaml"]),
     (["limits.max_turns=many"], ["limits.max_turns", "tiny.yaml"]),

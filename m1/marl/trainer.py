@@ -764,11 +764,7 @@ class Trainer:
 
         name = "_greedy_team" if greedy else "_team_obj"
         if getattr(self, name, None) is None:
-            cfg = self.team_cfg
-            if greedy:
-                cfg = cfg.model_copy(update={
-                    "sampling": cfg.sampling.model_copy(update={"temperature": 0.0}),
-                    "agents": [a.model_copy(update={"temperature": None}) for a in cfg.agents]})
+            cfg = self.team_cfg.greedy() if greedy else self.team_cfg
             setattr(self, name, Team(cfg, hub=self.hub, pool=self.pool))
         team = getattr(self, name)
         team.reseed(derive_seed(self.cfg.seed, step, "greedy" if greedy else "sampling"))
