@@ -197,6 +197,11 @@ def test_agent_rewards_breakdown_and_weights():
     assert [team[a].outcome for a in ("a1", "a2", "a3")] == pytest.approx([1.5 + 1.0, -0.5, 1.5])
     assert out["a2"].outcome == pytest.approx(0.5 * -1 + 2.0 * 0.0)
     assert out["a1"].outcome == pytest.approx(0.5 * 1 + 2.0 * 1.0)
+    # a summary the parser had to rescue (a bare letter for an open question, say) costs its writer the format term
+    ep.generations.append(gen("a1", False, "summary"))
+    assert agent_rewards(ep, w, RubricJudge())["a1"].outcome == pytest.approx(0.5 * 1 + 2.0 * 0.0)
+    ep.generations[-1] = gen("a1", True, "summary")
+    assert agent_rewards(ep, w, RubricJudge())["a1"].outcome == pytest.approx(0.5 * 1 + 2.0 * 1.0)
     wrong = agent_rewards(episode(records={"a1": good_record("B")}, answers={}, final="D"), RewardConfig(w_team=0.5),
                           RubricJudge())["a1"]
     assert wrong.total == pytest.approx(1.0 + 1.0 + 1.0 - 0.5)

@@ -23,10 +23,11 @@ The team's answer (`episode.final_answer`) is scored with the same rule and logg
 In the paper each agent is rewarded for its own answer only, which is our default (`w_team` = 0).
 `w_team` > 0 (ours) adds `w_team * team_res` to every agent's total: a shared team term that also
 rewards the generations no own-answer reward reaches, such as the summarizer's merged answer.
-`outcome` = w_res * R_res + w_format * (the agent's answer parsed strictly) + w_team * team_res is what an answer
-(or the summarizer's summary) decides; with `rollout.credit: phase` (ours) both are trained on the advantage of the
-outcome alone (m1.marl.rollout). The answer's own format is part of it so that a reply the parser must rescue
-(an option letter for an open question, say) loses to a well-formed one with the same result.
+`outcome` = w_res * R_res + w_format * (the agent's answer, and its summary if it wrote one, parsed strictly)
++ w_team * team_res is what an answer (or the summarizer's summary) decides; with `rollout.credit: phase` (ours)
+both are trained on the advantage of the outcome alone (m1.marl.rollout). Their own format is part of it so that a
+reply the parser must rescue (an option letter for an open question, say) loses to a well-formed one with the same
+result.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class RewardBreakdown(BaseModel):
     col: float
     total: float
     team_res: float
-    outcome: float  # w_res * res + w_format * answer parsed + w_team * team_res: what the answer decides
+    outcome: float  # w_res * res + w_format * answer (and summary) parsed + w_team * team_res: what they decide
     verdict: int
     verdict_ok: bool
     judge: str
@@ -198,9 +199,13 @@ def format_reward(episode: Episode, agent: str, mode: str = "generations") -> fl
 
 
 def answer_parsed(episode: Episode, agent: str) -> float:
-    """1.0 if the agent's last answer reply parsed in the strict format, else 0.0 (also when it wrote none)."""
+    """1.0 if the agent's last answer reply parsed in the strict format and, when it wrote the team's summary, that
+    summary did too; else 0.0 (also when it wrote no answer). The summary counts because it decides the team's
+    open and grounding answers: without it MARL let a summarizer drift to option letters on open questions (dev,
+    one seed: open questions 42% -> 4%)."""
     answers = [g for g in episode.generations if g.agent == agent and g.phase == "answer"]
-    return float(answers[-1].parse_ok) if answers else 0.0
+    summaries = [g for g in episode.generations if g.agent == agent and g.phase == "summary"]
+    return float(bool(answers) and answers[-1].parse_ok and all(g.parse_ok for g in summaries))
 
 
 # ----------------------------------------------------------------------------- R_col
