@@ -26,7 +26,7 @@ def mt():
 
 
 BUDGET = dict(seeds=(0,), train_videos=1, eval_videos=1, duration=60.0, questions_per_video=8, progress=False,
-              sft_max_steps=None,  # the configs' epochs, not the full run's 300 steps
+              sft_max_steps=None,  # the configs' epochs, not the full run's 1200 steps
               tiny_clip=True)  # a random tiny CLIP: the configs' trained one costs minutes on first use
 
 
