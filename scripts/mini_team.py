@@ -570,6 +570,15 @@ def key_info_text(curves: dict[str, Any]) -> list[str]:
             f"plans per agent: {' — '.join(parts)}.", ""] if parts else []
 
 
+def _folder_cost(meta: dict[str, Any]) -> str:
+    calls = meta.get("folder_calls")
+    if not calls:
+        return ""
+    return (f"Calls in this folder so far: {calls['calls']}, {calls['wall_seconds'] / 60:.1f} min wall, "
+            f"{calls['cpu_seconds'] / 60:.1f} min CPU (its calls.jsonl; this counts any variants tried there and, "
+            "in a `cp -a` copy, the original's calls). ")
+
+
 def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, list[dict]],
               curves: dict[str, Any] | None = None) -> None:
     curves = curves or {}
@@ -596,9 +605,10 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
         "",
         f"Settings: SFT `{meta['sft_settings']}`; MARL `{meta['marl_settings']}`.",
         "",
-        f"Run time: {meta['wall_seconds'] / 60:.1f} min wall, {meta['cpu_seconds'] / 60:.1f} min CPU (process user + "
-        f"system) on {os.cpu_count()} cores, torch threads {meta['torch_threads']}. Stages (wall s): "
-        + ", ".join(f"{k} {v:.0f}" for k, v in meta["stage_seconds"].items()) + ". One-time builds cached under "
+        f"Run time of this call: {meta['wall_seconds'] / 60:.1f} min wall, {meta['cpu_seconds'] / 60:.1f} min CPU "
+        f"(process user + system) on {os.cpu_count()} cores, torch threads {meta['torch_threads']}. Stages (wall s): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in meta["stage_seconds"].items()) + ". " + _folder_cost(meta)
+        + "One-time builds cached under "
         "`$M1_CACHE` and not counted when already there: the synth tokenizer (~0.5 min) and the trained synth CLIP "
         "(~4 min)" + ("; this run used a random tiny CLIP instead." if b.get("tiny_clip") else "."),
         "",
@@ -754,12 +764,26 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
                                        if v is not None}),
             "marl_settings": _settings(marl_cfg, ("learner", "rollout", "grpo", "rewards", "steps"),
                                        {k: v for k, v in (("steps", b.marl_steps),) if v is not None})}
+    meta["folder_calls"] = log_call(out, meta, rows, world_tag(b))
     table = render_table({r: v for r, v in results.items() if v}, meta)
     (out / f"results{world_tag(b)}.json").write_text(json.dumps({"results": results, "meta": meta, "curves": curves},
                                                                  indent=1))
     if doc is not None:
         write_doc(doc, table, meta, results, curves)
     return {"results": results, "meta": meta, "table": table, "curves": curves}
+
+
+def log_call(out: Path, meta: dict[str, Any], rows: tuple[str, ...], tag: str) -> dict[str, float]:
+    """Append this call's cost to <out>/calls.jsonl and return the folder's totals so far: a call that reuses
+    every stage (`--export`, a dev evaluation) costs little, and the doc should still say what the run cost."""
+    log_path = out / "calls.jsonl"
+    with log_path.open("a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": list(rows), "world": tag or "held-out",
+                            "wall_seconds": meta["wall_seconds"], "cpu_seconds": meta["cpu_seconds"],
+                            "stage_seconds": meta["stage_seconds"]}) + "\n")
+    calls = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    return {"calls": len(calls), "wall_seconds": sum(c["wall_seconds"] for c in calls),
+            "cpu_seconds": sum(c["cpu_seconds"] for c in calls)}
 
 
 def _settings(cfg, keys: tuple[str, ...], extra: dict[str, Any]) -> str:

@@ -253,18 +253,24 @@ def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
     mt.write_doc(doc, res["table"], {**res["meta"], "budget": {**res["meta"]["budget"], "eval_seed": mt.DEV_SEED}},
                  res["results"])
     assert "Dev (settings are chosen here; not held-out): " in doc.read_text()
+    assert "Calls in this folder so far: 1," in text
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["meta"]["n_heldout"] == res["results"]["teacher"][0]["n"] > 0
     assert res["results"]["teacher"][0]["accuracy"] > res["results"]["untrained"][0]["accuracy"]
 
     # the dev world evaluated in the same folder: its own files, the held-out ones untouched
-    held_out = {p: p.read_bytes() for p in (tmp_path / "out").glob("**/*.json*")}
+    held_out = {p: p.read_bytes() for p in (tmp_path / "out").glob("**/*.json*") if p.name != "calls.jsonl"}
     dev = mt.run(tmp_path / "out", mt.Budget(**{**BUDGET, "eval_seed": mt.DEV_SEED}), None, rows=("teacher",))
     assert {p: p.read_bytes() for p in held_out} == held_out
     dev_saved = json.loads((tmp_path / "out" / f"results_world{mt.DEV_SEED}.json").read_text())
     assert dev_saved["results"]["teacher"][0]["accuracy"] == dev["results"]["teacher"][0]["accuracy"]
     assert (tmp_path / "out" / "seed0" / f"eval_world{mt.DEV_SEED}_teacher.traces.jsonl").is_file()
     assert dev_saved["meta"]["n_heldout"] > 0 and dev_saved["results"]["teacher"][0]["family"] != {}
+    # every call's cost is logged in the folder, and the totals add up over calls
+    calls = [json.loads(line) for line in (tmp_path / "out" / "calls.jsonl").read_text().splitlines()]
+    assert [c["world"] for c in calls] == ["held-out", f"_world{mt.DEV_SEED}"]
+    assert dev["meta"]["folder_calls"]["calls"] == 2
+    assert dev["meta"]["folder_calls"]["wall_seconds"] == pytest.approx(sum(c["wall_seconds"] for c in calls))
 
 
 def test_seeds_in_worker_processes_match_one_process(tmp_path, m1_cache, mt, monkeypatch):
