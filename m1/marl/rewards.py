@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "RewardConfig", "RewardBreakdown", "truth_letter", "result_reward", "answer_rewards", "format_reward",
-    "answer_parsed", "collaboration_reward",
+    "outcome_parsed", "collaboration_reward",
     "tool_penalty", "agent_answer", "agent_rewards", "batch_agent_rewards", "log_breakdowns",
     "summarize",
 ]
@@ -198,7 +198,7 @@ def format_reward(episode: Episode, agent: str, mode: str = "generations") -> fl
     return sum(sum(v) / len(v) for v in by_phase.values()) / len(by_phase)
 
 
-def answer_parsed(episode: Episode, agent: str) -> float:
+def outcome_parsed(episode: Episode, agent: str) -> float:
     """1.0 if the agent's last answer reply parsed in the strict format and, when it wrote the team's summary, that
     summary did too; else 0.0 (also when it wrote no answer). The summary counts because it decides the team's
     open and grounding answers: without it MARL let a summarizer drift to option letters on open questions (dev,
@@ -269,7 +269,7 @@ def batch_agent_rewards(episodes: Sequence[Episode], cfg: RewardConfig,
             value, ok = (v.value, v.ok) if v is not None else (0, True)
             col = value + pen
             fmt = format_reward(ep, a, cfg.format)
-            outcome = cfg.w_res * r + cfg.w_format * answer_parsed(ep, a) + cfg.w_team * team_res
+            outcome = cfg.w_res * r + cfg.w_format * outcome_parsed(ep, a) + cfg.w_team * team_res
             per[a] = RewardBreakdown(
                 agent=a, res=r, format=fmt, col=col,
                 # summed in this order so that reruns reproduce earlier runs bit for bit
