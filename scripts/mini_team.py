@@ -65,6 +65,8 @@ class Budget:
     questions_per_video: int = 10
     train_seed: int = 1  # world seed of the training questions
     eval_seed: int = 1001  # world seed of the held-out questions (never trained on)
+    # world seed of MARL's questions; None: the training world, whose questions the students were SFT-trained on
+    marl_seed: int | None = None
     sft_epochs: int | None = None  # None: configs/sft/mini.yaml
     # replaces epochs: ~1.1 passes over the teacher examples of 120 videos. 600 steps (~0.5 passes: each seed saw
     # another half of the examples) gave SFT 45.1 +- 3.4 held-out (dev 44.0, 46.6, 41.6); 1200: 51.5 +- 1.3 held-out
@@ -131,31 +133,48 @@ def sft_teacher_config(sft_cfg, clip_cache: Path | None, tiny_clip: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ data
-def make_sets(out: Path, b: Budget) -> tuple[list, list]:
+def make_world(folder: Path, videos: int, seed: int, b: Budget) -> list:
+    """The questions of one synthetic world, rendered into `folder` on first use."""
     from m1.synth.make import make_dataset
+
+    qfile = folder / "questions.jsonl"
+    if not qfile.is_file():
+        make_dataset(folder, videos, seed, duration=b.duration, questions_per_video=b.questions_per_video,
+                     progress=b.progress)
+    qs, issues = read_questions(qfile, folder)
+    if issues:
+        raise ValueError(f"{qfile}: {issues[:3]}")
+    return qs
+
+
+def check_disjoint(held_qs: list, trained: list, what: str, seed: int, b: Budget) -> None:
+    """The worlds live in different folders, so compare what the videos hold: a held-out video rendered from a
+    training script (the same world seed, say) would let the table score questions the students were trained on."""
     from m1.tools.clip_index import file_sha256
 
-    sets = []
-    for name, videos, seed in (("train", b.train_videos, b.train_seed),
-                               (f"eval{b.eval_seed}", b.eval_videos, b.eval_seed)):
-        folder = out / name
-        qfile = folder / "questions.jsonl"
-        if not qfile.is_file():
-            make_dataset(folder, videos, seed, duration=b.duration, questions_per_video=b.questions_per_video,
-                         progress=b.progress)
-        qs, issues = read_questions(qfile, folder)
-        if issues:
-            raise ValueError(f"{qfile}: {issues[:3]}")
-        sets.append(qs)
-    # the two worlds live in different folders, so compare what the videos hold: a held-out video rendered from a
-    # training script (the same world seed, say) would let the table score questions the students were trained on
-    train_videos = {file_sha256(v): v for v in {q.video for q in sets[0]}}
-    for v in sorted({q.video for q in sets[1]}):
-        same = train_videos.get(file_sha256(v))
+    trained_videos = {file_sha256(v): v for v in {q.video for q in trained}}
+    for v in sorted({q.video for q in held_qs}):
+        same = trained_videos.get(file_sha256(v))
         if same is not None:
-            raise ValueError(f"held-out video {v} has the same bytes as training video {same}: the held-out world "
-                             f"(seed {b.eval_seed}) must differ from the training world (seed {b.train_seed})")
-    return sets[0], sets[1]
+            raise ValueError(f"held-out video {v} has the same bytes as {what} video {same}: the held-out world "
+                             f"(seed {b.eval_seed}) must differ from the {what} world (seed {seed})")
+
+
+def make_sets(out: Path, b: Budget) -> tuple[list, list]:
+    """(training questions, held-out questions)."""
+    train_qs = make_world(out / "train", b.train_videos, b.train_seed, b)
+    held_qs = make_world(out / f"eval{b.eval_seed}", b.eval_videos, b.eval_seed, b)
+    check_disjoint(held_qs, train_qs, "training", b.train_seed, b)
+    return train_qs, held_qs
+
+
+def marl_questions(out: Path, b: Budget, train_qs: list, held_qs: list) -> list:
+    """MARL's questions: the training world's, or (`marl_seed`) a world of as many videos that SFT never saw."""
+    if b.marl_seed is None:
+        return train_qs
+    qs = make_world(out / f"marl{b.marl_seed}", b.train_videos, b.marl_seed, b)
+    check_disjoint(held_qs, qs, "MARL", b.marl_seed, b)
+    return qs
 
 
 # ------------------------------------------------------------------------------------------------ resuming
@@ -442,8 +461,10 @@ def run_marl(seed: int, sft_weights: dict[str, Path], train_qs: list, out: Path,
     cfg = cfg.model_copy(update=update)
     # SFT trained again (new weight files) means MARL starts again
     sft_stamp = {a: weight_stamp(p) for a, p in sorted(sft_weights.items())}
-    stage_folder(out, {"config": cfg.model_dump(mode="json", exclude={"log"}), "questions": len(train_qs),
-                       "sft": sft_stamp}, root=out.parent.parent)  # out is <run>/seed<k>/marl
+    settings = {"config": cfg.model_dump(mode="json", exclude={"log"}), "questions": len(train_qs), "sft": sft_stamp}
+    if b.marl_seed is not None:  # absent otherwise, so runs made before the option keep their finished MARL stage
+        settings["marl_world"] = b.marl_seed
+    stage_folder(out, settings, root=out.parent.parent)  # out is <run>/seed<k>/marl
     trainer = Trainer(cfg, questions=train_qs)
     trainer.pool = pool  # share decoded frames with the evaluations
     try:
@@ -583,6 +604,8 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
               curves: dict[str, Any] | None = None) -> None:
     curves = curves or {}
     b = meta["budget"]
+    marl_world = "" if b.get("marl_seed") is None else (
+        f"; MARL on another {b['train_videos']} videos' questions, world seed {b['marl_seed']}, that SFT never saw")
     text = [
         "# The mini team on M1-Synth",
         "",
@@ -598,7 +621,8 @@ def write_doc(path: Path, table: str, meta: dict[str, Any], results: dict[str, l
         f"{'Dev (settings are chosen here; not held-out)' if b['eval_seed'] == DEV_SEED else 'Held-out'}: "
         f"{meta['n_heldout']} questions on {b['eval_videos']} videos of {b['duration']:.0f} s (world seed "
         f"{b['eval_seed']}); training: {meta['n_train']} questions on {b['train_videos']} videos (world seed "
-        f"{b['train_seed']}); SFT examples from the teacher: {meta['n_examples']} (keep-rule stats and thinning: "
+        f"{b['train_seed']}{marl_world}); SFT examples from the teacher: {meta['n_examples']} (keep-rule stats and "
+        "thinning: "
         f"{json.dumps(meta['sft_stats'])}). Seeds {list(meta['seeds'])}: tiny init, data order and rollout "
         "sampling for the mini team; error draws for the teacher team. Answers are greedy; the team aggregates by "
         "vote (MCQ, numeric) or the first agent's summary (open, grounding).",
@@ -639,6 +663,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
 
     pool, clip_cache = VideoPool(), out / "clip_cache"
     train_qs, held_qs = make_sets(out / "data", b)
+    marl_qs = marl_questions(out / "data", b, train_qs, held_qs)
     examples, _ = build_examples(load_sft_config("mini", list(b.overrides_sft)), train_qs, out, clip_cache, pool,
                                  b.tiny_clip, b.communicate_per_episode)
     results: dict[str, dict] = {}
@@ -675,7 +700,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
             curves[f"seed{seed}/sft_key_info"] = key_info_copied(seed_dir / "sft" / f"{ev}.traces.jsonl")
             stage("eval")
         if "sft+marl" in rows:
-            marl_w, marl_rows = run_marl(seed, sft_w, train_qs, seed_dir / "marl", b, clip_cache, pool)
+            marl_w, marl_rows = run_marl(seed, sft_w, marl_qs, seed_dir / "marl", b, clip_cache, pool)
             stage("marl")
             curves[f"seed{seed}/marl_reward"] = [r.get("reward/mean") for r in marl_rows]
             curves[f"seed{seed}/marl_team_res"] = [r.get("reward/team_res") for r in marl_rows]
@@ -720,6 +745,8 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
         ensure_synth_clip(progress=b.progress)
     t = time.perf_counter()
     train_qs, held_qs = make_sets(out / "data", b)
+    if "sft+marl" in rows:  # rendered here, not by each worker of --jobs at once
+        marl_questions(out / "data", b, train_qs, held_qs)
     stages["data"] = time.perf_counter() - t
     t = time.perf_counter()
     sft_cfg = load_sft_config("mini", list(b.overrides_sft))
@@ -814,6 +841,8 @@ def main(argv: list[str] | None = None) -> None:
                          "run's folder (its trained weights are reused)")
     ap.add_argument("--train-videos", type=int, default=None,
                     help=f"videos in the training world (default {FULL.train_videos}, {FULL.questions_per_video} questions each)")
+    ap.add_argument("--marl-world", type=int, default=None, metavar="SEED",
+                    help="world seed of MARL's questions (default: the training world's, which SFT trained on)")
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which teams to train/evaluate")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on 1)")
     ap.add_argument("--jobs", type=int, default=1, help="seeds trained at once, one process each")
@@ -841,6 +870,8 @@ def main(argv: list[str] | None = None) -> None:
         b = replace(b, train_videos=args.train_videos)
     if args.sft_steps:
         b = replace(b, sft_max_steps=args.sft_steps)
+    if args.marl_world is not None:
+        b = replace(b, marl_seed=args.marl_world)
     name = "mini_team" + ("_quick" if args.quick else "") + ("_dev" if args.dev else "")
     out = args.out or REPO / "runs" / name
     doc = args.doc or (out / f"mini_team{world_tag(b)}.md" if args.quick or args.dev

@@ -186,13 +186,25 @@ def test_answer_changes_count_fixes_and_breaks_from_traces(tmp_path, mt):
         mt.answer_changes(sft, traces("other.jsonl", [("q9", "A", True)]))
 
 
-def test_held_out_world_must_not_repeat_a_training_video(tmp_path, mt):
-    """The worlds sit in different folders, so the check compares video bytes: the same world seed is refused."""
+def test_held_out_world_must_not_repeat_a_training_or_marl_video(tmp_path, mt):
+    """The worlds sit in different folders, so the check compares video bytes: the same world seed is refused, for
+    SFT's training world and for a separate MARL world alike."""
     b = mt.Budget(**BUDGET)
     train_qs, held_qs = mt.make_sets(tmp_path / "ok", b)
     assert {q.video for q in train_qs}.isdisjoint({q.video for q in held_qs})
     with pytest.raises(ValueError, match=f"same bytes as training video.*seed {b.train_seed}"):
         mt.make_sets(tmp_path / "same", replace(b, eval_seed=b.train_seed))
+    assert mt.marl_questions(tmp_path / "ok", b, train_qs, held_qs) is train_qs
+    fresh = mt.marl_questions(tmp_path / "ok", replace(b, marl_seed=b.train_seed + 7), train_qs, held_qs)
+    from m1.tools.clip_index import file_sha256
+
+    def video_bytes(qs):
+        return {file_sha256(v) for v in {q.video for q in qs}}
+
+    assert len(fresh) == len(train_qs) and video_bytes(fresh).isdisjoint(video_bytes(train_qs))
+    assert {q.text for q in fresh} != {q.text for q in train_qs}
+    with pytest.raises(ValueError, match=f"same bytes as MARL video.*seed {b.eval_seed}"):
+        mt.marl_questions(tmp_path / "ok", replace(b, marl_seed=b.eval_seed), train_qs, held_qs)
 
 
 def test_reading_counts_notes_that_name_the_truth(tmp_path, m1_cache, mt):
