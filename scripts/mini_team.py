@@ -178,6 +178,12 @@ def marl_questions(out: Path, b: Budget, train_qs: list, held_qs: list) -> list:
 
 
 # ------------------------------------------------------------------------------------------------ resuming
+def run_relative(text: str, root: Path | None) -> str:
+    """`text` (JSON) with the paths under `root`, the run's --out, written as `<run>/...`: a `cp -a` copy of a run
+    folder then matches the original's records."""
+    return text.replace(f'"{root}/', '"<run>/') if root is not None else text
+
+
 def stage_folder(folder: Path, settings: dict[str, Any], root: Path | None = None) -> None:
     """Keep `folder` (so its trainer resumes from the newest checkpoint) only if it was started with `settings`.
 
@@ -188,7 +194,7 @@ def stage_folder(folder: Path, settings: dict[str, Any], root: Path | None = Non
     """
     marker = folder / "settings.json"
     raw = json.dumps(settings, sort_keys=True, default=str)
-    text = raw.replace(f'"{root}/', '"<run>/') if root is not None else raw
+    text = run_relative(raw, root)
     if marker.is_file() and marker.read_text() in (text, raw):  # raw: a marker written before paths were relative
         marker.write_text(text)
         return
@@ -205,13 +211,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def evaluate_cached(path: Path, cfg: TeamConfig, questions: list, pool, progress: bool = False) -> dict[str, Any]:
+def evaluate_cached(path: Path, cfg: TeamConfig, questions: list, pool, progress: bool = False,
+                    root: Path | None = None) -> dict[str, Any]:
     """`evaluate`, stored in `path` with the team (config and weights) and question ids it was computed for (a
-    killed run reuses it)."""
-    key = json.dumps({"team": team_signature(cfg), "questions": [q.id for q in questions]}, sort_keys=True)
+    killed run reuses it; so does a `cp -a` copy of the run folder `root`, whose paths the key holds relative)."""
+    raw = json.dumps({"team": team_signature(cfg), "questions": [q.id for q in questions]}, sort_keys=True)
+    key = run_relative(raw, root)
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved.get("key") == key:
+        if saved.get("key") in (key, raw):  # raw: stored before keys were made relative
             return saved["result"]
     path.parent.mkdir(parents=True, exist_ok=True)
     result = evaluate(cfg, questions, pool, progress, traces=path.with_suffix(".traces.jsonl"))
@@ -682,11 +690,12 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
     if "untrained" in rows:
         results["untrained"] = evaluate_cached(seed_dir / f"{ev}_untrained.json",
                                                mini_config(seed, None, clip_cache, b.tiny_clip), held_qs, pool,
-                                               b.progress)
+                                               b.progress, root=out)
         stage("eval")
     if "teacher" in rows:
         results["teacher"] = evaluate_cached(seed_dir / f"{ev}_teacher.json",
-                                             teacher_config(seed, clip_cache, b.tiny_clip), held_qs, pool, b.progress)
+                                             teacher_config(seed, clip_cache, b.tiny_clip), held_qs, pool, b.progress,
+                                             root=out)
         stage("eval")
     if "sft" in rows or "sft+marl" in rows:
         sft_w, sft_rows = run_sft(seed, examples, seed_dir / "sft", b, clip_cache)
@@ -695,7 +704,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
         if "sft" in rows:
             results["sft"] = evaluate_cached(seed_dir / "sft" / f"{ev}.json",
                                              mini_config(seed, sft_w, clip_cache, b.tiny_clip), held_qs, pool,
-                                             b.progress)
+                                             b.progress, root=out)
             curves[f"seed{seed}/sft_reading"] = reading(seed_dir / "sft" / f"{ev}.traces.jsonl")
             curves[f"seed{seed}/sft_key_info"] = key_info_copied(seed_dir / "sft" / f"{ev}.traces.jsonl")
             stage("eval")
@@ -708,7 +717,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
             curves[f"seed{seed}/marl_greedy_team_res"] = [r.get("greedy/team_res") for r in marl_rows]
             results["sft+marl"] = evaluate_cached(seed_dir / "marl" / f"{ev}.json",
                                                   mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
-                                                  b.progress)
+                                                  b.progress, root=out)
             stage("eval")
             curves[f"seed{seed}/marl_reading"] = reading(seed_dir / "marl" / f"{ev}.traces.jsonl")
             curves[f"seed{seed}/marl_key_info"] = key_info_copied(seed_dir / "marl" / f"{ev}.traces.jsonl")

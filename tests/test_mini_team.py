@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -149,6 +150,29 @@ def test_stage_folder_of_a_copied_run_keeps_its_finished_stages(tmp_path, mt):
     mt.stage_folder(legacy / "seed0" / "sft", settings(legacy), root=legacy)
     assert (legacy / "seed0" / "sft" / "checkpoints").is_dir()
     assert "<run>/seed0/sft" in (legacy / "seed0" / "sft" / "settings.json").read_text()
+
+
+def test_evaluations_of_a_copied_run_are_reused(tmp_path, mt, monkeypatch):
+    """A `cp -a` copy's evaluations (their keys hold the clip cache's and weights' paths) count as done."""
+    calls = []
+    monkeypatch.setattr(mt, "evaluate", lambda cfg, qs, *a, **k: calls.append(cfg) or {"accuracy": len(calls)})
+    qs = [SimpleNamespace(id="q0"), SimpleNamespace(id="q1")]
+    first, copy = tmp_path / "runs" / "a", tmp_path / "runs" / "a2"
+
+    def ev(root, tiny_seed=0, at=None):
+        return mt.evaluate_cached(root / "seed0" / "eval_untrained.json",
+                                  mt.mini_config(tiny_seed, None, root / "clip_cache", tiny_clip=True), qs, None,
+                                  root=at if at is not None else root)
+
+    assert ev(first) == {"accuracy": 1}
+    assert str(first) in json.dumps(calls[0].model_dump(mode="json"))  # the key does hold the run's path
+    shutil.copytree(first, copy)
+    assert ev(copy) == {"accuracy": 1} and len(calls) == 1
+    assert ev(copy, tiny_seed=1) == {"accuracy": 2}  # another team is evaluated again
+    # a result stored with absolute paths (before keys were relative) still counts for its own folder
+    legacy = tmp_path / "legacy"
+    ev(legacy, at=Path("/elsewhere"))
+    assert ev(legacy) == {"accuracy": 3} and len(calls) == 3
 
 
 def test_table_reports_mean_std_and_the_seed_spread_verdict(mt):
