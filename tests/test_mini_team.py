@@ -218,8 +218,9 @@ def test_held_out_world_must_not_repeat_a_training_or_marl_video(tmp_path, mt):
     assert {q.video for q in train_qs}.isdisjoint({q.video for q in held_qs})
     with pytest.raises(ValueError, match=f"same bytes as training video.*seed {b.train_seed}"):
         mt.make_sets(tmp_path / "same", replace(b, eval_seed=b.train_seed))
-    assert mt.marl_questions(tmp_path / "ok", b, train_qs, held_qs) is train_qs
-    fresh = mt.marl_questions(tmp_path / "ok", replace(b, marl_seed=b.train_seed + 7), train_qs, held_qs)
+    assert mt.marl_questions(tmp_path / "ok", replace(b, marl_seed=None), train_qs, held_qs) is train_qs
+    fresh = mt.marl_questions(tmp_path / "ok", b, train_qs, held_qs)  # the default: a world of its own
+    assert b.marl_seed not in (None, b.train_seed, b.eval_seed)
     from m1.tools.clip_index import file_sha256
 
     def video_bytes(qs):
