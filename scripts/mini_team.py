@@ -454,7 +454,7 @@ def run_sft(seed: int, examples, out: Path, b: Budget, clip_cache: Path) -> tupl
     return final_weights(out, [a.name for a in team.agents]), read_metrics(out)
 
 
-def run_marl(seed: int, sft_weights: dict[str, Path], train_qs: list, out: Path, b: Budget, clip_cache: Path,
+def run_marl(seed: int, sft_weights: dict[str, Path], questions: list, out: Path, b: Budget, clip_cache: Path,
              pool) -> tuple[dict[str, Path], list[dict]]:
     from m1.marl.config import load_train_config
     from m1.marl.trainer import Trainer
@@ -470,11 +470,11 @@ def run_marl(seed: int, sft_weights: dict[str, Path], train_qs: list, out: Path,
     cfg = cfg.model_copy(update=update)
     # SFT trained again (new weight files) means MARL starts again
     sft_stamp = {a: weight_stamp(p) for a, p in sorted(sft_weights.items())}
-    settings = {"config": cfg.model_dump(mode="json", exclude={"log"}), "questions": len(train_qs), "sft": sft_stamp}
+    settings = {"config": cfg.model_dump(mode="json", exclude={"log"}), "questions": len(questions), "sft": sft_stamp}
     if b.marl_seed is not None:  # absent otherwise, so runs made before the option keep their finished MARL stage
         settings["marl_world"] = b.marl_seed
     stage_folder(out, settings, root=out.parent.parent)  # out is <run>/seed<k>/marl
-    trainer = Trainer(cfg, questions=train_qs)
+    trainer = Trainer(cfg, questions=questions)
     trainer.pool = pool  # share decoded frames with the evaluations
     try:
         trainer.train()
