@@ -672,7 +672,6 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
 
     pool, clip_cache = VideoPool(), out / "clip_cache"
     train_qs, held_qs = make_sets(out / "data", b)
-    marl_qs = marl_questions(out / "data", b, train_qs, held_qs)
     examples, _ = build_examples(load_sft_config("mini", list(b.overrides_sft)), train_qs, out, clip_cache, pool,
                                  b.tiny_clip, b.communicate_per_episode)
     results: dict[str, dict] = {}
@@ -710,6 +709,7 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
             curves[f"seed{seed}/sft_key_info"] = key_info_copied(seed_dir / "sft" / f"{ev}.traces.jsonl")
             stage("eval")
         if "sft+marl" in rows:
+            marl_qs = marl_questions(out / "data", b, train_qs, held_qs)  # rendered by `run` beforehand
             marl_w, marl_rows = run_marl(seed, sft_w, marl_qs, seed_dir / "marl", b, clip_cache, pool)
             stage("marl")
             curves[f"seed{seed}/marl_reward"] = [r.get("reward/mean") for r in marl_rows]
@@ -838,6 +838,16 @@ def _settings(cfg, keys: tuple[str, ...], extra: dict[str, Any]) -> str:
     return json.dumps(keep, separators=(", ", ": "))
 
 
+def marl_world_arg(value: str) -> int | str:
+    """`--marl-world`: a world seed, or `train` for the training world."""
+    if value == "train":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a world seed (an integer) or `train`, got {value!r}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the short CI version (1 seed, few questions and steps)")
@@ -851,7 +861,7 @@ def main(argv: list[str] | None = None) -> None:
                          "run's folder (its trained weights are reused)")
     ap.add_argument("--train-videos", type=int, default=None,
                     help=f"videos in the training world (default {FULL.train_videos}, {FULL.questions_per_video} questions each)")
-    ap.add_argument("--marl-world", default=None, metavar="SEED|train",
+    ap.add_argument("--marl-world", type=marl_world_arg, default=None, metavar="SEED|train",
                     help=f"world seed of MARL's questions (default {FULL.marl_seed}), or `train` for the training "
                          "world's, whose questions SFT trained on")
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which teams to train/evaluate")
@@ -882,7 +892,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.sft_steps:
         b = replace(b, sft_max_steps=args.sft_steps)
     if args.marl_world is not None:
-        b = replace(b, marl_seed=None if args.marl_world == "train" else int(args.marl_world))
+        b = replace(b, marl_seed=None if args.marl_world == "train" else args.marl_world)
     name = "mini_team" + ("_quick" if args.quick else "") + ("_dev" if args.dev else "")
     out = args.out or REPO / "runs" / name
     doc = args.doc or (out / f"mini_team{world_tag(b)}.md" if args.quick or args.dev

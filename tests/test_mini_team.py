@@ -3,6 +3,7 @@
 These check behaviour (the SFT loss falls, trained agents write plans in the strict format far more often than
 untrained ones, MARL runs from the SFT weights, the table is produced), not the research claim of the full run.
 """
+import argparse
 import importlib.util
 import json
 import shutil
@@ -230,6 +231,9 @@ def test_held_out_world_must_not_repeat_a_training_or_marl_video(tmp_path, mt):
     assert {q.text for q in fresh} != {q.text for q in train_qs}
     with pytest.raises(ValueError, match=f"same bytes as MARL video.*seed {b.eval_seed}"):
         mt.marl_questions(tmp_path / "ok", replace(b, marl_seed=b.eval_seed), train_qs, held_qs)
+    assert mt.marl_world_arg("train") == "train" and mt.marl_world_arg("7") == 7
+    with pytest.raises(argparse.ArgumentTypeError, match="'seven'"):
+        mt.marl_world_arg("seven")
 
 
 def test_reading_counts_notes_that_name_the_truth(tmp_path, m1_cache, mt):
