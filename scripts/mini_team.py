@@ -559,11 +559,20 @@ def sign_test_p(fixed: int, broken: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
 
 
+def paired_gain(c: dict[str, int]) -> tuple[float, float]:
+    """MARL's gain in points on these questions and its standard error, paired per question (each question adds
+    +1, 0 or −1): a seed's gain on one world is only known to about this, whatever the seed spread."""
+    n, diff = c["n"], (c["fixed"] - c["broken"]) / c["n"]
+    var = (c["fixed"] + c["broken"]) / n - diff ** 2
+    return 100 * diff, 100 * math.sqrt(max(var, 0.0) / n)
+
+
 def changes_text(curves: dict[str, Any]) -> list[str]:
     """A paragraph on how many held-out answers MARL changed per seed (a gain made of few fixes and no breaks is
     learning; many changes both ways are a perturbation), or nothing when no traces were compared."""
     parts = [f"{key.split('/')[0]}: {c['changed']} of {c['n']} team answers changed, {c['fixed']} wrong → right, "
-             f"{c['broken']} right → wrong (sign test p = {sign_test_p(c['fixed'], c['broken']):.2f})"
+             f"{c['broken']} right → wrong, gain {paired_gain(c)[0]:+.1f} ± {paired_gain(c)[1]:.1f} points (paired "
+             f"standard error; sign test p = {sign_test_p(c['fixed'], c['broken']):.2f})"
              for key, c in sorted(curves.items()) if key.endswith("/marl_changes") and c]
     return [f"What MARL changed, against the same seed's SFT team: {'; '.join(parts)}.", ""] if parts else []
 

@@ -203,7 +203,11 @@ def test_answer_changes_count_fixes_and_breaks_from_traces(tmp_path, mt):
     assert mt.answer_changes(sft, tmp_path / "missing.jsonl") is None
     assert mt.changes_text({"seed0/marl_changes": got, "seed1/marl_changes": None, "seed0/sft_loss": [1.0]}) == [
         "What MARL changed, against the same seed's SFT team: seed0: 3 of 4 team answers changed, 1 wrong → right, "
-        "1 right → wrong (sign test p = 1.00).", ""]
+        "1 right → wrong, gain +0.0 ± 35.4 points (paired standard error; sign test p = 1.00).", ""]
+    # per question +1 (34), −1 (16), 0 (450): mean 0.036, variance 50/500 − 0.036², standard error sqrt(var / 500)
+    gain, se = mt.paired_gain({"n": 500, "changed": 132, "fixed": 34, "broken": 16})
+    assert gain == pytest.approx(3.6) and se == pytest.approx(100 * ((0.1 - 0.036 ** 2) / 500) ** 0.5)
+    assert mt.paired_gain({"n": 10, "changed": 0, "fixed": 0, "broken": 0}) == (0.0, 0.0)
     # exact binomial tails: 0 of 5 splits at 2/32; 1 of 10 at 2*11/1024; 53 of 117 near even
     assert mt.sign_test_p(0, 5) == pytest.approx(0.0625) and mt.sign_test_p(9, 1) == pytest.approx(22 / 1024)
     assert mt.sign_test_p(0, 0) == 1.0 and 0.3 < mt.sign_test_p(53, 64) < 0.4
