@@ -66,7 +66,8 @@ class Budget:
     train_seed: int = 1  # world seed of the training questions
     eval_seed: int = 1001  # world seed of the held-out questions (never trained on)
     # world seed of MARL's questions (as many videos as training); None: the training world, whose questions SFT
-    # taught from the teacher's episodes. MARL there: held-out +0.0 (dev -0.2); on world 5: +2.8 (dev +1.5)
+    # taught from the teacher's episodes. MARL there: held-out +0.0 (dev -0.2); on world 5: +2.8 (dev +1.5) for
+    # seeds 0-2, but -0.7 (dev +1.9) for seeds 3-5: +1.1 +- 2.7 over six seeds (docs/mini_team_6seeds.md)
     marl_seed: int | None = 5
     sft_epochs: int | None = None  # None: configs/sft/mini.yaml
     # replaces epochs: ~1.1 passes over the teacher examples of 120 videos. 600 steps (~0.5 passes: each seed saw
@@ -562,7 +563,10 @@ def sign_test_p(fixed: int, broken: int) -> float:
 def paired_gain(c: dict[str, int]) -> tuple[float, float]:
     """MARL's gain in points on these questions and its standard error, paired per question (each question adds
     +1, 0 or −1): a seed's gain on one world is only known to about this, whatever the seed spread."""
-    n, diff = c["n"], (c["fixed"] - c["broken"]) / c["n"]
+    n = c["n"]
+    if not n:
+        return 0.0, 0.0
+    diff = (c["fixed"] - c["broken"]) / n
     var = (c["fixed"] + c["broken"]) / n - diff ** 2
     return 100 * diff, 100 * math.sqrt(max(var, 0.0) / n)
 
@@ -570,10 +574,13 @@ def paired_gain(c: dict[str, int]) -> tuple[float, float]:
 def changes_text(curves: dict[str, Any]) -> list[str]:
     """A paragraph on how many held-out answers MARL changed per seed (a gain made of few fixes and no breaks is
     learning; many changes both ways are a perturbation), or nothing when no traces were compared."""
-    parts = [f"{key.split('/')[0]}: {c['changed']} of {c['n']} team answers changed, {c['fixed']} wrong → right, "
-             f"{c['broken']} right → wrong, gain {paired_gain(c)[0]:+.1f} ± {paired_gain(c)[1]:.1f} points (paired "
-             f"standard error; sign test p = {sign_test_p(c['fixed'], c['broken']):.2f})"
-             for key, c in sorted(curves.items()) if key.endswith("/marl_changes") and c]
+    parts = []
+    for key, c in sorted(curves.items()):
+        if key.endswith("/marl_changes") and c:
+            gain, se = paired_gain(c)
+            parts.append(f"{key.split('/')[0]}: {c['changed']} of {c['n']} team answers changed, {c['fixed']} wrong → "
+                         f"right, {c['broken']} right → wrong, gain {gain:+.1f} ± {se:.1f} points (paired standard "
+                         f"error; sign test p = {sign_test_p(c['fixed'], c['broken']):.2f})")
     return [f"What MARL changed, against the same seed's SFT team: {'; '.join(parts)}.", ""] if parts else []
 
 
