@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from m1.config import TeamConfig
+from m1.models.tiny import spec_hash
 from m1.schema import Episode, Question
 
 
@@ -173,10 +174,15 @@ def weight_stamp(folder: Path) -> list[list]:
 
 
 def team_signature(cfg: TeamConfig) -> dict:
-    """What decides a team's answers: its config and the `weight_stamp` of each local weights folder."""
+    """What decides a team's answers: its config, the `weight_stamp` of each local weights folder, and the cache
+    key of each tiny model built from a spec (it changes with the recipe and the synth tokenizer version)."""
     weights = {key: weight_stamp(Path(spec.path)) for key, spec in sorted(cfg.models.items())
                if spec.path and Path(spec.path).is_dir()}
-    return {"config": cfg.model_dump(mode="json"), "weights": weights}
+    out = {"config": cfg.model_dump(mode="json"), "weights": weights}
+    tiny = {key: spec_hash(spec.tiny) for key, spec in sorted(cfg.models.items()) if spec.tiny is not None}
+    if tiny:  # absent without tiny specs, so the signatures of teams of weight folders are unchanged
+        out["tiny"] = tiny
+    return out
 
 
 def _flat(d, prefix: str = "") -> dict[str, object]:

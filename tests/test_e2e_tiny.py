@@ -132,6 +132,22 @@ def test_results_record_their_team_and_weights(tmp_path):
     assert not out.exists()
 
 
+def test_results_record_the_recipe_of_tiny_models(tmp_path, monkeypatch):
+    """A model built from a tiny spec changes with the build recipe (or synth tokenizer) though its config does not."""
+    from m1.models import tiny
+    from m1.run import InputError, check_team
+
+    cfg = load_team("tiny")
+    out = tmp_path / "res.jsonl"
+    check_team(out, cfg)
+    out.write_text('{"id": "a"}\n')
+    check_team(out, cfg)
+    monkeypatch.setattr(tiny, "RECIPE_VERSION", tiny.RECIPE_VERSION + 1)
+    with pytest.raises(InputError, match="tiny.q3_big"):
+        check_team(out, cfg)
+    assert out.read_text() == '{"id": "a"}\n'
+
+
 def test_infer_clear_errors(folder, tmp_path):
     p = _infer(folder, tmp_path / "o.jsonl", ["--question", "x", "--team", "tiny", "--set", "limits.max_turnz=1"])
     _, err = p.communicate(timeout=120)

@@ -49,6 +49,22 @@ def test_synth_tokenizer_makes_prompts_short(m1_cache):
     n_synth, n_default = len(tok(text)["input_ids"]), len(build_tokenizer()(text)["input_ids"])
     assert n_synth * 3 < n_default, (n_synth, n_default)
     assert tok.decode(tok(text)["input_ids"]) == text
+    # numbers are single digits, as in Qwen's tokenizers: a time is copied digit by digit, never as a rare token
+    assert tok.tokenize("at 01:20 [30.5 - 37.0]") == ["at", "Ġ", "0", "1", ":", "2", "0", "Ġ[", "3", "0", ".", "5",
+                                                       "Ġ-", "Ġ", "3", "7", ".", "0", "]"]
+
+
+def test_synth_model_cache_follows_the_tokenizer_version(monkeypatch):
+    """A tiny model folder holds its tokenizer, so a new synth tokenizer must not reuse an old folder."""
+    from m1.config import TinySpec
+    from m1.models import tiny
+
+    spec = TinySpec(arch="qwen2", hidden_size=32, layers=1, heads=2, kv_heads=1, corpus="synth")
+    plain = spec.model_copy(update={"corpus": "default"})
+    before = tiny.spec_hash(spec), tiny.spec_hash(plain)
+    monkeypatch.setattr(tiny, "SYNTH_CORPUS_VERSION", tiny.SYNTH_CORPUS_VERSION + 1)
+    assert tiny.spec_hash(spec) != before[0]
+    assert tiny.spec_hash(plain) == before[1]
 
 
 def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
