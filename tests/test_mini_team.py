@@ -49,9 +49,6 @@ def test_synth_tokenizer_makes_prompts_short(m1_cache):
     n_synth, n_default = len(tok(text)["input_ids"]), len(build_tokenizer()(text)["input_ids"])
     assert n_synth * 3 < n_default, (n_synth, n_default)
     assert tok.decode(tok(text)["input_ids"]) == text
-    # numbers are single digits, as in Qwen's tokenizers: a time is copied digit by digit, never as a rare token
-    assert tok.tokenize("at 01:20 [30.5 - 37.0]") == ["at", "Ġ", "0", "1", ":", "2", "0", "Ġ[", "3", "0", ".", "5",
-                                                       "Ġ-", "Ġ", "3", "7", ".", "0", "]"]
 
 
 def test_synth_model_cache_follows_the_tokenizer_version(monkeypatch):

@@ -141,7 +141,7 @@ def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024, qwe
 
 # ------------------------------------------------------------------------------------------ synth corpus
 # Bump when the corpus or tokenizer recipe below changes: the tokenizer folder name carries it.
-SYNTH_CORPUS_VERSION = 3
+SYNTH_CORPUS_VERSION = 2
 SYNTH_VOCAB = 4096  # BPE over Qwen-split words; this corpus has fewer distinct pieces than that
 PHRASE_VOCAB = 8192  # the line-level BPE that proposes multi-word phrases
 PHRASE_MIN_COUNT = 8
@@ -189,16 +189,19 @@ def mine_phrases(texts: list[str], vocab_size: int = PHRASE_VOCAB, min_count: in
 
 
 def synth_tokenizer(texts: list[str]):
-    """Words by Qwen's split (valid for every arch), plus recurring phrases and agent tags as tokens.
+    """Words by Qwen's split (valid for every arch), plus recurring phrases, clock times, agent tags as tokens.
 
-    Numbers stay single digits, as in Qwen's own tokenizers. Version 2 made every clock time ("01:15") and every
-    number 10-120 one token: 1371 tokens each seen a few times in training, which the students never learned to
-    copy (a timestamp question's time reached the plan's key info for 0-5 of 70 held-out questions).
+    Clock times and the numbers 10-120 are single tokens here, unlike Qwen's tokenizers, which split every number
+    into digits: it keeps the students' prompts short. Digits were tried (version 3, 2026-11-25): the answer
+    prompts grew by a third, SFT took 2.4x the time, and the team was no better (held-out SFT 50.5 +- 2.7 against
+    51.5 +- 1.3; docs/mini_team_history.md).
     """
     from tokenizers import AddedToken
 
     tok = build_tokenizer(texts, vocab_size=SYNTH_VOCAB, qwen_split=True)
     extra = mine_phrases(texts)
+    extra += [f"{m:02d}:{s:02d}" for m in range(21) for s in range(60)]  # "01:15" as one token
+    extra += [str(i) for i in range(10, 121)]  # Qwen's split would cut every number into single digits
     extra += [f"[{a}]" for a in SYNTH_AGENTS]
     tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in extra])
     return tok
