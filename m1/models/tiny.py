@@ -192,9 +192,9 @@ def synth_tokenizer(texts: list[str]):
     """Words by Qwen's split (valid for every arch), plus recurring phrases, clock times, agent tags as tokens.
 
     Clock times and the numbers 10-120 are single tokens here, unlike Qwen's tokenizers, which split every number
-    into digits: it keeps the students' prompts short. Digits were tried (version 3, 2026-11-25): the answer
-    prompts grew by a third, SFT took 2.4x the time, and the team was no better (held-out SFT 50.5 +- 2.7 against
-    51.5 +- 1.3; docs/mini_team_history.md).
+    into digits: it keeps the students' prompts short. Digits were tried (version 3, 2026-11-25): answer prompts
+    grew by a third (555 -> 742 tokens on average), an SFT step took twice as long, and the team was no better
+    (held-out SFT 50.5 +- 2.7 against 51.5 +- 1.3; docs/mini_team_history.md).
     """
     from tokenizers import AddedToken
 
