@@ -140,7 +140,8 @@ def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024, qwe
 
 
 # ------------------------------------------------------------------------------------------ synth corpus
-# Bump when the corpus or tokenizer recipe below changes: the tokenizer folder name carries it.
+# Bump when the corpus or tokenizer recipe below changes: the tokenizer folder name carries it. Skip 3: it named
+# the digit trial (synth_tokenizer), whose folder may still sit in a cache.
 SYNTH_CORPUS_VERSION = 2
 SYNTH_VOCAB = 4096  # BPE over Qwen-split words; this corpus has fewer distinct pieces than that
 PHRASE_VOCAB = 8192  # the line-level BPE that proposes multi-word phrases
