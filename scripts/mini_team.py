@@ -420,17 +420,23 @@ def sft_data_settings(sft_cfg) -> dict[str, Any]:
             "teacher_overrides": list(d.teacher_overrides)}
 
 
-def final_weights(run_dir: Path, agents: list[str]) -> dict[str, Path]:
-    """The agents' full-model folders in the newest checkpoint of a run."""
+def final_weights(run_dir: Path, agents: list[str], averaged: bool = False) -> dict[str, Path]:
+    """The agents' full-model folders of a run: its averaged weights (MARL's `average`, m1/marl/average.py) or
+    those of its newest checkpoint."""
+    from m1.marl.average import AVERAGE_DIR
     from m1.marl.trainer import find_latest_checkpoint
 
-    ckpt = find_latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise FileNotFoundError(f"{run_dir}: no checkpoint was written")
-    out = {a: ckpt / "agents" / a / "model" for a in agents}
+    root = Path(run_dir) / AVERAGE_DIR
+    if averaged and not (root / "average.json").is_file():
+        raise FileNotFoundError(f"{root}: the run's averaged weights were not written")
+    if not averaged:
+        root = find_latest_checkpoint(run_dir)
+        if root is None:
+            raise FileNotFoundError(f"{run_dir}: no checkpoint was written")
+    out = {a: root / "agents" / a / "model" for a in agents}
     missing = [str(p) for p in out.values() if not (p / "config.json").is_file()]
     if missing:
-        raise FileNotFoundError(f"{ckpt}: no full-model folder for {missing} (finetune must be 'full')")
+        raise FileNotFoundError(f"{root}: no full-model folder for {missing} (finetune must be 'full')")
     return out
 
 
@@ -469,9 +475,11 @@ def run_marl(seed: int, sft_weights: dict[str, Path], questions: list, out: Path
     if b.marl_questions_per_step is not None:
         update["rollout"] = cfg.rollout.model_copy(update={"questions_per_step": b.marl_questions_per_step})
     cfg = cfg.model_copy(update=update)
-    # SFT trained again (new weight files) means MARL starts again
+    # SFT trained again (new weight files) means MARL starts again. Averaging and checkpoint retention do not change
+    # training: a finished stage with other `average` settings is only averaged again (m1/marl/average.py)
     sft_stamp = {a: weight_stamp(p) for a, p in sorted(sft_weights.items())}
-    settings = {"config": cfg.model_dump(mode="json", exclude={"log"}), "questions": len(questions), "sft": sft_stamp}
+    trained = cfg.model_dump(mode="json", exclude={"log": True, "average": True, "checkpoint": {"keep_last"}})
+    settings = {"config": trained, "questions": len(questions), "sft": sft_stamp}
     if b.marl_seed is not None:  # absent otherwise, so runs made before the option keep their finished MARL stage
         settings["marl_world"] = b.marl_seed
     stage_folder(out, settings, root=out.parent.parent)  # out is <run>/seed<k>/marl
@@ -481,17 +489,17 @@ def run_marl(seed: int, sft_weights: dict[str, Path], questions: list, out: Path
         trainer.train()
     finally:
         trainer.close()
-    return final_weights(out, [a.name for a in team.agents]), read_metrics(out)
+    return final_weights(out, [a.name for a in team.agents], cfg.average.checkpoints > 0), read_metrics(out)
 
 
 # ------------------------------------------------------------------------------------------------ shipped weights
-def export_weights(out: Path, seed: int, dest: Path) -> None:
+def export_weights(out: Path, seed: int, dest: Path, averaged: bool) -> None:
     """Copy seed `seed`'s SFT+MARL agents (full-model folders, no optimizer) to `dest`/<agent>, replacing it whole.
 
     `configs/team/mini_trained.yaml` (the team of `make demo`) reads the copy shipped in assets/mini_team.
     """
     agents = [a.name for a in load_team("mini").agents]
-    weights = final_weights(out / f"seed{seed}" / "marl", agents)
+    weights = final_weights(out / f"seed{seed}" / "marl", agents, averaged)
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     for agent, src in weights.items():
@@ -915,7 +923,10 @@ def main(argv: list[str] | None = None) -> None:
                        else REPO / "docs" / "mini_team.md")
     res = run(out, b, doc, rows=tuple(r for r in ROWS if r in args.rows), jobs=args.jobs)
     if args.export is not None:
-        export_weights(out, b.seeds[0], args.export)
+        from m1.marl.config import load_train_config
+
+        averaged = load_train_config("mini", list(b.overrides_marl)).average.checkpoints > 0
+        export_weights(out, b.seeds[0], args.export, averaged)
     print(res["table"])
     print(verdict(res["results"]))
     m = res["meta"]

@@ -126,6 +126,22 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     assert mt.run_marl(0, weights, train_qs, tmp_path / "marl", b, clip_cache, pool) == (marl_w, marl_rows)
     assert (written(weights), written(marl_w)) == before
 
+    # averaging only post-processes a finished stage: no training again, and the averaged folders are returned
+    avg_b = replace(b, overrides_marl=b.overrides_marl + ["average.checkpoints=1"])
+    avg_w, avg_rows = mt.run_marl(0, weights, train_qs, tmp_path / "marl", avg_b, clip_cache, pool)
+    assert avg_rows == marl_rows and written(marl_w) == before[1]
+    assert all(p == tmp_path / "marl" / "average" / "agents" / a / "model" for a, p in avg_w.items())
+    from m1.marl.trainer import read_safetensors
+
+    for a, p in avg_w.items():  # the mean of one checkpoint is that checkpoint
+        got, want = read_safetensors(p, "model"), read_safetensors(marl_w[a], "model")
+        assert set(got) == set(want) and all(got[k].equal(want[k]) for k in want)
+    assert mt.run_marl(0, weights, train_qs, tmp_path / "marl", b, clip_cache, pool)[0] == marl_w  # off again
+    with pytest.raises(FileNotFoundError, match="include_start needs the starting weights"):
+        mt.run_marl(0, weights, train_qs, tmp_path / "marl",
+                    replace(avg_b, overrides_marl=avg_b.overrides_marl + ["average.include_start=true"]),
+                    clip_cache, pool)
+
     # the table
     results = {"untrained": [untrained], "sft": [sft]}
     table = mt.render_table(results, {"seeds": [0]})

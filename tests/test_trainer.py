@@ -527,3 +527,77 @@ def test_ray_learners_match_local_learners(tmp_path, video, m1_cache):
         assert remote[0][key] == pytest.approx(local[0][key], rel=1e-5, abs=1e-7)
     assert remote[0]["alpha/grad_norm"] == pytest.approx(local[0]["alpha/grad_norm"], rel=1e-4)
     assert (Path(tmp_path) / "ray" / "checkpoints" / "step-000001" / "agents" / "alpha" / "rng.pt").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ weight averaging
+def test_average_of_full_checkpoints_is_the_mean_of_start_and_members(tmp_path, video, m1_cache):
+    import torch
+
+    from m1.marl.trainer import read_safetensors
+
+    out = tmp_path / "run"
+    cfg = train_cfg(out, steps=3, average={"checkpoints": 2, "include_start": True})
+    tr = make_trainer(cfg, video)
+    start = {a: tr.learners.parameters(a) for a in AGENTS}
+    tr.train()
+    info = json.loads((out / "average" / "average.json").read_text())
+    assert info["members"] == ["start", "step-000002", "step-000003"]
+    for a in AGENTS:
+        saved_start = read_safetensors(out / "start" / "agents" / a / "model", "model")
+        assert all(torch.equal(saved_start[n], p) for n, p in start[a].items())  # the weights before step 1
+        s2 = read_safetensors(out / "checkpoints" / "step-000002" / "agents" / a / "model", "model")
+        s3 = read_safetensors(out / "checkpoints" / "step-000003" / "agents" / a / "model", "model")
+        avg = read_safetensors(out / "average" / "agents" / a / "model", "model")
+        assert set(avg) == set(s3)
+        for n in avg:
+            want = (saved_start[n].double() + s2[n].double() + s3[n].double()) / 3
+            torch.testing.assert_close(avg[n].double(), want, rtol=0, atol=1e-7)
+        assert not torch.equal(avg[n], s3[n])  # the average is not simply the last weights
+        assert (out / "average" / "agents" / a / "model" / "config.json").is_file()
+    stamp = (out / "average" / "average.json").stat().st_mtime_ns
+    make_trainer(cfg, video).train()  # finished run: the same members, nothing rewritten
+    assert (out / "average" / "average.json").stat().st_mtime_ns == stamp
+
+
+def test_averaged_lora_adapter_adds_the_mean_update(tmp_path):
+    """N rank-r adapters stacked into one of rank N*r: merged, it adds the mean of the N updates (and of a zero one
+    for the start of a LoRA run)."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from m1.marl.average import average_adapters
+
+    def base():
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+
+    members, deltas = [], []
+    w0 = base().state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    for i in range(2):
+        model = get_peft_model(base(), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+        torch.manual_seed(10 + i)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.normal_()
+        model.save_pretrained(tmp_path / f"m{i}")
+        members.append(tmp_path / f"m{i}")
+        merged = model.merge_and_unload().state_dict()["model.layers.0.self_attn.q_proj.weight"]
+        deltas.append(merged - w0)
+    average_adapters(members, tmp_path / "avg", zero_members=1)
+    cfg = json.loads((tmp_path / "avg" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"]) == (4, 8)  # rank 2*2, the same alpha/r scale
+    merged = PeftModel.from_pretrained(base(), tmp_path / "avg").merge_and_unload().state_dict()
+    torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"] - w0, (deltas[0] + deltas[1]) / 3,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_average_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint.keep_last >= 3"):
+        train_cfg(tmp_path, steps=4, average={"checkpoints": 3})
+    with pytest.raises(ValueError, match="saves only 2 checkpoints"):
+        train_cfg(tmp_path, steps=4, checkpoint={"every": 2, "keep_last": 5}, average={"checkpoints": 3})
+    with pytest.raises(ValueError, match="averaging is off"):
+        train_cfg(tmp_path, average={"include_start": True})

@@ -159,6 +159,17 @@ class CheckpointConfig(Strict):
     resume: bool = True  # continue from the newest checkpoint in out_dir when there is one
 
 
+class AverageConfig(Strict):
+    """Ours: also write the mean of the last checkpoints' weights to <out_dir>/average (m1/marl/average.py).
+
+    Members are `checkpoints` saved `checkpoint.every` steps apart, the last one at `steps`; with `include_start`
+    the weights training started from count as one more member (saved at step 0 to <out_dir>/start).
+    """
+
+    checkpoints: int = Field(0, ge=0)  # 0: off
+    include_start: bool = False
+
+
 class RayConfig(Strict):
     address: str | None = None  # None: start a local Ray; "auto": join a running cluster
     num_gpus_per_learner: float = Field(0.0, ge=0.0)
@@ -186,6 +197,7 @@ class TrainConfig(Strict):
     seed: int = 0
     out_dir: str = "runs/marl"
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    average: AverageConfig = Field(default_factory=AverageConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     placement: Literal["local", "ray"] = "local"  # ray: one learner actor per agent
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -197,6 +209,16 @@ class TrainConfig(Strict):
         for a in self.train_agents or []:
             if a not in names:
                 raise ValueError(f"train_agents: no agent named {a!r} in team {team.name!r} (agents: {names})")
+        avg = self.average
+        if avg.checkpoints > self.checkpoint.keep_last:
+            raise ValueError(f"average.checkpoints={avg.checkpoints} needs checkpoint.keep_last >= "
+                             f"{avg.checkpoints} (it is {self.checkpoint.keep_last}): older checkpoints are deleted")
+        if avg.checkpoints > math.ceil(self.steps / self.checkpoint.every):
+            raise ValueError(f"average.checkpoints={avg.checkpoints}: a run of {self.steps} steps with "
+                             f"checkpoint.every={self.checkpoint.every} saves only "
+                             f"{math.ceil(self.steps / self.checkpoint.every)} checkpoints")
+        if avg.include_start and not avg.checkpoints:
+            raise ValueError("average.include_start is set but average.checkpoints is 0 (averaging is off)")
         if self.judge.kind == "none" and self.rewards.w_col != 0:
             raise ValueError(f"judge.kind is 'none' but rewards.w_col={self.rewards.w_col}; set w_col: 0")
         if self.grpo.baseline == "greedy" and (self.grpo.scale_rewards or self.rollout.answer_samples):

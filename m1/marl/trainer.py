@@ -402,9 +402,9 @@ class AgentLearner:
         if self.cfg.finetune == "lora":
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(self.policy, _read_safetensors(folder / "adapter", "adapter_model"))
+            set_peft_model_state_dict(self.policy, read_safetensors(folder / "adapter", "adapter_model"))
         else:
-            _load_full(self.policy, _read_safetensors(folder / "model", "model"), folder / "model")
+            _load_full(self.policy, read_safetensors(folder / "model", "model"), folder / "model")
         if self.engine is not None:
             self.engine.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False)
         else:
@@ -429,7 +429,7 @@ class _AdapterOff:
         return self._ctx.__exit__(*exc)
 
 
-def _read_safetensors(folder: Path, stem: str) -> dict[str, Any]:
+def read_safetensors(folder: Path, stem: str) -> dict[str, Any]:
     """All tensors of a (possibly sharded) safetensors checkpoint in `folder`."""
     from safetensors.torch import load_file
 
@@ -682,6 +682,8 @@ class Trainer:
             latest = find_latest_checkpoint(self.out)
             if latest is not None:
                 self.load_checkpoint(latest)
+        if cfg.average.include_start and self.step == 0:
+            self.save_start()
 
     # ------------------------------------------------------------------ the loop
     def train(self, stop_after: int | None = None) -> list[dict[str, Any]]:
@@ -698,6 +700,8 @@ class Trainer:
                     self.save_checkpoint()
         finally:
             logger.close()
+        if self.step == cfg.steps and cfg.average.checkpoints:
+            self.write_average()
         return self.history
 
     def train_step(self) -> dict[str, Any]:
@@ -807,6 +811,38 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         return save_checkpoint(self.out, self.step, self.learners, self._state(), self.cfg.checkpoint.keep_last)
 
+    def save_start(self) -> None:
+        """The weights before the first update, for average.include_start (written once, atomically)."""
+        from m1.marl.average import START_DIR
+
+        final = self.out / START_DIR
+        if (final / "agents").is_dir():
+            return
+        tmp = self.out / f".{START_DIR}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.learners.save(tmp / "agents")
+        tmp.rename(final)
+
+    def write_average(self) -> Path:
+        """<out>/average: the mean of the newest `average.checkpoints` checkpoints (and the start), unless the
+        folder already holds exactly those members."""
+        from m1.marl.average import AVERAGE_DIR, START_DIR, write_average
+
+        avg = self.cfg.average
+        done = sorted(p for p in (self.out / CHECKPOINT_DIR).glob("step-*") if (p / "trainer_state.json").is_file())
+        members = done[-avg.checkpoints:]
+        if len(members) < avg.checkpoints or members[-1].name != f"step-{self.cfg.steps:06d}":
+            raise FileNotFoundError(f"{self.out / CHECKPOINT_DIR}: average.checkpoints={avg.checkpoints} needs that "
+                                    f"many checkpoints ending at step {self.cfg.steps}; found "
+                                    f"{[p.name for p in done]}")
+        names = ([START_DIR] if avg.include_start else []) + [p.name for p in members]
+        info = self.out / AVERAGE_DIR / "average.json"
+        if info.is_file() and json.loads(info.read_text()).get("members") == names:
+            return info.parent
+        folder = write_average(self.out, members, self.trained, self.cfg.learner.finetune, avg.include_start)
+        log.info("averaged %s into %s", names, folder)
+        return folder
+
     def _state(self) -> dict[str, Any]:
         return {"step": self.step, "cursor": self.data.cursor, "seed": self.cfg.seed, "agents": self.trained,
                 "name": self.cfg.name, "config": self.cfg.model_dump(mode="json")}
@@ -887,4 +923,7 @@ def train_main(config_path: str | Path, overrides: list[str] | None = None,
                  f"mean reward {rows[-1]['reward/mean']:.3f}; metrics in {Path(cfg.out_dir) / 'metrics.jsonl'}")
     else:
         progress(f"{cfg.name}: already at step {start} of {cfg.steps}; nothing to do")
+    if cfg.average.checkpoints:
+        progress(f"{cfg.name}: the weights to use (average of {cfg.average.checkpoints} checkpoints"
+                 f"{' and the start' if cfg.average.include_start else ''}) are in {Path(cfg.out_dir) / 'average'}")
     return rows
