@@ -592,6 +592,17 @@ def test_averaged_lora_adapter_adds_the_mean_update(tmp_path):
     merged = PeftModel.from_pretrained(base(), tmp_path / "avg").merge_and_unload().state_dict()
     torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"] - w0, (deltas[0] + deltas[1]) / 3,
                                rtol=1e-5, atol=1e-6)
+    # a whole trained module cannot be averaged with a start the adapter does not hold
+    from safetensors.torch import load_file, save_file
+
+    for m in members:
+        state = load_file(m / "adapter_model.safetensors")
+        state["base_model.model.lm_head.weight"] = torch.ones(64, 16)
+        save_file(state, str(m / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="modules_to_save"):
+        average_adapters(members, tmp_path / "avg2", zero_members=1)
+    average_adapters(members, tmp_path / "avg3")
+    assert load_file(tmp_path / "avg3" / "adapter_model.safetensors")["base_model.model.lm_head.weight"].eq(1).all()
 
 
 def test_average_settings_are_checked(tmp_path):

@@ -44,7 +44,8 @@ def average_adapters(members: list[Path], out: Path, zero_members: int = 0) -> N
 
     Member i adds s*B_i A_i (s = lora_alpha/r, or lora_alpha/sqrt(r) with rsLoRA). Stacking A_i by rows and B_i/n
     by columns gives a rank n*r adapter with B A = (1/n) sum B_i A_i; lora_alpha is raised so s is unchanged.
-    Other adapter tensors (biases, modules_to_save) are plain means over all n members.
+    LoRA biases are means over all n members; whole trained modules (modules_to_save) are means over the members,
+    and cannot be averaged with the start, which the adapter does not hold.
     """
     import torch
     from safetensors.torch import save_file
@@ -65,12 +66,17 @@ def average_adapters(members: list[Path], out: Path, zero_members: int = 0) -> N
     states = [_weights(m, "adapter") for m in members]
     out_state: dict[str, Any] = {}
     for k in _same_keys(states, members):
-        if "lora_A" in k or "lora_embedding_A" in k:  # (r, in): stack the rows
+        dim = states[0][k].dim()
+        if ("lora_A" in k or "lora_embedding_A" in k) and dim == 2:  # (r, in): stack the rows
             out_state[k] = torch.cat([s[k] for s in states], dim=0).contiguous()
-        elif "lora_B" in k or "lora_embedding_B" in k:  # (out, r): stack the columns, each weighted 1/n
+        elif ("lora_B" in k or "lora_embedding_B" in k) and dim == 2:  # (out, r): stack the columns, each 1/n
             out_state[k] = (torch.cat([s[k] for s in states], dim=1) / n).to(states[0][k].dtype).contiguous()
-        else:
+        elif "lora_" in k or not zero_members:  # a LoRA bias is part of the update (zero at the start)
             out_state[k] = (sum(s[k].to(torch.float64) for s in states) / n).to(states[0][k].dtype).contiguous()
+        else:
+            raise ValueError(f"{members[0]}: {k} is a whole trained module (modules_to_save), whose starting "
+                             f"weights the adapter does not hold; average it without the start "
+                             f"(average.include_start: false)")
     k_members = len(members)
     cfg = dict(first)
     cfg["r"] = first["r"] * k_members
