@@ -426,10 +426,11 @@ def final_weights(run_dir: Path, agents: list[str], averaged: bool = False) -> d
     from m1.marl.average import AVERAGE_DIR
     from m1.marl.trainer import find_latest_checkpoint
 
-    root = Path(run_dir) / AVERAGE_DIR
-    if averaged and not (root / "average.json").is_file():
-        raise FileNotFoundError(f"{root}: the run's averaged weights were not written")
-    if not averaged:
+    if averaged:
+        root = Path(run_dir) / AVERAGE_DIR
+        if not (root / "average.json").is_file():
+            raise FileNotFoundError(f"{root}: the run's averaged weights were not written")
+    else:
         root = find_latest_checkpoint(run_dir)
         if root is None:
             raise FileNotFoundError(f"{run_dir}: no checkpoint was written")

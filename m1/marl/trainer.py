@@ -829,7 +829,7 @@ class Trainer:
         from m1.marl.average import AVERAGE_DIR, START_DIR, write_average
 
         avg = self.cfg.average
-        done = sorted(p for p in (self.out / CHECKPOINT_DIR).glob("step-*") if (p / "trainer_state.json").is_file())
+        done = finished_checkpoints(self.out)
         members = done[-avg.checkpoints:]
         if len(members) < avg.checkpoints or members[-1].name != f"step-{self.cfg.steps:06d}":
             raise FileNotFoundError(f"{self.out / CHECKPOINT_DIR}: average.checkpoints={avg.checkpoints} needs that "
@@ -895,6 +895,11 @@ def load_checkpoint(folder: Path, learners, agents: list[str], seed: int) -> dic
     _set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
     return state
 
+def finished_checkpoints(out_dir: Path) -> list[Path]:
+    """The complete checkpoint folders of a run, oldest first."""
+    return sorted(p for p in (Path(out_dir) / CHECKPOINT_DIR).glob("step-*") if (p / "trainer_state.json").is_file())
+
+
 def find_latest_checkpoint(out_dir: Path) -> Path | None:
     root = Path(out_dir) / CHECKPOINT_DIR
     marker = root / LATEST
@@ -902,7 +907,7 @@ def find_latest_checkpoint(out_dir: Path) -> Path | None:
         cand = root / marker.read_text().strip()
         if (cand / "trainer_state.json").is_file():
             return cand
-    done = sorted(p for p in root.glob("step-*") if (p / "trainer_state.json").is_file())
+    done = finished_checkpoints(out_dir)
     return done[-1] if done else None
 
 
