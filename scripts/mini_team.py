@@ -371,17 +371,45 @@ def answer_changes(before: Path, after: Path) -> dict[str, int] | None:
 
 
 # ------------------------------------------------------------------------------------------------ training
+def teacher_examples(sft_cfg, questions: list, clip_cache: Path, pool, tiny_clip: bool = False,
+                     threads: int | None = None):
+    """The teacher's kept generations on `questions` and the keep-rule counts (`m1.marl.sft.build_sft_data`)."""
+    if threads is not None:  # a worker process of build_examples
+        import torch
+
+        torch.set_num_threads(threads)
+    from m1.marl.sft import build_sft_data
+    from m1.team.cpp import Team
+    from m1.video import VideoPool
+
+    teacher = Team(sft_teacher_config(sft_cfg, clip_cache, tiny_clip), pool=pool if pool is not None else VideoPool())
+    return build_sft_data(teacher, questions, sft_cfg.rewards, None, sft_cfg.data.phases,
+                          sft_cfg.data.rollouts_per_question, sft_cfg.data.rotate_options,
+                          sft_cfg.data.keep_revised_plans)
+
+
+def video_shards(questions: list, n: int) -> list[list]:
+    """`questions` cut into at most `n` contiguous runs of whole videos (each worker then indexes its own videos)."""
+    by_video: dict[str, list] = {}
+    for q in questions:
+        by_video.setdefault(q.video, []).append(q)
+    videos = list(by_video.values())
+    size = math.ceil(len(videos) / max(n, 1)) if videos else 1
+    return [[q for v in videos[i:i + size] for q in v] for i in range(0, len(videos), size)]
+
+
 def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, tiny_clip: bool = False,
-                   communicate_per_episode: int | None = None):
+                   communicate_per_episode: int | None = None, jobs: int = 1):
     """Teacher generations on the training questions, kept by the paper's rule (cached in out/sft_examples.jsonl,
     rebuilt when the data settings recorded in its stats differ from these).
 
     `communicate_per_episode` thins the communicate examples (almost all `continue()`, and the longest prompts) to
     the first N of each agent per question (over all its rollouts): a data budget applied after the keep rule,
-    counted in the stats.
+    counted in the stats. `jobs` > 1 runs the teacher over that many shards of whole videos in worker processes;
+    the teacher's choices depend only on each prompt (m1/synth/teacher.py), so the shards' examples, concatenated
+    in order, are the ones a single process keeps.
     """
-    from m1.marl.sft import build_sft_data, read_examples, write_examples
-    from m1.team.cpp import Team
+    from m1.marl.sft import read_examples, write_examples
 
     path, stats_path = out / "sft_examples.jsonl", out / "sft_examples.stats.json"
     settings = {**sft_data_settings(sft_cfg), "communicate_per_episode": communicate_per_episode}
@@ -390,10 +418,22 @@ def build_examples(sft_cfg, train_qs: list, out: Path, clip_cache: Path, pool, t
         if cached.get("data") == settings:
             return read_examples(path), cached
         log.info("%s was built with other data settings: rebuilding it", path)
-    teacher = Team(sft_teacher_config(sft_cfg, clip_cache, tiny_clip), pool=pool)
-    examples, stats = build_sft_data(teacher, train_qs, sft_cfg.rewards, None, sft_cfg.data.phases,
-                                     sft_cfg.data.rollouts_per_question, sft_cfg.data.rotate_options,
-                                     sft_cfg.data.keep_revised_plans)
+    shards = video_shards(train_qs, jobs)
+    if len(shards) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=len(shards), mp_context=mp.get_context("spawn")) as ex:
+            parts = list(ex.map(teacher_examples, [sft_cfg] * len(shards), shards, [clip_cache] * len(shards),
+                                [None] * len(shards), [tiny_clip] * len(shards), [1] * len(shards)))
+        examples = [e for part, _ in parts for e in part]
+        stats: dict[str, Any] = defaultdict(int)
+        for _, part_stats in parts:
+            for k, v in part_stats.items():
+                stats[k] += v
+        stats = dict(stats)
+    else:
+        examples, stats = teacher_examples(sft_cfg, train_qs, clip_cache, pool, tiny_clip)
     if communicate_per_episode is not None:
         seen: dict[tuple[str, str], int] = defaultdict(int)
         thinned = []
@@ -786,7 +826,7 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     t = time.perf_counter()
     sft_cfg = load_sft_config("mini", list(b.overrides_sft))
     examples, stats = build_examples(sft_cfg, train_qs, out, clip_cache, pool, b.tiny_clip,
-                                     b.communicate_per_episode)
+                                     b.communicate_per_episode, jobs=jobs)
     stages["teacher SFT data"] = time.perf_counter() - t
     # each seed reads the examples from disk and opens its own videos, so the parent lets go of its frame cache and
     # readers before the seeds train (it held 4.4 GB after building 120 videos' examples, and was the process the

@@ -64,6 +64,25 @@ def test_synth_model_cache_follows_the_tokenizer_version(monkeypatch):
     assert tiny.spec_hash(plain) == before[1]
 
 
+def test_teacher_data_in_worker_processes_equals_one_process(tmp_path, m1_cache, mt, monkeypatch):
+    """Shards of whole videos built in two spawned workers give the single process's examples, in its order."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # spawned workers import the script as `mini_team`
+    from m1.marl.config import load_sft_config
+    from m1.video import VideoPool
+
+    b = replace(mt.Budget(**BUDGET), train_videos=2, questions_per_video=3)
+    train_qs = mt.make_world(tmp_path / "data", b.train_videos, b.train_seed, b)
+    shards = mt.video_shards(train_qs, 2)
+    assert [len({q.video for q in s}) for s in shards] == [1, 1] and sum(shards, []) == train_qs
+    assert mt.video_shards(train_qs, 5) == shards  # never more shards than videos
+    sft_cfg = load_sft_config("mini")
+    clip_cache = tmp_path / "clip"
+    one, one_stats = mt.build_examples(sft_cfg, train_qs, tmp_path / "one", clip_cache, VideoPool(), tiny_clip=True)
+    two, two_stats = mt.build_examples(sft_cfg, train_qs, tmp_path / "two", clip_cache, None, tiny_clip=True, jobs=2)
+    assert len(one) > 0 and two == one
+    assert two_stats == one_stats and two_stats["kept"] == len(two)
+
+
 def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     from m1.marl.config import load_sft_config
     from m1.video import VideoPool
