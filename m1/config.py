@@ -46,6 +46,11 @@ class ModelSpec(Strict):
     backend: Literal["hf", "vllm", "openai", "open_clip", "synth"] = "hf"
     path: str | None = None  # local folder or hub id (hf, vllm); model name (openai)
     tiny: TinySpec | None = None  # build a tiny random model instead of loading `path`
+    # a peft LoRA adapter folder applied on top of `path`/`tiny` (chat, hf or vllm): what `m1 train` with
+    # `learner.finetune: lora` saves as <checkpoint>/agents/<agent>/adapter. hf merges it into the weights once
+    # at load; vllm serves it as a LoRA request. Left out of dumps when unset, so the signatures of teams and
+    # training stages recorded before the field existed still match
+    adapter: str | None = Field(None, exclude_if=lambda v: v is None)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     attn_implementation: str | None = None  # sdpa | flash_attention_2 | eager
@@ -68,6 +73,9 @@ class ModelSpec(Strict):
             raise ValueError("needs `path` (a local folder or hub id) or `tiny`")
         if self.backend == "open_clip" and not (self.clip_name or self.tiny):
             raise ValueError("needs `clip_name` (e.g. ViT-B-16) or `tiny`")
+        if self.adapter is not None and (self.kind != "chat" or self.backend not in ("hf", "vllm")):
+            raise ValueError(f"`adapter` applies to chat models of backend hf or vllm, not a {self.kind} model "
+                             f"of backend {self.backend!r}")
         return self
 
 
@@ -283,13 +291,15 @@ def load_config(model: type[BaseModel], path: str | Path, overrides: list[str] |
 
 
 def load_team(path: str | Path, overrides: list[str] | None = None) -> TeamConfig:
-    """A team config; a model `path` written as `./x` or `../x` is taken relative to the YAML file's folder (so a
-    config can name weights shipped beside it wherever the command runs), any other path as given."""
+    """A team config; a model `path` or `adapter` written as `./x` or `../x` is taken relative to the YAML file's
+    folder (so a config can name weights shipped beside it wherever the command runs), any other path as given."""
     cfg = load_config(TeamConfig, path, overrides, "team")
     folder = resolve_config_path(path, "team").parent
     models = {}
     for key, spec in cfg.models.items():
-        if spec.path and spec.path.startswith(("./", "../")):
-            spec = spec.model_copy(update={"path": str((folder / spec.path).resolve())})
+        for field in ("path", "adapter"):
+            value = getattr(spec, field)
+            if value and value.startswith(("./", "../")):
+                spec = spec.model_copy(update={field: str((folder / value).resolve())})
         models[key] = spec
     return cfg.model_copy(update={"models": models})

@@ -174,11 +174,15 @@ def weight_stamp(folder: Path) -> list[list]:
 
 
 def team_signature(cfg: TeamConfig) -> dict:
-    """What decides a team's answers: its config, the `weight_stamp` of each local weights folder, and the cache
-    key of each tiny model built from a spec (it changes with the recipe and the synth tokenizer version)."""
+    """What decides a team's answers: its config, the `weight_stamp` of each local weights (and adapter) folder, and
+    the cache key of each tiny model built from a spec (it changes with the recipe and the synth tokenizer version)."""
     weights = {key: weight_stamp(Path(spec.path)) for key, spec in sorted(cfg.models.items())
                if spec.path and Path(spec.path).is_dir()}
+    adapters = {key: weight_stamp(Path(spec.adapter)) for key, spec in sorted(cfg.models.items())
+                if spec.adapter and Path(spec.adapter).is_dir()}
     out = {"config": cfg.model_dump(mode="json"), "weights": weights}
+    if adapters:  # absent without adapters, so earlier signatures stay valid
+        out["adapters"] = adapters
     tiny = {key: spec_hash(spec.tiny) for key, spec in sorted(cfg.models.items()) if spec.tiny is not None}
     if tiny:  # absent without tiny specs, so the signatures of teams of weight folders are unchanged
         out["tiny"] = tiny

@@ -105,8 +105,9 @@ def with_tools(cfg: TeamConfig, clip_cache: Path | None, tiny_clip: bool) -> Tea
 
 
 def mini_config(seed: int, weights: dict[str, Path] | None = None, clip_cache: Path | None = None,
-                tiny_clip: bool = False) -> TeamConfig:
-    """The mini team for training seed `seed`: tiny specs with seeds shifted by 1000*seed, or trained weights."""
+                tiny_clip: bool = False, adapters: dict[str, Path] | None = None) -> TeamConfig:
+    """The mini team for training seed `seed`: tiny specs with seeds shifted by 1000*seed, or trained weights
+    (with LoRA `adapters` on top of them, for the agents that have one)."""
     cfg = load_team("mini")
     models = {}
     chat_keys = {a.model for a in cfg.agents}
@@ -114,11 +115,26 @@ def mini_config(seed: int, weights: dict[str, Path] | None = None, clip_cache: P
         if key in chat_keys:
             if weights is not None:
                 agent = next(a.name for a in cfg.agents if a.model == key)
-                spec = spec.model_copy(update={"tiny": None, "path": str(weights[agent])})
+                adapter = (adapters or {}).get(agent)
+                spec = spec.model_copy(update={"tiny": None, "path": str(weights[agent]),
+                                               "adapter": str(adapter) if adapter is not None else None})
             elif spec.tiny is not None:
                 spec = spec.model_copy(update={"tiny": spec.tiny.model_copy(update={"seed": spec.tiny.seed + 1000 * seed})})
         models[key] = spec
     return with_tools(cfg.model_copy(update={"models": models}), clip_cache, tiny_clip)
+
+
+def trained_config(seed: int, base: dict[str, Path], trained: dict[str, Path], clip_cache: Path | None = None,
+                   tiny_clip: bool = False) -> TeamConfig:
+    """The mini team after a training run: `trained` (`final_weights`) holds full-model folders, which replace
+    `base`, or LoRA adapter folders (a run with `learner.finetune: lora`), which go on top of it."""
+    adapters = {a: p for a, p in trained.items() if is_adapter(p)}
+    weights = {a: (base[a] if a in adapters else p) for a, p in trained.items()}
+    return mini_config(seed, weights, clip_cache, tiny_clip, adapters)
+
+
+def is_adapter(folder: Path) -> bool:
+    return (Path(folder) / "adapter_config.json").is_file()
 
 
 def teacher_config(seed: int, clip_cache: Path | None = None, tiny_clip: bool = False) -> TeamConfig:
@@ -461,8 +477,8 @@ def sft_data_settings(sft_cfg) -> dict[str, Any]:
 
 
 def final_weights(run_dir: Path, agents: list[str], averaged: bool = False) -> dict[str, Path]:
-    """The agents' full-model folders of a run: its averaged weights (MARL's `average`, m1/marl/average.py) or
-    those of its newest checkpoint."""
+    """The agents' full-model folders of a run, or their LoRA adapter folders (`learner.finetune: lora`): its
+    averaged weights (MARL's `average`, m1/marl/average.py) or those of its newest checkpoint."""
     from m1.marl.average import AVERAGE_DIR
     from m1.marl.trainer import find_latest_checkpoint
 
@@ -474,10 +490,11 @@ def final_weights(run_dir: Path, agents: list[str], averaged: bool = False) -> d
         root = find_latest_checkpoint(run_dir)
         if root is None:
             raise FileNotFoundError(f"{run_dir}: no checkpoint was written")
-    out = {a: root / "agents" / a / "model" for a in agents}
-    missing = [str(p) for p in out.values() if not (p / "config.json").is_file()]
+    out = {a: root / "agents" / a / ("adapter" if is_adapter(root / "agents" / a / "adapter") else "model")
+           for a in agents}
+    missing = [str(p) for p in out.values() if not ((p / "config.json").is_file() or is_adapter(p))]
     if missing:
-        raise FileNotFoundError(f"{root}: no full-model folder for {missing} (finetune must be 'full')")
+        raise FileNotFoundError(f"{root}: no full-model or adapter folder for {missing}")
     return out
 
 
@@ -535,16 +552,26 @@ def run_marl(seed: int, sft_weights: dict[str, Path], questions: list, out: Path
 
 # ------------------------------------------------------------------------------------------------ shipped weights
 def export_weights(out: Path, seed: int, dest: Path, averaged: bool) -> None:
-    """Copy seed `seed`'s SFT+MARL agents (full-model folders, no optimizer) to `dest`/<agent>, replacing it whole.
+    """Copy seed `seed`'s SFT+MARL agents (full-model folders, no optimizer) to `dest`/<agent>, replacing it whole;
+    LoRA-trained agents are written with their adapter merged into the SFT weights.
 
     `configs/team/mini_trained.yaml` (the team of `make demo`) reads the copy shipped in assets/mini_team.
     """
+    from m1.models.hf import HFChatModel
+
     agents = [a.name for a in load_team("mini").agents]
     weights = final_weights(out / f"seed{seed}" / "marl", agents, averaged)
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    team = trained_config(seed, final_weights(out / f"seed{seed}" / "sft", agents), weights)
     for agent, src in weights.items():
-        shutil.copytree(src, tmp / agent)
+        if is_adapter(src):
+            spec = team.models[next(a.model for a in team.agents if a.name == agent)]
+            merged = HFChatModel(spec, agent)
+            merged.model.save_pretrained(tmp / agent)
+            merged.tokenizer.save_pretrained(tmp / agent)
+        else:
+            shutil.copytree(src, tmp / agent)
     (tmp / "SOURCE.md").write_text(
         f"The mini team after SFT + MARL, training seed {seed}, written by `python scripts/mini_team.py --export "
         f"{dest}` (see docs/mini_team.md for the run and its settings).\n")
@@ -782,8 +809,8 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
             # with grpo.baseline greedy: the greedy team's result per step, the training curve of what is evaluated
             curves[f"seed{seed}/marl_greedy_team_res"] = [r.get("greedy/team_res") for r in marl_rows]
             results["sft+marl"] = evaluate_cached(seed_dir / "marl" / f"{ev}.json",
-                                                  mini_config(seed, marl_w, clip_cache, b.tiny_clip), held_qs, pool,
-                                                  b.progress, root=out)
+                                                  trained_config(seed, sft_w, marl_w, clip_cache, b.tiny_clip),
+                                                  held_qs, pool, b.progress, root=out)
             stage("eval")
             curves[f"seed{seed}/marl_reading"] = reading(seed_dir / "marl" / f"{ev}.traces.jsonl")
             curves[f"seed{seed}/marl_key_info"] = key_info_copied(seed_dir / "marl" / f"{ev}.traces.jsonl")

@@ -83,6 +83,7 @@ def test_model_path_relative_to_the_yaml(tmp_path, monkeypatch):
     for key, path in ((chat, "./weights/agent"), (other, "Qwen/Qwen3-8B")):
         data["models"][key].pop("tiny", None)
         data["models"][key]["path"] = path
+    data["models"][other]["adapter"] = "../runs/marl/agents/b/adapter"
     folder = tmp_path / "cfgs"
     folder.mkdir()
     (folder / "team.yaml").write_text(yaml.safe_dump(data))
@@ -90,3 +91,13 @@ def test_model_path_relative_to_the_yaml(tmp_path, monkeypatch):
     cfg = load_team(folder / "team.yaml")
     assert cfg.models[chat].path == str(folder / "weights" / "agent")
     assert cfg.models[other].path == "Qwen/Qwen3-8B"
+    assert cfg.models[other].adapter == str(tmp_path / "runs" / "marl" / "agents" / "b" / "adapter")
+    assert cfg.models[chat].adapter is None and "adapter" not in cfg.model_dump()["models"][chat]
+
+
+@pytest.mark.parametrize("spec", [{"kind": "vision", "path": "Qwen/Qwen2.5-VL-7B-Instruct"},
+                                  {"kind": "chat", "backend": "openai", "path": "gpt-4o"}])
+def test_adapter_only_on_local_chat_backends(spec):
+    with pytest.raises(Exception, match="`adapter` applies to chat models of backend hf or vllm"):
+        TeamConfig.model_validate({"name": "x", "models": {"m": {**spec, "adapter": "runs/a"}},
+                                   "agents": [{"name": "a", "model": "m"}]})

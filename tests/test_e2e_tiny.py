@@ -130,6 +130,17 @@ def test_results_record_their_team_and_weights(tmp_path):
     assert out.read_text() == '{"id": "a"}\n'  # nothing lost
     check_team(out, cfg, restart=True)  # the demo starts over instead
     assert not out.exists()
+    # a LoRA adapter on top: a retrained adapter is another team too
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"a" * 10)
+    with_adapter = load_team("tiny", ["models.q3_big.tiny=null", f"models.q3_big.path={weights}",
+                                      f"models.q3_big.adapter={adapter}"])
+    check_team(out, with_adapter)
+    out.write_text('{"id": "a"}\n')
+    (adapter / "adapter_model.safetensors").write_bytes(b"b" * 11)
+    with pytest.raises(InputError, match="adapters.q3_big"):
+        check_team(out, with_adapter)
 
 
 def test_results_record_the_recipe_of_tiny_models(tmp_path, monkeypatch):

@@ -161,6 +161,28 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
                     replace(avg_b, overrides_marl=avg_b.overrides_marl + ["average.include_start=true"]),
                     clip_cache, pool)
 
+    # MARL with LoRA (the paper's setting): adapters on top of the SFT weights are evaluated and exported merged
+    monkeypatch.undo()  # evaluations run again from here
+    lora_b = replace(b, overrides_marl=b.overrides_marl + ["learner.finetune=lora", "learner.lr=1e-2"])
+    lora_w, _ = mt.run_marl(0, weights, train_qs, tmp_path / "marl_lora", lora_b, clip_cache, pool)
+    assert all(p.name == "adapter" and mt.is_adapter(p) for p in lora_w.values())
+    team = mt.trained_config(0, weights, lora_w, clip_cache, tiny_clip=True)
+    specs = {a.name: team.models[a.model] for a in team.agents}
+    assert all(specs[a].path == str(weights[a]) and specs[a].adapter == str(lora_w[a]) for a in lora_w)
+    assert mt.evaluate(team, held_qs[:2], pool)["n"] == 2
+    monkeypatch.setattr(mt, "final_weights", lambda run_dir, agents, averaged=False:
+                        lora_w if run_dir.name == "marl" else weights)  # export reads <out>/seed0/{sft,marl}
+    mt.export_weights(tmp_path, 0, tmp_path / "export", averaged=False)
+    from m1.models.hf import HFChatModel
+
+    for a in ("qwen3_big", "qwen2_small"):
+        exported = read_safetensors(tmp_path / "export" / a, "model")
+        merged = HFChatModel(specs[a], a).model.state_dict()
+        sft_w = read_safetensors(weights[a], "model")
+        assert all(exported[k].equal(merged[k]) for k in exported)
+        assert any(not exported[k].equal(sft_w[k]) for k in exported)  # MARL moved the merged weights
+    monkeypatch.undo()
+
     # the table
     results = {"untrained": [untrained], "sft": [sft]}
     table = mt.render_table(results, {"seeds": [0]})

@@ -132,6 +132,22 @@ def test_lora_changes_only_adapter_parameters(tmp_path, video, m1_cache):
     assert (tmp_path / "run" / "checkpoints" / "step-000002" / "agents" / "alpha" / "adapter" /
             "adapter_model.safetensors").is_file()
 
+    # the saved adapter is what inference loads (`adapter:` on the model spec, merged): the trained policy's logits
+    from m1.models.hf import HFChatModel
+
+    learner = tr.learners.learners["alpha"]
+    spec = tr.team_cfg.models[learner.name]
+    ids = torch.tensor([learner.tokenizer("Plan the tools for the question.")["input_ids"]])
+    adapter = tmp_path / "run" / "checkpoints" / "step-000002" / "agents" / "alpha" / "adapter"
+    loaded = HFChatModel(spec.model_copy(update={"adapter": str(adapter)}), "alpha")
+    plain = HFChatModel(spec, "alpha")
+    policies["alpha"].eval()
+    with torch.no_grad():
+        want = policies["alpha"](input_ids=ids).logits
+        got, base = loaded.model(input_ids=ids).logits, plain.model(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(base, want, atol=1e-3)
+    assert not any("lora_" in n for n, _ in loaded.model.named_parameters())  # merged: base-model cost
+
 
 # ------------------------------------------------------------------------------------------------ exact resume
 COMPARED = ["loss", "reward/mean", "epoch", "topology/edges", "topology/active"] + [

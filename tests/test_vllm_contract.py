@@ -234,6 +234,16 @@ def test_lora_switching_issues_new_ids(tmp_path):
         plain.set_lora(str(a), "agent0")
 
 
+def test_adapter_in_the_spec_is_served_from_the_start(tmp_path):
+    made: list[FakeLLM] = []
+    model = VLLMChatModel(spec(adapter=str(tmp_path)), "agent", vllm_module=fake_api(made))
+    assert made[0].init_kwargs["enable_lora"] is True and made[0].init_kwargs["max_lora_rank"] == 16
+    model.generate(chats(1), SamplingParams())
+    assert made[0].calls[-1]["lora_request"] == FakeLoRARequest("adapter", 1, str(tmp_path))
+    with pytest.raises(ModelError, match="adapter folder not found"):
+        VLLMChatModel(spec(adapter=str(tmp_path / "missing")), "agent", vllm_module=fake_api([]))
+
+
 def test_guarded_import_when_vllm_is_absent(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ModelError, match="own environment") as info:

@@ -157,6 +157,21 @@ def _load_into(obj, spec: ModelSpec, name: str, max_batch: int | None, processor
     return source
 
 
+def merge_adapter(model, adapter: str, name: str):
+    """`model` with the peft LoRA adapter in folder `adapter` merged into its weights: generation then costs what
+    the base model costs, and the merged update is exactly the adapter's."""
+    folder = os.path.expanduser(adapter)
+    if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+        raise ModelError(f"model {name!r}: adapter {adapter!r} is not a peft adapter folder (no adapter_config.json)")
+    from peft import PeftModel
+
+    try:
+        merged = PeftModel.from_pretrained(model, folder, is_trainable=False).merge_and_unload()
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelError(f"model {name!r}: cannot apply adapter {adapter!r}: {exc}") from exc
+    return merged.eval()
+
+
 class HFChatModel:
     """A causal LM from a local folder, a hub id or a tiny config; batched chat generation."""
 
@@ -166,6 +181,8 @@ class HFChatModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         source = _load_into(self, spec, name, max_batch, AutoTokenizer, AutoModelForCausalLM)
+        if spec.adapter is not None:
+            self.model = merge_adapter(self.model, spec.adapter, name)
         self.tokenizer = self.processor
         if self.tokenizer.chat_template is None:
             raise ModelError(f"model {name!r}: tokenizer in {source!r} has no chat template")

@@ -68,7 +68,8 @@ class VLLMChatModel:
         api = vllm_module if vllm_module is not None else load_vllm()
         self._SamplingParams = api.SamplingParams
         self._LoRARequest = api.LoRARequest
-        self.enable_lora = enable_lora
+        self.enable_lora = enable_lora or spec.adapter is not None
+        enable_lora = self.enable_lora
         self.model_path = self._model_path()
         if engine is None:
             kwargs: dict[str, Any] = dict(
@@ -92,6 +93,8 @@ class VLLMChatModel:
         self._lora: Any = None  # the current LoRARequest, or None for the base model
         self._lora_key: tuple[str, str] | None = None
         self._next_lora_id = 1  # vLLM wants ids >= 1, unique per adapter version
+        if spec.adapter is not None:  # a trained adapter named in the config: served from the start
+            self.set_lora(spec.adapter)
 
     def __repr__(self) -> str:
         lora = None if self._lora is None else (self._lora_key, self._next_lora_id - 1)
