@@ -187,6 +187,9 @@ def test_sft_main_and_configs(tmp_path, m1_cache):
     printed = []
     rows = sft_main(path, ["max_steps=1"], progress=printed.append)
     assert len(rows) == 1 and "8 examples" in printed[0]
+    ckpt = tmp_path / "checkpoints" / "step-000001" / "agents"
+    assert printed[-1].startswith("answer with the trained agents: m1 infer VIDEOS --team")
+    assert all(f"path={ckpt / a['name'] / 'model'}" in printed[-1] for a in STUDENTS["agents"])
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["step"] == 1
     full = load_sft_config("videochat_m1_full")

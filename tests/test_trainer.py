@@ -516,9 +516,35 @@ def test_train_main_runs_from_a_yaml_file(tmp_path, video, m1_cache):
     printed = []
     rows = train_main(path, ["steps=1"], progress=printed.append)  # real rewards: offline rubric judge
     assert len(rows) == 1 and "reward/col" in rows[0] and "reward/total/alpha" in rows[0]
-    assert "metrics.jsonl" in printed[-1]
+    assert "metrics.jsonl" in printed[-2]
+    # the last line is the m1 infer call that seats the trained agents: applied to the team, it names their weights
+    import shlex
+
+    from m1.config import apply_overrides
+
+    words = shlex.split(printed[-1].split(": ", 1)[1])
+    assert words[:5] == ["m1", "infer", "VIDEOS", "--team", "TEAM.yaml"]  # the run's team was inline
+    sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    team = TeamConfig.model_validate(apply_overrides(cfg["team"], sets, "printed"))
+    ckpt = tmp_path / "out" / "checkpoints" / "step-000001" / "agents"
+    for a in team.agents:
+        spec = team.models[a.model]
+        assert spec.tiny is None and spec.path == str(ckpt / a.name / "model")
+        assert (ckpt / a.name / "model" / "config.json").is_file()
     again = train_main(path, ["steps=1"], progress=printed.append)  # resumes at the end: nothing to do
-    assert again == [] and "nothing to do" in printed[-1]
+    assert again == [] and "nothing to do" in printed[-2]
+
+
+def test_trained_agent_overrides_seat_adapters_and_name_shared_models(tmp_path):
+    from m1.marl.trainer import trained_agent_overrides
+
+    team = TeamConfig.model_validate(team_dict())
+    agent = team.agents[0]
+    sets = trained_agent_overrides(team, [agent.name], tmp_path, "lora")
+    assert sets == [f"models.{agent.model}.adapter={tmp_path / 'agents' / agent.name / 'adapter'}"]
+    shared = team.model_copy(update={"agents": [a.model_copy(update={"model": agent.model}) for a in team.agents]})
+    note = trained_agent_overrides(shared, [agent.name], tmp_path, "full")
+    assert len(note) == 1 and note[0].startswith("# ") and "own model entry" in note[0]
 
 
 def test_ray_learners_match_local_learners(tmp_path, video, m1_cache):

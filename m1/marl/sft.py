@@ -246,4 +246,9 @@ def sft_main(config_path: str | Path, overrides: list[str] | None = None,
     rows = trainer.train()
     if rows:
         progress(f"{cfg.name}: last loss {rows[-1]['loss']:.4f}; checkpoints in {Path(cfg.out_dir) / 'checkpoints'}")
+    from m1.marl.trainer import find_latest_checkpoint, infer_command
+
+    root = find_latest_checkpoint(Path(cfg.out_dir))
+    if root is not None:
+        progress("answer with the trained agents: " + infer_command(cfg, trainer.trained, root))
     return rows

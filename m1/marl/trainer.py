@@ -38,13 +38,14 @@ import json
 import logging
 import math
 import random
+import shlex
 import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
-from m1.config import ModelSpec
+from m1.config import ModelSpec, TeamConfig
 from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig, load_train_config
 from m1.marl.rewards import answer_rewards
 from m1.marl.rollout import (RewardFn, RolloutError, Sample, advantages_for, agent_temperature, build_samples,
@@ -911,6 +912,36 @@ def find_latest_checkpoint(out_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def trained_agent_overrides(team: TeamConfig, agents: list[str], root: Path, finetune: str) -> list[str]:
+    """Team-config overrides (`m1 infer --set ...`) that seat the trained agents of `root` (a checkpoint or the
+    averaged folder): full weights replace the model's source; a LoRA adapter goes on top of it. An agent whose
+    model key other agents share has no override of its own: it needs its own model entry, which the message names."""
+    out = []
+    for agent in agents:
+        key = next(a.model for a in team.agents if a.name == agent)
+        shared = [a.name for a in team.agents if a.model == key and a.name != agent]
+        folder = Path(root) / "agents" / agent / ("adapter" if finetune == "lora" else "model")
+        if shared:
+            out.append(f"# {agent} shares model {key!r} with {shared}: give it its own model entry for {folder}")
+        elif finetune == "lora":
+            out.append(f"models.{key}.adapter={folder}")
+        else:
+            out += [f"models.{key}.tiny=null", f"models.{key}.path={folder}"]
+    return out
+
+
+def infer_command(cfg, agents: list[str], root: Path) -> str:
+    """The `m1 infer` call that answers with the trained agents of `root` (printed when training ends): the run's
+    team with its `team_overrides` (the weights training started from) and the trained agents seated."""
+    team = cfg.team_config()
+    ref = cfg.team if isinstance(cfg.team, str) else "TEAM.yaml"  # an inline team has no name to pass
+    sets = list(cfg.team_overrides) + trained_agent_overrides(team, agents, root, cfg.learner.finetune)
+    notes = [s[2:] for s in sets if s.startswith("# ")]
+    command = " ".join(["m1 infer VIDEOS --team", shlex.quote(ref)]
+                       + [f"--set {shlex.quote(s)}" for s in sets if not s.startswith("# ")])
+    return command + "".join(f" ({n})" for n in notes)
+
+
 def train_main(config_path: str | Path, overrides: list[str] | None = None,
                progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """`m1 train --config PATH --set key=value ...`: load the config, train, return the per-step metrics."""
@@ -928,7 +959,13 @@ def train_main(config_path: str | Path, overrides: list[str] | None = None,
                  f"mean reward {rows[-1]['reward/mean']:.3f}; metrics in {Path(cfg.out_dir) / 'metrics.jsonl'}")
     else:
         progress(f"{cfg.name}: already at step {start} of {cfg.steps}; nothing to do")
+    from m1.marl.average import AVERAGE_DIR
+
+    root = find_latest_checkpoint(Path(cfg.out_dir))
     if cfg.average.checkpoints:
+        root = Path(cfg.out_dir) / AVERAGE_DIR
         progress(f"{cfg.name}: the weights to use (average of {cfg.average.checkpoints} checkpoints"
-                 f"{' and the start' if cfg.average.include_start else ''}) are in {Path(cfg.out_dir) / 'average'}")
+                 f"{' and the start' if cfg.average.include_start else ''}) are in {root}")
+    if root is not None:
+        progress("answer with the trained agents: " + infer_command(cfg, trainer.trained, root))
     return rows
