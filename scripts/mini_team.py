@@ -824,8 +824,9 @@ def run_seed(seed: int, out: Path, b: Budget, rows: tuple[str, ...], threads: in
 def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jobs: int = 1) -> dict[str, Any]:
     """The whole experiment; returns {"results": {row: [per-seed eval]}, "meta": {...}, "table": str}.
 
-    `jobs` > 1 runs that many seeds at once, each in its own process with the parent's torch thread count; the
-    reported CPU time then adds the workers' (user + system) to the parent's.
+    `jobs` > 1 runs that many seeds at once, each in its own process with the parent's torch thread count, and
+    builds the teacher's SFT data in that many shards; the reported CPU time then adds the workers' (user + system)
+    to the parent's.
     """
     import resource
 
@@ -835,6 +836,7 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     from m1.video import VideoPool
 
     t_wall, t_cpu = time.perf_counter(), time.process_time()
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # worker processes: teacher data shards and seeds
     stages: dict[str, float] = defaultdict(float)
     out.mkdir(parents=True, exist_ok=True)
     clip_cache = out / "clip_cache"
@@ -860,7 +862,6 @@ def run(out: Path, b: Budget, doc: Path | None, rows: tuple[str, ...] = ROWS, jo
     # out-of-memory killer took when two runs shared a 24 GB machine; the examples themselves are ~0.2 GB)
     n_examples = len(examples)
     del examples, pool
-    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if jobs > 1 and len(b.seeds) > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
@@ -958,7 +959,8 @@ def main(argv: list[str] | None = None) -> None:
                          "world's, whose questions SFT trained on")
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which teams to train/evaluate")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on 1)")
-    ap.add_argument("--jobs", type=int, default=1, help="seeds trained at once, one process each")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="worker processes: seeds trained at once, one process each, and shards of the teacher data")
     ap.add_argument("--sft-steps", type=int, default=None, help="SFT optimizer steps (default: the budget's)")
     ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override configs/sft/mini.yaml (repeatable)")
