@@ -503,6 +503,9 @@ def run_sft(seed: int, examples, out: Path, b: Budget, clip_cache: Path) -> tupl
     from m1.marl.sft import SFTTrainer
 
     cfg = load_sft_config("mini", list(b.overrides_sft))
+    if cfg.learner.finetune != "full":  # checked before any training: MARL and the table need whole SFT models
+        raise ValueError(f"SFT learner.finetune={cfg.learner.finetune!r}: the mini team's SFT trains randomly "
+                         "initialised students, so it must be 'full' (MARL may use LoRA on top of its weights)")
     team = mini_config(seed, clip_cache=clip_cache, tiny_clip=b.tiny_clip)
     update: dict[str, Any] = {"team": team, "team_overrides": [], "seed": seed, "out_dir": str(out),
                               "log": cfg.log.model_copy(update={"progress": b.progress})}

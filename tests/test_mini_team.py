@@ -163,6 +163,9 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
 
     # MARL with LoRA (the paper's setting): adapters on top of the SFT weights are evaluated and exported merged
     monkeypatch.undo()  # evaluations run again from here
+    with pytest.raises(ValueError, match="must be 'full'"):
+        mt.run_sft(0, examples, tmp_path / "sft_lora", replace(b, overrides_sft=["learner.finetune=lora"]), clip_cache)
+    assert not (tmp_path / "sft_lora").exists()
     lora_b = replace(b, overrides_marl=b.overrides_marl + ["learner.finetune=lora", "learner.lr=1e-2"])
     lora_w, _ = mt.run_marl(0, weights, train_qs, tmp_path / "marl_lora", lora_b, clip_cache, pool)
     assert all(p.name == "adapter" and mt.is_adapter(p) for p in lora_w.values())
