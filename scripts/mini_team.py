@@ -40,6 +40,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from m1.config import TeamConfig, load_team  # noqa: E402
+from m1.models.hf import is_adapter  # noqa: E402
 from m1.run import read_questions, team_signature, weight_stamp  # noqa: E402
 
 log = logging.getLogger("mini_team")
@@ -131,10 +132,6 @@ def trained_config(seed: int, base: dict[str, Path], trained: dict[str, Path], c
     adapters = {a: p for a, p in trained.items() if is_adapter(p)}
     weights = {a: (base[a] if a in adapters else p) for a, p in trained.items()}
     return mini_config(seed, weights, clip_cache, tiny_clip, adapters)
-
-
-def is_adapter(folder: Path) -> bool:
-    return (Path(folder) / "adapter_config.json").is_file()
 
 
 def teacher_config(seed: int, clip_cache: Path | None = None, tiny_clip: bool = False) -> TeamConfig:

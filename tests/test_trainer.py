@@ -540,11 +540,11 @@ def test_trained_agent_overrides_seat_adapters_and_name_shared_models(tmp_path):
 
     team = TeamConfig.model_validate(team_dict())
     agent = team.agents[0]
-    sets = trained_agent_overrides(team, [agent.name], tmp_path, "lora")
-    assert sets == [f"models.{agent.model}.adapter={tmp_path / 'agents' / agent.name / 'adapter'}"]
+    sets, notes = trained_agent_overrides(team, [agent.name], tmp_path, "lora")
+    assert sets == [f"models.{agent.model}.adapter={tmp_path / 'agents' / agent.name / 'adapter'}"] and notes == []
     shared = team.model_copy(update={"agents": [a.model_copy(update={"model": agent.model}) for a in team.agents]})
-    note = trained_agent_overrides(shared, [agent.name], tmp_path, "full")
-    assert len(note) == 1 and note[0].startswith("# ") and "own model entry" in note[0]
+    sets, notes = trained_agent_overrides(shared, [agent.name], tmp_path, "full")
+    assert sets == [] and len(notes) == 1 and "own model entry" in notes[0]
 
 
 def test_ray_learners_match_local_learners(tmp_path, video, m1_cache):

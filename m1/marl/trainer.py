@@ -912,22 +912,23 @@ def find_latest_checkpoint(out_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def trained_agent_overrides(team: TeamConfig, agents: list[str], root: Path, finetune: str) -> list[str]:
-    """Team-config overrides (`m1 infer --set ...`) that seat the trained agents of `root` (a checkpoint or the
-    averaged folder): full weights replace the model's source; a LoRA adapter goes on top of it. An agent whose
-    model key other agents share has no override of its own: it needs its own model entry, which the message names."""
-    out = []
+def trained_agent_overrides(team: TeamConfig, agents: list[str], root: Path,
+                            finetune: str) -> tuple[list[str], list[str]]:
+    """(overrides, notes): team-config overrides (`m1 infer --set ...`) that seat the trained agents of `root` (a
+    checkpoint or the averaged folder), full weights replacing the model's source and a LoRA adapter going on top of
+    it; and a note for each agent whose model key other agents share: it needs a model entry of its own."""
+    sets, notes = [], []
     for agent in agents:
         key = next(a.model for a in team.agents if a.name == agent)
         shared = [a.name for a in team.agents if a.model == key and a.name != agent]
         folder = Path(root) / "agents" / agent / ("adapter" if finetune == "lora" else "model")
         if shared:
-            out.append(f"# {agent} shares model {key!r} with {shared}: give it its own model entry for {folder}")
+            notes.append(f"{agent} shares model {key!r} with {shared}: give it its own model entry for {folder}")
         elif finetune == "lora":
-            out.append(f"models.{key}.adapter={folder}")
+            sets.append(f"models.{key}.adapter={folder}")
         else:
-            out += [f"models.{key}.tiny=null", f"models.{key}.path={folder}"]
-    return out
+            sets += [f"models.{key}.tiny=null", f"models.{key}.path={folder}"]
+    return sets, notes
 
 
 def infer_command(cfg, agents: list[str], root: Path) -> str:
@@ -935,10 +936,9 @@ def infer_command(cfg, agents: list[str], root: Path) -> str:
     team with its `team_overrides` (the weights training started from) and the trained agents seated."""
     team = cfg.team_config()
     ref = cfg.team if isinstance(cfg.team, str) else "TEAM.yaml"  # an inline team has no name to pass
-    sets = list(cfg.team_overrides) + trained_agent_overrides(team, agents, root, cfg.learner.finetune)
-    notes = [s[2:] for s in sets if s.startswith("# ")]
+    sets, notes = trained_agent_overrides(team, agents, root, cfg.learner.finetune)
     command = " ".join(["m1 infer VIDEOS --team", shlex.quote(ref)]
-                       + [f"--set {shlex.quote(s)}" for s in sets if not s.startswith("# ")])
+                       + [f"--set {shlex.quote(s)}" for s in list(cfg.team_overrides) + sets])
     return command + "".join(f" ({n})" for n in notes)
 
 

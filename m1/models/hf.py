@@ -157,11 +157,16 @@ def _load_into(obj, spec: ModelSpec, name: str, max_batch: int | None, processor
     return source
 
 
+def is_adapter(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds a peft adapter (what a LoRA run saves), not a whole model."""
+    return os.path.isfile(os.path.join(os.path.expanduser(folder), "adapter_config.json"))
+
+
 def merge_adapter(model, adapter: str, name: str):
     """`model` with the peft LoRA adapter in folder `adapter` merged into its weights: generation then costs what
     the base model costs, and the merged update is exactly the adapter's."""
     folder = os.path.expanduser(adapter)
-    if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+    if not is_adapter(folder):
         raise ModelError(f"model {name!r}: adapter {adapter!r} is not a peft adapter folder (no adapter_config.json)")
     from peft import PeftModel
 

@@ -69,15 +69,14 @@ class VLLMChatModel:
         self._SamplingParams = api.SamplingParams
         self._LoRARequest = api.LoRARequest
         self.enable_lora = enable_lora or spec.adapter is not None
-        enable_lora = self.enable_lora
         self.model_path = self._model_path()
         if engine is None:
             kwargs: dict[str, Any] = dict(
                 model=self.model_path, dtype=spec.dtype,
                 tensor_parallel_size=spec.tensor_parallel_size,
-                gpu_memory_utilization=spec.gpu_memory_utilization, enable_lora=enable_lora,
+                gpu_memory_utilization=spec.gpu_memory_utilization, enable_lora=self.enable_lora,
                 seed=seed)
-            if enable_lora:
+            if self.enable_lora:
                 kwargs["max_lora_rank"] = max_lora_rank
             if max_model_len is not None:
                 kwargs["max_model_len"] = max_model_len
