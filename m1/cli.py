@@ -126,15 +126,43 @@ def demo(
         _fail(str(exc))
 
 
+def _print_plan(kind: str, config: str, overrides: list[str], gpus: Optional[int], gpu_mem: Optional[float]) -> None:
+    """`--plan`: print where every model would go and its memory estimate; exit 2 when it does not fit. Reads
+    config files and model shapes only; no model loads."""
+    from m1.config import ConfigError
+    from m1.marl.cluster import PlanError, make_plan
+    from m1.marl.config import load_sft_config, load_train_config
+
+    try:
+        cfg = (load_train_config if kind == "marl" else load_sft_config)(config, overrides)
+        plan = make_plan(cfg, gpus=gpus, gpu_mem_gb=gpu_mem)
+    except (ConfigError, PlanError) as exc:
+        _fail(str(exc))
+    typer.echo(plan.render())
+    if not plan.fits:
+        _fail("the plan does not fit:\n" + "\n".join(f"  - {p}" for p in plan.problems))
+
+
+_PLAN_HELP = "Print the placement plan (GPUs and estimated memory per GPU) and exit; loads no model."
+_GPUS_HELP = "Plan for N GPUs (cluster.gpus_per_node per node) instead of asking Ray / this machine."
+_MEM_HELP = "Memory of one GPU in GB for the plan (default: cluster.gpu_mem_gb, else the local GPUs)."
+
+
 @app.command()
 def train(
     config: str = typer.Option(..., "--config", "-c", help="MARL config: a YAML path or a name in configs/marl/."),
     overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
+    plan: bool = typer.Option(False, "--plan", help=_PLAN_HELP),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help=_GPUS_HELP),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", min=0.0, help=_MEM_HELP),
 ) -> None:
     """Multi-agent GRPO: K rollouts per question over a sampled DAG, per-agent advantages, one
     learner per agent (LoRA or full; DeepSpeed ZeRO-2 when configured). Resumes from its output folder."""
+    if plan:
+        _print_plan("marl", config, overrides or [], gpus, gpu_mem)
+        return
     from m1.config import ConfigError
-    from m1.marl.trainer import train_main
+    from m1.marl.launch import train_main
 
     try:
         train_main(config, overrides or [], progress=typer.echo)
@@ -146,9 +174,15 @@ def train(
 def sft(
     config: str = typer.Option(..., "--config", "-c", help="SFT config: a YAML path or a name in configs/sft/."),
     overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
+    plan: bool = typer.Option(False, "--plan", help=_PLAN_HELP),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help=_GPUS_HELP),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", min=0.0, help=_MEM_HELP),
 ) -> None:
     """SFT warm-up: run a team (the teacher or an API team), keep plans by the paper's rule (at
     least one agent right, plan never changed), train on completion tokens only."""
+    if plan:
+        _print_plan("sft", config, overrides or [], gpus, gpu_mem)
+        return
     from m1.config import ConfigError
     from m1.marl.sft import sft_main
 

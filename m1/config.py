@@ -53,7 +53,10 @@ class ModelSpec(Strict):
     adapter: str | None = Field(None, exclude_if=lambda v: v is None)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
-    attn_implementation: str | None = None  # sdpa | flash_attention_2 | eager
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = None
+    # run the model's own code from its hub folder (needed by e.g. nvidia/Eagle2.5-8B); off unless a config says so.
+    # Left out of dumps when off, like `adapter`
+    trust_remote_code: bool = Field(False, exclude_if=lambda v: v is False)
     max_pixels: int | None = None  # vision: cap on pixels per frame given to the processor
     clip_name: str | None = None  # open_clip architecture, e.g. ViT-B-16
     pretrained: str | None = None  # open_clip pretrained tag or checkpoint path
@@ -73,6 +76,9 @@ class ModelSpec(Strict):
             raise ValueError("needs `path` (a local folder or hub id) or `tiny`")
         if self.backend == "open_clip" and not (self.clip_name or self.tiny):
             raise ValueError("needs `clip_name` (e.g. ViT-B-16) or `tiny`")
+        if self.attn_implementation == "flash_attention_2" and self.dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"attn_implementation flash_attention_2 runs only on bfloat16/float16 weights; set "
+                             f"dtype: bfloat16 (got dtype {self.dtype!r})")
         if self.adapter is not None and (self.kind != "chat" or self.backend not in ("hf", "vllm")):
             raise ValueError(f"`adapter` applies to chat models of backend hf or vllm, not a {self.kind} model "
                              f"of backend {self.backend!r}")

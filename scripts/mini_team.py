@@ -477,7 +477,7 @@ def final_weights(run_dir: Path, agents: list[str], averaged: bool = False) -> d
     """The agents' full-model folders of a run, or their LoRA adapter folders (`learner.finetune: lora`): its
     averaged weights (MARL's `average`, m1/marl/average.py) or those of its newest checkpoint."""
     from m1.marl.average import AVERAGE_DIR
-    from m1.marl.trainer import find_latest_checkpoint
+    from m1.marl.checkpoint import find_latest_checkpoint
 
     if averaged:
         root = Path(run_dir) / AVERAGE_DIR

@@ -27,5 +27,5 @@ if ! ray status >/dev/null 2>&1; then
   ray start --head --num-gpus="${NUM_GPUS}" --include-dashboard=false
 fi
 
-exec "$PY" -c 'import sys; from m1.marl.trainer import train_main; train_main(sys.argv[1], sys.argv[2:])' \
+exec "$PY" -c 'import sys; from m1.marl.launch import train_main; train_main(sys.argv[1], sys.argv[2:])' \
   "$CONFIG" placement=ray ray.address=auto "$@"

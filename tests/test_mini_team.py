@@ -150,7 +150,7 @@ def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     avg_w, avg_rows = mt.run_marl(0, weights, train_qs, tmp_path / "marl", avg_b, clip_cache, pool)
     assert avg_rows == marl_rows and written(marl_w) == before[1]
     assert all(p == tmp_path / "marl" / "average" / "agents" / a / "model" for a, p in avg_w.items())
-    from m1.marl.trainer import read_safetensors
+    from m1.marl.learner import read_safetensors
 
     for a, p in avg_w.items():  # the mean of one checkpoint is that checkpoint
         got, want = read_safetensors(p, "model"), read_safetensors(marl_w[a], "model")

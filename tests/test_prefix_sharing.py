@@ -17,7 +17,7 @@ def spec(arch: str) -> ModelSpec:
 
 
 def learner(arch: str = "qwen3", finetune: str = "full", share: bool = True, beta: float = 0.0, **cfg):
-    from m1.marl.trainer import AgentLearner
+    from m1.marl.learner import AgentLearner
 
     # LoRA dropout 0: dropout masks are drawn per forward, so two ways of computing would draw different ones
     config = LearnerConfig(finetune=finetune, lora=LoraSettings(dropout=0.0), share_prompt_forward=share, **cfg)

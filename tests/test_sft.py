@@ -9,7 +9,7 @@ from fakes import FakeChat, FakeVision, content, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import SFTConfig, load_sft_config
 from m1.marl.rewards import RewardConfig
-from m1.marl.sft import (SFTExample, build_sft_data, encode_example, plan_unchanged, read_examples,
+from m1.marl.sft import (SFTExample, build_sft_data, plan_unchanged, read_examples,
                          select_examples, write_examples)
 from m1.schema import AgentAnswer, AgentRecord, Decision, Episode, Generation, Question, Turn
 from m1.team import topology as topo
@@ -142,7 +142,7 @@ def test_sft_trains_on_completion_tokens_and_lowers_the_loss(tmp_path, m1_cache)
 
     tr = SFTTrainer(sft_cfg(tmp_path), examples=EXAMPLES)
     learner = tr.learners.learners["alpha"]
-    s = encode_example(learner, EXAMPLES[0])
+    s = learner.sft_sample(EXAMPLES[0])
     tok = learner.tokenizer
     assert tok.decode(s.completion_ids) == EXAMPLES[0].completion + "<|im_end|>"  # the target ends the turn
     assert tok.decode(s.prompt_ids).endswith("<|im_start|>assistant\n")  # the prompt is context only
@@ -153,7 +153,7 @@ def test_sft_trains_on_completion_tokens_and_lowers_the_loss(tmp_path, m1_cache)
         assert rows[0][f"{a}/samples"] == 4  # assign=all: every student learns every example
         assert rows[-1][f"{a}/loss"] < 0.6 * rows[0][f"{a}/loss"]
         # every example has the same completion: the loss counts exactly its tokens (plus end-of-turn), 4 times
-        assert rows[0][f"{a}/tokens"] == 4 * len(encode_example(tr.learners.learners[a], EXAMPLES[0]).completion_ids)
+        assert rows[0][f"{a}/tokens"] == 4 * len(tr.learners.learners[a].sft_sample(EXAMPLES[0]).completion_ids)
     assert (tmp_path / "checkpoints" / "step-000006" / "agents" / "beta" / "model" / "config.json").is_file()
     resumed = SFTTrainer(sft_cfg(tmp_path), examples=EXAMPLES)
     assert resumed.step == 6 and resumed.train() == []

@@ -418,7 +418,7 @@ def _synthetic_samples(n=10, seed=0):
 def test_gradient_accumulation_gives_the_full_batch_update(loss_type, m1_cache):
     import torch
 
-    from m1.marl.trainer import AgentLearner
+    from m1.marl.learner import AgentLearner
 
     spec = TeamConfig.model_validate(team_dict()).models["qa"]
     grpo = GRPOSettings(beta=0.0, loss_type=loss_type)
@@ -442,7 +442,7 @@ def test_gradient_accumulation_gives_the_full_batch_update(loss_type, m1_cache):
 def test_deepspeed_zero2_step_on_cpu(tmp_path, m1_cache):
     import torch
 
-    from m1.marl.trainer import AgentLearner
+    from m1.marl.learner import AgentLearner
 
     spec = TeamConfig.model_validate(team_dict()).models["qb"]
     cfg = LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4, precision="fp32", deepspeed="zero2")
@@ -505,7 +505,7 @@ def test_paper_configs_load_with_the_papers_settings():
 
 
 def test_train_main_runs_from_a_yaml_file(tmp_path, video, m1_cache):
-    from m1.marl.trainer import train_main
+    from m1.marl.launch import train_main
 
     qfile = tmp_path / "questions.jsonl"
     qfile.write_text("".join(q.model_dump_json() + "\n" for q in questions(video)))
@@ -536,7 +536,7 @@ def test_train_main_runs_from_a_yaml_file(tmp_path, video, m1_cache):
 
 
 def test_trained_agent_overrides_seat_adapters_and_name_shared_models(tmp_path):
-    from m1.marl.trainer import trained_agent_overrides
+    from m1.marl.launch import trained_agent_overrides
 
     team = TeamConfig.model_validate(team_dict())
     agent = team.agents[0]
@@ -575,7 +575,7 @@ def test_ray_learners_match_local_learners(tmp_path, video, m1_cache):
 def test_average_of_full_checkpoints_is_the_mean_of_start_and_members(tmp_path, video, m1_cache):
     import torch
 
-    from m1.marl.trainer import read_safetensors
+    from m1.marl.learner import read_safetensors
 
     out = tmp_path / "run"
     cfg = train_cfg(out, steps=3, average={"checkpoints": 2, "include_start": True})

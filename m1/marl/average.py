@@ -117,7 +117,7 @@ def write_average(out_dir: Path, checkpoints: list[Path], agents: list[str], fin
 
 
 def _weights(folder: Path, kind: str) -> dict[str, Any]:
-    from m1.marl.trainer import read_safetensors
+    from m1.marl.learner import read_safetensors
 
     return read_safetensors(folder, WEIGHT_FILES[kind])
 

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from m1.config import ModelSpec, Strict, TeamConfig, load_config, load_team
 from m1.marl.rewards import RewardConfig
@@ -34,6 +34,9 @@ class LearnerConfig(Strict):
     """How each agent's model is trained: one learner (policy, reference, optimizer) per agent."""
 
     finetune: Literal["lora", "full"] = "lora"
+    # GPUs of each agent's learner: one ZeRO-2 group (cluster.learner_gpus overrides it per agent; see
+    # m1/marl/cluster.py). Left out of dumps at 1, so the recorded settings of earlier runs still match
+    gpus: int = Field(1, ge=1, exclude_if=lambda v: v == 1)
     lora: LoraSettings = Field(default_factory=LoraSettings)
     lr: float | None = Field(None, gt=0.0)  # None: DEFAULT_LR[finetune]
     weight_decay: float = Field(0.0, ge=0.0)
@@ -176,6 +179,27 @@ class RayConfig(Strict):
     num_cpus_per_learner: float = Field(0.0, ge=0.0)
 
 
+class ClusterConfig(Strict):
+    """`cluster:` of a MARL or SFT config: the GPUs the run is planned on and the margins of the estimate."""
+
+    gpus_per_node: int = Field(8, ge=1)  # `--gpus N` means ceil(N / gpus_per_node) nodes
+    gpu_mem_gb: float | None = Field(None, gt=0)  # memory of one GPU; None: --gpu-mem, else the local GPUs
+    reserve_gb: float = Field(3.0, ge=0)  # per GPU, outside the formulas: CUDA context, NCCL, ZeRO buckets
+    headroom: float = Field(0.1, ge=0, lt=1)  # share of each GPU left unplanned (allocator fragmentation, spikes)
+    # where rollouts are generated: by the learner's own policy on its GPUs (today), or by an engine on GPUs of its
+    # own (`engine_gpus` per trained agent, tensor parallel)
+    rollout: Literal["learner", "engine"] = "learner"
+    engine_gpus: int = Field(1, ge=1)
+    learner_gpus: dict[str, PositiveInt] = Field(default_factory=dict)  # agent -> GPUs; overrides learner.gpus
+    driver_gpus: dict[str, PositiveInt] = Field(default_factory=dict)  # driver model key (or "judge") -> GPUs
+    driver_headroom: float = Field(0.5, ge=0)  # activations + KV of an inference model, as a share of its weights
+    cpus_per_gpu: int = Field(4, ge=0)  # CPUs in each Ray bundle
+
+    def gpus_of(self, agent: str, learner: LearnerConfig) -> int:
+        """GPUs of `agent`'s learner group: its `learner_gpus` entry, else `learner.gpus`."""
+        return self.learner_gpus.get(agent, learner.gpus)
+
+
 def _team(team: str | TeamConfig, overrides: list[str]) -> TeamConfig:
     return team if isinstance(team, TeamConfig) else load_team(team, overrides)
 
@@ -201,6 +225,8 @@ class TrainConfig(Strict):
     log: LogConfig = Field(default_factory=LogConfig)
     placement: Literal["local", "ray"] = "local"  # ray: one learner actor per agent
     ray: RayConfig = Field(default_factory=RayConfig)
+    # the GPUs the run is planned on (`m1 train --plan`); left out of dumps when unset, like learner.gpus
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, exclude_if=lambda v: v == ClusterConfig())
 
     @model_validator(mode="after")
     def _checks(self) -> TrainConfig:
@@ -270,6 +296,12 @@ class SFTConfig(Strict):
     out_dir: str = "runs/sft"
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    # ray: each student's learner is a group of Ray actors placed by the plan, as in MARL. Left out of dumps at
+    # their defaults, so the recorded settings of earlier SFT stages still match
+    placement: Literal["local", "ray"] = Field("local", exclude_if=lambda v: v == "local")
+    ray: RayConfig = Field(default_factory=lambda: RayConfig(), exclude_if=lambda v: v == RayConfig())
+    # the GPUs the run is planned on (`m1 sft --plan`); left out of dumps when unset
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, exclude_if=lambda v: v == ClusterConfig())
 
     @model_validator(mode="after")
     def _checks(self) -> SFTConfig:

@@ -4,7 +4,7 @@ DeepSpeed. Each agent's policy gets its own engine (agents have different archit
 The caller owns gradient accumulation: the number of samples an agent produces varies from step to step, so the
 engine runs with `managed_gradient_accumulation: false` — every `backward` accumulates, every `step` is a boundary.
 `configs/deepspeed/zero2.json` is the GPU config; values written "auto" are filled from the learner config.
-On a single CPU process (tests, laptops) `prepare_single_process` sets the rendezvous variables DeepSpeed insists on
+In a plain process or a Ray actor `prepare_process_group` sets the rendezvous variables DeepSpeed insists on
 and skips the JIT build of the shared-memory op, which is useless at world size 1 (see environment notes §3).
 
 Ray. `RayLearners` starts one actor per trained agent (`num_gpus_per_learner` each) that holds an `AgentLearner`.
@@ -29,24 +29,31 @@ class DistributedError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ DeepSpeed
-def prepare_single_process(port: int | None = None) -> None:
-    """Make `deepspeed.initialize` work in a plain `python` process (no launcher, no MPI).
+def prepare_process_group(rank: int = 0, world: int = 1, addr: str | None = None, port: int | None = None) -> None:
+    """Make `deepspeed.initialize` work in a plain `python` process or Ray actor (no launcher, no MPI).
 
-    Sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT unless a launcher already did, and on CPU replaces the
-    shared-memory comm op builder (a ~25 s C++ JIT build that only matters with several ranks) by a no-op.
+    World size 1: sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT unless a launcher already did. A rank of a
+    learner group (one process per GPU, each seeing only its own GPU as cuda:0): sets them for that rank and the
+    group's rendezvous address, which every rank must be given alike. On CPU the shared-memory comm op builder (a
+    ~25 s C++ JIT build, an optional speed-up for single-host CPU collectives) is replaced by a no-op, so DeepSpeed's
+    collectives go through torch.distributed (gloo).
     """
     import torch
 
-    if "WORLD_SIZE" not in os.environ:
+    if world > 1:
+        if addr is None or port is None:
+            raise DistributedError(f"rank {rank} of a group of {world}: needs the rendezvous address and port")
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
+                           "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+    elif "WORLD_SIZE" not in os.environ:
         for k, v in _RENDEZVOUS.items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("MASTER_PORT", str(port or _free_port()))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            import deepspeed.comm.torch  # noqa: F401  (the attribute is shadowed by the torch module: use sys.modules)
+        import deepspeed.comm.torch  # noqa: F401  (the attribute is shadowed by the torch module: use sys.modules)
 
-            sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
 def _free_port() -> int:
@@ -95,12 +102,14 @@ def resolve_ds_config(source: str | Path | dict, *, micro_batch_size: int, max_g
         block = cfg.setdefault(k, {})
         if block.get("enabled", "auto") == "auto":
             block["enabled"] = bf16 if k == "bf16" else False
+    if cfg["bf16"]["enabled"]:  # a step sums ~50 micro-batches of gradients: accumulate them in fp32, not bf16
+        cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     return cfg
 
 
 def deepspeed_engine(model, optimizer, ds_config: dict[str, Any]):
     """Wrap `model` and its torch optimizer in a DeepSpeed engine; returns (engine, wrapped optimizer)."""
-    prepare_single_process()
+    prepare_process_group()  # a no-op for the rendezvous when a learner group already set it
     import deepspeed
 
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
@@ -122,62 +131,3 @@ def _require_ray():
     except ImportError as exc:
         raise DistributedError("placement: ray needs the `ray` package (pip install ray==2.60.0)") from exc
     return ray
-
-
-class RemoteChat:
-    """A ChatModel that forwards generation to the learner actor of one agent."""
-
-    def __init__(self, name: str, actor):
-        self.name, self._actor = name, actor
-
-    def generate(self, requests, params):
-        ray = _require_ray()
-        return ray.get(self._actor.generate.remote(requests, params))
-
-
-class RayLearners:
-    """One Ray actor per trained agent, each holding an `AgentLearner`; same interface as `LocalLearners`."""
-
-    saves_own_rng = True  # each actor is its own process with its own torch RNG
-
-    def __init__(self, specs: dict[str, tuple[str, Any]], learner_cfg, grpo_cfg, seed: int, ray_cfg):
-        ray = _require_ray()
-        if not ray.is_initialized():
-            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
-            if ray_cfg.address:
-                kw["address"] = ray_cfg.address
-            ray.init(**kw)
-        from m1.marl.trainer import AgentLearner
-
-        actor_cls = ray.remote(num_gpus=ray_cfg.num_gpus_per_learner,
-                               num_cpus=ray_cfg.num_cpus_per_learner)(AgentLearner)
-        self.actors = {agent: actor_cls.remote(agent, key, spec, learner_cfg, grpo_cfg, seed)
-                       for agent, (key, spec) in specs.items()}
-        self.keys = {agent: key for agent, (key, _) in specs.items()}
-        ray.get([a.ready.remote() for a in self.actors.values()])  # surface load errors here
-
-    def chat_models(self) -> dict[str, RemoteChat]:
-        return {agent: RemoteChat(self.keys[agent], actor) for agent, actor in self.actors.items()}
-
-    def update(self, samples: dict[str, list], lr: float, objective: str = "grpo") -> dict[str, dict[str, float]]:
-        ray = _require_ray()
-        refs = {a: self.actors[a].update.remote(samples.get(a, []), lr, objective) for a in self.actors}
-        return dict(zip(refs, ray.get(list(refs.values()))))
-
-    def save(self, folder: Path) -> None:
-        ray = _require_ray()
-        ray.get([actor.save.remote(str(Path(folder) / agent), True) for agent, actor in self.actors.items()])
-
-    def load(self, folder: Path) -> None:
-        ray = _require_ray()
-        ray.get([actor.load.remote(str(Path(folder) / agent), True) for agent, actor in self.actors.items()])
-
-    def parameters(self, agent: str) -> dict[str, Any]:
-        ray = _require_ray()
-        return ray.get(self.actors[agent].parameters.remote())
-
-    def shutdown(self) -> None:
-        ray = _require_ray()
-        for actor in self.actors.values():
-            ray.kill(actor)
-        self.actors = {}

@@ -136,29 +136,22 @@ def read_examples(path: str | Path) -> list[SFTExample]:
 
 
 # ------------------------------------------------------------------------------------------------ training
-def encode_example(learner, ex: SFTExample):
-    """A `Sample` for one learner: its own chat rendering and tokenizer; the target ends with end-of-turn."""
-    from m1.marl.rollout import Sample
-    from m1.models.base import ChatRequest
-
-    tok = learner.tokenizer
-    prompt = tok(learner.chat.render(ChatRequest(ex.messages)), add_special_tokens=False)["input_ids"]
-    completion = tok(ex.completion, add_special_tokens=False)["input_ids"] + [learner.chat.eos_ids[0]]
-    return Sample(agent=learner.agent, question_id=ex.question_id, group=0, rollout=0, phase=ex.phase,
-                  prompt_ids=list(prompt), completion_ids=list(completion), logprobs=None, reward=0.0,
-                  advantage=0.0, temperature=1.0)
-
-
 class SFTTrainer:
     """Cross-entropy on kept teacher completions, one learner per student agent; checkpoints like MARL."""
 
     def __init__(self, cfg: SFTConfig, examples: list[SFTExample] | None = None, teacher_hub=None):
         from m1.marl.rollout import training_team_config
-        from m1.marl.trainer import QuestionStream, build_learners, find_latest_checkpoint, seed_everything
+        from m1.marl.checkpoint import find_latest_checkpoint
+        from m1.marl.groups import build_learners, reserve_placement
+        from m1.marl.learner import seed_everything
+        from m1.marl.stream import QuestionStream
 
         self.cfg = cfg
         seed_everything(cfg.seed)
         self.out = Path(cfg.out_dir)
+        # on GPUs (placement ray): the plan's GPUs are reserved before anything loads, the teacher's tool models
+        # included while the examples are still to be built
+        self.placement = reserve_placement(cfg) if cfg.placement == "ray" else None
         self.examples = examples if examples is not None else self._load_or_build(teacher_hub)
         if not self.examples:
             raise ValueError("SFT: no examples were kept; nothing to train on")
@@ -166,7 +159,9 @@ class SFTTrainer:
         key_of = {a.name: a.model for a in team.agents}
         self.trained = list(cfg.train_agents or key_of)
         specs = {a: (key_of[a], team.models[key_of[a]]) for a in self.trained}
-        self.learners = build_learners(specs, cfg.learner, GRPOSettings(beta=0.0), cfg.seed)
+        self.learners = build_learners(specs, cfg.learner, GRPOSettings(beta=0.0), cfg.seed, cfg.placement, cfg.ray,
+                                       cfg.out_dir, {a: cfg.cluster.gpus_of(a, cfg.learner) for a in self.trained},
+                                       self.placement)
         self.stream = QuestionStream(self.examples, cfg.seed, shuffle=True)
         per_epoch = math.ceil(len(self.examples) / cfg.batch_size)
         self.total_steps = cfg.max_steps or per_epoch * cfg.epochs
@@ -175,7 +170,7 @@ class SFTTrainer:
         if cfg.checkpoint.resume:
             latest = find_latest_checkpoint(self.out)
             if latest is not None:
-                from m1.marl.trainer import load_checkpoint
+                from m1.marl.checkpoint import load_checkpoint
 
                 state = load_checkpoint(latest, self.learners, self.trained, cfg.seed)
                 self.step, self.stream.cursor = int(state["step"]), int(state["cursor"])
@@ -185,12 +180,19 @@ class SFTTrainer:
         path = Path(d.examples) if d.examples else self.out / "sft_examples.jsonl"
         if path.is_file():
             return read_examples(path)
-        from m1.marl.trainer import load_questions
+        from m1.marl.stream import load_questions
         from m1.team.cpp import Team
 
         teacher = self.cfg.teacher_config()
         if teacher is None or not d.questions:
             raise ValueError(f"data.examples {path} does not exist and no teacher + questions are given to build it")
+        if teacher_hub is None and self.placement is not None:  # the teacher's tool models on their planned GPUs
+            from m1.marl.groups import host_driver_models
+            from m1.models.hub import ModelHub
+
+            teacher_hub = ModelHub(teacher.models)
+            for key, model in host_driver_models(self.placement, teacher.models).items():
+                teacher_hub.register(key, model, kind=model.kind)
         examples, stats = build_sft_data(Team(teacher, hub=teacher_hub), load_questions(d.questions, d.video_dir),
                                          self.cfg.rewards, None, d.phases, d.rollouts_per_question,
                                          d.rotate_options, d.keep_revised_plans)
@@ -204,17 +206,17 @@ class SFTTrainer:
         return [e for e in batch if e.agent == agent]
 
     def train(self, stop_after: int | None = None) -> list[dict[str, Any]]:
-        from m1.marl.trainer import MetricsLog, save_checkpoint
+        from m1.marl.checkpoint import save_checkpoint
+        from m1.marl.stream import MetricsLog
 
         cfg = self.cfg
         last = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
         logger = MetricsLog(self.out, self.total_steps, self.step, cfg.log.tensorboard, cfg.log.progress)
-        chats = self.learners.chat_models()
         try:
             while self.step < last:
                 t0 = time.perf_counter()
                 batch = self.stream.take(cfg.batch_size)
-                samples = {a: [encode_example(chats[a], e) for e in self._assigned(batch, a)] for a in self.trained}
+                samples = {a: self.learners.sft_samples(a, self._assigned(batch, a)) for a in self.trained}
                 lr = cfg.learner.lr_at(self.step, self.total_steps)
                 stats = self.learners.update(samples, lr, "sft")
                 self.step += 1
@@ -236,6 +238,12 @@ class SFTTrainer:
         return self.history
 
 
+    def close(self) -> None:
+        self.learners.shutdown()
+        if self.placement is not None:
+            self.placement.release()
+
+
 def sft_main(config_path: str | Path, overrides: list[str] | None = None,
              progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """`m1 sft --config PATH --set key=value ...`: build (or read) the kept plans, then fine-tune every agent."""
@@ -243,10 +251,14 @@ def sft_main(config_path: str | Path, overrides: list[str] | None = None,
     trainer = SFTTrainer(cfg)
     progress(f"{cfg.name}: {len(trainer.examples)} examples, {trainer.total_steps} steps "
              f"(starting at {trainer.step})")
-    rows = trainer.train()
+    try:
+        rows = trainer.train()
+    finally:
+        trainer.close()
     if rows:
         progress(f"{cfg.name}: last loss {rows[-1]['loss']:.4f}; checkpoints in {Path(cfg.out_dir) / 'checkpoints'}")
-    from m1.marl.trainer import find_latest_checkpoint, infer_command
+    from m1.marl.checkpoint import find_latest_checkpoint
+    from m1.marl.launch import infer_command
 
     root = find_latest_checkpoint(Path(cfg.out_dir))
     if root is not None:

@@ -58,9 +58,15 @@ def resolve_dtype(dtype: str, device: str):
 
 
 def _model_kwargs(spec: ModelSpec, device: str, local_only: bool) -> dict[str, Any]:
+    """from_pretrained arguments. On a GPU the weights load straight onto it in their final dtype (no fp32 copy in
+    host memory first: four 8B agents would need ~130 GB of it)."""
     kw: dict[str, Any] = {"dtype": resolve_dtype(spec.dtype, device), "local_files_only": local_only}
     if spec.attn_implementation:
         kw["attn_implementation"] = spec.attn_implementation
+    if spec.trust_remote_code:
+        kw["trust_remote_code"] = True
+    if device.startswith("cuda"):
+        kw["device_map"] = {"": device}
     return kw
 
 
@@ -145,7 +151,8 @@ def _load_into(obj, spec: ModelSpec, name: str, max_batch: int | None, processor
     source, local_only = resolve_source(spec, name)
     obj.device = resolve_device(spec.device)
     try:
-        obj.processor = processor_cls.from_pretrained(source, local_files_only=local_only)
+        obj.processor = processor_cls.from_pretrained(source, local_files_only=local_only,
+                                                      **({"trust_remote_code": True} if spec.trust_remote_code else {}))
         obj.model = model_cls.from_pretrained(source, **_model_kwargs(spec, obj.device, local_only))
     except (OSError, ValueError, ImportError) as exc:
         raise ModelError(f"model {name!r}: cannot load {source!r}: {exc}") from exc

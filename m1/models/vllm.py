@@ -75,7 +75,7 @@ class VLLMChatModel:
                 model=self.model_path, dtype=spec.dtype,
                 tensor_parallel_size=spec.tensor_parallel_size,
                 gpu_memory_utilization=spec.gpu_memory_utilization, enable_lora=self.enable_lora,
-                seed=seed)
+                seed=seed, trust_remote_code=spec.trust_remote_code)
             if self.enable_lora:
                 kwargs["max_lora_rank"] = max_lora_rank
             if max_model_len is not None:

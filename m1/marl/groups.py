@@ -1,0 +1,387 @@
+"""Learner groups: where each trained agent's learner runs, behind one interface the trainers use.
+
+`LocalLearners`: every learner in this process (CPU runs, tests, one small GPU).
+`RayLearners`: each agent's learner is a group of Ray actors, one per GPU (`learner.gpus`), that form one
+torch.distributed process group (NCCL on GPU, gloo on CPU) under DeepSpeed ZeRO-2. Every rank holds the whole
+weights (ZeRO-2 shards gradients and optimizer state, not weights), so every rank can also generate: the team's
+requests for an agent are split across its ranks. A step's samples are split across the ranks inside
+`AgentLearner.update`. With a placement plan (m1/marl/cluster.py), each rank runs in the placement-group bundle the
+plan gave it, so no part lands on a GPU another part holds.
+
+Both give: `chat_models()` (what the team generates with), `update(samples, lr, objective)`, `save(folder)`,
+`load(folder)`, `parameters(agent)`, `shutdown()`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from m1.config import ModelSpec
+from m1.marl.config import GRPOSettings, LearnerConfig
+from m1.marl.distributed import DistributedError, _free_port, _require_ray
+from m1.marl.learner import AgentLearner
+from m1.marl.rollout import Sample
+
+
+class LocalLearners:
+    """All learners in this process (one device per agent, or all on CPU)."""
+
+    def __init__(self, specs: dict[str, tuple[str, ModelSpec]], learner_cfg: LearnerConfig, grpo: GRPOSettings,
+                 seed: int):
+        self.learners = {agent: AgentLearner(agent, key, spec, learner_cfg, grpo, seed)
+                         for agent, (key, spec) in specs.items()}
+
+    def chat_models(self) -> dict[str, AgentLearner]:
+        return dict(self.learners)
+
+    def sft_samples(self, agent: str, examples: list) -> list[Sample]:
+        return [self.learners[agent].sft_sample(e) for e in examples]
+
+    def update(self, samples: dict[str, list[Sample]], lr: float, objective: str = "grpo") -> dict[str, dict]:
+        return {a: learner.update(samples.get(a, []), lr, objective) for a, learner in self.learners.items()}
+
+    def save(self, folder: Path) -> None:
+        for agent, learner in self.learners.items():
+            learner.save(Path(folder) / agent)
+
+    def load(self, folder: Path) -> None:
+        for agent, learner in self.learners.items():
+            learner.load(Path(folder) / agent)
+
+    def parameters(self, agent: str) -> dict[str, Any]:
+        return self.learners[agent].parameters()
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ Ray
+class LearnerRank:
+    """One rank of an agent's learner group, run as a Ray actor: joins the group, then holds an AgentLearner."""
+
+    def __init__(self):
+        self.learner: AgentLearner | None = None
+
+    def address(self) -> tuple[str, int]:
+        """Where this rank can host the group's rendezvous (rank 0 is asked)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def build(self, agent: str, key: str, spec: ModelSpec, cfg: LearnerConfig, grpo: GRPOSettings, seed: int,
+              rank: int, world: int, addr: str, port: int) -> dict[str, Any]:
+        from m1.marl.distributed import prepare_process_group
+
+        if world > 1:
+            prepare_process_group(rank, world, addr, port)
+        self.learner = AgentLearner(agent, key, spec, cfg, grpo, seed, rank=rank, world=world)
+        return self.where()
+
+    def where(self) -> dict[str, Any]:
+        """Host, GPU ids, placement group and resources Ray gave this actor (bundle resources are named
+        `<resource>_group_<bundle index>_<group id>`): for the log and the placement tests."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"host": socket.gethostname(), "node_id": ctx.get_node_id(), "gpu_ids": ray.get_gpu_ids(),
+                "placement_group": ctx.get_placement_group_id(), "resources": ctx.get_assigned_resources(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def generate(self, requests, params):
+        return self.learner.generate(requests, params)
+
+    def sft_samples(self, examples: list) -> list[Sample]:
+        return [self.learner.sft_sample(e) for e in examples]
+
+    def update(self, samples, lr, objective):
+        return self.learner.update(samples, lr, objective)
+
+    def save(self, folder: str, include_rng: bool) -> None:
+        self.learner.save(folder, include_rng)
+
+    def load(self, folder: str, include_rng: bool) -> None:
+        self.learner.load(folder, include_rng)
+
+    def parameters(self) -> dict[str, Any]:
+        return self.learner.parameters()
+
+    def write_marker(self, folder: str, name: str, token: str) -> str:
+        return write_storage_marker(folder, name, token)
+
+
+class RemoteChat:
+    """A ChatModel whose generation runs on an agent's learner ranks; requests are split across the ranks."""
+
+    def __init__(self, name: str, actors: list):
+        self.name, self._actors = name, list(actors)
+
+    def generate(self, requests, params):
+        ray = _require_ray()
+        if not requests:
+            return []
+        n = min(len(self._actors), len(requests))
+        size = -(-len(requests) // n)
+        refs = [actor.generate.remote(requests[i * size:(i + 1) * size], params)
+                for i, actor in enumerate(self._actors[:n]) if requests[i * size:(i + 1) * size]]
+        return [c for part in ray.get(refs) for c in part]
+
+
+class RayLearners:
+    """Per trained agent a group of `learner.gpus` Ray actors (one ZeRO-2 process group); the interface of
+    `LocalLearners`. `placement(agent, rank)` gives the Ray options of each rank (a placement-group bundle);
+    without it each rank asks for `ray.num_gpus_per_learner` GPUs wherever Ray finds them."""
+
+    def __init__(self, specs: dict[str, tuple[str, ModelSpec]], learner_cfg: LearnerConfig, grpo: GRPOSettings,
+                 seed: int, ray_cfg, out_dir: str | Path | None = None, worlds: dict[str, int] | None = None,
+                 placement: RayPlacement | None = None):
+        ray = ray_session(ray_cfg)
+        worlds = {agent: (worlds or {}).get(agent, learner_cfg.gpus) for agent in specs}
+        default = {"num_gpus": ray_cfg.num_gpus_per_learner, "num_cpus": ray_cfg.num_cpus_per_learner}
+        actor_cls = ray.remote(LearnerRank)
+        self.keys = {agent: key for agent, (key, _) in specs.items()}
+        self.groups: dict[str, list] = {
+            agent: [actor_cls.options(**(placement.options("learner", agent, r) if placement else default)).remote()
+                    for r in range(worlds[agent])] for agent in specs}
+        builds: dict[tuple[str, int], Any] = {}
+        for agent, (key, spec) in specs.items():
+            world = worlds[agent]
+            addr, port = ray.get(self.groups[agent][0].address.remote()) if world > 1 else ("127.0.0.1", 0)
+            for r, actor in enumerate(self.groups[agent]):
+                builds[(agent, r)] = actor.build.remote(agent, key, spec, learner_cfg, grpo, seed, r, world, addr, port)
+        # all ranks of a group start together: each blocks in the rendezvous until its group is complete
+        self.where = dict(zip(builds, ray.get(list(builds.values()))))  # load errors surface here
+        if out_dir is not None:
+            check_shared_storage(out_dir, {f"agent {agent} rank {r} (host {self.where[(agent, r)]['host']})":
+                                           _marker_writer(actor)
+                                           for agent, group in self.groups.items() for r, actor in enumerate(group)})
+
+    def chat_models(self) -> dict[str, RemoteChat]:
+        return {agent: RemoteChat(self.keys[agent], group) for agent, group in self.groups.items()}
+
+    def sft_samples(self, agent: str, examples: list) -> list[Sample]:
+        ray = _require_ray()
+        return ray.get(self.groups[agent][0].sft_samples.remote(examples)) if examples else []
+
+    def update(self, samples: dict[str, list], lr: float, objective: str = "grpo") -> dict[str, dict[str, float]]:
+        ray = _require_ray()
+        refs = {a: [actor.update.remote(samples.get(a, []), lr, objective) for actor in group]
+                for a, group in self.groups.items()}
+        return {a: ray.get(r)[0] for a, r in refs.items()}  # every rank returns the whole step's stats
+
+    def save(self, folder: Path) -> None:
+        ray = _require_ray()
+        ray.get([actor.save.remote(str(Path(folder) / agent), True)
+                 for agent, group in self.groups.items() for actor in group])
+
+    def load(self, folder: Path) -> None:
+        ray = _require_ray()
+        ray.get([actor.load.remote(str(Path(folder) / agent), True)
+                 for agent, group in self.groups.items() for actor in group])
+
+    def parameters(self, agent: str) -> dict[str, Any]:
+        ray = _require_ray()
+        return ray.get(self.groups[agent][0].parameters.remote())
+
+    def shutdown(self) -> None:
+        ray = _require_ray()
+        for group in self.groups.values():
+            for actor in group:
+                ray.kill(actor)
+        self.groups = {}
+
+
+def ray_session(ray_cfg):
+    """The `ray` module with a session started (a local one, or the cluster at `ray.address`)."""
+    ray = _require_ray()
+    if not ray.is_initialized():
+        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+        if ray_cfg.address:
+            kw["address"] = ray_cfg.address
+        ray.init(**kw)
+    return ray
+
+
+class RayPlacement:
+    """The plan's GPUs reserved as one Ray placement group: one bundle per planned GPU, pinned to its node when the
+    cluster's node addresses are known. `options(role, name, rank)` are the Ray actor options of one planned part."""
+
+    def __init__(self, plan, node_ips: list[str] | None = None, timeout_s: float = 300.0):
+        ray = _require_ray()
+        from ray.util.placement_group import placement_group
+
+        self.plan = plan
+        self.bundles = plan.ray_bundles(node_ips=node_ips)
+        self.group = placement_group(self.bundles.bundles, strategy="PACK")
+        try:
+            ray.get(self.group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            ray.util.remove_placement_group(self.group)
+            raise DistributedError(
+                f"placement: Ray could not reserve the plan's {len(self.bundles.bundles)} GPU bundles within "
+                f"{timeout_s:.0f} s (cluster has {ray.cluster_resources()}, free now {ray.available_resources()}); "
+                "another job may hold GPUs, or a node named in the plan is gone") from exc
+
+    def options(self, role: str, name: str, rank: int = 0) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        key = (role, name, rank)
+        if key not in self.bundles.index:
+            raise DistributedError(f"placement: the plan has no GPU for {role} {name!r} rank {rank}")
+        i = self.bundles.index[key]
+        return {"num_gpus": self.bundles.bundles[i]["GPU"], "num_cpus": self.bundles.bundles[i].get("CPU", 0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=i, placement_group_capture_child_tasks=True)}
+
+    def release(self) -> None:
+        ray = _require_ray()
+        ray.util.remove_placement_group(self.group)
+
+
+def reserve_placement(cfg) -> RayPlacement | None:
+    """Start Ray, plan the run (`cfg`: a TrainConfig or SFTConfig) on the GPUs the cluster reports, refuse a plan
+    that does not fit, and reserve its GPUs. None on a cluster without GPUs (CPU runs place actors freely)."""
+    import logging
+
+    from m1.marl.cluster import cluster_gpus_from_ray, make_plan
+
+    ray_session(cfg.ray)
+    info = cluster_gpus_from_ray(cfg.ray.address or "auto")
+    if not info.gpus_per_node:
+        return None
+    plan = make_plan(cfg, nodes=info.gpus_per_node, gpu_mem_gb=cfg.cluster.gpu_mem_gb or info.gpu_mem_gb)
+    if not plan.fits:
+        raise DistributedError("the placement plan does not fit this cluster: " + "; ".join(plan.problems)
+                               + f" (see it with: m1 {'sft' if hasattr(cfg, 'epochs') else 'train'} --plan)")
+    if not plan.gpus_needed:
+        return None
+    logging.getLogger(__name__).info("placement plan:\n%s", plan.render())
+    return RayPlacement(plan, info.node_ips)
+
+
+# ------------------------------------------------------------------------------------------------ driver models
+class ModelHost:
+    """A Ray actor holding one of the driver's models (a browser VLM, a tool model, CLIP, a local judge) on the GPU
+    the plan gave it, so it never shares a GPU with a learner."""
+
+    def __init__(self, key: str, spec: ModelSpec):
+        from m1.models.hub import ModelHub
+
+        self.model = getattr(ModelHub({key: spec}), spec.kind)(key)
+
+    def attributes(self) -> dict[str, Any]:
+        """The model's plain attributes (name, dims...), which tools read without calling it."""
+        return {k: v for k, v in vars(self.model).items()
+                if not k.startswith("_") and isinstance(v, (str, int, float, bool, type(None)))}
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.model, method)(*args, **kwargs)
+
+
+class RemoteModel:
+    """The driver's stand-in for a model hosted by `ModelHost`: the same methods, run on the host's GPU."""
+
+    def __init__(self, key: str, kind: str, actor, attributes: dict[str, Any]):
+        self.__dict__.update(attributes)
+        self.name, self.kind, self._actor = key, kind, actor
+
+    def _call(self, method: str, *args, **kwargs):
+        ray = _require_ray()
+        return ray.get(self._actor.call.remote(method, *args, **kwargs))
+
+    def generate(self, requests, params):
+        return self._call("generate", requests, params)
+
+    def describe(self, requests, params):
+        return self._call("describe", requests, params)
+
+    def encode_images(self, frames):
+        return self._call("encode_images", frames)
+
+    def encode_texts(self, texts):
+        return self._call("encode_texts", texts)
+
+
+def host_driver_models(placement: RayPlacement, specs: dict[str, ModelSpec]) -> dict[str, RemoteModel]:
+    """Start a `ModelHost` for every driver model the plan put on a GPU; {key: RemoteModel} to register in a hub."""
+    ray = _require_ray()
+    hosts = {}
+    for key, slots in placement.plan.driver.items():
+        if key not in specs:
+            continue
+        if len(slots) > 1:
+            raise DistributedError(f"placement: driver model {key!r} is planned on {len(slots)} GPUs; a driver model "
+                                   "runs on one GPU (use a smaller model, or serve it with vLLM behind an "
+                                   "OpenAI-compatible endpoint: backend openai)")
+        hosts[key] = ray.remote(ModelHost).options(**placement.options("driver", key, 0)).remote(key, specs[key])
+    attrs = ray.get([h.attributes.remote() for h in hosts.values()])  # load errors surface here
+    return {key: RemoteModel(key, specs[key].kind, host, a) for (key, host), a in zip(hosts.items(), attrs)}
+
+
+def _marker_writer(actor) -> Callable[[str, str, str], str]:
+    def write(folder: str, name: str, token: str) -> str:
+        import ray
+
+        return ray.get(actor.write_marker.remote(folder, name, token))
+    return write
+
+
+# ------------------------------------------------------------------------------------------------ storage
+STORAGE_CHECK_DIR = ".storage-check"
+
+
+def write_storage_marker(folder: str, name: str, token: str) -> str:
+    """Write `<folder>/<name>.json` holding `token` and this host's name, as a remote rank sees `folder`."""
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{name}.json").write_text(json.dumps({"token": token, "host": socket.gethostname()}))
+    return socket.gethostname()
+
+
+def check_shared_storage(out_dir: str | Path, writers: dict[str, Callable[[str, str, str], str]]) -> None:
+    """Refuse to train unless every writer (a rank, maybe on another node) writes where this process reads.
+
+    Checkpoints are written by the ranks and renamed and pruned by the driver, so `out_dir` must be one folder for
+    all of them (a shared file system). Each writer is handed the same absolute folder and a fresh token; a marker
+    the driver cannot read back, or one with another run's token, names the writer and its host.
+    """
+    folder = Path(out_dir).resolve() / STORAGE_CHECK_DIR / uuid.uuid4().hex
+    token = uuid.uuid4().hex
+    missing = []
+    try:
+        for i, (who, write) in enumerate(writers.items()):
+            name = f"writer-{i}"
+            host = write(str(folder), name, token)
+            marker = folder / f"{name}.json"
+            try:
+                ok = json.loads(marker.read_text()).get("token") == token
+            except (OSError, json.JSONDecodeError):
+                ok = False
+            if not ok:
+                missing.append(f"{who} wrote on host {host}")
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    if missing:
+        raise DistributedError(
+            f"out_dir {Path(out_dir).resolve()} is not shared storage: the driver (host {socket.gethostname()}) "
+            f"cannot read what {'; '.join(missing)} wrote there. Put out_dir on a file system every node mounts "
+            "at the same path (NFS, Lustre, a mounted bucket)")
+
+
+def build_learners(specs: dict[str, tuple[str, ModelSpec]], learner_cfg: LearnerConfig, grpo: GRPOSettings,
+                   seed: int, placement: str = "local", ray_cfg=None, out_dir: str | Path | None = None,
+                   worlds: dict[str, int] | None = None, reserved: RayPlacement | None = None):
+    """The learners of a run: in this process, or Ray actor groups (`worlds`: GPUs per agent) in the bundles
+    `reserved` for them."""
+    if placement == "ray":
+        return RayLearners(specs, learner_cfg, grpo, seed, ray_cfg, out_dir, worlds, reserved)
+    many = {a: n for a, n in (worlds or {a: learner_cfg.gpus for a in specs}).items() if n > 1}
+    if many:
+        raise DistributedError(f"learners on several GPUs ({many}) are groups of processes: set placement: ray "
+                               "(scripts/train_ray.sh)")
+    return LocalLearners(specs, learner_cfg, grpo, seed)

@@ -1,0 +1,530 @@
+"""One agent's learner: policy, reference and optimizer, and the groups that hold one learner per agent.
+
+Learners (`AgentLearner`) hold the policy (LoRA adapter through peft, or the full model), the reference (LoRA: the
+same model with the adapter disabled; full: a frozen copy; none when beta = 0), and an AdamW optimizer, optionally
+inside a DeepSpeed ZeRO-2 engine. Different agents may have different architectures and tokenizers: each learner
+tokenises and scores its own samples.
+
+Old log-probs: with `grpo.old_logprobs: policy` (default) the surrogate uses `logp.detach()` — one update per
+rollout batch, TRL's on-policy case, ratio exactly 1 with the gradient of logp. `rollout` uses the sampler's
+log-probs instead. Either way `logp_gap` logs the mean |recomputed - sampled| log-prob, which should be ~0.
+
+Gradient accumulation: an agent's samples of one step are split into micro-batches of `learner.micro_batch_size`;
+each micro-batch loss is weighted so the accumulated gradient equals that of the whole step's batch (`grpo` and
+`dr_grpo`: weight = micro size / step size; token-mean losses: normalised by the step's token count, as TRL's
+`dapo`). One optimizer step per agent per training step.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from m1.config import ModelSpec
+from m1.marl.config import GRPOSettings, LearnerConfig
+from m1.marl.rollout import Sample
+
+def derive_seed(*parts: Any) -> int:
+    """A 31-bit seed from ints/strings, stable across processes (Python's str hash is salted per process)."""
+    digest = hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+# ================================================================================================ one agent's learner
+class AgentLearner:
+    """Policy, reference and optimizer of one agent; also a ChatModel (`name`, `generate`) for the team."""
+
+    def __init__(self, agent: str, model_key: str, spec: ModelSpec, cfg: LearnerConfig, grpo: GRPOSettings,
+                 seed: int = 0, rank: int = 0, world: int = 1):
+        import torch
+
+        from m1.models.hf import HFChatModel, resolve_device
+
+        self.agent, self.name, self.cfg, self.grpo = agent, model_key, cfg, grpo
+        self.rank, self.world = rank, world
+        if world > 1 and not cfg.deepspeed:
+            raise ValueError(f"agent {agent!r}: a learner on {world} GPUs is one ZeRO-2 group; set learner.deepspeed "
+                             "(configs/deepspeed/zero2.json)")
+        torch.manual_seed(derive_seed(seed, "learner", agent))  # LoRA init; a no-op for exactness when resuming
+        device = resolve_device(spec.device)
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.startswith("cuda"))
+        ds_cfg = None
+        if cfg.deepspeed:
+            from m1.marl.distributed import resolve_ds_config
+
+            ds_cfg = resolve_ds_config(cfg.deepspeed, micro_batch_size=cfg.micro_batch_size,
+                                       max_grad_norm=cfg.max_grad_norm, bf16=self.bf16)
+            self.bf16 = bool(ds_cfg.get("bf16", {}).get("enabled"))
+        # Which dtype the weights load in. LoRA: the frozen base in bf16, the adapter in fp32 (peft upcasts it).
+        # Full fine-tuning under DeepSpeed: bf16 weights, fp32 master partitions inside the ZeRO optimizer. Full
+        # fine-tuning in plain torch: fp32 weights, since the paper's lr 1e-7 would round away in bf16 weights.
+        self.weights_dtype = "bfloat16" if self.bf16 and (cfg.finetune == "lora" or ds_cfg) else "float32"
+        self.chat = HFChatModel(spec.model_copy(update={"dtype": self.weights_dtype}), model_key)
+        self.chat.name = model_key
+        self.tokenizer = self.chat.tokenizer
+        self.device = self.chat.device
+        self._context_length = self.chat.context_length
+        base = self.chat.model
+        if cfg.gradient_checkpointing:
+            base.gradient_checkpointing_enable()
+        if cfg.finetune == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            lora = cfg.lora
+            policy = get_peft_model(base, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                     target_modules=list(lora.target_modules),
+                                                     task_type="CAUSAL_LM"))
+            self.ref = None  # the reference is the same model with the adapter disabled
+        else:
+            policy = base
+            self.ref = None
+            if grpo.beta > 0:  # a frozen copy; bf16 when training in bf16 (it is only ever run forward)
+                self.ref = copy.deepcopy(base).eval().requires_grad_(False)
+                if self.bf16:
+                    self.ref.to(torch.bfloat16)
+        self.policy = policy
+        self.chat.model = policy  # the team generates with the weights being trained
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"agent {agent!r}: the model has no trainable parameters")
+        # On a GPU the fused kernel: the default multi-tensor path makes full-size temporaries of the (ZeRO-flattened)
+        # fp32 state at each step, 11.5 GiB for a 3B model, which decided whether a 3B full fine-tune fits on an A100
+        fused = {"fused": True} if str(self.device).startswith("cuda") else {}
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate(), betas=tuple(cfg.betas),
+                                           eps=cfg.eps, weight_decay=cfg.weight_decay, **fused)
+        self.engine = None
+        if ds_cfg is not None:
+            from m1.marl.distributed import deepspeed_engine
+
+            self.engine, self.optimizer = deepspeed_engine(policy, self.optimizer, ds_cfg)
+        self.updates = 0
+
+    # -------------------------------------------------------------- generation (ChatModel protocol)
+    def ready(self) -> bool:
+        return True
+
+    def generate(self, requests, params):
+        """Sample with the current weights, under the same length caps the update uses.
+
+        Prompts keep their last `max_prompt_tokens` tokens and completions stop at `max_completion_tokens` (the
+        chat model truncates prompts to fit its context length), so the token ids a sample carries are exactly
+        the context and the tokens that get trained: sampler and learner score the same conditional.
+        """
+        from dataclasses import replace
+
+        self.policy.eval()  # no dropout while sampling
+        params = replace(params, max_new_tokens=min(params.max_new_tokens, self.cfg.max_completion_tokens))
+        cap = self.cfg.max_prompt_tokens + params.max_new_tokens
+        self.chat.context_length = cap if self._context_length is None else min(self._context_length, cap)
+        with self._autocast():
+            return self.chat.generate(requests, params)
+
+    def _autocast(self):
+        import torch
+
+        if self.bf16 and self.engine is None and str(self.device).startswith("cuda"):
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def sft_sample(self, ex) -> Sample:
+        """An SFT example (m1/marl/sft.py) as this learner's `Sample`: its own chat rendering and tokenizer; the
+        target ends with end-of-turn."""
+        from m1.models.base import ChatRequest
+
+        tok = self.tokenizer
+        prompt = tok(self.chat.render(ChatRequest(ex.messages)), add_special_tokens=False)["input_ids"]
+        completion = tok(ex.completion, add_special_tokens=False)["input_ids"] + [self.chat.eos_ids[0]]
+        return Sample(agent=self.agent, question_id=ex.question_id, group=0, rollout=0, phase=ex.phase,
+                      prompt_ids=list(prompt), completion_ids=list(completion), logprobs=None, reward=0.0,
+                      advantage=0.0, temperature=1.0)
+
+    # -------------------------------------------------------------- scoring
+    def _rows(self, samples: list[Sample]) -> list[tuple[list[int], list[int]]]:
+        """(prompt, completion) ids cut to the configured lengths: prompts keep their end, completions their start."""
+        p_max, c_max = self.cfg.max_prompt_tokens, self.cfg.max_completion_tokens
+        return [(s.prompt_ids[-p_max:], s.completion_ids[:c_max]) for s in samples]
+
+    def completion_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float):
+        """Log-probs [B, C] of each completion token given its prompt, and the mask [B, C] of real tokens.
+
+        Prompts are left-padded and completions right-padded so all completions start at one column; positions
+        count real tokens only (as `generate` does with left padding), so the values match the sampler's.
+        GRPO's K completions of a question share one prompt: when rows repeat prompts (and `share_prompt_forward`
+        is on), each distinct prompt is run once and its key/value cache is reused by its completions.
+        """
+        prompts = list(dict.fromkeys(tuple(p) for p, _ in rows))
+        longest = max(len(c) for _, c in rows)
+        if (self.cfg.share_prompt_forward and len(prompts) < len(rows) and longest > 0
+                and self._can_share_prompt(model)):
+            return self._shared_prompt_logprobs(model, rows, [list(p) for p in prompts], temperature)
+        return self._joint_logprobs(model, rows, temperature)
+
+    def _joint_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float):
+        """One forward over prompt + completion for every row (no sharing)."""
+        import torch
+
+        from m1.marl.grpo import token_logprobs
+
+        pad = self.tokenizer.pad_token_id
+        p_len = max(len(p) for p, _ in rows)
+        c_len = max(len(c) for _, c in rows)
+        ids, attn, cmask = [], [], []
+        for p, c in rows:
+            lp, rc = p_len - len(p), c_len - len(c)
+            ids.append([pad] * lp + p + c + [pad] * rc)
+            attn.append([0] * lp + [1] * (len(p) + len(c)) + [0] * rc)
+            cmask.append([1.0] * len(c) + [0.0] * rc)
+        input_ids = torch.tensor(ids, device=self.device)
+        attention = torch.tensor(attn, device=self.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                    logits_to_keep=c_len + 1, use_cache=False)
+        logits = out.logits[:, :-1]  # the logits at column P-1+t score completion token t
+        logp = token_logprobs(logits, input_ids[:, p_len:], temperature)
+        return logp, torch.tensor(cmask, device=self.device)
+
+    def _can_share_prompt(self, model) -> bool:
+        """Whether a prompt's cache can be carried into a second forward with gradient intact.
+
+        Not through a DeepSpeed engine: each engine forward hooks its outputs to run the engine's backward
+        prologue (ZeRO `enter_backward`, callback queueing), so with the prompt pass's cache feeding the completion
+        pass the prologue runs twice in one backward. On one CPU rank (ZeRO-2, fp32) the gradients still match the
+        joint pass, but multi-rank reduction under a doubled prologue is untested, so the engine keeps the joint
+        pass. Not with gradient checkpointing in training (the layers drop the cache), nor with sliding-window
+        layers (their cache is cut to the window).
+        """
+        if self.engine is not None and model is self.engine:
+            return False
+        if self.cfg.gradient_checkpointing and model.training:
+            return False
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = base.config
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            return all(t == "full_attention" for t in layer_types)
+        return not getattr(config, "use_sliding_window", False)
+
+    def _shared_prompt_logprobs(self, model, rows: list[tuple[list[int], list[int]]], prompts: list[list[int]],
+                                temperature: float):
+        """`_joint_logprobs` computed with one forward per distinct prompt and one over the completions.
+
+        Pass 1 runs the U distinct prompts (left-padded) with a cache, under the caller's grad mode, so gradient
+        reaches the prompt's keys and values exactly as in the joint pass; its last column scores completion
+        token 0. The cache is then gathered to the B rows (the gather's backward sums the K rows' gradients back
+        into their shared prompt). Pass 2 runs completion tokens 0..C-2 (right-padded) on that cache, with the
+        attention mask [prompt mask, completion mask] and positions continuing after each prompt's real tokens;
+        its logits score tokens 1..C-1.
+        """
+        import torch
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        from m1.marl.grpo import token_logprobs
+
+        pad = self.tokenizer.pad_token_id
+        which = {tuple(p): i for i, p in enumerate(prompts)}
+        group = torch.tensor([which[tuple(p)] for p, _ in rows], device=self.device)
+        p_len = max(len(p) for p in prompts)
+        c_len = max(len(c) for _, c in rows)
+        p_ids = torch.tensor([[pad] * (p_len - len(p)) + p for p in prompts], device=self.device)
+        p_attn = torch.tensor([[0] * (p_len - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        c_ids = torch.tensor([c + [pad] * (c_len - len(c)) for _, c in rows], device=self.device)
+        c_attn = torch.tensor([[1] * len(c) + [0] * (c_len - len(c)) for _, c in rows], device=self.device)
+
+        out = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(-1) - 1).clamp(min=0),
+                    logits_to_keep=1, use_cache=True)
+        first = token_logprobs(out.logits[group], c_ids[:, :1], temperature)  # [B, 1]
+        if c_len == 1:
+            return first, c_attn.float()
+        cache = out.past_key_values
+        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer or
+                                                      layer.get_seq_length() != p_len for layer in cache.layers):
+            raise RuntimeError(f"agent {self.agent!r}: the prompt pass returned {type(cache).__name__} "
+                               f"({[type(layer).__name__ for layer in getattr(cache, 'layers', [])][:3]}...), "
+                               f"not a full-attention DynamicCache of {p_len} tokens; set "
+                               "learner.share_prompt_forward: false for this model")
+        cache.batch_select_indices(group)
+        attention = torch.cat([p_attn[group], c_attn[:, :-1]], dim=1)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, p_len:]
+        out = model(input_ids=c_ids[:, :-1], attention_mask=attention, position_ids=positions,
+                    past_key_values=cache, use_cache=True)
+        rest = token_logprobs(out.logits, c_ids[:, 1:], temperature)  # [B, C-1]
+        return torch.cat([first, rest], dim=1), c_attn.float()
+
+    def _padded(self, values: list[list[float] | None], width: int):
+        import torch
+
+        rows = []
+        for v in values:
+            if v is None:
+                raise ValueError(f"agent {self.agent!r}: grpo.old_logprobs=rollout needs the sampler's log-probs")
+            v = list(v[:width])
+            rows.append(v + [0.0] * (width - len(v)))
+        return torch.tensor(rows, device=self.device, dtype=torch.float32)
+
+    # -------------------------------------------------------------- one optimizer step
+    def update(self, samples: list[Sample], lr: float, objective: str = "grpo") -> dict[str, float]:
+        """One optimizer step on all `samples` of this agent (GRPO, or cross-entropy for `objective="sft"`).
+
+        In a learner group of W ranks every rank is handed the whole step and trains on its contiguous share (so the
+        K rollouts of a question mostly stay together and share their prompt's forward). Every micro-batch loss is
+        weighted against the whole step, times W because DeepSpeed averages the ranks' gradients; ranks with fewer
+        micro-batches run zero-weight ones so all ranks enter the same number of gradient reductions. The stats
+        returned are the whole step's, on every rank.
+        """
+        import torch
+
+        from m1.marl.grpo import grpo_loss
+
+        if objective not in ("grpo", "sft"):
+            raise ValueError(f"objective must be 'grpo' or 'sft', got {objective!r}")
+        t0 = time.perf_counter()
+        self._set_lr(lr)
+        if not samples:
+            return {"samples": 0.0, "lr": lr}
+        temps = {s.temperature for s in samples}
+        if len(temps) != 1:
+            raise ValueError(f"agent {self.agent!r}: samples of one step mix temperatures {sorted(temps)}")
+        temperature = temps.pop()
+        self.policy.train()
+        rows = self._rows(samples)
+        n_samples = len(samples)
+        n_tokens = sum(len(c) for _, c in rows)
+        g = self.grpo
+        token_level = g.loss_type in ("bnpo", "token-mean", "dapo")
+        totals: dict[str, float] = {}
+        loss_sum = 0.0
+        weight = 1.0
+
+        def add(key: str, value: float, w: float) -> None:
+            if weight:  # a zero-weight micro-batch only keeps the ranks' reductions in step
+                totals[key] = totals.get(key, 0.0) + value * w
+
+        for micro, micro_rows, weight in self._micro_batches(samples, rows):
+            with self._autocast():
+                logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature)
+            tokens = float(mask.sum())
+            if objective == "sft":
+                loss = -(logp * mask).sum() / max(n_tokens, 1)  # token mean over the whole step
+                add("nll", float(-(logp.detach() * mask).sum()), 1.0 / max(n_tokens, 1))
+            else:
+                ref = None
+                if g.beta > 0:
+                    with torch.no_grad(), self._autocast(), self._reference() as ref_model:
+                        ref, _ = self.completion_logprobs(ref_model, micro_rows, temperature)
+                old = None
+                if g.old_logprobs == "rollout":
+                    old = self._padded([s.logprobs for s in micro], logp.shape[1])
+                adv = torch.tensor([s.advantage for s in micro], device=self.device, dtype=torch.float32)
+                if token_level:
+                    loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=g.beta, clip_eps_low=g.clip_eps_low,
+                                            clip_eps_high=g.clip_eps_high, loss_type="dapo",
+                                            num_items_in_batch=n_tokens)
+                else:
+                    loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=g.beta, clip_eps_low=g.clip_eps_low,
+                                            clip_eps_high=g.clip_eps_high, loss_type=g.loss_type,
+                                            max_completion_length=self.cfg.max_completion_tokens)
+                    loss = loss * (len(micro) / n_samples)
+                for key in ("kl", "clip_frac", "ratio_mean"):
+                    if key in stats:
+                        add(key, stats[key], tokens / max(n_tokens, 1))
+                gap = [s.logprobs for s in micro]
+                if all(x is not None for x in gap):
+                    sampled = self._padded(gap, logp.shape[1])
+                    add("logp_gap", float(((logp.detach() - sampled).abs() * mask).sum()), 1.0 / max(n_tokens, 1))
+            loss = loss * (weight * self.world)
+            self._backward(loss)
+            loss_sum += float(loss.detach()) / self.world
+        grad_norm = self._step()
+        self.updates += 1
+        if self.world > 1:
+            loss_sum, totals = _sum_over_ranks(loss_sum, totals)
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": float(n_samples),
+                "tokens": float(n_tokens), "seconds": time.perf_counter() - t0, **totals}
+
+    def _micro_batches(self, samples: list[Sample], rows: list):
+        """(samples, rows, weight) of each micro-batch this rank runs: its share of the step, then zero-weight
+        padding up to the micro-batch count of the largest share (weight 1.0 for real ones)."""
+        mb, n = self.cfg.micro_batch_size, len(samples)
+        share = -(-n // self.world)
+        lo, hi = min(n, self.rank * share), min(n, (self.rank + 1) * share)
+        out = [(samples[s:min(s + mb, hi)], rows[s:min(s + mb, hi)], 1.0) for s in range(lo, hi, mb)]
+        while len(out) < -(-share // mb):
+            out.append((samples[:1], rows[:1], 0.0))
+        return out
+
+    def _forward_model(self):
+        return self.engine if self.engine is not None else self.policy
+
+    def _reference(self):
+        if self.cfg.finetune == "lora":
+            return _AdapterOff(self.policy)
+        return nullcontext(self.ref)
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _backward(self, loss) -> None:
+        if self.engine is not None:
+            self.engine.backward(loss, scale_wrt_gas=False)  # we weight micro-batches ourselves
+        else:
+            loss.backward()
+
+    def _step(self) -> float:
+        import torch
+
+        if self.engine is not None:
+            self.engine.step()  # clips (gradient_clipping) and zeroes gradients
+            norm = self.engine.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan")
+        if self.cfg.max_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([
+                torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None])))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # -------------------------------------------------------------- state
+    def parameters(self) -> dict[str, Any]:
+        """Trainable parameters by name, detached CPU copies (tests, Ray)."""
+        return {n: p.detach().cpu().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
+
+    def save(self, folder: str | Path, include_rng: bool = False) -> None:
+        """Weights (HF folder, or the peft adapter folder), optimizer state, and optionally this process's RNG."""
+        import torch
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:  # the weights are whole on every rank of a ZeRO-2 group: one copy is written
+            weights = folder / ("adapter" if self.cfg.finetune == "lora" else "model")
+            self.policy.save_pretrained(weights)
+            self.tokenizer.save_pretrained(weights)
+        if self.engine is not None:  # collective: each rank writes its optimizer shard
+            self.engine.save_checkpoint(str(folder / "deepspeed"), tag="state", exclude_frozen_parameters=True)
+        else:
+            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+        if self.rank == 0:
+            state: dict[str, Any] = {"agent": self.agent, "model_key": self.name, "updates": self.updates,
+                                     "finetune": self.cfg.finetune, "world": self.world}
+            (folder / "learner.json").write_text(json.dumps(state, indent=2))
+        if include_rng:
+            torch.save(_rng_state(), folder / self._rng_file())
+
+    def _rng_file(self) -> str:
+        return "rng.pt" if self.rank == 0 else f"rng-rank{self.rank}.pt"
+
+    def load(self, folder: str | Path, include_rng: bool = False) -> None:
+        import torch
+
+        folder = Path(folder)
+        state = json.loads((folder / "learner.json").read_text())
+        if state["finetune"] != self.cfg.finetune:
+            raise ValueError(f"{folder}: checkpoint is a {state['finetune']} run, the config says "
+                             f"{self.cfg.finetune}")
+        if state.get("world", 1) != self.world:
+            raise ValueError(f"{folder}: agent {self.agent!r} was trained on {state.get('world', 1)} GPUs and is now "
+                             f"given {self.world}; its ZeRO optimizer shards fit that many ranks only (set "
+                             f"learner.gpus back to {state.get('world', 1)} to resume)")
+        if self.cfg.finetune == "lora":
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.policy, read_safetensors(folder / "adapter", "adapter_model"))
+        else:
+            _load_full(self.policy, read_safetensors(folder / "model", "model"), folder / "model")
+        if self.engine is not None:
+            self.engine.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False)
+        else:
+            self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        self.updates = int(state["updates"])
+        if include_rng:
+            _set_rng_state(torch.load(folder / self._rng_file(), weights_only=False))
+
+
+def _sum_over_ranks(loss: float, totals: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """The step's loss and weighted stats summed over the ranks of this process group."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (loss, totals))
+    out: dict[str, float] = {}
+    for _, part in gathered:
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + v
+    return sum(x for x, _ in gathered), out
+
+
+class _AdapterOff:
+    """`with _AdapterOff(peft_model) as ref:` — the base model (LoRA reference) for the block's duration."""
+
+    def __init__(self, model):
+        self.model, self._ctx = model, None
+
+    def __enter__(self):
+        self._ctx = self.model.disable_adapter()
+        self._ctx.__enter__()
+        return self.model
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def read_safetensors(folder: Path, stem: str) -> dict[str, Any]:
+    """All tensors of a (possibly sharded) safetensors checkpoint in `folder`."""
+    from safetensors.torch import load_file
+
+    single = folder / f"{stem}.safetensors"
+    if single.is_file():
+        return load_file(single)
+    index = folder / f"{stem}.safetensors.index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{folder}: neither {single.name} nor {index.name}")
+    out: dict[str, Any] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        out.update(load_file(folder / shard))
+    return out
+
+
+def _load_full(model, state: dict[str, Any], where: Path) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if isinstance(getattr(model, "_tied_weights_keys", None), dict):
+        tied = set(model._tied_weights_keys)
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"{where}: weights do not match the model (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,112 @@
+"""What flows through a run besides the models: the questions handed out in a seeded order, and the metrics log."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+# ================================================================================================ metrics
+class MetricsLog:
+    """metrics.jsonl (one line per step), TensorBoard scalars when available, and a tqdm bar."""
+
+    def __init__(self, out_dir: Path, total: int, start: int, tensorboard: bool, progress: bool):
+        self.path = out_dir / "metrics.jsonl"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():  # keep only steps up to the checkpoint we resume from (drop a killed run's tail)
+            kept = []
+            for i, line in enumerate(self.path.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    step = json.loads(line).get("step", 0)
+                except json.JSONDecodeError:
+                    log.warning("%s:%d: dropping a torn line left by a killed run", self.path, i)
+                    continue
+                if step <= start:
+                    kept.append(line)
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError:
+                log.warning("tensorboard is not installed: metrics go to %s only", self.path)
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self.writer is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
+                    self.writer.add_scalar(k, v, row["step"])
+            self.writer.flush()
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
+                                 reward=f"{row.get('reward/mean', float('nan')):.3f}")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ================================================================================================ data
+class QuestionStream:
+    """Items (questions; SFT examples) in a fresh seeded order every epoch; `cursor` counts items handed out."""
+
+    def __init__(self, questions: list, seed: int, shuffle: bool = True):
+        if not questions:
+            raise ValueError("no training questions")
+        self.questions, self.seed, self.shuffle = list(questions), seed, shuffle
+        self.cursor = 0
+        self._order: tuple[int, list[int]] | None = None
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        import numpy as np
+
+        if self._order is None or self._order[0] != epoch:
+            n = len(self.questions)
+            order = (np.random.default_rng([self.seed, epoch]).permutation(n).tolist() if self.shuffle
+                     else list(range(n)))
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def take(self, n: int) -> list:
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.cursor, len(self.questions))
+            out.append(self.questions[self._epoch_order(epoch)[i]])
+            self.cursor += 1
+        return out
+
+    @property
+    def epoch(self) -> float:
+        return self.cursor / len(self.questions)
+
+
+def load_questions(path: str | None, video_dir: str | None) -> list:
+    from m1.run import read_questions
+
+    if not path:
+        raise ValueError("data.questions: no questions file given")
+    qs, issues = read_questions(Path(path), Path(video_dir) if video_dir else None)
+    for msg in issues:
+        log.warning("skipped question: %s", msg)
+    if not qs:
+        raise ValueError(f"{path}: no usable questions ({len(issues)} skipped)")
+    return qs
