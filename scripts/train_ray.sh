@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Multi-agent GRPO on a Ray cluster: one learner actor per trained agent (num_gpus_per_learner GPUs each, e.g. one
-# A100), while the driver on the head node runs the team's rollouts, the tools and their vision/CLIP models, and
-# the reward judge. Generation of each agent runs inside its actor, on the weights being trained.
+# Multi-agent GRPO (or, with M1_CMD=sft, SFT) on a Ray cluster. Before anything loads, the run plans its GPUs
+# (print it with `m1 train --config CONFIG --plan`): each trained agent's learner is a ZeRO-2 group of
+# `learner.gpus` Ray actors, one per GPU; the driver's models (browser, space and grounding tools, CLIP, a local
+# judge) each get a GPU of their own; the plan's GPUs are reserved as one Ray placement group, and a plan that does
+# not fit the cluster is refused naming the agent and the shortfall. out_dir must be on storage every node mounts
+# at the same path (checked at start).
 #
 #   head node:    scripts/train_ray.sh configs/marl/videochat_m1_lora.yaml [key.path=value ...]
 #   other nodes:  ray start --address=<head-ip>:6379 --num-gpus=<gpus on that node>
@@ -27,5 +30,9 @@ if ! ray status >/dev/null 2>&1; then
   ray start --head --num-gpus="${NUM_GPUS}" --include-dashboard=false
 fi
 
+if [[ "${M1_CMD:-train}" == "sft" ]]; then
+  exec "$PY" -c 'import sys; from m1.marl.sft import sft_main; sft_main(sys.argv[1], sys.argv[2:])' \
+    "$CONFIG" placement=ray ray.address=auto "$@"
+fi
 exec "$PY" -c 'import sys; from m1.marl.launch import train_main; train_main(sys.argv[1], sys.argv[2:])' \
   "$CONFIG" placement=ray ray.address=auto "$@"

@@ -133,10 +133,13 @@ def test_engine_is_built_from_the_spec():
     kw = made[0].init_kwargs
     assert kw == dict(model="/models/qwen", dtype="bfloat16", tensor_parallel_size=2,
                       gpu_memory_utilization=0.5, enable_lora=True, seed=3, max_lora_rank=8,
-                      max_model_len=2048)
+                      max_model_len=2048, trust_remote_code=False)
     made.clear()
     VLLMChatModel(spec(), "agent", vllm_module=fake_api(made))
     assert made[0].init_kwargs["enable_lora"] is False and "max_lora_rank" not in made[0].init_kwargs
+    made.clear()
+    VLLMChatModel(spec().model_copy(update={"trust_remote_code": True}), "agent", vllm_module=fake_api(made))
+    assert made[0].init_kwargs["trust_remote_code"] is True
 
 
 def test_engine_start_failure_is_a_model_error():

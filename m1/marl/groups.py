@@ -79,7 +79,9 @@ class LearnerRank:
         if world > 1:
             prepare_process_group(rank, world, addr, port)
         self.learner = AgentLearner(agent, key, spec, cfg, grpo, seed, rank=rank, world=world)
-        return self.where()
+        import torch.distributed as dist
+
+        return {**self.where(), "world": dist.get_world_size() if dist.is_initialized() else 1}
 
     def where(self) -> dict[str, Any]:
         """Host, GPU ids, placement group and resources Ray gave this actor (bundle resources are named
@@ -172,14 +174,16 @@ class RayLearners:
                 for a, group in self.groups.items()}
         return {a: ray.get(r)[0] for a, r in refs.items()}  # every rank returns the whole step's stats
 
+    # Folders go to the ranks as absolute paths: a relative one would name a folder on each actor's own disk and
+    # working directory (the storage check at start made sure the absolute one is the same folder everywhere).
     def save(self, folder: Path) -> None:
         ray = _require_ray()
-        ray.get([actor.save.remote(str(Path(folder) / agent), True)
+        ray.get([actor.save.remote(str(Path(folder).resolve() / agent), True)
                  for agent, group in self.groups.items() for actor in group])
 
     def load(self, folder: Path) -> None:
         ray = _require_ray()
-        ray.get([actor.load.remote(str(Path(folder) / agent), True)
+        ray.get([actor.load.remote(str(Path(folder).resolve() / agent), True)
                  for agent, group in self.groups.items() for actor in group])
 
     def parameters(self, agent: str) -> dict[str, Any]:
