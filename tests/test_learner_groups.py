@@ -176,3 +176,39 @@ def test_gpu_check_tiny_runs_every_step_on_cpu():
     full = steps["full_3b"]
     assert full["fits"] and full["reference_dtype"] == "torch.bfloat16" and full["fp32_masters_moved"]
     assert steps["generate_32"]["tokens_per_s"] > 0
+
+
+def test_deepspeed_config_fills_auto_values_and_accumulates_bf16_gradients_in_fp32(tmp_path):
+    from m1.marl.distributed import DistributedError, resolve_ds_config
+
+    bf16 = resolve_ds_config("zero2", micro_batch_size=4, max_grad_norm=1.0, bf16=True)
+    assert bf16["bf16"]["enabled"] and bf16["data_types"]["grad_accum_dtype"] == "fp32"
+    assert bf16["train_micro_batch_size_per_gpu"] == 4 and bf16["gradient_clipping"] == 1.0
+    assert bf16["zero_optimization"]["stage"] == 2 and bf16["gradient_accumulation_steps"] == 1
+    fp32 = resolve_ds_config("zero2", micro_batch_size=2, max_grad_norm=None, bf16=False)
+    assert not fp32["bf16"]["enabled"] and "data_types" not in fp32 and fp32["gradient_clipping"] == 0.0
+    bad = tmp_path / "z3.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(DistributedError, match="ZeRO-3"):
+        resolve_ds_config(bad, micro_batch_size=1, max_grad_norm=None, bf16=True)
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_bf16_learner_dtypes_without_deepspeed(finetune, m1_cache):
+    """bf16 training in plain torch: LoRA keeps a bf16 base and fp32 adapter weights; a full fine-tune keeps fp32
+    weights (a 1e-7 step would round away in bf16) and a bf16 reference."""
+    import torch
+
+    from m1.marl.learner import AgentLearner
+
+    spec = TeamConfig.model_validate(team_dict()).models["qa"]
+    learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune=finetune, precision="bf16"),
+                           GRPOSettings(beta=0.05))
+    trainable = {p.dtype for p in learner.params}
+    frozen = {p.dtype for p in learner.policy.parameters() if not p.requires_grad}
+    assert trainable == {torch.float32}
+    if finetune == "lora":
+        assert learner.weights_dtype == "bfloat16" and frozen == {torch.bfloat16} and learner.ref is None
+    else:
+        assert learner.weights_dtype == "float32" and not frozen
+        assert {p.dtype for p in learner.ref.parameters()} == {torch.bfloat16}

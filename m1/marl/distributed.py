@@ -1,15 +1,12 @@
-"""Scaling out the learners: DeepSpeed ZeRO-2 engines, and Ray actors holding one learner per agent.
+"""DeepSpeed setup for the learners, and Ray as an optional import.
 
 DeepSpeed. Each agent's policy gets its own engine (agents have different architectures, so they cannot share one).
 The caller owns gradient accumulation: the number of samples an agent produces varies from step to step, so the
 engine runs with `managed_gradient_accumulation: false` — every `backward` accumulates, every `step` is a boundary.
-`configs/deepspeed/zero2.json` is the GPU config; values written "auto" are filled from the learner config.
-In a plain process or a Ray actor `prepare_process_group` sets the rendezvous variables DeepSpeed insists on
-and skips the JIT build of the shared-memory op, which is useless at world size 1 (see environment notes §3).
-
-Ray. `RayLearners` starts one actor per trained agent (`num_gpus_per_learner` each) that holds an `AgentLearner`.
-The driver runs the team; actors serve generation for their agent (the hub gets a `RemoteChat` proxy) and run their
-agent's update in parallel with the others. Ray is optional: it is imported only here, inside functions.
+`configs/deepspeed/zero2.json` is the GPU config; values written "auto" are filled from the learner config, and bf16
+runs accumulate gradients in fp32. In a plain process, or a rank of a learner group (m1/marl/groups.py),
+`prepare_process_group` sets the rendezvous variables DeepSpeed insists on and, on CPU, skips the JIT build of the
+shared-memory comm op (see environment notes §3), so collectives go through gloo.
 """
 from __future__ import annotations
 

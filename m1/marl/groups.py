@@ -14,6 +14,7 @@ Both give: `chat_models()` (what the team generates with), `update(samples, lr, 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import uuid
@@ -25,6 +26,8 @@ from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.distributed import DistributedError, _free_port, _require_ray
 from m1.marl.learner import AgentLearner
 from m1.marl.rollout import Sample
+
+log = logging.getLogger(__name__)
 
 
 class LocalLearners:
@@ -156,6 +159,8 @@ class RayLearners:
                 builds[(agent, r)] = actor.build.remote(agent, key, spec, learner_cfg, grpo, seed, r, world, addr, port)
         # all ranks of a group start together: each blocks in the rendezvous until its group is complete
         self.where = dict(zip(builds, ray.get(list(builds.values()))))  # load errors surface here
+        for (agent, r), w in self.where.items():
+            log.info("learner %s rank %d of %d on host %s, GPUs %s", agent, r, worlds[agent], w["host"], w["gpu_ids"])
         if out_dir is not None:
             check_shared_storage(out_dir, {f"agent {agent} rank {r} (host {self.where[(agent, r)]['host']})":
                                            _marker_writer(actor)
@@ -248,8 +253,6 @@ class RayPlacement:
 def reserve_placement(cfg) -> RayPlacement | None:
     """Start Ray, plan the run (`cfg`: a TrainConfig or SFTConfig) on the GPUs the cluster reports, refuse a plan
     that does not fit, and reserve its GPUs. None on a cluster without GPUs (CPU runs place actors freely)."""
-    import logging
-
     from m1.marl.cluster import cluster_gpus_from_ray, make_plan
 
     ray_session(cfg.ray)
@@ -262,7 +265,7 @@ def reserve_placement(cfg) -> RayPlacement | None:
                                + f" (see it with: m1 {'sft' if hasattr(cfg, 'epochs') else 'train'} --plan)")
     if not plan.gpus_needed:
         return None
-    logging.getLogger(__name__).info("placement plan:\n%s", plan.render())
+    log.info("placement plan:\n%s", plan.render())
     return RayPlacement(plan, info.node_ips)
 
 

@@ -105,9 +105,6 @@ class AgentLearner:
         self.updates = 0
 
     # -------------------------------------------------------------- generation (ChatModel protocol)
-    def ready(self) -> bool:
-        return True
-
     def generate(self, requests, params):
         """Sample with the current weights, under the same length caps the update uses.
 
