@@ -75,6 +75,8 @@ class Generation(Record):
     logprobs: list[float] | None = None
     parse_ok: bool = True
     parse_error: str | None = None
+    # training with a rollout engine: the version of the weights that sampled it (left out of traces when unknown)
+    weight_version: int | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class AgentAnswer(Record):

@@ -159,13 +159,19 @@ def test_a_group_spans_nodes_only_when_no_node_holds_it():
 
 
 def test_engine_rollouts_take_gpus_of_their_own():
-    cfg = load_train_config("videochat_m1_lora", ["cluster.rollout=engine", "cluster.engine_gpus=1"])
+    cfg = load_train_config("videochat_m1_lora", ["rollout.engine=vllm", "cluster.engine_gpus=1"])
     plan = make_plan(cfg, gpus=16, gpu_mem_gb=80)
     assert plan.fits, plan.problems
     assert all(len(plan.engines[a]) == 1 for a in AGENTS)
     assert all(plan.unit("learner", a).memory.kv == 0 for a in AGENTS)  # no generation in the learners
     assert plan.gpus_needed == 12
     _no_gpu_twice(plan)
+    # servers the user runs (rollout.engine_url) take no GPU of the plan, and the learners still hold no KV cache
+    theirs = make_plan(load_train_config("videochat_m1_lora", [
+        "rollout.engine=vllm", "rollout.engine_url={qwen3_8b: 'http://a:8000', qwen3_4b: 'http://b:8000', "
+        "qwen25_7b: 'http://c:8000', qwen25_3b: 'http://d:8000'}"]), gpus=16, gpu_mem_gb=80)
+    assert theirs.gpus_needed == 8 and not any(theirs.engines.values())
+    assert all(theirs.unit("learner", a).memory.kv == 0 for a in AGENTS)
 
 
 def test_a_vision_model_gets_two_gpus_only_when_one_is_too_small():

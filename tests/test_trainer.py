@@ -654,3 +654,44 @@ def test_average_settings_are_checked(tmp_path):
         train_cfg(tmp_path, steps=4, checkpoint={"every": 2, "keep_last": 5}, average={"checkpoints": 3})
     with pytest.raises(ValueError, match="averaging is off"):
         train_cfg(tmp_path, average={"include_start": True})
+
+
+def test_sampler_importance_weights_correct_engine_logprobs(m1_cache):
+    """grpo.old_logprobs sampler: with the engine's log-probs equal to the trainer's the update is the plain
+    on-policy one; with the engine off by +-d per token each token's policy term is weighted by
+    min(exp(trainer - engine), is_cap), and the ratio stats and the truncated share are logged."""
+    import math
+
+    import torch
+
+    from m1.marl.learner import AgentLearner
+
+    spec = TeamConfig.model_validate(team_dict()).models["qa"]
+    samples = _synthetic_samples(6)
+
+    def learner(mode, cap=2.0):
+        return AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=6),
+                            GRPOSettings(beta=0.0, old_logprobs=mode, is_cap=cap))
+
+    probe = learner("policy")
+    with torch.no_grad():
+        logp, mask = probe.completion_logprobs(probe.policy, probe._rows(samples), 1.0)
+    exact = [s.__class__(**{**s.__dict__, "logprobs": logp[i, :len(s.completion_ids)].tolist()})
+             for i, s in enumerate(samples)]
+    plain, same = learner("policy").update(exact, 1e-2), learner("sampler").update(exact, 1e-2)
+    assert same["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+    assert same["is/ratio_mean"] == pytest.approx(1.0, abs=1e-5) and same["is/truncated"] == 0.0
+    # the engine puts every token 1.0 lower in even samples (ratio e > cap: truncated to 2) and 0.5 higher in odd
+    # ones (ratio e^-0.5): the policy term of each token is scaled by that weight
+    shifted = [s.__class__(**{**s.__dict__, "logprobs": [x - 1.0 if i % 2 == 0 else x + 0.5 for x in s.logprobs]})
+               for i, s in enumerate(exact)]
+    got = learner("sampler").update(shifted, 1e-2)
+    n_even = sum(len(s.completion_ids) for s in exact[::2])
+    n_all = sum(len(s.completion_ids) for s in exact)
+    assert got["is/truncated"] == pytest.approx(n_even / n_all)
+    assert got["is/ratio_max"] == pytest.approx(math.e, rel=1e-4)
+    want_mean = (n_even * math.e + (n_all - n_even) * math.exp(-0.5)) / n_all
+    assert got["is/ratio_mean"] == pytest.approx(want_mean, rel=1e-4)
+    # grpo loss (mean over samples of the token mean) of -A * ratio(=1) * weight: weights 2 and e^-0.5
+    want_loss = sum(-s.advantage * (2.0 if i % 2 == 0 else math.exp(-0.5)) for i, s in enumerate(exact)) / 6
+    assert got["loss"] == pytest.approx(want_loss, abs=1e-5)

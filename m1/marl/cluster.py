@@ -379,7 +379,10 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
     units: list[Unit] = []
     on_cpu = []
 
-    kv_seqs = 0 if sft or cc.rollout == "engine" else team.limits.batch_episodes
+    # rollouts from vLLM servers: no KV cache in the learners; engines M1 launches get GPUs of their own
+    on_engines = not sft and cfg.rollout.engine == "vllm"
+    launched = on_engines and not cfg.rollout.engine_url
+    kv_seqs = 0 if sft or on_engines else team.limits.batch_episodes
     reference = (not sft) and cfg.grpo.beta > 0 and learner.finetune == "full"
     shapes: dict[str, TextShape] = {}
     for agent in trained:
@@ -401,7 +404,7 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
         units.append(Unit("learner", agent, spec.path or "tiny", n,
                           learner_memory(shape, learner, n, reference, kv_seqs, cc.reserve_gb, zero)))
 
-    if not sft and cc.rollout == "engine":
+    if launched:
         for agent in trained:
             if agent not in shapes:
                 continue

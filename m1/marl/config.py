@@ -89,6 +89,16 @@ class RolloutConfig(Strict):
 
     num_generations: int = Field(4, ge=1)  # K
     questions_per_step: int = Field(8, ge=1)  # the paper's batch size
+    # Where the trained agents' rollouts are generated. hf: by each learner's own policy (Hugging Face generate).
+    # vllm: by a vLLM server per trained agent (m1/models/engine.py), weights synced after every update: M1 launches
+    # `engine_command` (default `vllm serve ...`) on the GPUs the plan gives each engine, or uses the servers the
+    # user runs at `engine_url` (one URL when one agent is trained, else {agent: URL}). All episodes of a step go to
+    # each engine at once. Left out of dumps at their defaults, so earlier runs' recorded settings still match
+    engine: Literal["hf", "vllm"] = Field("hf", exclude_if=lambda v: v == "hf")
+    engine_url: str | dict[str, str] | None = Field(None, exclude_if=lambda v: v is None)
+    # argv of the server, with {model} {port} {lora_rank} {gpu_memory_utilization} filled in; None: vLLM's
+    engine_command: list[str] | None = Field(None, exclude_if=lambda v: v is None)
+    engine_timeout_s: float = Field(600.0, gt=0.0, exclude_if=lambda v: v == 600.0)  # one request, then a clear error
     temperature: float = Field(1.0, gt=0.0)  # sampling temperature of every agent (unless an agent sets its own)
     topology: Literal["random", "complete"] = "random"
     edge_prob: float = Field(0.5, ge=0.0, le=1.0)
@@ -130,8 +140,12 @@ class GRPOSettings(Strict):
     # gains only by beating the greedy decoding the team is evaluated with, and matching it earns nothing
     baseline: Literal["group", "greedy"] = "group"
     # policy: old = logp.detach() (one update per rollout batch, TRL's on-policy case);
-    # rollout: old = the sampler's log-probs (use when generation may lag the weights, e.g. vLLM)
-    old_logprobs: Literal["policy", "rollout"] = "policy"
+    # rollout: old = the sampler's log-probs (use when generation may lag the weights);
+    # sampler: old = logp.detach(), and each token's policy term is weighted by min(exp(logp - logp_sampler),
+    # is_cap): the truncated importance weight correcting for an engine (vLLM) whose numerics differ from the
+    # trainer's (TRL's vLLM correction). Logs <agent>/is/ratio_mean, is/ratio_max and is/truncated (token share)
+    old_logprobs: Literal["policy", "rollout", "sampler"] = "policy"
+    is_cap: float = Field(2.0, gt=0.0)
 
 
 class JudgeConfig(Strict):
@@ -186,10 +200,7 @@ class ClusterConfig(Strict):
     gpu_mem_gb: float | None = Field(None, gt=0)  # memory of one GPU; None: --gpu-mem, else the local GPUs
     reserve_gb: float = Field(3.0, ge=0)  # per GPU, outside the formulas: CUDA context, NCCL, ZeRO buckets
     headroom: float = Field(0.1, ge=0, lt=1)  # share of each GPU left unplanned (allocator fragmentation, spikes)
-    # where rollouts are generated: by the learner's own policy on its GPUs (today), or by an engine on GPUs of its
-    # own (`engine_gpus` per trained agent, tensor parallel)
-    rollout: Literal["learner", "engine"] = "learner"
-    engine_gpus: int = Field(1, ge=1)
+    engine_gpus: int = Field(1, ge=1)  # GPUs of each launched rollout engine (rollout.engine vllm; tensor parallel)
     learner_gpus: dict[str, PositiveInt] = Field(default_factory=dict)  # agent -> GPUs; overrides learner.gpus
     driver_gpus: dict[str, PositiveInt] = Field(default_factory=dict)  # driver model key (or "judge") -> GPUs
     driver_headroom: float = Field(0.5, ge=0)  # activations + KV of an inference model, as a share of its weights
@@ -251,6 +262,16 @@ class TrainConfig(Strict):
             raise ValueError("grpo.baseline 'greedy' takes rewards minus the greedy run's, unscaled and for every "
                              f"generation: set grpo.scale_rewards: false (got {self.grpo.scale_rewards}) and "
                              f"rollout.answer_samples: 0 (got {self.rollout.answer_samples})")
+        r = self.rollout
+        trained = list(self.train_agents or names)
+        if r.engine == "hf" and (r.engine_url or r.engine_command):
+            raise ValueError("rollout.engine_url / engine_command are for rollout.engine: vllm (it is 'hf')")
+        if isinstance(r.engine_url, str) and len(trained) > 1:
+            raise ValueError(f"rollout.engine_url: one URL for {len(trained)} trained agents {trained}; give one "
+                             "per agent: {agent: URL}")
+        if isinstance(r.engine_url, dict) and sorted(r.engine_url) != sorted(trained):
+            raise ValueError(f"rollout.engine_url: needs exactly the trained agents {sorted(trained)}, got "
+                             f"{sorted(r.engine_url)}")
         if self.grpo.loss_type == "dr_grpo" and self.learner.max_completion_tokens < 1:
             raise ValueError("grpo.loss_type dr_grpo needs learner.max_completion_tokens")
         return self

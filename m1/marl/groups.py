@@ -121,6 +121,8 @@ class LearnerRank:
 class RemoteChat:
     """A ChatModel whose generation runs on an agent's learner ranks; requests are split across the ranks."""
 
+    remote = True  # the driver only waits on it: the team engine calls every agent's model of a phase at once
+
     def __init__(self, name: str, actors: list):
         self.name, self._actors = name, list(actors)
 
@@ -290,6 +292,8 @@ class ModelHost:
 
 class RemoteModel:
     """The driver's stand-in for a model hosted by `ModelHost`: the same methods, run on the host's GPU."""
+
+    remote = True
 
     def __init__(self, key: str, kind: str, actor, attributes: dict[str, Any]):
         self.__dict__.update(attributes)

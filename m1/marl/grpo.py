@@ -349,12 +349,15 @@ def grpo_loss(
     num_items_in_batch: Any = None,
     delta: float | None = None,
     importance_sampling_level: str = "token",
+    is_weight: "torch.Tensor | None" = None,
 ) -> tuple["torch.Tensor", dict[str, float]]:
     """Full GRPO objective: per-token clipped surrogate ``+ beta * k3 KL``, then one ``loss_type`` aggregation.
 
     As in TRL the KL is added per token before aggregation, so it is weighted exactly like the policy term.
-    ``ref_logp`` may be ``None`` only when ``beta == 0``. Stats are those of ``policy_loss`` plus ``kl`` (masked
-    token mean of k3, reported whenever ``ref_logp`` is given) and ``loss``.
+    ``ref_logp`` may be ``None`` only when ``beta == 0``. ``is_weight`` [B, T] (no gradient) multiplies the policy
+    term per token before the KL is added: the truncated importance weight that corrects for completions sampled by
+    an engine whose numerics differ from the trainer's (TRL's vLLM correction). Stats are those of
+    ``policy_loss`` plus ``kl`` (masked token mean of k3, reported whenever ``ref_logp`` is given) and ``loss``.
     """
     if beta < 0:
         raise ValueError(f"grpo_loss: beta must be >= 0, got {beta}")
@@ -371,6 +374,8 @@ def grpo_loss(
         max_completion_length=max_completion_length,
         num_items_in_batch=num_items_in_batch,
     )
+    if is_weight is not None:
+        per_token = per_token * is_weight.detach()
     stats["policy_loss"] = float(agg(per_token.detach()))
     if ref_logp is not None:
         kl = kl_k3(logp, ref_logp)

@@ -293,7 +293,8 @@ class AgentLearner:
         n_tokens = sum(len(c) for _, c in rows)
         g = self.grpo
         token_level = g.loss_type in ("bnpo", "token-mean", "dapo")
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {}  # sums over the step's tokens or samples
+        peaks: dict[str, float] = {}  # maxima over the step
         loss_sum = 0.0
         weight = 1.0
 
@@ -313,18 +314,28 @@ class AgentLearner:
                 if g.beta > 0:
                     with torch.no_grad(), self._autocast(), self._reference() as ref_model:
                         ref, _ = self.completion_logprobs(ref_model, micro_rows, temperature)
-                old = None
+                old = is_weight = None
                 if g.old_logprobs == "rollout":
                     old = self._padded([s.logprobs for s in micro], logp.shape[1])
+                elif g.old_logprobs == "sampler":  # truncated importance weight, engine -> trainer
+                    sampled = self._padded([s.logprobs for s in micro], logp.shape[1])
+                    raw = torch.exp((logp.detach().float() - sampled) * mask)  # 1 on padding
+                    is_weight = raw.clamp(max=g.is_cap)
+                    add("is/ratio_mean", float((raw * mask).sum()), 1.0 / max(n_tokens, 1))
+                    add("is/truncated", float(((raw > g.is_cap).float() * mask).sum()), 1.0 / max(n_tokens, 1))
+                    if weight:
+                        peaks["is/ratio_max"] = max(peaks.get("is/ratio_max", 0.0),
+                                                    float((raw * mask).max()) if tokens else 0.0)
                 adv = torch.tensor([s.advantage for s in micro], device=self.device, dtype=torch.float32)
                 if token_level:
                     loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=g.beta, clip_eps_low=g.clip_eps_low,
                                             clip_eps_high=g.clip_eps_high, loss_type="dapo",
-                                            num_items_in_batch=n_tokens)
+                                            num_items_in_batch=n_tokens, is_weight=is_weight)
                 else:
                     loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=g.beta, clip_eps_low=g.clip_eps_low,
                                             clip_eps_high=g.clip_eps_high, loss_type=g.loss_type,
-                                            max_completion_length=self.cfg.max_completion_tokens)
+                                            max_completion_length=self.cfg.max_completion_tokens,
+                                            is_weight=is_weight)
                     loss = loss * (len(micro) / n_samples)
                 for key in ("kl", "clip_frac", "ratio_mean"):
                     if key in stats:
@@ -339,9 +350,9 @@ class AgentLearner:
         grad_norm = self._step()
         self.updates += 1
         if self.world > 1:
-            loss_sum, totals = _sum_over_ranks(loss_sum, totals)
+            loss_sum, totals, peaks = _sum_over_ranks(loss_sum, totals, peaks)
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": float(n_samples),
-                "tokens": float(n_tokens), "seconds": time.perf_counter() - t0, **totals}
+                "tokens": float(n_tokens), "seconds": time.perf_counter() - t0, **totals, **peaks}
 
     def _micro_batches(self, samples: list[Sample], rows: list):
         """(samples, rows, weight) of each micro-batch this rank runs: its share of the step, then zero-weight
@@ -444,17 +455,21 @@ class AgentLearner:
             _set_rng_state(torch.load(folder / self._rng_file(), weights_only=False))
 
 
-def _sum_over_ranks(loss: float, totals: dict[str, float]) -> tuple[float, dict[str, float]]:
-    """The step's loss and weighted stats summed over the ranks of this process group."""
+def _sum_over_ranks(loss: float, totals: dict[str, float],
+                    peaks: dict[str, float]) -> tuple[float, dict[str, float], dict[str, float]]:
+    """The step's loss and weighted stats summed, and its peak stats maxed, over the ranks of this process group."""
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (loss, totals))
-    out: dict[str, float] = {}
-    for _, part in gathered:
+    dist.all_gather_object(gathered, (loss, totals, peaks))
+    sums: dict[str, float] = {}
+    maxima: dict[str, float] = {}
+    for _, part, top in gathered:
         for k, v in part.items():
-            out[k] = out.get(k, 0.0) + v
-    return sum(x for x, _ in gathered), out
+            sums[k] = sums.get(k, 0.0) + v
+        for k, v in top.items():
+            maxima[k] = max(maxima.get(k, v), v)
+    return sum(x for x, _, _ in gathered), sums, maxima
 
 
 class _AdapterOff:

@@ -69,6 +69,7 @@ class Sample:
     reward: float
     advantage: float
     temperature: float = 1.0
+    weight_version: int | None = None  # rollout engines: the weights that sampled it (the trainer checks it)
 
 
 @dataclass
@@ -267,7 +268,7 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                     logprobs=list(gen.logprobs) if gen.logprobs is not None else None,
                     reward=batch.rewards[gen.agent][g][k] if extra is None else extra.rewards[0],
                     advantage=float(table[gen.agent][g, k]) if extra is None else extra.advantages[0],
-                    temperature=temperatures[gen.agent]))
+                    temperature=temperatures[gen.agent], weight_version=gen.weight_version))
                 if extra is None:
                     continue
                 for o, r, a in zip(extra.extra, extra.rewards[1:], extra.advantages[1:]):
@@ -276,7 +277,7 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                             agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase="answer",
                             prompt_ids=list(o.prompt_ids), completion_ids=list(o.completion_ids),
                             logprobs=list(o.logprobs) if o.logprobs is not None else None, reward=r, advantage=a,
-                            temperature=temperatures[gen.agent]))
+                            temperature=temperatures[gen.agent], weight_version=o.meta.get("weight_version")))
     return out
 
 
