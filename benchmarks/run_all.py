@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["bench_batching", "bench_openai", "bench_frames", "bench_clip", "bench_grpo_vs_trl"]
+SCRIPTS = ["bench_batching", "bench_openai", "bench_rollout", "bench_frames", "bench_clip", "bench_grpo_vs_trl"]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 

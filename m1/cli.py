@@ -15,6 +15,18 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 DEMO_TEAM = "mini_trained"  # the mini team after SFT + MARL on M1-Synth (weights in assets/mini_team)
 
 
+def _training_errors() -> tuple[type[Exception], ...]:
+    """What a user of `m1 train` / `m1 sft` can cause or meet, printed as one `error:` line: a config, a model or
+    engine that cannot load or answer, a cluster that cannot hold the plan, a rollout that cannot be trained on."""
+    from m1.config import ConfigError
+    from m1.marl.cluster import PlanError
+    from m1.marl.distributed import DistributedError
+    from m1.marl.rollout import RolloutError
+    from m1.models.base import ModelError
+
+    return ConfigError, ModelError, DistributedError, PlanError, RolloutError
+
+
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
@@ -161,12 +173,11 @@ def train(
     if plan:
         _print_plan("marl", config, overrides or [], gpus, gpu_mem)
         return
-    from m1.config import ConfigError
     from m1.marl.launch import train_main
 
     try:
         train_main(config, overrides or [], progress=typer.echo)
-    except ConfigError as exc:
+    except _training_errors() as exc:
         _fail(str(exc))
 
 
@@ -183,12 +194,11 @@ def sft(
     if plan:
         _print_plan("sft", config, overrides or [], gpus, gpu_mem)
         return
-    from m1.config import ConfigError
     from m1.marl.sft import sft_main
 
     try:
         sft_main(config, overrides or [], progress=typer.echo)
-    except ConfigError as exc:
+    except _training_errors() as exc:
         _fail(str(exc))
 
 

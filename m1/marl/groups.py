@@ -51,6 +51,9 @@ class LocalLearners:
         for agent, learner in self.learners.items():
             learner.save(Path(folder) / agent)
 
+    def export_weights(self, agent: str, folder: Path) -> None:
+        self.learners[agent].export_weights(folder)
+
     def load(self, folder: Path) -> None:
         for agent, learner in self.learners.items():
             learner.load(Path(folder) / agent)
@@ -110,6 +113,9 @@ class LearnerRank:
 
     def load(self, folder: str, include_rng: bool) -> None:
         self.learner.load(folder, include_rng)
+
+    def export_weights(self, folder: str) -> None:
+        self.learner.export_weights(folder)
 
     def parameters(self) -> dict[str, Any]:
         return self.learner.parameters()
@@ -192,6 +198,10 @@ class RayLearners:
         ray = _require_ray()
         ray.get([actor.load.remote(str(Path(folder).resolve() / agent), True)
                  for agent, group in self.groups.items() for actor in group])
+
+    def export_weights(self, agent: str, folder: Path) -> None:
+        ray = _require_ray()
+        ray.get(self.groups[agent][0].export_weights.remote(str(Path(folder).resolve())))
 
     def parameters(self, agent: str) -> dict[str, Any]:
         ray = _require_ray()

@@ -425,6 +425,12 @@ class AgentLearner:
         if include_rng:
             torch.save(_rng_state(), folder / self._rng_file())
 
+    def export_weights(self, folder: str | Path) -> None:
+        """The weights as a rollout engine loads them: the peft adapter folder (LoRA) or a whole HF model folder."""
+        if self.rank == 0:
+            self.policy.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+
     def _rng_file(self) -> str:
         return "rng.pt" if self.rank == 0 else f"rng-rank{self.rank}.pt"
 

@@ -72,6 +72,11 @@ class Trainer:
         self.cfg = cfg
         seed_everything(cfg.seed)
         self.team_cfg = training_team_config(cfg.team_config(), cfg.rollout.temperature)
+        if cfg.rollout.engine == "vllm":  # an engine batches on its own: all of a step's episodes in one call each
+            limits = self.team_cfg.limits
+            step_episodes = cfg.rollout.questions_per_step * cfg.rollout.num_generations
+            self.team_cfg = self.team_cfg.model_copy(update={"limits": limits.model_copy(
+                update={"batch_episodes": max(limits.batch_episodes, step_episodes)})})
         self.agents = [a.name for a in self.team_cfg.agents]
         self.trained = list(cfg.train_agents or self.agents)
         self.temperatures = {a: agent_temperature(self.team_cfg, a) for a in self.trained}
@@ -90,7 +95,18 @@ class Trainer:
         self.learners = build_learners(specs, cfg.learner, cfg.grpo, cfg.seed, cfg.placement, cfg.ray, cfg.out_dir,
                                        {a: cfg.cluster.gpus_of(a, cfg.learner) for a in self.trained},
                                        self.placement)
-        for agent, chat in self.learners.chat_models().items():
+        # rollout.engine vllm: the trained agents generate on a vLLM server each, synced before every step
+        self.engines = None
+        if cfg.rollout.engine == "vllm":
+            from m1.marl.engines import RolloutEngines
+
+            try:
+                self.engines = RolloutEngines(cfg, specs, self.learners, self.placement)
+            except BaseException:
+                self.close()
+                raise
+        chats = self.engines.chat_models() if self.engines is not None else self.learners.chat_models()
+        for agent, chat in chats.items():
             self.hub.register(key_of[agent], chat, kind="chat")
         for key, model in hosted.items():
             if key != "judge":
@@ -140,7 +156,9 @@ class Trainer:
         topology = sample_topology(self.agents, cfg.rollout.topology, cfg.rollout.edge_prob, cfg.rollout.dropout,
                                    random.Random(derive_seed(cfg.seed, step, "topology")))
 
-        # 3. K episodes per question, generated with the current weights
+        # 3. K episodes per question, generated with the current weights (rollout engines get them first)
+        synced = self.engines.sync(step) if self.engines is not None else {}
+        t_sync = time.perf_counter()
         team = self._team(step)
         batch = run_rollouts(team, questions, cfg.rollout.num_generations, topology, cfg.rollout.rotate_options)
         greedy = None  # grpo.baseline greedy: each question once more, greedily, as the baseline (not trained on)
@@ -167,6 +185,8 @@ class Trainer:
                 lambda pairs: answer_rewards(pairs, cfg.rewards, self.judge), cfg.grpo.scale_rewards)
         samples = build_samples(batch, advantages, self.temperatures, answer_adv, answer_groups,
                                 cfg.rollout.train_phases)
+        if self.engines is not None:
+            self.engines.check_versions(samples, step)
         t_reward = time.perf_counter()
 
         # 5. one optimizer step per agent
@@ -176,8 +196,10 @@ class Trainer:
 
         # 6. metrics
         row = self._metrics(batch, rewards, advantages, stats, topology, answer_groups,
-                            {"rollout": t_rollout - t0, "reward": t_reward - t_rollout, "update": t_end - t_reward,
-                             "step": t_end - t0})
+                            {"sync": t_sync - t0, "rollout": t_rollout - t_sync, "reward": t_reward - t_rollout,
+                             "update": t_end - t_reward, "step": t_end - t0})
+        for agent, seconds in synced.items():
+            row[f"{agent}/sync_seconds"] = seconds
         if greedy is not None:  # the greedy team on this step's questions: what evaluation measures
             flat = [r for a in base for g in base[a] for r in g if not math.isnan(r)]
             row["greedy/reward"] = sum(flat) / len(flat) if flat else float("nan")
@@ -280,6 +302,8 @@ class Trainer:
         log.info("resumed from %s (step %d)", folder, self.step)
 
     def close(self) -> None:
+        if self.engines is not None:
+            self.engines.close()
         self.learners.shutdown()
         if self.placement is not None:
             self.placement.release()

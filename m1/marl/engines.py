@@ -1,0 +1,199 @@
+"""Rollout engines for training: a vLLM server per trained agent, its weights synced before every step.
+
+With `rollout.engine: vllm` the team generates through `EngineChat` clients (m1/models/engine.py) instead of the
+learners' own Hugging Face `generate`. The servers are either the user's (`rollout.engine_url`) or launched here:
+on GPU clusters as Ray actors in the engine bundles of the placement plan, on a machine without a plan as local
+processes. Before each step's rollouts the learners' current weights go to their engines through shared storage:
+
+- LoRA: the learner's rank 0 writes its adapter to `<out_dir>/engine_weights/<agent>/v<step>`, the engine loads it
+  at run time under the name `<agent>-v<step>`, requests switch to it, and the previous adapter is unloaded and its
+  folder removed (vLLM's runtime LoRA loading);
+- full fine-tuning: rank 0 writes the whole model there and the engine reloads its weights from it (vLLM's dev-mode
+  `collective_rpc` update_config + reload_weights; the seconds it takes are logged as `<agent>/sync_seconds`).
+  Broadcasting the weights into the engine's workers over NCCL, as verl and OpenRLHF do, is not built: this reload
+  is the only full-weight path.
+
+Every completion carries the weight version that sampled it, and the trainer refuses a step whose samples came
+from another version than the learners hold (`check_versions`).
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from m1.config import ModelSpec
+from m1.marl.config import TrainConfig
+from m1.marl.rollout import RolloutError
+from m1.models.engine import EngineChat, EngineError, EngineServer, vllm_command
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_DIR = "engine_weights"
+
+
+def _tokenizer(spec: ModelSpec, key: str):
+    """The agent's own tokenizer (the learner's), so prompts are rendered and cut exactly as the learner scores."""
+    from transformers import AutoTokenizer
+
+    from m1.models.hf import resolve_source
+
+    source, local_only = resolve_source(spec, key)
+    tok = AutoTokenizer.from_pretrained(source, local_files_only=local_only,
+                                        **({"trust_remote_code": True} if spec.trust_remote_code else {}))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _fill(argv: list[str], **fields: Any) -> list[str]:
+    """An argv template with {model}, {port}, {host}, {lora_rank}, {gpu_memory_utilization} filled in."""
+    out = []
+    for a in argv:
+        for k, v in fields.items():
+            a = a.replace("{" + k + "}", str(v))
+        out.append(a)
+    return out
+
+
+class RolloutEngines:
+    """One engine per trained agent: the team's chat models for those agents, and the weight sync."""
+
+    def __init__(self, cfg: TrainConfig, specs: dict[str, tuple[str, ModelSpec]], learners, placement=None):
+        self.cfg, self.learners = cfg, learners
+        self.out = Path(cfg.out_dir).resolve()
+        self.lora = cfg.learner.finetune == "lora"
+        self.version: int | None = None
+        self._loaded: dict[str, tuple[str, Path]] = {}  # agent -> (served name, weights folder) of the version
+        self._servers: dict[str, Any] = {}  # agent -> a local EngineServer or a Ray EngineHost actor
+        self.chats: dict[str, EngineChat] = {}
+        urls = self._urls(specs, placement)
+        learner = cfg.learner
+        for agent, (key, spec) in specs.items():
+            chat = EngineChat(key, urls[agent], _tokenizer(spec, key), agent=agent, served_model=agent,
+                              max_prompt_tokens=learner.max_prompt_tokens,
+                              max_completion_tokens=learner.max_completion_tokens,
+                              timeout=cfg.rollout.engine_timeout_s)
+            names = chat.models()  # the base model's name, as the server calls it (the first it lists)
+            if not names:
+                raise EngineError(f"agent {agent}: rollout engine {urls[agent]} serves no model")
+            chat.serve(names[0], -1)  # version -1 until the first sync: never the version of a step
+            self.chats[agent] = chat
+            self._loaded[agent] = (chat.served_model, None)
+
+    # ------------------------------------------------------------------ servers
+    def _urls(self, specs: dict[str, tuple[str, ModelSpec]], placement) -> dict[str, str]:
+        given = self.cfg.rollout.engine_url
+        if given:
+            return {a: given for a in specs} if isinstance(given, str) else dict(given)
+        logs = self.out / "engines"
+        logs.mkdir(parents=True, exist_ok=True)
+        urls = {}
+        try:
+            for agent, (key, spec) in specs.items():
+                urls[agent] = self._launch(agent, self._model_path(spec, key), logs, placement)
+        except BaseException:
+            self.close()
+            raise
+        return urls
+
+    @staticmethod
+    def _model_path(spec: ModelSpec, key: str) -> str:
+        from m1.models.hf import resolve_source
+
+        return resolve_source(spec, key)[0]
+
+    def _argv(self, model: str) -> list[str]:
+        lora_rank = self.cfg.learner.lora.r if self.lora else None
+        template = self.cfg.rollout.engine_command
+        if template is None:
+            learner = self.cfg.learner
+            return vllm_command(model, "{port}", lora_rank=lora_rank, host="{host}", seed=self.cfg.seed,
+                                max_model_len=learner.max_prompt_tokens + learner.max_completion_tokens)
+        return _fill(list(template), model=model, lora_rank=lora_rank or 0,
+                     gpu_memory_utilization=0.85)
+
+    def _launch(self, agent: str, model: str, logs: Path, placement) -> str:
+        argv = self._argv(model)
+        dev_mode = not self.lora  # full weights are reloaded through vLLM's dev-mode collective_rpc
+        if placement is not None and ("engine", agent, 0) in placement.bundles.index:
+            import ray
+
+            from m1.models.engine import EngineHost
+
+            if self.cfg.cluster.engine_gpus > 1:
+                raise EngineError(f"agent {agent}: a tensor-parallel engine ({self.cfg.cluster.engine_gpus} GPUs) "
+                                  "is not launched by M1; run it yourself and give rollout.engine_url")
+            host = ray.remote(EngineHost).options(**placement.options("engine", agent, 0)).remote(agent, str(logs))
+            self._servers[agent] = host
+            return ray.get(host.start.remote(model, argv=argv, dev_mode=dev_mode))
+        from m1.marl.distributed import _free_port
+
+        port = _free_port()
+        server = EngineServer(_fill(argv, port=port, host="127.0.0.1"), logs / f"engine-{agent}.log", port=port,
+                              dev_mode=dev_mode, name=f"agent {agent}: rollout engine")
+        self._servers[agent] = server
+        return server.start()
+
+    def close(self) -> None:
+        """Stop the engines launched here (the user's are left running)."""
+        for agent, server in list(self._servers.items()):
+            try:
+                if isinstance(server, EngineServer):
+                    server.stop()
+                else:
+                    import ray
+
+                    ray.get(server.stop.remote())
+                    ray.kill(server)
+            except Exception as exc:  # stopping is best effort at shutdown; say what was left behind
+                log.warning("agent %s: could not stop its rollout engine: %s", agent, exc)
+        self._servers.clear()
+
+    # ------------------------------------------------------------------ generation and sync
+    def chat_models(self) -> dict[str, EngineChat]:
+        return dict(self.chats)
+
+    def sync(self, version: int) -> dict[str, float]:
+        """Put the learners' current weights into their engines as `version`; seconds per agent."""
+        if version == self.version:
+            return {}
+        with ThreadPoolExecutor(max_workers=max(1, len(self.chats))) as pool:
+            seconds = dict(zip(self.chats, pool.map(lambda a: self._sync_one(a, version), list(self.chats))))
+        self.version = version
+        return seconds
+
+    def _sync_one(self, agent: str, version: int) -> float:
+        t0 = time.perf_counter()
+        chat = self.chats[agent]
+        folder = self.out / WEIGHTS_DIR / agent / f"v{version:06d}"
+        shutil.rmtree(folder, ignore_errors=True)
+        self.learners.export_weights(agent, folder)
+        old_name, old_folder = self._loaded[agent]
+        if self.lora:
+            name = f"{agent}-v{version}"
+            chat.load_adapter(name, folder)
+            chat.serve(name, version)
+            if old_folder is not None:  # the adapter of the previous version
+                chat.unload_adapter(old_name)
+        else:
+            name = chat.served_model
+            chat.reload_weights(folder, version)
+        if old_folder is not None and old_folder != folder:
+            shutil.rmtree(old_folder, ignore_errors=True)
+        self._loaded[agent] = (name, folder)
+        return time.perf_counter() - t0
+
+    def check_versions(self, samples: dict[str, list], version: int) -> None:
+        """Refuse to train on samples that other weights than the learners' current ones generated."""
+        for agent, rows in samples.items():
+            if agent not in self.chats:
+                continue
+            stale = sorted({s.weight_version for s in rows if s.weight_version != version}, key=str)
+            if stale:
+                raise RolloutError(f"agent {agent}: samples from weight versions {stale}, the learner is at "
+                                   f"version {version}; the engine did not take the synced weights")
+

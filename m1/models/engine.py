@@ -1,0 +1,499 @@
+"""Rollout engines: one vLLM OpenAI-compatible server per agent model, spoken to over HTTP only.
+
+vLLM pins its own torch and transformers, so it never shares a process (or an environment) with
+M1: the learner renders and tokenises prompts itself, sends token ids, and gets back token ids,
+the sampled tokens' log-probs and a finish reason. Sampler and learner therefore condition on
+exactly the same tokens, and weights move to the engine as files on shared storage.
+
+Targets vLLM 0.11 (`vllm serve`, the V1 engine). What is used, and why:
+
+- generation: POST /v1/completions with `prompt` = a list of token ids, `max_tokens`,
+  `temperature`, `top_p`, `seed`, and `top_k=-1`, `min_p=0`, `repetition_penalty=1`,
+  `presence_penalty=0`, `frequency_penalty=0` sent explicitly, since unset fields fall back to
+  the model's generation_config (Qwen: top_k=20, ...) and the log-probs would then describe
+  another policy. `logprobs: 0` returns the sampled token's log-prob in
+  `choices[0].logprobs.token_logprobs`; the server is started with
+  `--logprobs-mode processed_logprobs` so they are log_softmax(logits / T) like the learner's
+  (vLLM's default `raw_logprobs` ignores the temperature; "processed" also folds in top-p, which
+  GRPO leaves at 1).
+- token ids: `return_token_ids: true` (vLLM >= 0.10.2) fills `choices[0].token_ids` and
+  `choices[0].prompt_token_ids`; `return_tokens_as_token_ids: true` (older servers) writes
+  `logprobs.tokens` as "token_id:123". Both are sent; either response shape is read.
+- score: `prompt` = prompt + completion ids, `max_tokens: 1`, `prompt_logprobs: 0`; the
+  completion's entries of `choices[0].prompt_logprobs` ({"<id>": {"logprob": ...}}) are the
+  engine's log-probs at temperature 1 (vLLM computes prompt log-probs from raw logits).
+- LoRA at run time (env `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, flags `--enable-lora
+  --max-lora-rank R`): POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
+  /v1/unload_lora_adapter {"lora_name"} (an unknown name is a 404); requests then name the
+  adapter in `model`.
+- full weights (dev mode, env `VLLM_SERVER_DEV_MODE=1`): POST /collective_rpc
+  {"method": "update_config", "args": [{"model_config": {"model": FOLDER}}]} points every worker's
+  model config at the new folder, {"method": "reload_weights"} reloads the weights in place from
+  it (the workers' `Worker.update_config` / `Worker.reload_weights`), then POST
+  /reset_prefix_cache drops KV blocks computed with the old weights.
+- GET /health is 200 once the engine serves.
+
+Verified against vLLM's source (vllm/entrypoints/openai/completion/protocol.py: CompletionRequest
+and CompletionResponseChoice fields; the api_server's dev-mode /collective_rpc,
+/reset_prefix_cache and runtime-LoRA routes; v1 gpu_worker update_config/reload_weights; v1
+sampler logprobs modes). tests/engine_standin.py serves a tiny HF model behind the same shapes.
+"""
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams
+
+_RESUME_HINT = "rerunning the same command resumes from the last checkpoint"
+
+
+class EngineError(ModelError):
+    """A rollout engine failed; the message names the agent and the engine URL."""
+
+
+def render_prompt(tokenizer, messages: list[dict[str, Any]]) -> str:
+    """The prompt text of a chat with the assistant turn opened, exactly as HFChatModel.render writes it."""
+    # enable_thinking only matters for Qwen3-style templates; other templates ignore the variable.
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False)
+
+
+def _error_detail(body: bytes) -> str:
+    """The message of an error response: vLLM writes {"error": {"message"}} (newer) or {"message"}."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text[:500]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("message", "detail"):
+            if data.get(key):
+                return str(data[key])
+    return text[:500]
+
+
+def _token_id(token: str, where: str) -> int:
+    if not token.startswith("token_id:"):
+        raise EngineError(f"{where}: token {token!r} is not of the form 'token_id:N' "
+                          "(return_tokens_as_token_ids was ignored)")
+    return int(token.split(":", 1)[1])
+
+
+def _entry_logprob(entry: Any, token: int, where: str) -> float:
+    """The log-prob of `token` in one prompt_logprobs position ({"<id>": {"logprob": x, ...}})."""
+    if not isinstance(entry, dict):
+        raise EngineError(f"{where}: no prompt log-prob entry for token {token}")
+    value = entry.get(str(token), entry.get(token))  # type: ignore[call-overload]
+    if value is None:
+        raise EngineError(f"{where}: prompt log-probs lack token {token}")
+    return float(value["logprob"] if isinstance(value, dict) else value)
+
+
+# ================================================================================================ client
+class EngineChat:
+    """ChatModel backed by a vLLM server: local rendering and tokenising, sampling on the engine."""
+
+    remote = True  # the team engine calls several remote models of one phase concurrently
+
+    def __init__(self, name: str, url: str, tokenizer, *, agent: str, served_model: str,
+                 max_prompt_tokens: int | None = None, max_completion_tokens: int | None = None,
+                 timeout: float = 600.0, concurrency: int = 64, api_key_env: str | None = None) -> None:
+        self.name, self.url, self.agent = name, url.rstrip("/"), agent
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_completion_tokens = max_completion_tokens
+        self.timeout = float(timeout)
+        self.concurrency = max(1, int(concurrency))
+        self.api_key_env = api_key_env
+        self.calls = 0
+        self._lock = threading.Lock()
+        self._served = served_model
+        self._version = 0
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise EngineError(f"agent {agent}: the tokenizer given for engine {self.url} has no chat template")
+
+    def __repr__(self) -> str:
+        return f"EngineChat(agent={self.agent!r}, url={self.url!r}, served={self._served!r}, version={self._version})"
+
+    # -- HTTP -------------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"agent {self.agent}: rollout engine {self.url}"
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise EngineError(f"{self._where()}: environment variable {self.api_key_env} (its API key) is not set")
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def _call(self, method: str, path: str, payload: dict[str, Any] | None = None,
+              timeout: float | None = None) -> tuple[int, bytes]:
+        """One request; a dead or hung engine becomes an EngineError, an HTTP error comes back as its status."""
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers())
+        wait = self.timeout if timeout is None else timeout
+        try:
+            with urllib.request.urlopen(req, timeout=wait) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, (TimeoutError, socket.timeout)):
+                what = f"did not answer {method} {path} within {wait:g} s (hung?)"
+            else:
+                what = f"is not answering ({type(reason).__name__}: {reason})"
+            raise EngineError(f"{self._where()} {what}; the engine died or hung: see its log; "
+                              f"{_RESUME_HINT}") from None
+
+    def _post(self, path: str, payload: dict[str, Any], timeout: float | None = None) -> bytes:
+        status, body = self._call("POST", path, payload, timeout)
+        if status != 200:
+            raise EngineError(f"{self._where()}: POST {path} failed with HTTP {status}: {_error_detail(body)}")
+        return body
+
+    def health(self) -> bool:
+        """Whether GET /health answers 200 (False on any failure, never raises)."""
+        try:
+            status, _ = self._call("GET", "/health", timeout=min(self.timeout, 10.0))
+        except EngineError:
+            return False
+        return status == 200
+
+    def models(self) -> list[str]:
+        """Names the engine serves (the base and every loaded LoRA adapter)."""
+        status, body = self._call("GET", "/v1/models")
+        if status != 200:
+            raise EngineError(f"{self._where()}: GET /v1/models failed with HTTP {status}: {_error_detail(body)}")
+        return [m["id"] for m in json.loads(body).get("data", [])]
+
+    # -- weights ----------------------------------------------------------------------------
+    @property
+    def served_model(self) -> str:
+        return self._served
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def serve(self, model_name: str, version: int) -> None:
+        """Later requests use `model_name` (base or a loaded LoRA) and stamp `weight_version` = version."""
+        with self._lock:
+            self._served, self._version = model_name, int(version)
+
+    def load_adapter(self, lora_name: str, path: str | os.PathLike) -> float:
+        """Load the peft adapter folder `path` (on storage the engine sees) as `lora_name`; seconds taken."""
+        start = time.perf_counter()
+        self._post("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(Path(path).absolute())})
+        return time.perf_counter() - start
+
+    def unload_adapter(self, lora_name: str) -> float:
+        """Free the adapter `lora_name`; unloading one the engine does not hold is an EngineError."""
+        start = time.perf_counter()
+        self._post("/v1/unload_lora_adapter", {"lora_name": lora_name})
+        return time.perf_counter() - start
+
+    def reload_weights(self, path: str | os.PathLike, version: int) -> float:
+        """Full fine-tuning: reload full HF weights from folder `path` into the running engine; seconds taken.
+
+        Needs the engine in dev mode (EngineServer(dev_mode=True)); the folder must hold the same
+        architecture. Later requests use the base name and carry weight_version = version.
+        """
+        start = time.perf_counter()
+        folder = str(Path(path).absolute())
+        self._post("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": folder}}]})
+        self._post("/collective_rpc", {"method": "reload_weights"})
+        self._post("/reset_prefix_cache", {})
+        with self._lock:
+            self._version = int(version)
+        return time.perf_counter() - start
+
+    # -- generation -------------------------------------------------------------------------
+    def prompt_ids(self, request: ChatRequest) -> tuple[list[int], int]:
+        """(token ids the engine is sent, tokens dropped from the front to fit max_prompt_tokens)."""
+        ids = list(self.tokenizer(render_prompt(self.tokenizer, request.messages),
+                                  add_special_tokens=False)["input_ids"])
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            return ids[-self.max_prompt_tokens:], len(ids) - self.max_prompt_tokens
+        return ids, 0
+
+    def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
+        """One engine request per chat, sent concurrently; request i samples with seed + i."""
+        self.calls += 1
+        if not requests:
+            return []
+        if params.max_new_tokens < 1:
+            raise EngineError(f"{self._where()}: SamplingParams.max_new_tokens must be >= 1, "
+                              f"got {params.max_new_tokens}")
+        max_new = params.max_new_tokens
+        if self.max_completion_tokens is not None:
+            max_new = min(max_new, self.max_completion_tokens)
+        with self._lock:
+            served, version = self._served, self._version
+        prompts = [self.prompt_ids(r) for r in requests]
+
+        def one(i: int) -> Completion:
+            ids, dropped = prompts[i]
+            seed = None if params.seed is None else params.seed + i
+            return self._complete(ids, dropped, max_new, params, seed, served, version, i)
+
+        if len(requests) == 1:
+            return [one(0)]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(requests))) as pool:
+            return list(pool.map(one, range(len(requests))))
+
+    def _complete(self, ids: list[int], dropped: int, max_new: int, params: SamplingParams, seed: int | None,
+                  served: str, version: int, index: int) -> Completion:
+        payload: dict[str, Any] = {
+            "model": served, "prompt": ids, "max_tokens": max_new, "n": 1,
+            "temperature": float(params.temperature), "top_p": float(params.top_p) if params.temperature > 0 else 1.0,
+            "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+            "frequency_penalty": 0.0, "logprobs": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "skip_special_tokens": True,
+        }
+        if seed is not None:
+            payload["seed"] = int(seed)
+        data = json.loads(self._post("/v1/completions", payload))
+        where = f"{self._where()}, request {index}"
+        try:
+            choice = data["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise EngineError(f"{where}: the response has no choices: {str(data)[:300]}") from None
+        lp = choice.get("logprobs") or {}
+        if choice.get("token_ids") is not None:
+            completion_ids = [int(t) for t in choice["token_ids"]]
+        elif lp.get("tokens") is not None:
+            completion_ids = [_token_id(t, where) for t in lp["tokens"]]
+        else:
+            raise EngineError(f"{where}: the response carries no token ids (neither `token_ids` nor "
+                              "`logprobs.tokens`); is the engine vLLM >= 0.10.2?")
+        logprobs = None
+        if lp.get("token_logprobs") is not None:
+            logprobs = [float(x) for x in lp["token_logprobs"]]
+            if len(logprobs) != len(completion_ids):
+                raise EngineError(f"{where}: {len(completion_ids)} tokens but {len(logprobs)} log-probs")
+        sent = choice.get("prompt_token_ids")
+        if sent is not None and [int(t) for t in sent] != ids:
+            raise EngineError(f"{where}: the engine conditioned on other prompt tokens than were sent")
+        meta: dict[str, Any] = {"engine": self.url, "weight_version": version, "served_model": served}
+        if dropped:
+            meta.update(truncated=True, dropped_prompt_tokens=dropped)
+        if max_new != params.max_new_tokens:
+            meta["max_new_tokens"] = max_new
+        return Completion(text=choice.get("text", ""), prompt_ids=list(ids), completion_ids=completion_ids,
+                          logprobs=logprobs if params.logprobs else None,
+                          finish_reason=str(choice.get("finish_reason") or "stop"), meta=meta)
+
+    def score(self, prompt_ids: list[int], completion_ids: list[int], model: str | None = None) -> list[float]:
+        """The engine's log-probs (temperature 1) of a fixed completion after a prompt, one per completion token."""
+        if not prompt_ids or not completion_ids:
+            raise EngineError(f"{self._where()}: score needs a non-empty prompt and completion")
+        payload = {"model": model or self._served, "prompt": list(prompt_ids) + list(completion_ids),
+                   "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        data = json.loads(self._post("/v1/completions", payload))
+        where = f"{self._where()}, score"
+        try:
+            entries = data["choices"][0]["prompt_logprobs"]
+        except (KeyError, IndexError, TypeError):
+            raise EngineError(f"{where}: the response has no prompt_logprobs") from None
+        if entries is None or len(entries) != len(prompt_ids) + len(completion_ids):
+            raise EngineError(f"{where}: expected {len(prompt_ids) + len(completion_ids)} prompt log-prob entries")
+        tail = entries[len(prompt_ids):]
+        return [_entry_logprob(e, int(t), where) for e, t in zip(tail, completion_ids)]
+
+
+# ================================================================================================ launcher
+def vllm_command(model_path: str, port: int, *, lora_rank: int | None = None,
+                 gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
+                 host: str = "0.0.0.0", served_model_name: str | None = None, seed: int = 0,
+                 extra: Sequence[str] = ()) -> list[str]:
+    """argv of `vllm serve` for a rollout engine; `--logprobs-mode processed_logprobs` makes the returned
+    log-probs temperature-scaled like the learner's."""
+    argv = ["vllm", "serve", str(model_path), "--host", host, "--port", str(port), "--dtype", "bfloat16",
+            "--gpu-memory-utilization", str(gpu_memory_utilization), "--logprobs-mode", "processed_logprobs",
+            "--seed", str(seed)]
+    if lora_rank is not None:
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    if served_model_name is not None:
+        argv += ["--served-model-name", served_model_name]
+    return argv + [str(x) for x in extra]
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
+
+
+_LIVE: "weakref.WeakSet[EngineServer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    """Servers still running when the interpreter exits (an error ended the run before `stop`)."""
+    for server in list(_LIVE):
+        server.stop(grace=5.0)
+
+
+class EngineServer:
+    """A server process launched from an argv, its output in a log file; ready once /health answers 200."""
+
+    def __init__(self, argv: Sequence[str], log_path: str | os.PathLike, *, port: int, host: str = "127.0.0.1",
+                 env: dict[str, str] | None = None, dev_mode: bool = False, name: str = "rollout engine") -> None:
+        self.argv = [str(a) for a in argv]
+        self.log_path = Path(log_path)
+        self.port, self.host, self.name = int(port), host, name
+        self.env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", **(env or {})}
+        if dev_mode:  # exposes /collective_rpc, which full-weight reloads need
+            self.env["VLLM_SERVER_DEV_MODE"] = "1"
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @classmethod
+    def for_vllm(cls, model_path: str, log_path: str | os.PathLike, *, port: int | None = None,
+                 dev_mode: bool = False, env: dict[str, str] | None = None, **command_kw: Any) -> "EngineServer":
+        """`vllm serve model_path` on `port` (a free one if None)."""
+        from m1.marl.distributed import _free_port
+
+        port = port or _free_port()
+        return cls(vllm_command(model_path, port, **command_kw), log_path, port=port, env=env, dev_mode=dev_mode)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _fail(self, what: str) -> EngineError:
+        return EngineError(f"{self.name} {self.url} ({' '.join(self.argv[:3])} ...) {what}; last lines of "
+                           f"{self.log_path}:\n{_log_tail(self.log_path)}")
+
+    def start(self, timeout: float = 900.0) -> str:
+        """Launch and wait until GET /health is 200; returns the URL."""
+        if self.alive():
+            return self.url
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        try:
+            # a session of its own, so stop() reaches the workers vLLM spawns as well
+            self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        except OSError as exc:
+            self._close_log()
+            raise self._fail(f"could not be launched ({exc})") from None
+        _LIVE.add(self)  # in a session of its own it would outlive this process: stopped at exit
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rc = self.proc.poll()
+            if rc is not None:
+                self._close_log()
+                raise self._fail(f"exited with code {rc} before answering /health")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2.0) as resp:
+                    if resp.status == 200:
+                        return self.url
+            except (urllib.error.URLError, OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.25)
+        err = self._fail(f"did not answer /health within {timeout:g} s")
+        self.stop()
+        raise err
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left after `grace` seconds."""
+        proc, self.proc = self.proc, None
+        _LIVE.discard(self)
+        if proc is not None and proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "EngineServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EngineHost:
+    """Owns one EngineServer on the GPUs Ray gave this actor (wrap with `ray.remote(num_gpus=N)`).
+
+    Ray sets CUDA_VISIBLE_DEVICES for the actor and the server inherits it. The URL reported uses the node's
+    IP, so the driver on another node can reach the engine.
+    """
+
+    def __init__(self, agent: str, log_dir: str | os.PathLike) -> None:
+        self.agent, self.log_dir = agent, Path(log_dir)
+        self.server: EngineServer | None = None
+        self.url: str | None = None
+
+    def start(self, model_path: str, *, lora_rank: int | None = None, gpu_memory_utilization: float = 0.85,
+              max_model_len: int | None = None, served_model_name: str | None = None, seed: int = 0,
+              extra: Sequence[str] = (), dev_mode: bool = False, argv: Sequence[str] | None = None,
+              timeout: float = 900.0) -> str:
+        """Launch `vllm serve` (or `argv`, whose "{port}"/"{host}" are filled in) and return the engine's URL."""
+        import ray
+
+        from m1.marl.distributed import _free_port
+
+        port = _free_port()
+        if argv is None:
+            cmd = vllm_command(model_path, port, lora_rank=lora_rank, gpu_memory_utilization=gpu_memory_utilization,
+                               max_model_len=max_model_len, served_model_name=served_model_name, seed=seed,
+                               extra=extra)
+        else:
+            cmd = [str(a).format(port=port, host="0.0.0.0") for a in argv]
+        self.server = EngineServer(cmd, self.log_dir / f"engine-{self.agent}.log", port=port, dev_mode=dev_mode,
+                                   name=f"agent {self.agent}: rollout engine")
+        self.server.start(timeout)
+        self.url = f"http://{ray.util.get_node_ip_address()}:{port}"
+        return self.url
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def alive(self) -> bool:
+        return self.server is not None and self.server.alive()

@@ -1,0 +1,145 @@
+"""MARL with `rollout.engine: vllm` against the CPU stand-in server (tests/engine_standin.py, the same HTTP API):
+the run trains and its adapters move every step, samples carry the engine's ids, log-probs and weight version, after
+every sync the engine scores a fixed completion as the learner does, and a server killed mid-step gives a clear
+error while the resumed run repeats the uninterrupted one's losses."""
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_trainer import questions, team_dict, varied_reward
+from m1.marl.config import TrainConfig
+
+STANDIN = str(Path(__file__).resolve().parent / "engine_standin.py")
+AGENTS = ["alpha", "beta"]
+
+
+@pytest.fixture(scope="module")
+def video(tmp_path_factory):
+    from conftest import make_video
+
+    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
+
+
+def engine_cfg(out, steps=2, engine="vllm", **grpo):
+    data = {"team": team_dict(), "rollout": {"num_generations": 2, "questions_per_step": 2},
+            "grpo": {"beta": 0.05, "old_logprobs": "sampler", **grpo}, "judge": {"kind": "rubric"},
+            "learner": {"finetune": "lora", "lr": 5e-2, "micro_batch_size": 4, "max_completion_tokens": 16},
+            "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 3},
+            "log": {"progress": False, "tensorboard": False}}
+    if engine == "vllm":
+        data["rollout"].update(engine="vllm", engine_command=[
+            sys.executable, STANDIN, "--model", "{model}", "--port", "{port}", "--host", "{host}"])
+    return TrainConfig.model_validate(data)
+
+
+def make(cfg, video):
+    from m1.marl.trainer import Trainer
+
+    return Trainer(cfg, questions=questions(video), reward_fn=varied_reward)
+
+
+def _logprobs(learner, prompt, completion):
+    import torch
+
+    learner.policy.eval()  # no LoRA dropout: the engine serves the weights as they are
+    with torch.no_grad():
+        logp, _ = learner.completion_logprobs(learner.policy, [(prompt, completion)], 1.0)
+    return logp[0].tolist()
+
+
+@pytest.mark.slow
+def test_engine_run_trains_syncs_and_matches_the_learner(tmp_path, video, m1_cache, monkeypatch):
+    import torch
+
+    tr = make(engine_cfg(tmp_path / "vllm"), video)
+    seen = []
+    real_update = tr.learners.update
+    monkeypatch.setattr(tr.learners, "update", lambda samples, *a: seen.append(samples) or real_update(samples, *a))
+    try:
+        assert tr.team_cfg.limits.batch_episodes >= 4  # the step's episodes go to each engine at once
+        fixed = {a: ([11, 12, 13, 14, 15, 16], [20, 21, 22, 23]) for a in AGENTS}
+        before = {a: tr.learners.parameters(a) for a in AGENTS}
+        for step in range(2):
+            row = tr.train_step()
+            assert all(row[f"{a}/samples"] > 0 for a in AGENTS) and torch.isfinite(torch.tensor(row["loss"]))
+            assert "alpha/is/ratio_mean" in row and row["alpha/is/ratio_max"] >= 1.0
+            if step == 0:  # later steps' weights were synced by the check below, before their step began
+                assert all(row[f"{a}/sync_seconds"] > 0 for a in AGENTS)
+            # the samples came from the engine at this step's weights, with its token ids and log-probs
+            for agent in AGENTS:
+                rows = seen[-1][agent]
+                assert {s.weight_version for s in rows} == {step}
+                assert all(s.logprobs is not None and len(s.logprobs) == len(s.completion_ids) for s in rows)
+            # the adapters move every step, and after the sync the engine scores as the learner does
+            after = {a: tr.learners.parameters(a) for a in AGENTS}
+            for agent in AGENTS:
+                moved = [n for n in after[agent] if not torch.equal(after[agent][n], before[agent][n])]
+                assert moved and all("lora_" in n for n in after[agent])
+            before = after
+            tr.engines.sync(tr.step)
+            for agent in AGENTS:
+                prompt, completion = fixed[agent]
+                engine = tr.engines.chats[agent].score(prompt, completion)
+                learner = _logprobs(tr.learners.learners[agent], prompt, completion)
+                assert engine == pytest.approx(learner, abs=1e-4)
+        # only the adapter of the current version is kept, on the engine and on disk
+        for agent in AGENTS:
+            assert [p.name for p in (tmp_path / "vllm" / "engine_weights" / agent).iterdir()] == ["v000002"]
+            assert tr.engines.chats[agent].models()[1:] == [f"{agent}-v2"]
+    finally:
+        tr.close()
+    # the same fields as samples from the learners' own generate (hf), apart from the weight version
+    hf = make(engine_cfg(tmp_path / "hf", engine="hf"), video)
+    seen_hf = []
+    real_hf = hf.learners.update
+    monkeypatch.setattr(hf.learners, "update", lambda samples, *a: seen_hf.append(samples) or real_hf(samples, *a))
+    try:
+        hf.train_step()
+    finally:
+        hf.close()
+    for agent in AGENTS:
+        a, b = seen[0][agent][0], seen_hf[0][agent][0]
+        assert set(vars(a)) == set(vars(b))
+        assert b.weight_version is None and a.weight_version == 0
+        assert {type(getattr(a, f)) for f in ("prompt_ids", "completion_ids", "logprobs")} == {list}
+        assert {type(getattr(b, f)) for f in ("prompt_ids", "completion_ids", "logprobs")} == {list}
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_step_is_a_clear_error_and_the_resumed_run_repeats_the_losses(tmp_path, video, m1_cache):
+    from m1.models.engine import EngineError
+
+    whole = make(engine_cfg(tmp_path / "whole", steps=3), video)
+    try:
+        want = whole.train()
+    finally:
+        whole.close()
+
+    cut = make(engine_cfg(tmp_path / "cut", steps=3), video)
+    try:
+        first = cut.train(stop_after=1)
+        chat, server = cut.engines.chats["alpha"], cut.engines._servers["alpha"]
+        real = chat.generate
+
+        def dies_mid_step(requests, params):  # the engine process dies while step 2's rollouts are under way
+            server.proc.kill()
+            server.proc.wait()
+            return real(requests, params)
+
+        chat.generate = dies_mid_step
+        with pytest.raises(EngineError, match=rf"agent alpha: rollout engine {server.url}.*resumes"):
+            cut.train()
+    finally:
+        cut.close()
+    assert cut.step == 1
+    again = make(engine_cfg(tmp_path / "cut", steps=3), video)  # the same command again: new engines, resumed
+    try:
+        assert again.step == 1
+        rest = again.train()
+    finally:
+        again.close()
+    assert len(first) == 1 and len(rest) == 2
+    for got, ref in zip(first + rest, want):
+        assert got["loss"] == pytest.approx(ref["loss"], abs=1e-7)
+        assert got["alpha/grad_norm"] == pytest.approx(ref["alpha/grad_norm"], rel=1e-6)
