@@ -219,3 +219,72 @@ class CannedVision:
         self.requests += len(requests)
         return [Completion(text=f"{len(r.frames)} frames from {r.timestamps[0]:.1f}s: a white square "
                                 "moves right. ##Answer: A") for r in requests]
+
+
+class SlowServer:
+    """A local stdlib HTTP server that sleeps `delay` seconds per POST, then answers `reply(body)` as JSON (GET:
+    `get()`); counts requests and the peak number in flight. The latency every remote-model benchmark adds."""
+
+    def __init__(self, delay: float, reply, get=None):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.delay, self.reply, self.get = delay, reply, get
+        self.requests = self.active = self.peak = 0
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(server.get() if server.get else {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                with server.lock:
+                    server.requests += 1
+                    server.active += 1
+                    server.peak = max(server.peak, server.active)
+                try:
+                    time.sleep(server.delay)
+                    self._send(server.reply(body))
+                finally:
+                    with server.lock:
+                        server.active -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests = self.peak = 0
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+def timed_run(team, questions) -> tuple[float, list]:
+    """Wall seconds of `team.run(questions)` and its episodes; a failed episode fails the benchmark."""
+    t0 = time.perf_counter()
+    eps = team.run(questions)
+    wall = time.perf_counter() - t0
+    bad = [e.error for e in eps if e.error]
+    if bad:
+        raise RuntimeError(f"episode failed: {bad[0]}")
+    return wall, eps

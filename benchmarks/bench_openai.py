@@ -13,72 +13,23 @@ ratio = wall time with concurrency 8 / wall time with concurrency 1 (lower is be
 """
 from __future__ import annotations
 
-import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from _common import Figure, Result, bench_video, cli, finish, scripted_reply
+from _common import Figure, Result, SlowServer, bench_video, cli, finish, scripted_reply, timed_run
 
 PLAN = "##key info: the colour of the moving square\n##tool use: <Global Sampling>, <Rough Browser>"
 
 
-class SlowServer:
-    """Sleeps `delay` seconds per request, then answers; counts requests and peak parallelism."""
-
-    def __init__(self, delay: float):
-        self.delay, self.requests, self.active, self.peak = delay, 0, 0, 0
-        self.lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                with server.lock:
-                    server.requests += 1
-                    server.active += 1
-                    server.peak = max(server.peak, server.active)
-                try:
-                    time.sleep(server.delay)
-                    data = json.dumps(server.reply(body)).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                finally:
-                    with server.lock:
-                        server.active -= 1
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    @staticmethod
-    def reply(body: dict) -> dict:
-        msgs = body.get("messages", [])
-        has_images = any(isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"])
-                         for m in msgs)
-        text = ("The frames show a white square moving right. ##Answer: A" if has_images
-                else scripted_reply(msgs, PLAN))
-        return {"id": "bench", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": text}}],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}}
-
-    def reset(self) -> None:
-        with self.lock:
-            self.requests = self.peak = 0
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
+def reply(body: dict) -> dict:
+    """A canned well-formed chat completion: a browser description for image requests, else the scripted agent."""
+    msgs = body.get("messages", [])
+    has_images = any(isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"])
+                     for m in msgs)
+    text = ("The frames show a white square moving right. ##Answer: A" if has_images
+            else scripted_reply(msgs, PLAN))
+    return {"id": "bench", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}}
 
 
 def team_cfg(url: str, concurrency: int, distinct: bool):
@@ -104,19 +55,14 @@ def run_once(server: SlowServer, questions, concurrency: int, distinct: bool, se
     from m1.team.cpp import Team
     from m1.video import VideoPool
 
-    cfg = team_cfg(server.url, 1 if sequential else concurrency, distinct)
+    cfg = team_cfg(server.url + "/v1", 1 if sequential else concurrency, distinct)
     team = Team(cfg, pool=VideoPool())
     for key, spec in cfg.models.items():  # build the clients before timing, as a server run would
         model = getattr(team.hub, spec.kind)(key)
         if sequential:
             model.remote = False  # the engine then calls the models of a phase one after another
     server.reset()
-    t0 = time.perf_counter()
-    eps = team.run(questions)
-    wall = time.perf_counter() - t0
-    bad = [e.error for e in eps if e.error]
-    if bad:
-        raise RuntimeError(f"episode failed: {bad[0]}")
+    wall, eps = timed_run(team, questions)
     return wall, server.requests, server.peak, eps
 
 
@@ -131,7 +77,7 @@ def main() -> None:
     questions = [Question(id=f"q{i}", video=video, text="What colour is the moving square?",
                           options=["white", "red", "blue", "green"], task="mcq") for i in range(args.episodes)]
     res = Result("bench_openai.py")
-    server = SlowServer(args.delay)
+    server = SlowServer(args.delay, reply)
     try:
         run_once(server, questions, 8, True)  # warm-up: imports, client setup, first decode
         res.add("server delay per request", f"{args.delay * 1000:.0f} ms")

@@ -12,78 +12,29 @@ better).
 """
 from __future__ import annotations
 
-import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from _common import Figure, Result, bench_video, cli, finish, scripted_reply
+from _common import Figure, Result, SlowServer, bench_video, cli, finish, scripted_reply, timed_run
 
 PLAN = "##key info: the colour of the moving square\n##tool use: <Global Sampling>, <Rough Browser>"
 AGENTS = ["agent_a", "agent_b", "agent_c", "agent_d"]
 
 
-class SlowEngine:
-    """A completions server that sleeps `delay` per request; counts requests and peak parallelism."""
+def engine(delay: float, tok) -> SlowServer:
+    """A completions server speaking the API `EngineChat` uses: it decodes the token-id prompt with the agents'
+    tokenizer and answers with the scripted agent's reply as token ids and log-probs."""
 
-    def __init__(self, delay: float, tokenizer):
-        self.delay, self.tok, self.requests, self.active, self.peak = delay, tokenizer, 0, 0, 0
-        self.lock = threading.Lock()
-        engine = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._send({"object": "list", "data": [{"id": "base", "object": "model"}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                with engine.lock:
-                    engine.requests += 1
-                    engine.active += 1
-                    engine.peak = max(engine.peak, engine.active)
-                try:
-                    time.sleep(engine.delay)
-                    self._send(engine.reply(body))
-                finally:
-                    with engine.lock:
-                        engine.active -= 1
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def reply(self, body: dict) -> dict:
+    def reply(body: dict) -> dict:
         prompt = [int(x) for x in body["prompt"]]
-        text = scripted_reply([{"role": "user", "content": self.tok.decode(prompt)}], PLAN)
-        ids = self.tok(text, add_special_tokens=False)["input_ids"][: int(body.get("max_tokens", 256))]
+        text = scripted_reply([{"role": "user", "content": tok.decode(prompt)}], PLAN)
+        ids = tok(text, add_special_tokens=False)["input_ids"][: int(body.get("max_tokens", 256))]
         return {"id": "bench", "object": "text_completion", "model": body.get("model", "base"),
-                "choices": [{"index": 0, "text": self.tok.decode(ids), "finish_reason": "stop", "token_ids": ids,
+                "choices": [{"index": 0, "text": tok.decode(ids), "finish_reason": "stop", "token_ids": ids,
                              "prompt_token_ids": prompt, "logprobs": {"token_logprobs": [-1.0] * len(ids)}}]}
 
-    def reset(self) -> None:
-        with self.lock:
-            self.requests = self.peak = 0
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
+    return SlowServer(delay, reply, get=lambda: {"object": "list", "data": [{"id": "base", "object": "model"}]})
 
 
-def make_team(engines: dict[str, SlowEngine], tokenizer, sequential: bool):
+def make_team(engines: dict[str, SlowServer], tokenizer, sequential: bool):
     from m1.config import TeamConfig
     from m1.models.engine import EngineChat
     from m1.team.cpp import Team
@@ -111,12 +62,7 @@ def run_once(engines, tokenizer, questions, sequential: bool):
     team.run(questions[:1])  # warm-up: the video decoded, the synth vision ready
     for e in engines.values():
         e.reset()
-    t0 = time.perf_counter()
-    eps = team.run(questions)
-    wall = time.perf_counter() - t0
-    bad = [e.error for e in eps if e.error]
-    if bad:
-        raise RuntimeError(f"episode failed: {bad[0]}")
+    wall, eps = timed_run(team, questions)
     return wall, sum(e.requests for e in engines.values()), max(e.peak for e in engines.values()), eps
 
 
@@ -135,7 +81,7 @@ def main() -> None:
                           options=["white", "red", "blue", "green"], task="mcq")
                  for i in range(args.questions) for k in range(args.k)]
     res = Result("bench_rollout.py")
-    engines = {a: SlowEngine(args.delay, tok) for a in AGENTS}
+    engines = {a: engine(args.delay, tok) for a in AGENTS}
     try:
         res.add("engine delay per request", f"{args.delay * 1000:.0f} ms")
         res.add("episodes x agents", f"{len(questions)} x {len(AGENTS)}")
