@@ -32,6 +32,7 @@ BUDGET = dict(seeds=(0,), train_videos=1, eval_videos=1, duration=60.0, question
               tiny_clip=True)  # a random tiny CLIP: the configs' trained one costs minutes on first use
 
 
+@pytest.mark.slow
 def test_synth_tokenizer_makes_prompts_short(m1_cache):
     from m1.agents.prompts import plan_messages
     from m1.config import TinySpec
@@ -64,6 +65,7 @@ def test_synth_model_cache_follows_the_tokenizer_version(monkeypatch):
     assert tiny.spec_hash(plain) == before[1]
 
 
+@pytest.mark.slow
 def test_teacher_data_in_worker_processes_equals_one_process(tmp_path, m1_cache, mt, monkeypatch):
     """Shards of whole videos built in two spawned workers give the single process's examples, in its order."""
     monkeypatch.syspath_prepend(str(REPO / "scripts"))  # spawned workers import the script as `mini_team`
@@ -83,6 +85,7 @@ def test_teacher_data_in_worker_processes_equals_one_process(tmp_path, m1_cache,
     assert two_stats == one_stats and two_stats["kept"] == len(two)
 
 
+@pytest.mark.slow
 def test_pipeline_pieces_with_tiny_budgets(tmp_path, m1_cache, mt, monkeypatch):
     from m1.marl.config import load_sft_config
     from m1.video import VideoPool
@@ -391,6 +394,7 @@ def test_full_run_writes_doc_and_results(tmp_path, m1_cache, mt):
     assert dev["meta"]["folder_calls"]["wall_seconds"] == pytest.approx(sum(c["wall_seconds"] for c in calls))
 
 
+@pytest.mark.slow
 def test_seeds_in_worker_processes_match_one_process(tmp_path, m1_cache, mt, monkeypatch):
     """--jobs 2: the same per-seed results as running the seeds one after another, workers' CPU time counted."""
     monkeypatch.syspath_prepend(str(REPO / "scripts"))  # spawned workers import the script as `mini_team`
