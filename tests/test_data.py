@@ -1,5 +1,5 @@
-"""Benchmark loaders (fixtures written from the published formats, plus the real Charades-STA and
-Video-Holmes excerpts in ../shared) and metrics on hand-computed cases."""
+"""Benchmark loaders (fixtures written from the published formats, plus real Charades-STA and Video-Holmes
+excerpts in tests/fixtures/benchmarks/real) and metrics on hand-computed cases."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ from m1.data.metrics import (  # noqa: E402
 from m1.schema import Question  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "benchmarks"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "benchmarks"
+REAL = FIX / "real"  # excerpts of the published annotation files, with their sources in each README
 
 
 def touch(root: Path, *names: str) -> Path:
@@ -117,9 +117,7 @@ def test_charades_fixture(tmp_path):
 
 
 def test_charades_real_test_split(tmp_path):
-    root = SHARED / "charades_sta"
-    if not (root / "charades_sta_test.txt").is_file():
-        pytest.skip(f"real Charades-STA excerpt not found at {root} (tests expect ../shared beside the repo)")
+    root = REAL / "charades_sta"
     lines = (root / "charades_sta_test.txt").read_text().splitlines()
     vids = sorted({line.split()[0] for line in lines})
     videos = touch(tmp_path, *(f"{v}.mp4" for v in vids))
@@ -159,9 +157,7 @@ def test_video_holmes_fixture_and_real_examples(tmp_path):
     assert qs[1].options[1] == "Anger at the broken machine" and qs[1].meta["question_type"] == "IMC"
     assert set(issue_ids(issues)) == {"RSmjqss0XKQ_3", "NoSuchFilm01_1"}
 
-    real = SHARED / "video_holmes"
-    if not real.is_dir():
-        pytest.skip(f"real Video-Holmes examples not found at {real}")
+    real = REAL / "video_holmes"
     qs, issues = load_benchmark("video_holmes", real, videos)
     assert issues == [] and len(qs) == 16
     assert all(len(q.options) == 6 and q.answer in "ABCDEF" for q in qs)

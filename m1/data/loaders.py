@@ -5,8 +5,8 @@ field, an answer outside the options, a video file that is not there, a duplicat
 `LoadIssue` and is skipped, so one bad line never hides the rest of a benchmark. Only problems
 with the whole input (a missing annotation path, a file that is not JSON at all) raise.
 
-Conventions shared by all loaders (the field names and encodings come from
-`shared/notes/benchmark-formats.md`):
+Conventions shared by all loaders (the field names and encodings are those of each benchmark's published
+annotation files):
 - `Question.video` is the resolved path of the video file as a string.
 - `Question.options` are the option texts without any "A. " / "(A) " prefix; `Question.answer`
   is the option letter for MCQ, `"[s - e]"` in seconds for grounding, and the number as written

@@ -1,7 +1,7 @@
 """Multi-agent GRPO numerics as small pure tensor functions.
 
 Reference numerics: TRL 1.16.0 ``GRPOTrainer`` (parity is tested in ``tests/test_grpo.py`` by running TRL's own
-``_compute_loss``). Choices, see ``/work/shared/notes/anchors.md`` §4:
+``_compute_loss``). Choices:
 
 - advantage ``A = (r - mean_g) / (std_g + 1e-4)`` with Bessel-corrected std over the K rollouts of one question
   for one agent; groups with fewer than two scored samples, or no spread, give ``A = 0`` exactly; NaN rewards
