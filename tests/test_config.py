@@ -122,3 +122,25 @@ def test_remote_code_and_flash_attention_settings_reach_the_loader():
     with pytest.raises(ConfigError, match="flash_attention_2"):
         load_team("videochat_m1", ["models.qwen3_4b.attn_implementation=flash_attention_2",
                                    "models.qwen3_4b.dtype=float32"])
+
+
+@pytest.mark.slow
+def test_a_wheel_install_finds_the_configs_and_the_demo_team(tmp_path):
+    """`pip install .` (not editable): configs/ and the trained mini team travel in the wheel as package data."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "whl"), str(repo)],
+                   check=True, capture_output=True)
+    wheel = next((tmp_path / "whl").glob("m1-*.whl"))
+    subprocess.run(pip + ["install", "-q", "--no-deps", "--target", str(tmp_path / "site"), str(wheel)], check=True,
+                   capture_output=True)
+    probe = ("import m1.config as c, os; t = c.load_team('mini_trained'); "
+             "print(c.CONFIG_DIR); print(os.path.isfile(os.path.join(t.models['qwen3_big'].path, 'config.json')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}).stdout.split()
+    assert out == [str(tmp_path / "site" / "m1" / "configs"), "True"]
