@@ -538,3 +538,22 @@ def test_rubric_rejects_key_info_for_another_object():
     wrong = rec.model_copy(update={"turns": [t.model_copy(update={"key_info": "the green cube"}) for t in rec.turns]})
     v = rubric(MCQ, wrong)
     assert v.value == 0 and not v.criteria["tools_appropriate"] and "green cube" in v.reason
+
+
+def test_evaluation_and_the_result_reward_agree_on_what_is_right():
+    """One definition of a right answer (m1/data/metrics.py): MCQ truth given as a letter or as the option's text,
+    open answers under one normaliser; the reward is +1 exactly where evaluation counts the answer right."""
+    from m1.data.metrics import is_correct
+    from m1.marl.rewards import RewardConfig, result_reward
+
+    mcq_letter = Question(id="a", video="v", text="?", options=["red", "blue"], task="mcq", answer="B")
+    mcq_text = Question(id="b", video="v", text="?", options=["red", "blue"], task="mcq", answer="blue")
+    open_q = Question(id="c", video="v", text="?", task="open", answer="The Eiffel-Tower!")
+    cases = [(mcq_letter, "B"), (mcq_letter, "(B) blue"), (mcq_letter, "A"), (mcq_letter, None),
+             (mcq_text, "B"), (mcq_text, "blue"), (mcq_text, "red"),
+             (open_q, "the eiffel tower"), (open_q, "THE eiffel tower."), (open_q, "tower"), (open_q, "")]
+    for q, answer in cases:
+        right = is_correct(q, answer)
+        assert result_reward(q, answer, None, RewardConfig()) == (1.0 if right else -1.0), (q.id, answer)
+    assert [is_correct(q, a) for q, a in cases] == [True, True, False, False, True, True, False,
+                                                    True, True, False, False]

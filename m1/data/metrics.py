@@ -29,8 +29,23 @@ Preds = Mapping[str, Any]
 # reading predictions
 
 
-def _norm(text: str) -> str:
-    return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", " ", text.lower())).strip()
+def normalize_answer(text: str | None) -> str:
+    """The exact-match form of an open-ended answer: lower case, punctuation to spaces, single spaces. The one
+    normaliser of evaluation and of the training reward (m1/marl/rewards.py), so the two never disagree."""
+    return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", " ", (text or "").lower())).strip()
+
+
+def truth_letter(question: Question) -> str:
+    """The ground truth of an MCQ question as its option letter (given as a letter or as the option's text)."""
+    gt = (question.answer or "").strip()
+    valid = LETTERS[:len(question.options)] if question.options else ""
+    if len(gt) == 1 and gt.upper() in valid:
+        return gt.upper()
+    letter = extract_choice(gt, question.options)
+    if not letter:
+        raise ValueError(f"question {question.id!r}: MCQ ground truth {question.answer!r} is not one of "
+                         f"the option letters {valid or '(no options)'}")
+    return letter
 
 
 def extract_choice(pred: Any, options: Sequence[str] | int) -> str:
@@ -52,9 +67,9 @@ def extract_choice(pred: Any, options: Sequence[str] | int) -> str:
     if len(bare) == 1 and bare in valid:
         return bare
     if not isinstance(options, int):
-        norm = _norm(text)
+        norm = normalize_answer(text)
         for i, option in enumerate(options):
-            if norm and norm == _norm(option):
+            if norm and norm == normalize_answer(option):
                 return LETTERS[i]
     body = text.strip(" \t\n.,!?;:'\"*")
     letter = rf"([{valid}])(?![A-Za-z])"
@@ -209,12 +224,9 @@ def accuracy(preds: Preds, questions: Iterable[Question], group_by: Sequence[str
     groups: dict[str, dict[str, list[int]]] = {k: defaultdict(lambda: [0, 0]) for k in group_by}
     for q in scored:
         pred = preds.get(q.id)
-        if q.task == "mcq":
-            got = extract_choice(pred, q.options)
-            ok = got == q.answer
-        else:
-            got = _norm(str(pred)) if pred is not None else ""
-            ok = bool(got) and got == _norm(q.answer or "")
+        got = extract_choice(pred, q.options) if q.task == "mcq" else normalize_answer(
+            str(pred) if pred is not None else "")
+        ok = is_correct(q, pred)
         answered += bool(got)
         correct += ok
         for key in group_by:
@@ -424,12 +436,12 @@ def is_correct(question: Question, pred: Any, iou_threshold: float = 0.5) -> boo
     if question.answer is None or pred is None:
         return False
     if question.task == "mcq":
-        return extract_choice(pred, question.options) == question.answer
+        return extract_choice(pred, question.options) == truth_letter(question)
     if question.task == "numeric":
         got, want = parse_number(pred), parse_number(question.answer)
         return got is not None and want is not None and abs(got - want) < 1e-9
     if question.task == "grounding":
         got, want = parse_span(pred), parse_span(question.answer)
         return got is not None and want is not None and iou(got, want) >= iou_threshold
-    got = _norm(str(pred))
-    return bool(got) and got == _norm(question.answer)
+    got = normalize_answer(str(pred))
+    return bool(got) and got == normalize_answer(question.answer)

@@ -32,6 +32,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from m1.data.metrics import normalize_answer
 from m1.models.base import ChatModel, ChatRequest, ModelError, SamplingParams
 from m1.schema import AgentRecord, Episode, Question
 from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
@@ -47,7 +48,7 @@ MAX_REPLY_CHARS = 4_000  # judge replies longer than this are cut before parsing
 __all__ = [
     "RUBRIC_JUDGE_NAME", "PROMPT_VERSION", "Verdict", "JudgeItem", "CorrectItem", "Judge",
     "LLMJudge", "RubricJudge", "RateLimiter", "parse_verdict", "render_trajectory",
-    "collaboration_messages", "correctness_messages", "normalize_answer", "question_cues",
+    "collaboration_messages", "correctness_messages", "question_cues",
     "key_info_problem", "judge_items",
 ]
 
@@ -119,11 +120,6 @@ class Judge(Protocol):
 
 
 # ----------------------------------------------------------------------------- rendering
-def normalize_answer(text: str | None) -> str:
-    """Lower-case words and digits only: the exact-match form of an open-ended answer."""
-    return " ".join(re.findall(r"[a-z0-9]+", (text or "").lower()))
-
-
 def _clip(text: str, limit: int) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit] + " ...[cut]"

@@ -40,14 +40,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from m1.agents.parsers import parse_answer, parse_span
 from m1.config import Strict
-from m1.data.metrics import extract_choice, iou, mra, parse_number
-from m1.marl.judge import CorrectItem, Judge, JudgeItem, normalize_answer
-from m1.schema import LETTERS, Episode, Question
+from m1.data.metrics import iou, is_correct, mra, normalize_answer, parse_number
+from m1.marl.judge import CorrectItem, Judge, JudgeItem
+from m1.schema import Episode, Question
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "RewardConfig", "RewardBreakdown", "truth_letter", "result_reward", "answer_rewards", "format_reward",
+    "RewardConfig", "RewardBreakdown", "result_reward", "answer_rewards", "format_reward",
     "outcome_parsed", "collaboration_reward",
     "tool_penalty", "agent_answer", "agent_rewards", "batch_agent_rewards", "log_breakdowns",
     "summarize",
@@ -99,27 +99,13 @@ def _mapped(score: float, mode: str, threshold: float) -> float:
     return 1.0 if score >= threshold else -1.0
 
 
-def truth_letter(question: Question) -> str:
-    """The ground truth of an MCQ question as its option letter (given as a letter or as the option's text)."""
-    gt = (question.answer or "").strip()
-    valid = LETTERS[:len(question.options)] if question.options else ""
-    if len(gt) == 1 and gt.upper() in valid:
-        return gt.upper()
-    letter = extract_choice(gt, question.options)
-    if not letter:
-        raise ValueError(f"question {question.id!r}: MCQ ground truth {question.answer!r} is not one of "
-                         f"the option letters {valid or '(no options)'}")
-    return letter
-
-
 def _rule_score(question: Question, answer: str | None, cfg: RewardConfig) -> float | None:
     """R_res for every task a rule can decide; None for an open question that needs matching."""
     if question.answer is None:
         raise ValueError(f"question {question.id!r}: no ground truth answer; the result reward needs one")
     task = question.task
-    if task == "mcq":
-        truth = truth_letter(question)
-        return 1.0 if answer is not None and extract_choice(answer, question.options) == truth else -1.0
+    if task == "mcq":  # the evaluation's own definition of a right answer (m1/data/metrics.py)
+        return 1.0 if is_correct(question, answer) else -1.0
     if task == "grounding":
         gt = parse_span(question.answer)
         if gt is None:

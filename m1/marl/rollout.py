@@ -130,7 +130,7 @@ def sample_topology(agents: list[str], mode: str, edge_prob: float, dropout: flo
 def rotate_options(question: Question, shift: int) -> Question:
     """The MCQ `question` with its options moved `shift` places down the letters (the last ones wrap to the top)
     and its ground-truth letter moved with them; other questions unchanged."""
-    from m1.marl.rewards import truth_letter
+    from m1.data.metrics import truth_letter
     from m1.schema import LETTERS
 
     n = len(question.options)
