@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from m1.agents.parsers import format_time, parse_timestamp  # noqa: E402
+from m1.text import format_time, parse_timestamp  # noqa: E402
 from m1.config import load_team  # noqa: E402
 from m1.data.metrics import is_correct  # noqa: E402
 from m1.models.base import SamplingParams  # noqa: E402

@@ -12,10 +12,11 @@ import pytest
 
 from m1.agents import prompts
 from m1.agents.parsers import (
-    ALL_TOOLS, MAX_PLAN_TOOLS, AnswerParse, DecisionParse, PlanParse, canonical_tool, format_time,
-    parse_answer, parse_decision, parse_plan, parse_span, parse_summary, parse_timestamp,
+    ALL_TOOLS, MAX_PLAN_TOOLS, AnswerParse, DecisionParse, PlanParse, canonical_tool, parse_answer,
+    parse_decision, parse_plan, parse_summary,
 )
 from m1.schema import Decision, Plan, Question
+from m1.text import format_time, parse_span, parse_timestamp
 from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
 
 MCQ = Question(id="q1", video="v.mp4", text="What colour is the car that parks?",

@@ -15,23 +15,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from m1.schema import LETTERS, Decision, Plan, Question
+from m1.text import STRICT_SPAN, clean_reply, format_number, format_span, format_time, parse_span, parse_timestamp
 from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
 
 ALL_TOOLS: tuple[str, ...] = tuple(SELECT_TOOLS) + tuple(BROWSE_TOOLS)
 DEFAULT_SELECT = "Global Sampling"
 DEFAULT_BROWSE = "Rough Browser"
 MAX_PLAN_TOOLS = 5
-# Replies are at most a few thousand tokens; longer input is cut so every regex stays fast.
-MAX_PARSE_CHARS = 32_000
 _MAX_FIELD = 2_000  # longest key info / reason / open answer we keep
 _MAX_TOOL_PIECES = 40  # a plan holds at most 5 tools; longer lists are noise
 
 __all__ = [
     "ALL_TOOLS", "MAX_PLAN_TOOLS", "PlanParse", "DecisionParse", "AnswerParse",
-    "parse_plan", "parse_decision", "parse_answer", "parse_summary", "parse_timestamp",
-    "parse_span", "format_time", "canonical_tool", "tool_group", "normalize_option",
-    "normalize_number", "format_span",
-]
+    "parse_plan", "parse_decision", "parse_answer", "parse_summary", "canonical_tool", "tool_group",
+    "normalize_option", "normalize_number",
+]  # times and spans: m1/text.py
 
 
 # ----------------------------------------------------------------------------- results
@@ -66,22 +64,6 @@ def _join(errors: list[str]) -> str | None:
 
 
 # ----------------------------------------------------------------------------- text helpers
-def _clean(text: object) -> str:
-    """Any input to a bounded str without reasoning blocks; the one entry point of every parser."""
-    if text is None:
-        return ""
-    if isinstance(text, (bytes, bytearray)):
-        text = bytes(text).decode("utf-8", "replace")
-    elif not isinstance(text, str):
-        text = str(text)
-    text = text[:MAX_PARSE_CHARS].replace("\x00", "")
-    # Reasoning models write <think>...</think> first; the reply is what follows the last close.
-    close = text.rfind("</think>")
-    if close >= 0:
-        text = text[close + len("</think>"):]
-    return text.replace("<think>", "").strip()
-
-
 def _squash(s: str, limit: int = _MAX_FIELD) -> str:
     """One tidy line-ish field: markdown emphasis and surrounding quotes/brackets removed."""
     s = s.strip().strip("*`").strip()
@@ -323,7 +305,7 @@ def parse_plan(text: str, enabled_tools: Sequence[str] | None = None,
     `question` (optional) supplies the fallback key info when none can be read."""
     enabled = _enabled(enabled_tools)
     try:
-        return _parse_plan(_clean(text), enabled, question)
+        return _parse_plan(clean_reply(text), enabled, question)
     except Exception as exc:  # recorded, not swallowed: the error names the bug
         return PlanParse(_fallback_plan(enabled, question), ok=False, lenient=False,
                          error=f"internal parser error: {type(exc).__name__}: {exc}")
@@ -377,7 +359,7 @@ def parse_decision(text: str, enabled_tools: Sequence[str] | None = None) -> Dec
     Fallback is `continue`: an unreadable reply leaves the plan as it was."""
     enabled = _enabled(enabled_tools)
     try:
-        return _parse_decision(_clean(text), enabled)
+        return _parse_decision(clean_reply(text), enabled)
     except Exception as exc:  # recorded, not swallowed
         return DecisionParse(Decision(action="continue"), ok=False, lenient=False,
                              error=f"internal parser error: {type(exc).__name__}: {exc}")
@@ -425,106 +407,6 @@ def _parse_decision(raw: str, enabled: list[str]) -> DecisionParse:
 
 
 # ----------------------------------------------------------------------------- numbers, times
-_NUM = r"\d{1,9}(?:\.\d{1,6})?"
-_CLOCK = r"\d{1,2}:\d{1,2}:\d{1,2}(?:\.\d{1,6})?|\d{1,4}:\d{1,2}(?:\.\d{1,6})?"
-_TIME = rf"(?<![\d.:])(?:{_CLOCK}|{_NUM})(?![\d:])"
-_SEC_UNIT = r"(?:seconds?|secs?|s)(?![A-Za-z])"
-_SPAN = re.compile(
-    rf"({_TIME})\s*(?:{_SEC_UNIT})?\s*(?:-|–|—|~|,|\bto\b|\buntil\b|\btill\b|\band\b)\s*({_TIME})",
-    re.IGNORECASE)
-_BRACKET = re.compile(r"\[([^\[\]]{0,80})\]")
-_STRICT_SPAN = re.compile(rf"\[\s*({_NUM})\s*s?\s*-\s*({_NUM})\s*s?\s*\]")
-
-
-def _time_value(tok: str) -> float | None:
-    """Seconds for '75', '75.5', '01:15', '1:02:03'; None for impossible clock values."""
-    parts = tok.split(":")
-    try:
-        nums = [float(p) for p in parts]
-    except ValueError:
-        return None
-    if len(nums) > 1 and any(n >= 60 for n in nums[1:]):
-        return None
-    total = 0.0
-    for n in nums:
-        total = total * 60 + n
-    return total if math.isfinite(total) else None
-
-
-def parse_span(text: str) -> tuple[float, float] | None:
-    """(start, end) seconds from '[s - e]', '[s, e]', 's-e', 'from s to e', mm:ss forms.
-
-    Bracketed spans win over spans in running text; a reversed span is swapped."""
-    raw = _clean(text)
-    for inner in _BRACKET.findall(raw):
-        span = _span_in(inner)
-        if span:
-            return span
-    return _span_in(raw)
-
-
-def _span_in(s: str) -> tuple[float, float] | None:
-    for m in _SPAN.finditer(s):
-        a, b = _time_value(m.group(1)), _time_value(m.group(2))
-        if a is not None and b is not None:
-            return (a, b) if a <= b else (b, a)
-    return None
-
-
-_UNIT_RUN = re.compile(
-    r"(?<![\d.])(?:\d{1,9}(?:\.\d{1,6})?\s*(?:hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s)"
-    r"(?![A-Za-z])[\s,]*(?:and\s+)?)+", re.IGNORECASE)
-_UNIT_PAIR = re.compile(r"(\d{1,9}(?:\.\d{1,6})?)\s*([A-Za-z]+)")
-_AT = re.compile(rf"\b(?:at|around|about|near|after)\s+(?:the\s+)?(?:time\s+)?({_NUM})(?![\d:])",
-                 re.IGNORECASE)
-_CLOCK_RE = re.compile(rf"(?<![\d.:])(?:{_CLOCK})(?![\d:])")
-
-
-def parse_timestamp(text: str) -> float | None:
-    """Seconds for a time stated in text: '01:30', '1:02:03', '90s', '90 seconds',
-    '1 minute 30 seconds', 'at 75'; a bare number only when it is the whole text."""
-    raw = _clean(text)
-    for m in _CLOCK_RE.finditer(raw):
-        v = _time_value(m.group(0))
-        if v is not None:
-            return v
-    m = _UNIT_RUN.search(raw)
-    if m:
-        total = 0.0
-        for num, unit in _UNIT_PAIR.findall(m.group(0)):
-            u = unit.lower()
-            total += float(num) * (3600 if u.startswith("h") else 60 if u.startswith("m") else 1)
-        if math.isfinite(total):
-            return total
-    m = _AT.search(raw)
-    if m:
-        return float(m.group(1))
-    if re.fullmatch(_NUM, raw):
-        return float(raw)
-    return None
-
-
-def format_time(seconds: float) -> str:
-    """'mm:ss' (or 'h:mm:ss' past an hour), rounded to the nearest second."""
-    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"format_time: seconds must be a finite number >= 0, got {seconds!r}")
-    total = int(round(seconds))
-    h, rem = divmod(total, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
-def _fmt_number(x: float) -> str:
-    if x == int(x) and abs(x) < 1e15:
-        return str(int(x))
-    return format(x, ".10g")
-
-
-def format_span(span: tuple[float, float]) -> str:
-    """The canonical answer string of a grounding span: '[s - e]' in seconds."""
-    return f"[{_fmt_number(span[0])} - {_fmt_number(span[1])}]"
-
-
 _WORD_NUMBERS = {w: i for i, w in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
     "fifteen sixteen seventeen eighteen nineteen twenty".split())}
@@ -538,7 +420,7 @@ def normalize_number(s: str) -> str | None:
     m = _NUMBER.search(s)
     if m:
         x = float(m.group(0).replace(",", ""))
-        return _fmt_number(x) if math.isfinite(x) else None
+        return format_number(x) if math.isfinite(x) else None
     m = _WORD_NUMBER.search(s)
     return str(_WORD_NUMBERS[m.group(1).lower()]) if m else None
 
@@ -627,7 +509,7 @@ def parse_summary(text: str, question: Question) -> AnswerParse:
 
 def _guarded(text: str, question: Question, summary: bool) -> AnswerParse:
     try:
-        return _parse_answer(_clean(text), question, summary)
+        return _parse_answer(clean_reply(text), question, summary)
     except Exception as exc:  # recorded, not swallowed
         return AnswerParse("", "", None, ok=False, lenient=False,
                            error=f"internal parser error: {type(exc).__name__}: {exc}")
@@ -642,10 +524,10 @@ def _strict_value(value: str, question: Question) -> tuple[str, tuple[float, flo
     if task == "numeric":
         if _STRICT_NUMBER.fullmatch(value):
             x = float(value)
-            return (_fmt_number(x), None) if math.isfinite(x) else None
+            return (format_number(x), None) if math.isfinite(x) else None
         return None
     if task == "grounding":
-        m = _STRICT_SPAN.fullmatch(value)
+        m = STRICT_SPAN.fullmatch(value)
         if not m:
             return None
         s, e = float(m.group(1)), float(m.group(2))

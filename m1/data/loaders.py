@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from pydantic import ValidationError
 
-from m1.agents.parsers import format_span as format_answer_span
+from m1.text import format_span as format_answer_span
 from m1.schema import LETTERS, Question
 
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from m1.agents.parsers import parse_span as parse_text_span
+from m1.text import parse_span as parse_text_span
 from m1.schema import LETTERS, Question
 
 Preds = Mapping[str, Any]

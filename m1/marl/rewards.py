@@ -38,7 +38,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from m1.agents.parsers import parse_answer, parse_span
+from m1.agents.parsers import parse_answer
+
+from m1.text import parse_span
 from m1.config import Strict
 from m1.data.metrics import iou, is_correct, mra, normalize_answer, parse_number
 from m1.marl.judge import CorrectItem, Judge, JudgeItem

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from m1.agents.parsers import format_time
+from m1.text import format_time
 from m1.schema import AgentRecord, Decision, Plan, Turn
 
 

@@ -21,7 +21,7 @@ import re
 import statistics
 from collections import Counter
 
-from m1.agents.parsers import format_span, format_time, parse_span, parse_timestamp
+from m1.text import format_span, format_time, parse_span, parse_timestamp
 from m1.models.base import ChatRequest, Completion, SamplingParams
 
 GS, VR, TSR, IR = "Global Sampling", "Video Retrieval", "Time Stamp Retrieval", "Image Retrieval"

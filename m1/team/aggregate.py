@@ -16,7 +16,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from m1.agents.parsers import format_span, parse_span
+from m1.text import format_span, parse_span
 from m1.schema import AgentAnswer
 
 

@@ -77,7 +77,7 @@ def finish(tool: str, ctx: ToolContext, focus: Focus, completion: Completion, id
 
     A VLM given a clip may count time from the clip's start: a span that fits inside
     [0, clip length] but not inside the clip is shifted by the clip's start."""
-    from m1.agents.parsers import format_span, parse_span
+    from m1.text import format_span, parse_span
 
     text = completion.text.strip()
     m = _ANSWER.search(text)
