@@ -134,3 +134,24 @@ def test_evaluate_returns_rates(trained):
     assert r["trained"]["image_hit"] == pytest.approx(np.mean([x["image_hit"] for x in r["rows"]]))
     assert all(x["caption"].startswith("the ") for x in r["rows"])
     assert "trained" in ct.format_table(r) and "random" in ct.format_table(r)
+
+
+def test_the_default_clip_ships_and_loads_without_training(monkeypatch, tmp_path):
+    """The demo's CLIP (the recipe's default parameters) comes with M1: no training on first use."""
+    import json
+
+    import numpy as np
+
+    from m1.config import ModelSpec
+    from m1.models.clip import SYNTH_CLIP
+    from m1.models.hub import ModelHub
+
+    monkeypatch.setenv("M1_CACHE", str(tmp_path))  # a fresh machine's empty cache
+    monkeypatch.setattr(ct, "train_clip", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
+    folder = ct.ensure_synth_clip(progress=False)
+    assert folder.parent == ct.SHIPPED
+    manifest = json.loads((folder / ct.MANIFEST).read_text())
+    assert manifest["params"] == ct.clip_params() and folder.name == ct.params_hash({})
+    clip = ModelHub({"clip": ModelSpec(kind="clip", backend="open_clip", clip_name=SYNTH_CLIP, device="cpu")}).clip("clip")
+    emb = clip.encode_texts(["a red square on the left"])
+    assert emb.shape == (1, 64) and np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
