@@ -1,0 +1,42 @@
+"""`m1 plot`: PNG training curves from a run's metrics.jsonl (the figures a run's keys allow)."""
+import json
+
+import pytest
+
+from m1.plots import PlotError, figures, plot_run, read_metrics
+
+
+def _write(run, rows, torn=False):
+    run.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (run / "metrics.jsonl").write_text(text + ('{"step": 9, "lo' if torn else ""))
+
+
+def test_marl_run_gets_reward_team_kl_and_agent_figures(tmp_path):
+    from PIL import Image
+
+    rows = [{"step": s, "loss": 0.1 / s, "reward/mean": 0.1 * s, "reward/total": 0.2 * s, "reward/res": 0.1 * s,
+             "reward/format": 0.9, "reward/col": 0.3, "reward/team_res": -0.5 + 0.2 * s,
+             "alpha/loss": 0.1, "alpha/kl": 0.01 * s, "alpha/reward": 0.5, "alpha/samples": 8,
+             "beta/loss": 0.2, "beta/kl": None, "beta/reward": 0.4, "beta/samples": 8} for s in (1, 2, 3)]
+    _write(tmp_path / "run", rows, torn=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]  # the torn line is left out
+    figs = figures(read_metrics(tmp_path / "run"))
+    assert set(figs) == {"rewards", "team_result", "loss", "kl", "agent_rewards"}
+    assert [k for k, _ in figs["kl"]] == ["alpha/kl"]  # beta logged no finite KL
+    paths = plot_run(tmp_path / "run")
+    assert sorted(p.name for p in paths) == sorted(f"{n}.png" for n in figs)
+    for p in paths:
+        with Image.open(p) as im:
+            assert im.size == (700, 400) and len(set(im.convert("L").getdata())) > 10  # a drawn chart
+
+
+def test_sft_run_and_errors(tmp_path):
+    _write(tmp_path / "sft", [{"step": s, "loss": 2.0 / s, "alpha/loss": 2.0 / s, "alpha/nll": 2.0 / s,
+                               "alpha/samples": 4} for s in (1, 2)])
+    assert set(figures(read_metrics(tmp_path / "sft"))) == {"loss", "sft_nll"}
+    with pytest.raises(PlotError, match="no metrics file"):
+        read_metrics(tmp_path / "nothing")
+    _write(tmp_path / "empty", [])
+    with pytest.raises(PlotError, match="no steps logged"):
+        read_metrics(tmp_path / "empty")
