@@ -399,12 +399,6 @@ def test_base_url_from_environment(servers, key_env, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # End to end: `transformers serve` with a tiny random Qwen2 from a local folder
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_transformers_serve_end_to_end(tmp_path, monkeypatch):
     from m1.models.tiny import ensure_tiny
 
@@ -419,7 +413,9 @@ def test_transformers_serve_end_to_end(tmp_path, monkeypatch):
     gen_cfg = served / "generation_config.json"
     gen_cfg.write_text(json.dumps({**json.loads(gen_cfg.read_text()), "do_sample": True}))
 
-    port = _free_port()
+    from m1.models.engine import free_port
+
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     log_path = tmp_path / "serve.log"

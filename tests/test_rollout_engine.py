@@ -31,9 +31,9 @@ CHATS = [
 
 
 def _standin(folder: str, log: Path, **kw) -> EngineServer:
-    from m1.marl.distributed import _free_port
+    from m1.models.engine import free_port
 
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, STANDIN, "--model", folder, "--port", str(port), "--served-model-name", "base"]
     return EngineServer(argv, log, port=port, **kw)
 
@@ -96,11 +96,11 @@ def test_vllm_command_and_server_env():
 
 
 def test_server_whose_command_exits_quotes_its_log(tmp_path):
-    from m1.marl.distributed import _free_port
+    from m1.models.engine import free_port
 
     log = tmp_path / "dead.log"
     srv = EngineServer([sys.executable, "-c", "import sys; print('no such model: /nowhere'); sys.exit(3)"], log,
-                       port=_free_port())
+                       port=free_port())
     start = time.monotonic()
     with pytest.raises(EngineError, match=r"(?s)exited with code 3 before answering /health.*no such model: /nowhere"):
         srv.start(timeout=60)

@@ -13,9 +13,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from m1.models.base import ModelError, SamplingParams, VisionRequest  # noqa: E402
-from m1.models.synth import SynthVisionModel, detect, parse_options  # noqa: E402
+from m1.synth.vision import SynthVisionModel, detect, parse_options  # noqa: E402
 from m1.schema import LETTERS, Question  # noqa: E402
-from m1.synth.make import app, make_dataset  # noqa: E402
+from m1.synth.cli import app  # noqa: E402
+from m1.synth.make import make_dataset  # noqa: E402
 from m1.synth.questions import FAMILIES, LetterCycle, make_questions  # noqa: E402
 from m1.synth.render import render, render_frame  # noqa: E402
 from m1.synth.world import (BACKGROUNDS, COLOURS, Event, Obj, Scene, Script, cell_bounds,  # noqa: E402

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from m1.config import CONFIG_DIR
+from m1.models.engine import free_port
 
 _RENDEZVOUS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
 
@@ -45,20 +46,12 @@ def prepare_process_group(rank: int = 0, world: int = 1, addr: str | None = None
     elif "WORLD_SIZE" not in os.environ:
         for k, v in _RENDEZVOUS.items():
             os.environ.setdefault(k, v)
-        os.environ.setdefault("MASTER_PORT", str(port or _free_port()))
+        os.environ.setdefault("MASTER_PORT", str(port or free_port()))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed.comm.torch  # noqa: F401  (the attribute is shadowed by the torch module: use sys.modules)
 
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_ds_config(source: str | Path | dict, *, micro_batch_size: int, max_grad_norm: float | None,

@@ -130,9 +130,9 @@ class RolloutEngines:
             host = ray.remote(EngineHost).options(**placement.options("engine", agent, 0)).remote(agent, str(logs))
             self._servers[agent] = host
             return ray.get(host.start.remote(model, argv=argv, dev_mode=dev_mode))
-        from m1.marl.distributed import _free_port
+        from m1.models.engine import free_port
 
-        port = _free_port()
+        port = free_port()
         server = EngineServer(_fill(argv, port=port, host="127.0.0.1"), logs / f"engine-{agent}.log", port=port,
                               dev_mode=dev_mode, name=f"agent {agent}: rollout engine")
         self._servers[agent] = server

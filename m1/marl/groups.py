@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.marl.distributed import DistributedError, _free_port, _require_ray
+from m1.marl.distributed import DistributedError, _require_ray
+from m1.models.engine import free_port
 from m1.marl.learner import AgentLearner
 from m1.marl.rollout import Sample
 
@@ -76,7 +77,7 @@ class LearnerRank:
         """Where this rank can host the group's rendezvous (rank 0 is asked)."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     def build(self, agent: str, key: str, spec: ModelSpec, cfg: LearnerConfig, grpo: GRPOSettings, seed: int,
               rank: int, world: int, addr: str, port: int) -> dict[str, Any]:

@@ -39,6 +39,9 @@ def _tiny_source(spec: ModelSpec) -> tuple[str, str]:
 
 
 SYNTH_CLIP = "m1-synth"  # clip_name of the world's own CLIP (`m1 synth train-clip`)
+# CLIPs known by name, found like the hub's backends so that models never import the synthetic world:
+# clip_name -> (module, function() -> (open_clip config json, checkpoint))
+NAMED_CLIPS: dict[str, tuple[str, str]] = {SYNTH_CLIP: ("m1.synth.clip_train", "synth_clip_files")}
 
 
 class OpenClipModel:
@@ -59,10 +62,11 @@ class OpenClipModel:
         self._lock = threading.Lock()
         if spec.tiny is not None:
             arch, pretrained = _tiny_source(spec)
-        elif spec.clip_name == SYNTH_CLIP:  # the M1-Synth CLIP: trained on first use, then cached
-            from m1.synth.clip_train import ensure_synth_clip, model_files
+        elif spec.clip_name in NAMED_CLIPS:  # e.g. the M1-Synth CLIP: shipped, or trained on first use
+            import importlib
 
-            cfg_path, ckpt = model_files(ensure_synth_clip())
+            module, fn = NAMED_CLIPS[spec.clip_name]
+            cfg_path, ckpt = getattr(importlib.import_module(module), fn)()
             arch, pretrained = register_config(cfg_path), str(ckpt)
         else:
             arch, pretrained = spec.clip_name, spec.pretrained

@@ -351,6 +351,13 @@ def _log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
 
 
+def free_port() -> int:
+    """A TCP port free on this host right now (engine servers, process-group rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 _LIVE: "weakref.WeakSet[EngineServer]" = weakref.WeakSet()
 
 
@@ -379,9 +386,7 @@ class EngineServer:
     def for_vllm(cls, model_path: str, log_path: str | os.PathLike, *, port: int | None = None,
                  dev_mode: bool = False, env: dict[str, str] | None = None, **command_kw: Any) -> "EngineServer":
         """`vllm serve model_path` on `port` (a free one if None)."""
-        from m1.marl.distributed import _free_port
-
-        port = port or _free_port()
+        port = port or free_port()
         return cls(vllm_command(model_path, port, **command_kw), log_path, port=port, env=env, dev_mode=dev_mode)
 
     @property
@@ -475,9 +480,7 @@ class EngineHost:
         """Launch `vllm serve` (or `argv`, whose "{port}"/"{host}" are filled in) and return the engine's URL."""
         import ray
 
-        from m1.marl.distributed import _free_port
-
-        port = _free_port()
+        port = free_port()
         if argv is None:
             cmd = vllm_command(model_path, port, lora_rank=lora_rank, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, served_model_name=served_model_name, seed=seed,

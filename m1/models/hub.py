@@ -21,7 +21,7 @@ BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
     ("openai", "chat"): ("m1.models.openai", "OpenAIChatModel"),
     ("openai", "vision"): ("m1.models.openai", "OpenAIVisionModel"),
     ("vllm", "chat"): ("m1.models.vllm", "VLLMChatModel"),
-    ("synth", "vision"): ("m1.models.synth", "SynthVisionModel"),
+    ("synth", "vision"): ("m1.synth.vision", "SynthVisionModel"),
     ("synth", "chat"): ("m1.synth.teacher", "TeacherChatModel"),
 }
 

@@ -208,40 +208,16 @@ def synth_tokenizer(texts: list[str]):
     return tok
 
 
-def synth_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: float = 120.0) -> list[str]:
-    """Prompts and replies of a rule-based teacher team on a small M1-Synth world.
+# Corpora that need a world to write them, found by name so that models never import the synthetic world
+# (as the hub finds backends): corpus name -> (module, function(workdir) -> list of texts)
+CORPORA: dict[str, tuple[str, str]] = {"synth": ("m1.synth.corpus", "synth_corpus")}
 
-    Every phase's real prompt (plan, communicate, answer, summary) with real tool notes (a tiny
-    random CLIP for retrieval, the pixel-reading synth vision model for browsing), so the
-    tokenizer learns the words and lines the mini team reads. The world seed is fixed and apart
-    from any training or evaluation seed; the built-in corpus is appended for general coverage.
-    """
-    from m1.config import TeamConfig
-    from m1.run import read_questions
-    from m1.synth.make import make_dataset
-    from m1.team.cpp import Team
 
-    qfile = make_dataset(Path(workdir), videos, seed, duration=duration, questions_per_video=12, progress=False)
-    questions, issues = read_questions(qfile, qfile.parent)
-    if issues or not questions:
-        raise ModelError(f"synth tokenizer corpus: bad questions in {qfile}: {issues[:3]}")
-    teachers = {f"t{i}": {"kind": "chat", "backend": "synth", "error_rate": rate, "seed": i}
-                for i, rate in enumerate((0.0, 0.1, 0.2, 0.3))}
-    clip = {"kind": "clip", "backend": "open_clip", "device": "cpu",
-            "tiny": {"arch": "open_clip", "hidden_size": 64, "layers": 2, "image_size": 64, "seed": 6}}
-    budget = SYNTH_BROWSER_TOKENS
-    cfg = TeamConfig.model_validate({
-        "name": "corpus", "models": {**teachers, "vision": {"kind": "vision", "backend": "synth"}, "clip": clip},
-        "agents": [{"name": name, "model": f"t{i}"} for i, name in enumerate(SYNTH_AGENTS)],
-        "tools": {"browser": "vision", "clip": "clip", "rough_tokens": budget, "fine_tokens": budget,
-                  "space_tokens": budget, "grounding_tokens": budget},
-        "limits": {"max_turns": 4, "batch_episodes": 16}})
-    texts: list[str] = []
-    for ep in Team(cfg).run(questions):
-        for gen in ep.generations:
-            texts += [m["content"] for m in gen.prompt if isinstance(m.get("content"), str)]
-            texts.append(gen.completion)
-    return texts + _default_corpus()
+def _corpus(name: str):
+    import importlib
+
+    module, fn = CORPORA[name]
+    return getattr(importlib.import_module(module), fn)
 
 
 def ensure_synth_tokenizer(root: Path) -> Path:
@@ -254,7 +230,7 @@ def ensure_synth_tokenizer(root: Path) -> Path:
     Path(root).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        tok = synth_tokenizer(synth_corpus(tmp / "world"))
+        tok = synth_tokenizer(_corpus("synth")(tmp / "world"))
         shutil.rmtree(tmp / "world")
         tok.save_pretrained(tmp)
         _publish(tmp, final, "tokenizer_config.json")

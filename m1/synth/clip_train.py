@@ -239,6 +239,11 @@ def ship_clip(model_dir: str | os.PathLike, dest: str | os.PathLike = SHIPPED) -
     return out
 
 
+def synth_clip_files() -> tuple[Path, Path]:
+    """(config json, checkpoint) of the default synth CLIP: what `clip_name: m1-synth` loads."""
+    return model_files(ensure_synth_clip())
+
+
 def ensure_synth_clip(cache_dir: str | os.PathLike | None = None, progress: bool = True,
                       **params: Any) -> Path:
     """The trained folder for `params`: the shipped one when M1 ships these parameters (and no `cache_dir` is

@@ -14,13 +14,10 @@ import json
 import random
 from pathlib import Path
 
-import typer
-
 from m1.synth.questions import LetterCycle, make_questions
 from m1.synth.render import render
 from m1.synth.world import make_script
 
-app = typer.Typer(no_args_is_help=True, help="M1-Synth: generate videos and questions.")
 
 
 def video_seed(seed: int, index: int) -> int:
@@ -54,57 +51,3 @@ def make_dataset(out: Path, videos: int, seed: int, duration: float = 300.0, fps
     path = out / "questions.jsonl"
     path.write_text("".join(line + "\n" for line in lines))
     return path
-
-
-@app.callback()
-def _group() -> None:
-    """M1-Synth: generate videos and questions."""  # keeps `make` a subcommand even when alone
-
-
-@app.command()
-def make(out: Path = typer.Argument(..., help="Output folder (created if missing)."),
-         videos: int = typer.Option(8, "--videos", help="How many videos."),
-         seed: int = typer.Option(0, "--seed", help="World seed; the same seed gives identical files."),
-         duration: float = typer.Option(300.0, "--duration", help="Video length in seconds (30-1200)."),
-         fps: int = typer.Option(4, "--fps", help="Frames per second (>= 2)."),
-         size: int = typer.Option(128, "--size", help="Frame width and height in pixels (>= 128, even)."),
-         questions_per_video: int = typer.Option(10, "--questions-per-video",
-                                                 help="At most this many questions per video.")) -> None:
-    """Write OUT/videos/*.mp4, OUT/scripts/*.json and OUT/questions.jsonl."""
-    try:
-        path = make_dataset(out, videos, seed, duration=duration, fps=fps, size=size,
-                            questions_per_video=questions_per_video)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    n = sum(1 for _ in path.open())
-    typer.echo(f"wrote {videos} videos and {n} questions to {out} (questions: {path})")
-
-
-@app.command("train-clip")
-def train_clip_cmd(out: Path = typer.Option(..., "--out", help="Folder for the trained CLIP (created if missing)."),
-                   seed: int = typer.Option(0, "--seed", help="Training seed (worlds, batches, init)."),
-                   steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (default: the recipe's)."),
-                   videos: int | None = typer.Option(None, "--videos",
-                                                        help="Training worlds, 5 min each (default: the recipe's)."),
-                   eval_videos: int = typer.Option(4, "--eval-videos", help="Held-out videos for evaluation."),
-                   eval_seed: int = typer.Option(1000, "--eval-seed", help="Seed of the held-out videos.")) -> None:
-    """Train the tiny M1-Synth CLIP into OUT, evaluate retrieval (trained vs random init), print it."""
-    import json as _json
-
-    from m1.synth.clip_train import METRICS, evaluate_clip, format_table, model_files, train_clip
-
-    given = {k: v for k, v in (("steps", steps), ("videos", videos)) if v is not None}
-    try:
-        folder = train_clip(out, seed=seed, **given)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    metrics = _json.loads((folder / METRICS).read_text())
-    typer.echo(f"trained {metrics['params']['steps']} steps in {metrics['train_seconds']:.0f} s "
-               f"(+{metrics['data_seconds']:.0f} s data); loss {metrics['first_loss']:.3f} -> "
-               f"{metrics['last_loss_mean20']:.3f}")
-    result = evaluate_clip(folder, videos=eval_videos, seed=eval_seed, progress=True)
-    metrics["eval"] = {k: v for k, v in result.items() if k != "rows"}
-    (folder / METRICS).write_text(_json.dumps(metrics, indent=1) + "\n")
-    typer.echo(format_table(result))
-    cfg, ckpt = model_files(folder)
-    typer.echo(f"ModelSpec: kind=clip backend=open_clip clip_name={cfg} pretrained={ckpt}")
