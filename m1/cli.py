@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 
@@ -17,19 +18,104 @@ DEMO_TEAM = "mini_trained"  # the mini team after SFT + MARL on M1-Synth (weight
 
 def _training_errors() -> tuple[type[Exception], ...]:
     """What a user of `m1 train` / `m1 sft` can cause or meet, printed as one `error:` line: a config, a model or
-    engine that cannot load or answer, a cluster that cannot hold the plan, a rollout that cannot be trained on."""
+    engine that cannot load or answer (a missing folder, a damaged weights file, a dead server), a cluster that cannot
+    hold the plan, a rollout that cannot be trained on, a damaged checkpoint, a file that cannot be read or written
+    (a full disk), a run already using the output folder, a Ray worker that died. Anything else is a bug: traceback."""
+    from safetensors import SafetensorError
+
     from m1.config import ConfigError
+    from m1.marl.checkpoint import CheckpointError
     from m1.marl.cluster import PlanError
     from m1.marl.distributed import DistributedError
     from m1.marl.rollout import RolloutError
     from m1.models.base import ModelError
 
-    return ConfigError, ModelError, DistributedError, PlanError, RolloutError
+    errors: tuple[type[Exception], ...] = (ConfigError, ModelError, DistributedError, PlanError, RolloutError,
+                                           CheckpointError, OSError, ValueError, SafetensorError)
+    try:
+        from m1.locks import LockError
+
+        errors += (LockError,)
+    except ImportError:
+        pass
+    if "ray" in sys.modules:  # only a run that started Ray can meet its errors; importing it costs seconds
+        from ray.exceptions import RayError
+
+        errors += (RayError,)
+    return errors
 
 
-def _fail(msg: str) -> None:
+def _debug(flag: bool = False) -> bool:
+    """--debug, or M1_DEBUG=1 in the environment: show the traceback behind an `error:` line."""
+    return flag or os.environ.get("M1_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an error a user met: what failed, on which file, and what to do."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"disk full while writing {exc.filename or 'the output'}: free space and rerun the same command "
+                f"(it resumes from the last checkpoint)")
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.filename}: {exc.strerror or exc}; check the path and its permissions, then rerun"
+    if type(exc).__name__ == "SafetensorError":
+        return f"a weights file does not read ({exc}): damaged or truncated? rerun with --debug to see which"
+    if type(exc).__module__.startswith("ray"):
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return (f"a Ray worker failed ({type(exc).__name__}: {first}); see the Ray logs, then rerun the same "
+                f"command to resume from the last checkpoint")
+    return str(exc) or type(exc).__name__
+
+
+def _fail(msg: str, exc: BaseException | None = None, debug: bool = False) -> NoReturn:
+    """Print `error: msg` and exit with status 2; with --debug / M1_DEBUG=1, `exc`'s traceback first."""
+    if exc is not None and _debug(debug):
+        import traceback
+
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+def _train_guarded(run, debug: bool) -> None:
+    """Run `m1 train` / `m1 sft`: a stop by a signal prints the stop report and exits with 128 + the signal (143
+    SIGTERM, 130 SIGINT); what a user can meet is one `error:` line (status 2)."""
+    from m1.marl.checkpoint import StoppedAtOnce, TrainingStopped
+
+    try:
+        run()
+    except (TrainingStopped, StoppedAtOnce) as exc:
+        if isinstance(exc, StoppedAtOnce) and _debug(debug):
+            import traceback
+
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(exc.exit_status)
+    except _training_errors() as exc:
+        _fail(_describe(exc), exc, debug)
+
+
+_SHARD_HELP = ("Worker i of n (i = 0..n-1): answer the questions whose index in the input order is i mod n into "
+               "OUT.part-i-of-n.jsonl (resumable); join the parts with `m1 merge OUT`.")
+
+
+def _run_guarded(run, out: Path):
+    """Run `run()` and turn what a run can meet into one `error:` line (status 2) or, for a stop by
+    SIGINT/SIGTERM, the stop report with status 130/143."""
+    from m1.locks import LockError
+    from m1.models.base import ModelError
+    from m1.run import InputError, Stopped, WriteError
+
+    try:
+        return run()
+    except (InputError, LockError, WriteError) as exc:  # another team's answers, a busy file, a full disk
+        _fail(str(exc))
+    except ModelError as exc:  # finished questions are already in `out`; a rerun resumes
+        _fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)")
+    except Stopped as exc:
+        typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(exc.exit_status)
 
 
 @app.command()
@@ -44,27 +130,29 @@ def infer(
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Write one episode JSON + HTML per question here."),
     overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
     limit: Optional[int] = typer.Option(None, help="Answer at most this many new questions."),
+    shard: Optional[str] = typer.Option(None, "--shard", help=_SHARD_HELP),
 ) -> None:
-    """Answer questions about a folder of videos with a team of policy agents."""
+    """Answer questions about a folder of videos with a team of policy agents.
+
+    One run at a time writes OUT (a second is refused, naming the first). SIGINT/SIGTERM stop after the
+    line being written, with status 130/143; rerunning the same command continues."""
     from m1.config import ConfigError, load_team
-    from m1.models.base import ModelError
-    from m1.run import InputError, build_questions, run_questions
+    from m1.run import InputError, build_questions, parse_shard, run_questions
 
     try:
         cfg = load_team(team, overrides or [])
         qs, issues = build_questions(video_dir, question=question, options=options or [], task=task,
                                      questions_file=questions)
+        split = parse_shard(shard) if shard else None
     except (ConfigError, InputError) as exc:
         _fail(str(exc))
     for msg in issues:
         typer.secho(f"skipped: {msg}", fg=typer.colors.YELLOW, err=True)
-    try:
-        summary = run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit)
-    except InputError as exc:  # e.g. `out` holds another team's answers
-        _fail(str(exc))
-    except ModelError as exc:  # finished questions are already in `out`; a rerun resumes
-        _fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)")
+    summary = _run_guarded(lambda: run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit, shard=split,
+                                                 stop_on_signals=True), out)
     typer.echo(summary.describe())
+    if split:
+        typer.echo(f"part {split[0]} of {split[1]} written; when every part is done: m1 merge {out}")
 
 
 @app.command("eval")
@@ -78,17 +166,20 @@ def eval_(
     overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
     limit: Optional[int] = typer.Option(None, help="Answer at most this many new questions."),
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Write one episode JSON + HTML per question."),
+    shard: Optional[str] = typer.Option(None, "--shard", help=_SHARD_HELP.replace("OUT", "OUT/predictions.jsonl")
+                                        + " Then rerun without --shard to score."),
 ) -> None:
-    """Run a team on a benchmark and score it with the benchmark's own metrics (resumable)."""
+    """Run a team on a benchmark and score it with the benchmark's own metrics (resumable; locking,
+    stops and --shard as for `m1 infer`)."""
     from m1.config import ConfigError, load_team
     from m1.data.loaders import load_benchmark
     from m1.data.metrics import format_table, score_benchmark
-    from m1.models.base import ModelError
-    from m1.run import InputError, ResultsFile, run_questions
+    from m1.run import InputError, ResultsFile, parse_shard, run_questions
 
     try:
         cfg = load_team(team, overrides or [])
         qs, issues = load_benchmark(benchmark, annotations, videos)
+        split = parse_shard(shard) if shard else None
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         _fail(str(exc))
     for issue in issues:
@@ -97,14 +188,17 @@ def eval_(
         _fail(f"{annotations}: no usable questions ({len(issues)} skipped)")
     out.mkdir(parents=True, exist_ok=True)
     preds_path = out / "predictions.jsonl"
-    try:
-        summary = run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit)
-    except InputError as exc:  # e.g. `out` holds another team's predictions
-        _fail(str(exc))
-    except ModelError as exc:
-        _fail(f"{exc}\n(predictions so far are kept in {preds_path}; rerun to resume)")
+    summary = _run_guarded(lambda: run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit, shard=split,
+                                                 stop_on_signals=True), preds_path)
     typer.echo(summary.describe())
-    rows = ResultsFile(preds_path).read()
+    if split:  # a part is not scored; the merged predictions are
+        typer.echo(f"part {split[0]} of {split[1]} written; when every part is done: m1 merge {preds_path}, "
+                   f"then rerun this command without --shard to score")
+        return
+    try:
+        rows = ResultsFile(preds_path).read()
+    except InputError as exc:
+        _fail(str(exc))
     preds = {r["id"]: r["answer"] for r in rows if r.get("answer") is not None}
     answered = [q for q in qs if q.id in {r["id"] for r in rows}]
     metrics = score_benchmark(benchmark, preds, answered)
@@ -113,6 +207,19 @@ def eval_(
     table = format_table(metrics, title=f"{benchmark} — team {cfg.name}")
     (out / "metrics.md").write_text(table + "\n")
     typer.echo(table)
+
+
+@app.command()
+def merge(
+    out: Path = typer.Argument(..., help="The results file the workers were given as --out (for m1 eval: "
+                                         "OUT/predictions.jsonl)."),
+    delete_parts: bool = typer.Option(False, "--delete-parts", help="Remove the part files after a good merge."),
+) -> None:
+    """Join the part files of `--shard i/n` workers into OUT: every id once, in input order. Refused,
+    naming parts and ids, when a part is missing, unfinished, still being written or disagrees."""
+    from m1.run import merge_parts
+
+    typer.echo(_run_guarded(lambda: merge_parts(out, delete_parts=delete_parts), out).describe())
 
 
 @app.command()
@@ -128,13 +235,13 @@ def demo(
     """Offline demo: generate M1-Synth videos and questions, run a team, print answers and accuracy."""
     from m1.config import ConfigError
     from m1.demo import run_demo
-
+    from m1.locks import LockError
     from m1.models.base import ModelError
 
     try:
         run_demo(out, team, videos=videos, seed=seed, duration=duration,
                  questions_per_video=questions_per_video, overrides=overrides or [], echo=typer.echo)
-    except (ConfigError, ModelError) as exc:
+    except (ConfigError, ModelError, LockError) as exc:
         _fail(str(exc))
 
 
@@ -158,6 +265,9 @@ def _print_plan(kind: str, config: str, overrides: list[str], gpus: Optional[int
 _PLAN_HELP = "Print the placement plan (GPUs and estimated memory per GPU) and exit; loads no model."
 _GPUS_HELP = "Plan for N GPUs (cluster.gpus_per_node per node) instead of asking Ray / this machine."
 _MEM_HELP = "Memory of one GPU in GB for the plan (default: cluster.gpu_mem_gb, else the local GPUs)."
+_RESUME_HELP = ("latest (default): resume from the newest checkpoint, and stop with an error naming the file when it "
+                "is damaged. previous: resume from the newest intact checkpoint, skipping damaged ones.")
+_DEBUG_HELP = "Show the traceback behind an error (also: M1_DEBUG=1)."
 
 
 @app.command()
@@ -167,18 +277,22 @@ def train(
     plan: bool = typer.Option(False, "--plan", help=_PLAN_HELP),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help=_GPUS_HELP),
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", min=0.0, help=_MEM_HELP),
+    resume_from: Optional[str] = typer.Option(None, "--resume-from", help=_RESUME_HELP),
+    debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
 ) -> None:
     """Multi-agent GRPO: K rollouts per question over a sampled DAG, per-agent advantages, one
-    learner per agent (LoRA or full; DeepSpeed ZeRO-2 when configured). Resumes from its output folder."""
+    learner per agent (LoRA or full; DeepSpeed ZeRO-2 when configured). Resumes from its output folder.
+
+    Exit status: 0 done; 2 an error (one `error:` line); 143 after SIGTERM, 130 after SIGINT: the step
+    under way finished and was checkpointed ("stopped at step N"); rerun the same command to resume. A
+    second signal stops at once, losing the steps after the newest checkpoint."""
     if plan:
         _print_plan("marl", config, overrides or [], gpus, gpu_mem)
         return
     from m1.marl.launch import train_main
 
-    try:
-        train_main(config, overrides or [], progress=typer.echo)
-    except _training_errors() as exc:
-        _fail(str(exc))
+    sets = list(overrides or []) + ([f"checkpoint.resume_from={resume_from}"] if resume_from else [])
+    _train_guarded(lambda: train_main(config, sets, progress=typer.echo), debug)
 
 
 @app.command()
@@ -188,18 +302,38 @@ def sft(
     plan: bool = typer.Option(False, "--plan", help=_PLAN_HELP),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help=_GPUS_HELP),
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", min=0.0, help=_MEM_HELP),
+    resume_from: Optional[str] = typer.Option(None, "--resume-from", help=_RESUME_HELP),
+    debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
 ) -> None:
     """SFT warm-up: run a team (the teacher or an API team), keep plans by the paper's rule (at
-    least one agent right, plan never changed), train on completion tokens only."""
+    least one agent right, plan never changed), train on completion tokens only.
+
+    Exit status as for `m1 train`: 0, 2 (an error), 143 / 130 (stopped by SIGTERM / SIGINT after
+    checkpointing the last step; rerun to resume)."""
     if plan:
         _print_plan("sft", config, overrides or [], gpus, gpu_mem)
         return
     from m1.marl.sft import sft_main
 
+    sets = list(overrides or []) + ([f"checkpoint.resume_from={resume_from}"] if resume_from else [])
+    _train_guarded(lambda: sft_main(config, sets, progress=typer.echo), debug)
+
+
+@app.command()
+def plot(
+    run_dir: Path = typer.Argument(..., help="The out_dir of an `m1 train` or `m1 sft` run (holds metrics.jsonl)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder for the PNGs (default: RUN_DIR/plots)."),
+) -> None:
+    """Training curves as PNGs: reward parts, team result, loss, KL, importance ratio, per-agent rewards (the
+    figures the run's metrics allow). `m1 train` and `m1 sft` write them when they end."""
+    from m1.plots import PlotError, plot_run
+
     try:
-        sft_main(config, overrides or [], progress=typer.echo)
-    except _training_errors() as exc:
+        paths = plot_run(run_dir, out)
+    except PlotError as exc:
         _fail(str(exc))
+    for path in paths:
+        typer.echo(str(path))
 
 
 @app.command()
@@ -216,7 +350,7 @@ def main() -> None:  # pragma: no cover
 
 def _mount_subapps() -> None:
     """Sub-apps live next to their code (their heavy imports stay inside their commands)."""
-    from m1.synth.make import app as synth_app
+    from m1.synth.cli import app as synth_app
 
     app.add_typer(synth_app, name="synth", help="M1-Synth: generate videos and questions.")
 

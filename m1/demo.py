@@ -12,9 +12,19 @@ from m1.run import ResultsFile, check_team, read_questions, run_questions
 
 def run_demo(out: Path, team: str, videos: int = 3, seed: int = 0, duration: float = 120.0,
              questions_per_video: int = 6, overrides: list[str] | None = None, echo=print) -> dict:
-    from m1.synth.make import make_dataset
+    """Held for one run at a time: a second demo into the same folder is refused before it touches its data."""
+    from m1.locks import hold_dir
 
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with hold_dir(out, "demo folder"):
+        return _run_demo(out, team, videos, seed, duration, questions_per_video, overrides, echo)
+
+
+def _run_demo(out: Path, team: str, videos: int, seed: int, duration: float, questions_per_video: int,
+              overrides: list[str] | None, echo) -> dict:
+    from m1.synth.make import make_dataset
+
     data = out / "data"
     stamp = data / "params.json"
     params = {"videos": videos, "seed": seed, "duration": duration, "questions_per_video": questions_per_video}

@@ -109,3 +109,16 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         plt.close(fig)
         written.append(path)
     return written
+
+
+def plot_finished_run(run_dir: str | Path, progress) -> list[Path]:
+    """What `m1 train` / `m1 sft` do when they end: write the run's plots and say where (nothing to draw when the
+    run logged no step yet)."""
+    try:
+        paths = plot_run(run_dir)
+    except PlotError as exc:
+        progress(f"no plots: {exc}")
+        return []
+    if paths:
+        progress(f"plots: {Path(run_dir) / PLOTS_DIR} ({', '.join(p.stem for p in paths)})")
+    return paths

@@ -2,27 +2,75 @@
 
 Results are one JSON line per question, written with a single append of the whole line and
 flushed to disk; on start, a torn last line left by a killed run is cut off, and ids already
-present are skipped. So a run killed at any moment and rerun lists every id exactly once.
+present are skipped. So a run killed at any moment and rerun lists every id exactly once. A line (or
+trace) that cannot be written whole — disk full — is cut back to the previous size and the run stops
+with a `WriteError`; one run at a time writes a results file (`m1.locks`); SIGTERM/SIGINT stop it
+between two lines (`Stopped`). `--shard i/n` splits the questions over workers, `merge_parts` joins them.
 Beside it, `<results>.team.json` records the team that wrote it (config and local weight files): resuming
 with another team would mix two teams' answers in one file, so it is refused with the fields that differ.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
+import threading
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from m1.config import TeamConfig
+from m1.locks import hold
 from m1.models.tiny import spec_hash
 from m1.schema import Episode, Question
 
 
 class InputError(ValueError):
     pass
+
+
+class WriteError(RuntimeError):
+    """A results line or trace could not be written whole (disk full, ...). The file was cut back to
+    what it held before, so nothing is torn; the run stops and the same command resumes it."""
+
+    def __init__(self, path: Path, exc: OSError, question: str | None = None, safe: int | None = None,
+                 results: Path | None = None):
+        self.path, self.exc, self.question, self.safe, self.results = Path(path), exc, question, safe, results
+        self.disk_full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        where = f"{path}" + (f" (question {question})" if question else "")
+        head = (f"disk full while writing {where}: free space and rerun the same command" if self.disk_full else
+                f"could not write {where} ({exc.strerror or exc}): fix that and rerun the same command")
+        tail = f"; {safe} answers are safely written in {results}" if safe is not None else ""
+        super().__init__(head + tail)
+
+
+class Stopped(BaseException):
+    """A run stopped by SIGTERM/SIGINT between two results lines. A BaseException (like
+    KeyboardInterrupt) so that no `except Exception` inside the team records it as an episode's error."""
+
+    def __init__(self, signum: int, message: str = ""):
+        self.signum = signum
+        self.exit_status = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        super().__init__(message or f"stopped by {signal.Signals(signum).name}")
+
+
+def _open_for_write(path: Path, mode: str):
+    """The one place results lines and traces are opened for writing (unbuffered: each `write` is
+    one system call). Tests put a full disk here."""
+    return open(path, mode, buffering=0)
+
+
+def _write_all(f, data: bytes) -> None:
+    view, done = memoryview(data), 0
+    while done < len(data):
+        n = f.write(view[done:])
+        if not n:  # a regular file takes no more bytes: the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += n
 
 
 def build_questions(video_dir: Path, question: str | None = None, options: list[str] | None = None,
@@ -108,13 +156,21 @@ class ResultsFile:
         return rows
 
     def append(self, row: dict) -> None:
+        """Append one whole line and fsync it; if that fails (disk full), cut the file back to its
+        previous size and raise WriteError: the line is in the file whole or not at all."""
         data = (json.dumps(row, ensure_ascii=False) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, data)  # one write call: the line lands whole or not at all
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            f = _open_for_write(self.path, "ab")
+        except OSError as exc:
+            raise WriteError(self.path, exc, question=row["id"], safe=len(self.done), results=self.path) from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            try:
+                _write_all(f, data)
+                os.fsync(f.fileno())
+            except OSError as exc:
+                os.ftruncate(f.fileno(), size)
+                raise WriteError(self.path, exc, question=row["id"], safe=len(self.done), results=self.path) from None
         self.done.add(row["id"])
 
 
@@ -143,10 +199,23 @@ def write_trace(trace_dir: Path, ep: Episode) -> Path:
     trace_dir.mkdir(parents=True, exist_ok=True)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in ep.id)
     for suffix, text in ((".json", ep.model_dump_json(indent=1)), (".html", render_html(ep))):
-        tmp = trace_dir / f".{safe}{suffix}.tmp"
-        tmp.write_text(text)
-        tmp.replace(trace_dir / f"{safe}{suffix}")
+        write_whole(trace_dir / f"{safe}{suffix}", text.encode())
     return trace_dir / f"{safe}.json"
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write `path` through a temporary file renamed over it: readers see the old file or the new
+    one, never half of one. On failure (disk full) the temporary file is removed and WriteError raised."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with _open_for_write(tmp, "wb") as f:
+            _write_all(f, data)
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(path, exc) from None
 
 
 @dataclass
@@ -222,8 +291,221 @@ def check_team(results: Path, cfg: TeamConfig, restart: bool = False) -> None:
     stamp.write_text(json.dumps(sig, indent=1))
 
 
+# ------------------------------------------------------------------ sharding
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'1/4' -> (1, 4): worker 1 of 4 (workers count from 0)."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise InputError(f"--shard {text!r}: expected i/n, e.g. 0/4 (worker 0 of 4)") from None
+    if n < 1 or not 0 <= i < n:
+        raise InputError(f"--shard {text!r}: need 0 <= i < n (workers are numbered 0 .. n-1)")
+    return i, n
+
+
+def part_path(out: Path, i: int, n: int) -> Path:
+    """Worker i of n writes `<out>.part-i-of-n.jsonl`."""
+    out = Path(out)
+    return out.with_name(f"{out.name}.part-{i}-of-{n}.jsonl")
+
+
+def shards_manifest(out: Path) -> Path:
+    """`<out>.shards.json`: every question id in input order and the number of parts, for `merge_parts`."""
+    out = Path(out)
+    return out.with_name(out.name + ".shards.json")
+
+
+def shard_of(questions: list[Question], i: int, n: int) -> list[Question]:
+    """Worker i's questions: those whose index in the input order is i mod n. Every worker must be
+    given the same input (checked against the manifest), so the parts cover each question once."""
+    return questions[i::n]
+
+
+def _record_split(out: Path, questions: list[Question], n: int) -> None:
+    """Write the manifest of the split, or check that this worker's input matches the recorded one."""
+    path = shards_manifest(out)
+    ids = [q.id for q in questions]
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old.get("n") != n or old.get("ids") != ids:
+            if old.get("n") != n:
+                what = f"splits into {old.get('n')} parts, this run into {n}"
+            else:
+                a, b = old.get("ids", []), ids
+                k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                what = (f"lists {len(a)} questions, this run {len(b)}; first difference at position {k}: "
+                        f"{a[k] if k < len(a) else 'end'!r} vs {b[k] if k < len(b) else 'end'!r}")
+            raise InputError(f"{path} records another split of {out} ({what}): give every worker the same input "
+                             f"and the same n, or move {out.name}.part-* and {path.name} away to start over")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_whole(path, json.dumps({"rule": "index in input order mod n", "n": n, "ids": ids}).encode())
+
+
+@dataclass
+class MergeSummary:
+    out: Path
+    rows: int
+    parts: list[Path]
+    already: bool = False
+    deleted: bool = False
+
+    def describe(self) -> str:
+        if self.already:
+            return f"{self.out} already holds the merge of {len(self.parts)} parts ({self.rows} results); nothing to do"
+        tail = "; parts deleted" if self.deleted else "; parts kept (--delete-parts removes them)"
+        return f"merged {len(self.parts)} parts: {self.rows} results in input order -> {self.out}{tail}"
+
+
+def merge_parts(out: Path, delete_parts: bool = False) -> MergeSummary:
+    """Join `<out>.part-i-of-n.jsonl` into `out`: every id of the split exactly once, in input order.
+
+    Refused (InputError naming the parts and ids) if a part is missing, still being written (its lock),
+    lacks ids, holds ids that are not its own or that another part also holds, or was written by
+    another team. `out` is written whole (temporary file renamed); if it already exists it must hold
+    exactly this merge. The parts stay unless `delete_parts`."""
+    out = Path(out)
+    manifest = shards_manifest(out)
+    if not manifest.is_file():
+        found = sorted(p.name for p in out.parent.glob(f"{out.name}.part-*-of-*.jsonl"))
+        raise InputError(f"{manifest}: no record of a sharded run into {out}"
+                         + (f" (found {', '.join(found)}, but not the manifest their workers write)" if found else
+                            "; run the workers first: m1 infer ... --out " + f"{out} --shard i/n"))
+    split = json.loads(manifest.read_text())
+    n, ids = int(split["n"]), list(split["ids"])
+    parts = [part_path(out, i, n) for i in range(n)]
+    absent = [p.name for p in parts if not p.is_file()]
+    if absent:
+        raise InputError(f"cannot merge into {out}: {', '.join(absent)} missing; run those workers "
+                         f"(--shard i/{n}) first")
+    problems: list[str] = []
+    with ExitStack() as locks:
+        for p in parts:
+            locks.enter_context(hold(p, "part file", "wait for that worker to finish, then merge"))
+        locks.enter_context(hold(out, "results file", "wait for it to finish, or merge into another file"))
+        lines: dict[str, tuple[str, int]] = {}  # id -> (line, part index)
+        for i, p in enumerate(parts):
+            ResultsFile(p)  # cuts a torn last line of a killed worker
+            own = set(ids[i::n])
+            seen_here: set[str] = set()
+            for line in p.read_text().splitlines():
+                rid = json.loads(line)["id"]
+                if rid in seen_here:
+                    problems.append(f"{p.name} lists {rid!r} twice")
+                    continue
+                seen_here.add(rid)
+                if rid in lines:
+                    problems.append(f"parts disagree: {rid!r} is in both {parts[lines[rid][1]].name} and {p.name}")
+                    continue
+                if rid not in own:
+                    problems.append(f"{p.name} holds {rid!r}, which is not in its share of the split "
+                                    f"(recorded in {manifest.name})")
+                lines[rid] = (line, i)
+            missing = [x for x in ids[i::n] if x not in seen_here]
+            if missing:
+                more = f", ... ({len(missing)} in all)" if len(missing) > 5 else ""
+                problems.append(f"{p.name} misses {', '.join(map(repr, missing[:5]))}{more}: rerun that worker "
+                                f"(--shard {i}/{n}) to finish it")
+        stamps = [p.with_name(p.name + ".team.json") for p in parts]
+        sigs = [json.loads(t.read_text()) if t.is_file() else None for t in stamps]
+        for i in range(1, n):
+            if sigs[i] != sigs[0] and sigs[i] is not None and sigs[0] is not None:
+                a, b = _flat(sigs[0]), _flat(sigs[i])
+                diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+                problems.append(f"parts disagree: {parts[0].name} and {parts[i].name} were written by different "
+                                f"teams (differ in {', '.join(diff[:5])})")
+        if problems:
+            raise InputError(f"cannot merge into {out}:\n" + "\n".join(f"  - {x}" for x in problems))
+        data = "".join(lines[x][0] + "\n" for x in ids).encode()
+        summary = MergeSummary(out=out, rows=len(ids), parts=parts)
+        if out.is_file() and out.stat().st_size:
+            if out.read_bytes() == data:
+                summary.already = True
+            else:
+                raise InputError(f"{out} already holds {len(out.read_text().splitlines())} results that are not "
+                                 f"this merge of {n} parts; move it or merge into another file")
+        else:
+            write_whole(out, data)
+        if sigs[0] is not None:
+            write_whole(out.with_name(out.name + ".team.json"), json.dumps(sigs[0], indent=1).encode())
+        if delete_parts:
+            for p in parts:
+                p.unlink(missing_ok=True)
+                p.with_name(p.name + ".team.json").unlink(missing_ok=True)
+            manifest.unlink(missing_ok=True)
+            summary.deleted = True
+    return summary
+
+
+# ------------------------------------------------------------------ graceful stop
+
+class _StopOnSignals:
+    """SIGTERM / SIGINT stop a run between two results lines: outside a write, the first signal
+    raises Stopped at once (the episodes in flight are dropped; they are redone on resume); during
+    a write it waits until the line is whole. A second signal exits at once (status 128 + signal)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.writing = False
+        self._old: dict[int, object] = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+        if not self.writing:
+            raise Stopped(signum)
+
+    @contextmanager
+    def write(self):
+        """A section no first signal interrupts (one results line and its trace)."""
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+        if self.signum is not None:
+            raise Stopped(self.signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
 def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_dir: Path | None = None,
-                  limit: int | None = None, team=None, progress: bool = True) -> RunSummary:
+                  limit: int | None = None, team=None, progress: bool = True,
+                  shard: tuple[int, int] | None = None, stop_on_signals: bool = False) -> RunSummary:
+    """Answer `questions` into the results file `out`, resuming it; see the module docstring.
+
+    `shard=(i, n)`: answer only worker i's share (`shard_of`) into `part_path(out, i, n)`.
+    `stop_on_signals`: SIGTERM/SIGINT raise Stopped (with counts) after the line being written.
+    Raises LockError when another run writes the same file, WriteError when a line cannot be written."""
+    out = Path(out)
+    if shard is not None:
+        i, n = shard
+        _record_split(out, questions, n)
+        questions, out = shard_of(questions, i, n), part_path(out, i, n)
+    advice = ("wait for it, or use --shard i/n to split one evaluation across workers" if shard is None else
+              "wait for it; every worker needs its own --shard i/n")
+    with hold(out, "results file", advice), _StopOnSignals() as stop:
+        try:
+            return _run(cfg, questions, out, trace_dir, limit, team, progress, stop)
+        except Stopped as exc:
+            done = len({q.id for q in questions} & ResultsFile(out).done)
+            raise Stopped(exc.signum, f"stopped by {signal.Signals(exc.signum).name}: {done} of {len(questions)} "
+                                      f"questions answered in {out}; rerun the same command to continue") from None
+
+
+def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSignals) -> RunSummary:
     from tqdm import tqdm
 
     from m1.team.cpp import Team
@@ -242,9 +524,14 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
 
     def done(ep: Episode) -> None:
         row = result_row(ep)
-        if trace_dir is not None:
-            write_trace(Path(trace_dir), ep)
-        results.append(row)
+        with stop.write():
+            if trace_dir is not None:
+                try:
+                    write_trace(Path(trace_dir), ep)
+                except WriteError as exc:
+                    raise WriteError(exc.path, exc.exc, question=ep.id, safe=len(results.done),
+                                     results=Path(out)) from None
+            results.append(row)
         bar.update(1)
         if ep.error:
             summary.errors.append(f"{ep.id}: {ep.error}")

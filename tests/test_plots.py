@@ -40,3 +40,16 @@ def test_sft_run_and_errors(tmp_path):
     _write(tmp_path / "empty", [])
     with pytest.raises(PlotError, match="no steps logged"):
         read_metrics(tmp_path / "empty")
+
+
+def test_m1_plot_command(tmp_path):
+    from typer.testing import CliRunner
+
+    from m1.cli import app
+
+    _write(tmp_path / "run", [{"step": 1, "loss": 1.0, "alpha/loss": 1.0, "alpha/samples": 2},
+                              {"step": 2, "loss": 0.5, "alpha/loss": 0.5, "alpha/samples": 2}])
+    res = CliRunner().invoke(app, ["plot", str(tmp_path / "run")])
+    assert res.exit_code == 0 and res.output.split() == [str(tmp_path / "run" / "plots" / "loss.png")]
+    res = CliRunner().invoke(app, ["plot", str(tmp_path / "missing")])
+    assert res.exit_code == 2 and "no metrics file" in res.output

@@ -516,7 +516,8 @@ def test_train_main_runs_from_a_yaml_file(tmp_path, video, m1_cache):
     printed = []
     rows = train_main(path, ["steps=1"], progress=printed.append)  # real rewards: offline rubric judge
     assert len(rows) == 1 and "reward/col" in rows[0] and "reward/total/alpha" in rows[0]
-    assert "metrics.jsonl" in printed[-2]
+    assert "metrics.jsonl" in printed[-3] and printed[-2].startswith("plots: ")
+    assert {p.name for p in (tmp_path / "out" / "plots").iterdir()} >= {"rewards.png", "loss.png", "kl.png"}
     # the last line is the m1 infer call that seats the trained agents: applied to the team, it names their weights
     import shlex
 
@@ -532,7 +533,12 @@ def test_train_main_runs_from_a_yaml_file(tmp_path, video, m1_cache):
         assert spec.tiny is None and spec.path == str(ckpt / a.name / "model")
         assert (ckpt / a.name / "model" / "config.json").is_file()
     again = train_main(path, ["steps=1"], progress=printed.append)  # resumes at the end: nothing to do
-    assert again == [] and "nothing to do" in printed[-2]
+    assert again == [] and "nothing to do" in printed[-3]
+    from m1.locks import LockError, hold_dir
+
+    with hold_dir(tmp_path / "out", "training output folder"):  # another run holds the folder: refused at once
+        with pytest.raises(LockError, match="training output folder"):
+            train_main(path, ["steps=1"], progress=printed.append)
 
 
 def test_trained_agent_overrides_seat_adapters_and_name_shared_models(tmp_path):

@@ -174,6 +174,10 @@ class CheckpointConfig(Strict):
     every: int = Field(50, ge=1)  # steps between checkpoints (the last step is always saved)
     keep_last: int = Field(2, ge=1)
     resume: bool = True  # continue from the newest checkpoint in out_dir when there is one
+    # latest: resume from the newest checkpoint and stop with an error naming the file when it is damaged (its
+    # manifest does not match). previous: skip damaged ones and resume from the newest intact checkpoint (what
+    # `--resume-from previous` sets). Left out of dumps at "latest", so earlier runs' recorded settings still match
+    resume_from: Literal["latest", "previous"] = Field("latest", exclude_if=lambda v: v == "latest")
 
 
 class AverageConfig(Strict):

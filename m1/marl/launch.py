@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from m1.config import TeamConfig
-from m1.marl.checkpoint import find_latest_checkpoint
+from m1.marl.checkpoint import find_latest_checkpoint, stop_on_signals, stopped
 from m1.marl.config import load_train_config
 from m1.marl.trainer import Trainer
 
@@ -43,21 +43,33 @@ def infer_command(cfg, agents: list[str], root: Path) -> str:
 
 def train_main(config_path: str | Path, overrides: list[str] | None = None,
                progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """`m1 train --config PATH --set key=value ...`: load the config, train, return the per-step metrics."""
+    """`m1 train --config PATH --set key=value ...`: load the config, train, return the per-step metrics.
+
+    SIGTERM / SIGINT (a scheduler's notice, Ctrl-C): the current step finishes and is checkpointed, then
+    TrainingStopped says "stopped at step N; rerun the same command to resume" (the command exits with 143 / 130);
+    a second signal stops at once (StoppedAtOnce, no checkpoint). Rerunning the command resumes.
+    """
+    from m1.locks import hold_dir
+    from m1.plots import plot_finished_run
+
     cfg = load_train_config(config_path, overrides)
-    trainer = Trainer(cfg)
-    start = trainer.step
-    if start:
-        progress(f"resuming {cfg.name} from step {start} in {cfg.out_dir}")
-    try:
-        rows = trainer.train()
-    finally:
-        trainer.close()
+    with hold_dir(Path(cfg.out_dir), "training output folder"), stop_on_signals() as stop:  # one run per out_dir
+        trainer = Trainer(cfg)
+        start = trainer.step
+        if start:
+            progress(f"resuming {cfg.name} from step {start} in {cfg.out_dir}")
+        try:
+            rows = trainer.train(stop=stop)
+        finally:
+            trainer.close()
+        if stop and trainer.step < cfg.steps:
+            raise stopped(cfg.name, trainer, stop, progress)
     if rows:
         progress(f"{cfg.name}: {len(rows)} steps, last loss {rows[-1]['loss']:.5f}, "
                  f"mean reward {rows[-1]['reward/mean']:.3f}; metrics in {Path(cfg.out_dir) / 'metrics.jsonl'}")
     else:
         progress(f"{cfg.name}: already at step {start} of {cfg.steps}; nothing to do")
+    plot_finished_run(cfg.out_dir, progress)
     from m1.marl.average import AVERAGE_DIR
 
     root = find_latest_checkpoint(Path(cfg.out_dir))

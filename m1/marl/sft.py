@@ -141,14 +141,16 @@ class SFTTrainer:
 
     def __init__(self, cfg: SFTConfig, examples: list[SFTExample] | None = None, teacher_hub=None):
         from m1.marl.rollout import training_team_config
-        from m1.marl.checkpoint import find_latest_checkpoint
+        from m1.marl.checkpoint import resume_point
         from m1.marl.groups import build_learners, reserve_placement
         from m1.marl.learner import seed_everything
         from m1.marl.stream import QuestionStream
 
         self.cfg = cfg
-        seed_everything(cfg.seed)
         self.out = Path(cfg.out_dir)
+        # the checkpoint to resume from, checked against its manifest before any model loads
+        resume = resume_point(self.out, cfg.checkpoint.resume_from) if cfg.checkpoint.resume else None
+        seed_everything(cfg.seed)
         # on GPUs (placement ray): the plan's GPUs are reserved before anything loads, the teacher's tool models
         # included while the examples are still to be built
         self.placement = reserve_placement(cfg) if cfg.placement == "ray" else None
@@ -166,14 +168,18 @@ class SFTTrainer:
         per_epoch = math.ceil(len(self.examples) / cfg.batch_size)
         self.total_steps = cfg.max_steps or per_epoch * cfg.epochs
         self.step = 0
+        self.checkpointed = 0  # the step of the newest checkpoint on disk
         self.history: list[dict[str, Any]] = []
-        if cfg.checkpoint.resume:
-            latest = find_latest_checkpoint(self.out)
-            if latest is not None:
-                from m1.marl.checkpoint import load_checkpoint
+        if resume is not None:
+            from m1.marl.checkpoint import load_checkpoint
 
-                state = load_checkpoint(latest, self.learners, self.trained, cfg.seed)
-                self.step, self.stream.cursor = int(state["step"]), int(state["cursor"])
+            try:
+                state = load_checkpoint(resume, self.learners, self.trained, cfg.seed, verified=True)
+            except BaseException:
+                self.close()
+                raise
+            self.step = self.checkpointed = int(state["step"])
+            self.stream.cursor = int(state["cursor"])
 
     def _load_or_build(self, teacher_hub) -> list[SFTExample]:
         d = self.cfg.data
@@ -205,15 +211,20 @@ class SFTTrainer:
             return batch
         return [e for e in batch if e.agent == agent]
 
-    def train(self, stop_after: int | None = None) -> list[dict[str, Any]]:
-        from m1.marl.checkpoint import save_checkpoint
+    def train(self, stop_after: int | None = None, stop=None) -> list[dict[str, Any]]:
+        """Train to the last step (or `stop_after` more). `stop` (a StopFlag set by a signal): end after the current
+        step with a checkpoint of it."""
+        from m1.marl.checkpoint import naming_full_disk
         from m1.marl.stream import MetricsLog
 
         cfg = self.cfg
         last = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
-        logger = MetricsLog(self.out, self.total_steps, self.step, cfg.log.tensorboard, cfg.log.progress)
+        if stop is not None:
+            stop.reclaim()  # a Ray started while the models loaded took SIGTERM over
+        with naming_full_disk(self.out / "metrics.jsonl"):  # it drops the lines after the resumed step
+            logger = MetricsLog(self.out, self.total_steps, self.step, cfg.log.tensorboard, cfg.log.progress)
         try:
-            while self.step < last:
+            while self.step < last and not stop:
                 t0 = time.perf_counter()
                 batch = self.stream.take(cfg.batch_size)
                 samples = {a: self.learners.sft_samples(a, self._assigned(batch, a)) for a in self.trained}
@@ -226,17 +237,27 @@ class SFTTrainer:
                 losses = [st["loss"] for st in stats.values() if "loss" in st]
                 row["loss"] = sum(losses) / len(losses) if losses else float("nan")
                 row["time/step"] = time.perf_counter() - t0
-                logger.write(row)
+                with naming_full_disk(logger.path):
+                    logger.write(row)
                 self.history.append(row)
                 if self.step % cfg.checkpoint.every == 0 or self.step == self.total_steps:
-                    save_checkpoint(self.out, self.step, self.learners,
-                                    {"step": self.step, "cursor": self.stream.cursor, "seed": cfg.seed,
-                                     "agents": self.trained, "name": cfg.name,
-                                     "config": cfg.model_dump(mode="json")}, cfg.checkpoint.keep_last)
+                    self.save_checkpoint()
+            if stop and self.step != self.checkpointed:
+                self.save_checkpoint(interim=True)
         finally:
             logger.close()
         return self.history
 
+    def save_checkpoint(self, interim: bool = False) -> Path:
+        from m1.marl.checkpoint import save_checkpoint
+
+        cfg = self.cfg
+        folder = save_checkpoint(self.out, self.step, self.learners,
+                                 {"step": self.step, "cursor": self.stream.cursor, "seed": cfg.seed,
+                                  "agents": self.trained, "name": cfg.name, "config": cfg.model_dump(mode="json")},
+                                 cfg.checkpoint.keep_last, interim)
+        self.checkpointed = self.step
+        return folder
 
     def close(self) -> None:
         self.learners.shutdown()
@@ -246,17 +267,29 @@ class SFTTrainer:
 
 def sft_main(config_path: str | Path, overrides: list[str] | None = None,
              progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """`m1 sft --config PATH --set key=value ...`: build (or read) the kept plans, then fine-tune every agent."""
+    """`m1 sft --config PATH --set key=value ...`: build (or read) the kept plans, then fine-tune every agent.
+
+    SIGTERM / SIGINT: the current step finishes and is checkpointed, then TrainingStopped (exit status 143 / 130 from
+    the command) says so; a second signal stops at once (StoppedAtOnce). Rerunning the command resumes.
+    """
+    from m1.locks import hold_dir
+    from m1.marl.checkpoint import stop_on_signals, stopped
+    from m1.plots import plot_finished_run
+
     cfg = load_sft_config(config_path, overrides)
-    trainer = SFTTrainer(cfg)
-    progress(f"{cfg.name}: {len(trainer.examples)} examples, {trainer.total_steps} steps "
-             f"(starting at {trainer.step})")
-    try:
-        rows = trainer.train()
-    finally:
-        trainer.close()
+    with hold_dir(Path(cfg.out_dir), "training output folder"), stop_on_signals() as stop:  # one run per out_dir
+        trainer = SFTTrainer(cfg)
+        progress(f"{cfg.name}: {len(trainer.examples)} examples, {trainer.total_steps} steps "
+                 f"(starting at {trainer.step})")
+        try:
+            rows = trainer.train(stop=stop)
+        finally:
+            trainer.close()
+        if stop and trainer.step < trainer.total_steps:
+            raise stopped(cfg.name, trainer, stop, progress)
     if rows:
         progress(f"{cfg.name}: last loss {rows[-1]['loss']:.4f}; checkpoints in {Path(cfg.out_dir) / 'checkpoints'}")
+    plot_finished_run(cfg.out_dir, progress)
     from m1.marl.checkpoint import find_latest_checkpoint
     from m1.marl.launch import infer_command
 

@@ -17,7 +17,9 @@ m1/marl/checkpoint.py, the question stream and metrics log in m1/marl/stream.py,
 
 Exact resume: a checkpoint holds each agent's weights (or adapter) and optimizer state, the Python/NumPy/torch RNG
 states, the step and the data cursor. Rollout randomness (DAG, sampling seeds) is derived from (seed, step), so a
-resumed run repeats an uninterrupted one exactly on CPU.
+resumed run repeats an uninterrupted one exactly on CPU. The checkpoint is checked against its manifest before the
+models load (a damaged one stops the run with an error naming the file, see m1/marl/checkpoint.py), and a stop flag
+(SIGTERM/SIGINT, set by `stop_on_signals`) ends the loop after the current step with a checkpoint of it.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from m1.marl.checkpoint import CHECKPOINT_DIR, find_latest_checkpoint, finished_checkpoints, load_checkpoint, save_checkpoint
+from m1.marl.checkpoint import (CHECKPOINT_DIR, StopFlag, finished_checkpoints, load_checkpoint, naming_full_disk,
+                                 resume_point, save_checkpoint)
 from m1.marl.config import TrainConfig
 from m1.marl.groups import build_learners, host_driver_models, reserve_placement
 from m1.marl.learner import derive_seed, seed_everything
@@ -70,6 +73,9 @@ class Trainer:
         from m1.video import VideoPool
 
         self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        # the checkpoint to resume from, verified before anything loads: a damaged one is reported in seconds
+        resume = resume_point(self.out, cfg.checkpoint.resume_from) if cfg.checkpoint.resume else None
         seed_everything(cfg.seed)
         self.team_cfg = training_team_config(cfg.team_config(), cfg.rollout.temperature)
         if cfg.rollout.engine == "vllm":  # an engine batches on its own: all of a step's episodes in one call each
@@ -118,29 +124,41 @@ class Trainer:
             self.judge = judge if judge is not None else build_judge(cfg, hosted.get("judge"))
             reward_fn = lambda eps: batch_agent_rewards(eps, cfg.rewards, self.judge)  # noqa: E731
         self.reward_fn = reward_fn
-        self.out = Path(cfg.out_dir)
         self.step = 0
+        self.checkpointed = 0  # the step of the newest checkpoint on disk (a stop writes one unless it is current)
         self.history: list[dict[str, Any]] = []
-        if cfg.checkpoint.resume:
-            latest = find_latest_checkpoint(self.out)
-            if latest is not None:
-                self.load_checkpoint(latest)
-        if cfg.average.include_start and self.step == 0:
-            self.save_start()
+        try:
+            if resume is not None:
+                self.load_checkpoint(resume, verified=True)
+            if cfg.average.include_start and self.step == 0:
+                self.save_start()
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ the loop
-    def train(self, stop_after: int | None = None) -> list[dict[str, Any]]:
-        """Train until `cfg.steps` (or `stop_after` more steps, e.g. to simulate a killed run)."""
+    def train(self, stop_after: int | None = None, stop: StopFlag | None = None) -> list[dict[str, Any]]:
+        """Train until `cfg.steps` (or `stop_after` more steps, e.g. to simulate a killed run).
+
+        `stop`: once set (by a signal), the loop ends after the current step and checkpoints it (an interim checkpoint
+        when it is off the `checkpoint.every` schedule), so nothing done is lost.
+        """
         cfg = self.cfg
         last = cfg.steps if stop_after is None else min(cfg.steps, self.step + stop_after)
-        logger = MetricsLog(self.out, cfg.steps, self.step, cfg.log.tensorboard, cfg.log.progress)
+        if stop is not None:
+            stop.reclaim()  # a Ray started while the models loaded took SIGTERM over
+        with naming_full_disk(self.out / "metrics.jsonl"):  # it drops the lines after the resumed step
+            logger = MetricsLog(self.out, cfg.steps, self.step, cfg.log.tensorboard, cfg.log.progress)
         try:
-            while self.step < last:
+            while self.step < last and not stop:
                 row = self.train_step()
-                logger.write(row)
+                with naming_full_disk(logger.path):
+                    logger.write(row)
                 self.history.append(row)
                 if self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps:
                     self.save_checkpoint()
+            if stop and self.step != self.checkpointed:
+                self.save_checkpoint(interim=True)
         finally:
             logger.close()
         if self.step == cfg.steps and cfg.average.checkpoints:
@@ -257,8 +275,11 @@ class Trainer:
         return row
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        return save_checkpoint(self.out, self.step, self.learners, self._state(), self.cfg.checkpoint.keep_last)
+    def save_checkpoint(self, interim: bool = False) -> Path:
+        folder = save_checkpoint(self.out, self.step, self.learners, self._state(), self.cfg.checkpoint.keep_last,
+                                 interim)
+        self.checkpointed = self.step
+        return folder
 
     def save_start(self) -> None:
         """The weights before the first update, for average.include_start (written once, atomically)."""
@@ -278,7 +299,7 @@ class Trainer:
         from m1.marl.average import AVERAGE_DIR, START_DIR, write_average
 
         avg = self.cfg.average
-        done = finished_checkpoints(self.out)
+        done = finished_checkpoints(self.out, include_interim=False)  # a stop's extra checkpoint is no member
         members = done[-avg.checkpoints:]
         if len(members) < avg.checkpoints or members[-1].name != f"step-{self.cfg.steps:06d}":
             raise FileNotFoundError(f"{self.out / CHECKPOINT_DIR}: average.checkpoints={avg.checkpoints} needs that "
@@ -296,9 +317,10 @@ class Trainer:
         return {"step": self.step, "cursor": self.data.cursor, "seed": self.cfg.seed, "agents": self.trained,
                 "name": self.cfg.name, "config": self.cfg.model_dump(mode="json")}
 
-    def load_checkpoint(self, folder: Path) -> None:
-        state = load_checkpoint(folder, self.learners, self.trained, self.cfg.seed)
+    def load_checkpoint(self, folder: Path, verified: bool = False) -> None:
+        state = load_checkpoint(folder, self.learners, self.trained, self.cfg.seed, verified)
         self.step, self.data.cursor = int(state["step"]), int(state["cursor"])
+        self.checkpointed = self.step
         log.info("resumed from %s (step %d)", folder, self.step)
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from m1.config import ModelSpec
@@ -143,9 +144,29 @@ def _completions(out, prompt_len: int, prompts: list[list[int]], tokenizer, eos:
     return results
 
 
+def _weights_error(name: str, folder: str, exc: Exception) -> ModelError:
+    """A ModelError naming the weights file that does not read (a damaged or truncated safetensors file raises a bare
+    SafetensorError that names no file): the first file of `folder` whose header does not open, else the folder."""
+    from safetensors import safe_open
+
+    bad, why = folder, str(exc)
+    if os.path.isdir(folder):
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            try:
+                with safe_open(str(f), "pt"):
+                    pass
+            except Exception as err:  # any failure to open it is the answer
+                bad, why = str(f), str(err)
+                break
+    return ModelError(f"model {name!r}: cannot read weights file {bad}: {why} (damaged or truncated? copy or "
+                      f"write it again)")
+
+
 def _load_into(obj, spec: ModelSpec, name: str, max_batch: int | None, processor_cls, model_cls) -> str:
     """Shared loading of the chat and vision models: source, device, dtype, eval mode, counters.
     Sets `obj.processor` (a tokenizer or a processor) and `obj.model`; returns the source."""
+    from safetensors import SafetensorError
+
     obj.name, obj.spec, obj.max_batch, obj.calls = name, spec, max_batch, 0
     obj._lock = threading.Lock()
     source, local_only = resolve_source(spec, name)
@@ -154,6 +175,8 @@ def _load_into(obj, spec: ModelSpec, name: str, max_batch: int | None, processor
         obj.processor = processor_cls.from_pretrained(source, local_files_only=local_only,
                                                       **({"trust_remote_code": True} if spec.trust_remote_code else {}))
         obj.model = model_cls.from_pretrained(source, **_model_kwargs(spec, obj.device, local_only))
+    except SafetensorError as exc:
+        raise _weights_error(name, source, exc) from exc
     except (OSError, ValueError, ImportError) as exc:
         raise ModelError(f"model {name!r}: cannot load {source!r}: {exc}") from exc
     obj.model.to(obj.device).eval()
@@ -176,9 +199,12 @@ def merge_adapter(model, adapter: str, name: str):
     if not is_adapter(folder):
         raise ModelError(f"model {name!r}: adapter {adapter!r} is not a peft adapter folder (no adapter_config.json)")
     from peft import PeftModel
+    from safetensors import SafetensorError
 
     try:
         merged = PeftModel.from_pretrained(model, folder, is_trainable=False).merge_and_unload()
+    except SafetensorError as exc:
+        raise _weights_error(name, folder, exc) from exc
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelError(f"model {name!r}: cannot apply adapter {adapter!r}: {exc}") from exc
     return merged.eval()
