@@ -306,3 +306,16 @@ def test_hub_register_injects_a_model():
     assert hub.chat("c").generate([CHATS[0]], SamplingParams())[0].text == "##Answer: A"
     with pytest.raises(ModelError, match="'extra' is a chat model"):
         hub.vision("extra")
+
+
+def test_building_a_tiny_model_leaves_the_callers_random_state_alone(cache_dir):
+    """A cold cache must not change what a run draws afterwards (its losses would differ from a warm-cache run)."""
+    import torch
+
+    from m1.models.tiny import ensure_tiny
+
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    ensure_tiny(TinySpec(arch="qwen3", hidden_size=32, layers=1, heads=2, kv_heads=1, seed=77), cache_dir)
+    assert torch.equal(torch.rand(3), want)

@@ -293,7 +293,12 @@ def ensure_tiny(spec: TinySpec, cache_dir: Path | None = None) -> Path:
     try:
         builders = {"qwen2": _build_text, "qwen3": _build_text, "qwen2_5_vl": _build_vl,
                     "open_clip": _build_clip}
-        builders[spec.arch](spec, tmp)
+        import torch
+
+        # seeded from the spec without touching the caller's random state: a run that builds its models on first
+        # use then draws the same random numbers as a run that finds them cached
+        with torch.random.fork_rng(devices=[]):
+            builders[spec.arch](spec, tmp)
         # The marker is written last: a folder without it is an unfinished build.
         (tmp / "m1_tiny.json").write_text(json.dumps(
             {"recipe": RECIPE_VERSION, "spec": spec.model_dump()}, indent=2, sort_keys=True))
