@@ -105,7 +105,8 @@ def _run_guarded(run, out: Path):
     SIGINT/SIGTERM, the stop report with status 130/143."""
     from m1.locks import LockError
     from m1.models.base import ModelError
-    from m1.run import InputError, Stopped, WriteError
+    from m1.files import WriteError
+    from m1.run import InputError, Stopped
 
     try:
         return run()
@@ -334,6 +335,43 @@ def plot(
         _fail(str(exc))
     for path in paths:
         typer.echo(str(path))
+
+
+@app.command()
+def view(
+    run_dir: Path = typer.Argument(..., help="A run folder holding traces/ (as `m1 demo` writes), or a trace folder."),
+    port: int = typer.Option(0, "--port", min=0, max=65535, help="Port on 127.0.0.1 (default: a free one)."),
+    open_browser: bool = typer.Option(False, "--open", help="Also open the index in a web browser."),
+) -> None:
+    """Serve a run's trace pages on this machine and print the index's URL; Ctrl-C stops.
+
+    The index (RUN_DIR/traces/index.html or RUN_DIR/index.html) is built first when it is missing or
+    older than a trace. Only 127.0.0.1 is served: traces hold questions and model output."""
+    from m1.files import WriteError
+    from m1.trace import INDEX_NAME, build_index, find_trace_dir, index_is_stale, serve
+
+    try:
+        folder = find_trace_dir(run_dir)
+        if index_is_stale(folder):
+            typer.echo(f"built {build_index(folder)}")
+    except (FileNotFoundError, WriteError) as exc:
+        _fail(str(exc))
+    try:
+        server = serve(folder, port)
+    except OSError as exc:
+        _fail(f"cannot serve on port {port} ({exc.strerror or exc}); pick another with --port, or leave it out")
+    url = f"http://127.0.0.1:{server.server_address[1]}/{INDEX_NAME}"
+    typer.echo(f"serving {folder} at {url}  (Ctrl-C stops)")
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        typer.echo("stopped")
+    finally:
+        server.server_close()
 
 
 @app.command()

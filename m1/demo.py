@@ -60,4 +60,5 @@ def _run_demo(out: Path, team: str, videos: int, seed: int, duration: float, que
     echo(f"{'all':<12} {total[0]}/{total[1]} = {total[0] / max(1, total[1]):.1%}  (team {cfg.name})")
     echo(f"results: {out / 'results.jsonl'}   traces: {out / 'traces'}")
     echo(summary.describe().splitlines()[0])
+    echo(f"trace index: {out / 'traces' / 'index.html'}   (serve it: m1 view {out})")
     return {"correct": total[0], "total": total[1], "per_family": dict(per_family)}

@@ -11,7 +11,6 @@ with another team would mix two teams' answers in one file, so it is refused wit
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -23,29 +22,17 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from m1 import files
 from m1.config import TeamConfig
+from m1.files import WriteError, write_whole
 from m1.locks import hold
 from m1.models.tiny import spec_hash
 from m1.schema import Episode, Question
+from m1.trace import result_row
 
 
 class InputError(ValueError):
     pass
-
-
-class WriteError(RuntimeError):
-    """A results line or trace could not be written whole (disk full, ...). The file was cut back to
-    what it held before, so nothing is torn; the run stops and the same command resumes it."""
-
-    def __init__(self, path: Path, exc: OSError, question: str | None = None, safe: int | None = None,
-                 results: Path | None = None):
-        self.path, self.exc, self.question, self.safe, self.results = Path(path), exc, question, safe, results
-        self.disk_full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        where = f"{path}" + (f" (question {question})" if question else "")
-        head = (f"disk full while writing {where}: free space and rerun the same command" if self.disk_full else
-                f"could not write {where} ({exc.strerror or exc}): fix that and rerun the same command")
-        tail = f"; {safe} answers are safely written in {results}" if safe is not None else ""
-        super().__init__(head + tail)
 
 
 class Stopped(BaseException):
@@ -56,21 +43,6 @@ class Stopped(BaseException):
         self.signum = signum
         self.exit_status = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
         super().__init__(message or f"stopped by {signal.Signals(signum).name}")
-
-
-def _open_for_write(path: Path, mode: str):
-    """The one place results lines and traces are opened for writing (unbuffered: each `write` is
-    one system call). Tests put a full disk here."""
-    return open(path, mode, buffering=0)
-
-
-def _write_all(f, data: bytes) -> None:
-    view, done = memoryview(data), 0
-    while done < len(data):
-        n = f.write(view[done:])
-        if not n:  # a regular file takes no more bytes: the disk is full
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        done += n
 
 
 def build_questions(video_dir: Path, question: str | None = None, options: list[str] | None = None,
@@ -160,62 +132,18 @@ class ResultsFile:
         previous size and raise WriteError: the line is in the file whole or not at all."""
         data = (json.dumps(row, ensure_ascii=False) + "\n").encode()
         try:
-            f = _open_for_write(self.path, "ab")
+            f = files.open_for_write(self.path, "ab")
         except OSError as exc:
             raise WriteError(self.path, exc, question=row["id"], safe=len(self.done), results=self.path) from None
         with f:
             size = os.fstat(f.fileno()).st_size
             try:
-                _write_all(f, data)
+                files.write_all(f, data)
                 os.fsync(f.fileno())
             except OSError as exc:
                 os.ftruncate(f.fileno(), size)
                 raise WriteError(self.path, exc, question=row["id"], safe=len(self.done), results=self.path) from None
         self.done.add(row["id"])
-
-
-def result_row(ep: Episode) -> dict:
-    from m1.data.metrics import is_correct
-
-    t = ep.timings
-    per_q = t.get("batch_wall", 0.0) / max(1.0, t.get("batch_size", 1.0))
-    row = {
-        "id": ep.id, "video": ep.question.video, "question": ep.question.text, "task": ep.question.task,
-        "answer": ep.final_answer, "reason": ep.final_reason, "aggregation": ep.aggregation,
-        "agents": {a.agent: {"answer": a.answer, "reason": a.reason, "parse_ok": a.parse_ok} for a in ep.answers},
-        "frames_used": ep.frames_used, "seconds": round(per_q, 3),
-        "latency": {k: round(v, 4) for k, v in t.items() if k in ("llm", "vision", "tools", "decode", "open_video")},
-        "error": ep.error,
-    }
-    if ep.question.answer is not None:
-        row["truth"] = ep.question.answer
-        row["correct"] = is_correct(ep.question, ep.final_answer)
-    return row
-
-
-def write_trace(trace_dir: Path, ep: Episode) -> Path:
-    from m1.trace import render_html
-
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in ep.id)
-    for suffix, text in ((".json", ep.model_dump_json(indent=1)), (".html", render_html(ep))):
-        write_whole(trace_dir / f"{safe}{suffix}", text.encode())
-    return trace_dir / f"{safe}.json"
-
-
-def write_whole(path: Path, data: bytes) -> None:
-    """Write `path` through a temporary file renamed over it: readers see the old file or the new
-    one, never half of one. On failure (disk full) the temporary file is removed and WriteError raised."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with _open_for_write(tmp, "wb") as f:
-            _write_all(f, data)
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise WriteError(path, exc) from None
 
 
 @dataclass
@@ -235,6 +163,25 @@ class RunSummary:
             lines.append(f"accuracy {self.correct}/{self.graded} = {self.correct / self.graded:.1%}")
         lines += [f"  error: {e}" for e in self.errors]
         return "\n".join(lines)
+
+
+def write_trace(trace_dir: Path, ep: Episode, pool=None, index=None) -> Path:
+    """Write the episode's JSON and its HTML page (`m1.trace`). `pool`: the run's VideoPool, whose cache
+    holds the frames the tools read, so thumbnails cost no decoding; `index`: a `TraceIndex` to tell."""
+    from m1.trace import render_html, trace_name
+
+    trace_dir = Path(trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    safe = trace_name(ep.id)
+    for suffix, text in ((".json", ep.model_dump_json(indent=1)), (".html", render_html(ep, pool=pool))):
+        write_whole(trace_dir / f"{safe}{suffix}", text.encode())
+    if index is not None:
+        index.add(ep, trace_dir / f"{safe}.json")
+    return trace_dir / f"{safe}.json"
+
+
+INDEX_EVERY_S = 5.0  # while a run goes on, the trace index is rewritten at most this often (and at its end)
+
 
 
 def weight_stamp(folder: Path) -> list[list]:
@@ -516,22 +463,37 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSig
     summary = RunSummary(out=Path(out), skipped_done=len(questions) - len(todo))
     if limit is not None:
         todo = todo[:limit]
+    index = None
+    if trace_dir is not None:
+        from m1.trace import TraceIndex
+
+        index = TraceIndex(Path(trace_dir))
     if not todo:
+        if index is not None:  # a rerun of a finished (or killed after its last line) run: index what is there
+            with stop.write():
+                index.write()
         return summary
     team = team or Team(cfg)
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=f"team {cfg.name}", unit="q", disable=not progress)
+    last_index = [time.monotonic()]  # when the index was last written (first: INDEX_EVERY_S into the run)
 
     def done(ep: Episode) -> None:
         row = result_row(ep)
         with stop.write():
             if trace_dir is not None:
                 try:
-                    write_trace(Path(trace_dir), ep)
+                    write_trace(Path(trace_dir), ep, pool=getattr(team, "pool", None), index=index)
                 except WriteError as exc:
                     raise WriteError(exc.path, exc.exc, question=ep.id, safe=len(results.done),
                                      results=Path(out)) from None
             results.append(row)
+            if index is not None and time.monotonic() - last_index[0] >= INDEX_EVERY_S:
+                last_index[0] = time.monotonic()
+                try:
+                    index.write()
+                except WriteError:
+                    pass  # derived from the traces; the next trace or the end of the run reports a full disk
         bar.update(1)
         if ep.error:
             summary.errors.append(f"{ep.id}: {ep.error}")
@@ -543,7 +505,17 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSig
 
     try:
         team.run(todo, on_episode=done)
+    except BaseException:
+        if index is not None:  # a stopped or failed run still leaves an index of what it wrote
+            try:
+                index.write()
+            except WriteError:
+                pass  # the error in flight says what went wrong
+        raise
     finally:
         bar.close()
+    if index is not None:
+        with stop.write():
+            index.write()
     summary.seconds = time.perf_counter() - t0
     return summary

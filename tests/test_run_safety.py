@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from m1 import files
 from m1.config import load_team
+from m1.files import WriteError
 from m1.locks import LockError, hold, hold_dir, holder
 from m1.schema import AgentRecord, Episode, Question, Topology
+from m1.trace import result_row
 from test_e2e_tiny import REPO, _infer, folder  # noqa: F401  (folder is a fixture)
 
 IDS = [f"q{i:02d}" for i in range(10)]
@@ -195,7 +198,7 @@ def test_sigterm_stops_between_lines_and_the_rerun_finishes(folder, tmp_path, m1
 _MID_LINE = """
 import sys, time
 from pathlib import Path
-from m1 import run
+from m1 import files, run
 from m1.config import load_team
 from m1.schema import AgentRecord, Episode, Question, Topology
 
@@ -220,7 +223,7 @@ class SlowWrite:  # half a line, a pause, the other half: signals arrive mid-lin
     def __exit__(self, *exc):
         self.f.close()
 
-run._open_for_write = lambda path, mode: SlowWrite(open(path, mode, buffering=0))
+files.open_for_write = lambda path, mode: SlowWrite(open(path, mode, buffering=0))
 qs = [Question(id=f"q{i}", video="v.mp4", text="?") for i in range(3)]
 try:
     run.run_questions(load_team("tiny"), qs, Path(sys.argv[1]), team=Team(), progress=False, stop_on_signals=True)
@@ -330,9 +333,9 @@ def test_disk_full_on_a_results_line_cuts_it_back_and_the_rerun_completes(tmp_pa
     qfile.write_text("".join(json.dumps({"id": f"q{i:02d}", "video": f"v{i}.mp4", "text": "Which?",
                                          "options": ["x", "y"]}) + "\n" for i in range(5)))
     out = tmp_path / "results.jsonl"
-    line = len((json.dumps(run.result_row(_episode(_qs(tmp_path, 1)[0])), ensure_ascii=False) + "\n").encode())
+    line = len((json.dumps(result_row(_episode(_qs(tmp_path, 1)[0])), ensure_ascii=False) + "\n").encode())
     disk = FullDisk(room=2 * line + 10, only=lambda path: path == out)  # two lines fit, the third tears
-    monkeypatch.setattr(run, "_open_for_write", disk.open)
+    monkeypatch.setattr(files, "open_for_write", disk.open)
     args = ["infer", str(tmp_path), "--questions", str(qfile), "--team", "tiny", "--out", str(out)]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2
@@ -340,7 +343,7 @@ def test_disk_full_on_a_results_line_cuts_it_back_and_the_rerun_completes(tmp_pa
             f"2 answers are safely written in {out}") in r.output
     assert out.read_bytes().endswith(b"\n") and out.stat().st_size == 2 * line and _ids(out) == ["q00", "q01"]
     assert not (tmp_path / "results.jsonl.lock").exists()
-    monkeypatch.setattr(run, "_open_for_write", lambda path, mode: open(path, mode, buffering=0))  # space freed
+    monkeypatch.setattr(files, "open_for_write", lambda path, mode: open(path, mode, buffering=0))  # space freed
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "3 answered, 2 already done" in r.output and _ids(out) == [f"q{i:02d}" for i in range(5)]
@@ -356,8 +359,8 @@ def test_disk_full_on_a_trace_leaves_no_torn_file_and_the_rerun_completes(tmp_pa
     ep = _episode(qs[0])  # every episode of ScriptedTeam has traces of these sizes (ids of one length)
     size = len(ep.model_dump_json(indent=1).encode()) + len(render_html(ep).encode())
     disk = FullDisk(room=2 * size + 100, only=lambda path: path.parent == traces)  # q02's JSON trace tears
-    monkeypatch.setattr(run, "_open_for_write", disk.open)
-    with pytest.raises(run.WriteError) as err:
+    monkeypatch.setattr(files, "open_for_write", disk.open)
+    with pytest.raises(WriteError) as err:
         run.run_questions(cfg, qs, out, trace_dir=traces, team=ScriptedTeam(), progress=False)
     assert _ids(out) == ["q00", "q01"]  # the question whose trace failed has no results line
     msg = str(err.value)
@@ -369,5 +372,6 @@ def test_disk_full_on_a_trace_leaves_no_torn_file_and_the_rerun_completes(tmp_pa
     summary = run.run_questions(cfg, qs, out, trace_dir=traces, team=ScriptedTeam(), progress=False)
     assert summary.answered == 3 and summary.skipped_done == 2
     assert _ids(out) == [q.id for q in qs]
-    assert sorted(f.name for f in traces.iterdir()) == sorted(f"{q.id}{s}" for q in qs for s in (".json", ".html"))
+    assert sorted(f.name for f in traces.iterdir()) == sorted(
+        [f"{q.id}{s}" for q in qs for s in (".json", ".html")] + ["index.html"])
 

@@ -1,0 +1,57 @@
+"""Writing files whole: a results line, a trace, an index or a shard record is on disk complete or not at all.
+
+A full disk (or quota) mid-write must never leave half a line or half a page where a reader, or a resumed run,
+would find it: lines are appended with one unbuffered write and cut back on failure (m1/run.py), whole files go
+through a temporary file renamed over the target. Every such write opens its file through `open_for_write`, the
+one place tests put a full disk.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+
+class WriteError(RuntimeError):
+    """A results line or trace could not be written whole (disk full, ...). The file was cut back to
+    what it held before, so nothing is torn; the run stops and the same command resumes it."""
+
+    def __init__(self, path: Path, exc: OSError, question: str | None = None, safe: int | None = None,
+                 results: Path | None = None):
+        self.path, self.exc, self.question, self.safe, self.results = Path(path), exc, question, safe, results
+        self.disk_full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        where = f"{path}" + (f" (question {question})" if question else "")
+        head = (f"disk full while writing {where}: free space and rerun the same command" if self.disk_full else
+                f"could not write {where} ({exc.strerror or exc}): fix that and rerun the same command")
+        tail = f"; {safe} answers are safely written in {results}" if safe is not None else ""
+        super().__init__(head + tail)
+
+
+def open_for_write(path: Path, mode: str):
+    """The one place results lines and traces are opened for writing (unbuffered: each `write` is
+    one system call). Tests put a full disk here."""
+    return open(path, mode, buffering=0)
+
+
+def write_all(f, data: bytes) -> None:
+    view, done = memoryview(data), 0
+    while done < len(data):
+        n = f.write(view[done:])
+        if not n:  # a regular file takes no more bytes: the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += n
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write `path` through a temporary file renamed over it: readers see the old file or the new
+    one, never half of one. On failure (disk full) the temporary file is removed and WriteError raised."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open_for_write(tmp, "wb") as f:
+            write_all(f, data)
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(path, exc) from None
