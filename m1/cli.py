@@ -2,98 +2,19 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
 import typer
+
+from m1.errors import fail, train_guarded
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="M1: multi-agent collaborative policy planning for video understanding.")
 
 
 DEMO_TEAM = "mini_trained"  # the mini team after SFT + MARL on M1-Synth (weights in assets/mini_team)
-
-
-def _training_errors() -> tuple[type[Exception], ...]:
-    """What a user of `m1 train` / `m1 sft` can cause or meet, printed as one `error:` line: a config, a model or
-    engine that cannot load or answer (a missing folder, a damaged weights file, a dead server), a cluster that cannot
-    hold the plan, a rollout that cannot be trained on, a damaged checkpoint, a file that cannot be read or written
-    (a full disk), a run already using the output folder, a Ray worker that died. Anything else is a bug: traceback."""
-    from safetensors import SafetensorError
-
-    from m1.config import ConfigError
-    from m1.marl.checkpoint import CheckpointError
-    from m1.marl.cluster import PlanError
-    from m1.marl.distributed import DistributedError
-    from m1.marl.rollout import RolloutError
-    from m1.models.base import ModelError
-
-    errors: tuple[type[Exception], ...] = (ConfigError, ModelError, DistributedError, PlanError, RolloutError,
-                                           CheckpointError, OSError, ValueError, SafetensorError)
-    try:
-        from m1.locks import LockError
-
-        errors += (LockError,)
-    except ImportError:
-        pass
-    if "ray" in sys.modules:  # only a run that started Ray can meet its errors; importing it costs seconds
-        from ray.exceptions import RayError
-
-        errors += (RayError,)
-    return errors
-
-
-def _debug(flag: bool = False) -> bool:
-    """--debug, or M1_DEBUG=1 in the environment: show the traceback behind an `error:` line."""
-    return flag or os.environ.get("M1_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for an error a user met: what failed, on which file, and what to do."""
-    import errno
-
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"disk full while writing {exc.filename or 'the output'}: free space and rerun the same command "
-                f"(it resumes from the last checkpoint)")
-    if isinstance(exc, OSError) and exc.filename:
-        return f"{exc.filename}: {exc.strerror or exc}; check the path and its permissions, then rerun"
-    if type(exc).__name__ == "SafetensorError":
-        return f"a weights file does not read ({exc}): damaged or truncated? rerun with --debug to see which"
-    if type(exc).__module__.startswith("ray"):
-        first = (str(exc).strip().splitlines() or [""])[0]
-        return (f"a Ray worker failed ({type(exc).__name__}: {first}); see the Ray logs, then rerun the same "
-                f"command to resume from the last checkpoint")
-    return str(exc) or type(exc).__name__
-
-
-def _fail(msg: str, exc: BaseException | None = None, debug: bool = False) -> NoReturn:
-    """Print `error: msg` and exit with status 2; with --debug / M1_DEBUG=1, `exc`'s traceback first."""
-    if exc is not None and _debug(debug):
-        import traceback
-
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
-
-
-def _train_guarded(run, debug: bool) -> None:
-    """Run `m1 train` / `m1 sft`: a stop by a signal prints the stop report and exits with 128 + the signal (143
-    SIGTERM, 130 SIGINT); what a user can meet is one `error:` line (status 2)."""
-    from m1.marl.checkpoint import StoppedAtOnce, TrainingStopped
-
-    try:
-        run()
-    except (TrainingStopped, StoppedAtOnce) as exc:
-        if isinstance(exc, StoppedAtOnce) and _debug(debug):
-            import traceback
-
-            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-        typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)
-        raise typer.Exit(exc.exit_status)
-    except _training_errors() as exc:
-        _fail(_describe(exc), exc, debug)
 
 
 _SHARD_HELP = ("Worker i of n (i = 0..n-1): answer the questions whose index in the input order is i mod n into "
@@ -111,9 +32,9 @@ def _run_guarded(run, out: Path):
     try:
         return run()
     except (InputError, LockError, WriteError) as exc:  # another team's answers, a busy file, a full disk
-        _fail(str(exc))
+        fail(str(exc))
     except ModelError as exc:  # finished questions are already in `out`; a rerun resumes
-        _fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)")
+        fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)")
     except Stopped as exc:
         typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(exc.exit_status)
@@ -146,7 +67,7 @@ def infer(
                                      questions_file=questions)
         split = parse_shard(shard) if shard else None
     except (ConfigError, InputError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for msg in issues:
         typer.secho(f"skipped: {msg}", fg=typer.colors.YELLOW, err=True)
     summary = _run_guarded(lambda: run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit, shard=split,
@@ -182,11 +103,11 @@ def eval_(
         qs, issues = load_benchmark(benchmark, annotations, videos)
         split = parse_shard(shard) if shard else None
     except (ConfigError, ValueError, FileNotFoundError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for issue in issues:
         typer.secho(f"skipped: {issue}", fg=typer.colors.YELLOW, err=True)
     if not qs:
-        _fail(f"{annotations}: no usable questions ({len(issues)} skipped)")
+        fail(f"{annotations}: no usable questions ({len(issues)} skipped)")
     out.mkdir(parents=True, exist_ok=True)
     preds_path = out / "predictions.jsonl"
     summary = _run_guarded(lambda: run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit, shard=split,
@@ -199,7 +120,7 @@ def eval_(
     try:
         rows = ResultsFile(preds_path).read()
     except InputError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     preds = {r["id"]: r["answer"] for r in rows if r.get("answer") is not None}
     answered = [q for q in qs if q.id in {r["id"] for r in rows}]
     metrics = score_benchmark(benchmark, preds, answered)
@@ -243,7 +164,7 @@ def demo(
         run_demo(out, team, videos=videos, seed=seed, duration=duration,
                  questions_per_video=questions_per_video, overrides=overrides or [], echo=typer.echo)
     except (ConfigError, ModelError, LockError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def _print_plan(kind: str, config: str, overrides: list[str], gpus: Optional[int], gpu_mem: Optional[float]) -> None:
@@ -257,10 +178,10 @@ def _print_plan(kind: str, config: str, overrides: list[str], gpus: Optional[int
         cfg = (load_train_config if kind == "marl" else load_sft_config)(config, overrides)
         plan = make_plan(cfg, gpus=gpus, gpu_mem_gb=gpu_mem)
     except (ConfigError, PlanError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(plan.render())
     if not plan.fits:
-        _fail("the plan does not fit:\n" + "\n".join(f"  - {p}" for p in plan.problems))
+        fail("the plan does not fit:\n" + "\n".join(f"  - {p}" for p in plan.problems))
 
 
 _PLAN_HELP = "Print the placement plan (GPUs and estimated memory per GPU) and exit; loads no model."
@@ -293,7 +214,7 @@ def train(
     from m1.marl.launch import train_main
 
     sets = list(overrides or []) + ([f"checkpoint.resume_from={resume_from}"] if resume_from else [])
-    _train_guarded(lambda: train_main(config, sets, progress=typer.echo), debug)
+    train_guarded(lambda: train_main(config, sets, progress=typer.echo), debug)
 
 
 @app.command()
@@ -317,7 +238,7 @@ def sft(
     from m1.marl.sft import sft_main
 
     sets = list(overrides or []) + ([f"checkpoint.resume_from={resume_from}"] if resume_from else [])
-    _train_guarded(lambda: sft_main(config, sets, progress=typer.echo), debug)
+    train_guarded(lambda: sft_main(config, sets, progress=typer.echo), debug)
 
 
 @app.command()
@@ -332,7 +253,7 @@ def plot(
     try:
         paths = plot_run(run_dir, out)
     except PlotError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for path in paths:
         typer.echo(str(path))
 
@@ -355,11 +276,11 @@ def view(
         if index_is_stale(folder):
             typer.echo(f"built {build_index(folder)}")
     except (FileNotFoundError, WriteError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     try:
         server = serve(folder, port)
     except OSError as exc:
-        _fail(f"cannot serve on port {port} ({exc.strerror or exc}); pick another with --port, or leave it out")
+        fail(f"cannot serve on port {port} ({exc.strerror or exc}); pick another with --port, or leave it out")
     url = f"http://127.0.0.1:{server.server_address[1]}/{INDEX_NAME}"
     typer.echo(f"serving {folder} at {url}  (Ctrl-C stops)")
     if open_browser:
@@ -391,6 +312,9 @@ def _mount_subapps() -> None:
     from m1.synth.cli import app as synth_app
 
     app.add_typer(synth_app, name="synth", help="M1-Synth: generate videos and questions.")
+    from m1.experiment.cli import app as experiment_app
+
+    app.add_typer(experiment_app, name="experiment", help="Experiments: stages x arms x seeds as one command.")
 
 
 _mount_subapps()

@@ -413,9 +413,9 @@ def test_disk_full_on_a_checkpoint_leaves_no_torn_checkpoint_and_the_rerun_finis
     assert ckpts(tmp_path / "run") == ["latest", "step-000001", "step-000002"]  # no temp folder, no step 3
     assert (root / LATEST).read_text() == "step-000002"
     assert all(checkpoint_problem(root / f"step-00000{s}") is None for s in (1, 2))
-    from m1.cli import _describe
+    from m1.errors import describe
 
-    assert _describe(err.value) == (f"disk full while writing {root / 'step-000003'}: free space and rerun the same "
+    assert describe(err.value) == (f"disk full while writing {root / 'step-000003'}: free space and rerun the same "
                                     f"command (it resumes from the last checkpoint)")
     del tr
 

@@ -1,0 +1,91 @@
+"""`m1 experiment run|report EXPERIMENT.yaml` (mounted by m1/cli.py). Heavy imports stay inside the commands."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Experiments: stages (sft -> marl -> eval) x arms x seeds, resumable, then a report.")
+
+_EXP_HELP = "Experiment YAML: a path or a name in configs/experiments/."
+
+
+_SET_HELP = "Experiment override key.path=value (repeat), e.g. eval.questions=BENCH.jsonl."
+
+
+def _load(experiment: str, overrides: Optional[list[str]]):
+    from m1.errors import fail
+    from m1.config import ConfigError
+    from m1.experiment.config import load_experiment
+
+    try:
+        return load_experiment(experiment, overrides or [])
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+@app.command()
+def run(
+    experiment: str = typer.Argument(..., help=_EXP_HELP),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help=_SET_HELP),
+    plan: bool = typer.Option(False, "--plan", help="Print the stages x arms x seeds and each training stage's "
+                                                   "placement plan, then exit; runs and loads no model."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help="Plan for N GPUs (with --plan)."),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", min=0.0, help="Memory of one GPU in GB (with --plan)."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback behind an error (also: M1_DEBUG=1)."),
+) -> None:
+    """Run every unfinished stage of every arm and seed, each in <out_dir>/<arm>/seed<k>/<stage>.
+
+    A stage is finished once its folder holds stage.json; rerunning skips finished stages and resumes the one
+    that was under way. Exit status as for `m1 train` (2: an error; 130/143: stopped by a signal, rerun to resume)."""
+    from m1.errors import describe, fail, train_guarded
+
+    exp = _load(experiment, overrides)
+    if plan:
+        from m1.config import ConfigError
+        from m1.marl.cluster import PlanError
+        from m1.experiment.runner import plan_text
+
+        try:
+            text, fits = plan_text(exp, gpus, gpu_mem)
+        except (ConfigError, PlanError) as exc:
+            fail(str(exc))
+        typer.echo(text)
+        if not fits:
+            fail("a training stage's plan does not fit (see `fits: NO` above)")
+        return
+    from m1.experiment.runner import run_experiment
+    from m1.locks import LockError
+    from m1.run import InputError, Stopped
+
+    def go() -> None:
+        try:
+            run_experiment(exp, progress=typer.echo)
+        except (InputError, LockError) as exc:
+            fail(describe(exc), exc, debug)
+        except Stopped as exc:
+            typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)
+            raise typer.Exit(exc.exit_status)
+
+    train_guarded(go, debug)
+    typer.echo(f"experiment {exp.name} done; report: m1 experiment report {experiment}")
+
+
+@app.command()
+def report(experiment: str = typer.Argument(..., help=_EXP_HELP),
+           overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help=_SET_HELP)) -> None:
+    """Accuracy per arm (mean ± sd over seeds, overall and per family), paired differences to the first arm with
+    95% t intervals, and training curves: report.md, report.csv and plots/<arm>.png in the experiment's out_dir."""
+    from m1.errors import fail
+    from m1.experiment.report import write_report
+    from m1.experiment.runner import ExperimentError
+    from m1.run import InputError
+
+    exp = _load(experiment, overrides)
+    try:
+        out = write_report(exp)
+    except (ExperimentError, InputError, OSError) as exc:
+        fail(str(exc))
+    typer.echo(out["text"])
+    typer.echo(f"wrote {out['markdown']}, {out['csv']}" + "".join(f", {p}" for p in out["plots"]))

@@ -1,0 +1,278 @@
+"""`m1 experiment report`: accuracy per arm (mean +- sd over seeds, overall and per question family), paired
+differences against the first arm, training curves per arm.
+
+Every number is read from the eval stages' own results files (rows with `id` and `correct`); a question's family is
+its `meta.family` in the questions file, else its `task`. The paired difference of an arm is taken seed by seed
+against the first arm (the same seed's SFT data order, rollouts and sampling), so seed-to-seed spread common to both
+arms cancels; its 95% interval is mean +- t(0.975, n-1) * sd / sqrt(n), and with one seed there is none.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from m1.experiment.config import Experiment
+from m1.experiment.runner import RESULTS_FILE, STAGE_FILE, ExperimentError, eval_questions
+
+ALL = "all"
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def _t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for t >= 0, by Simpson's rule on the density (no scipy in the environment)."""
+    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    n = 4000
+    h = t / n
+    total = 0.0
+    for i in range(n + 1):
+        x = i * h
+        f = math.exp(logc - (df + 1) / 2 * math.log1p(x * x / df))
+        total += f * (1 if i in (0, n) else 4 if i % 2 else 2)
+    return 0.5 + total * h / 3
+
+
+def t_quantile_975(df: int) -> float:
+    """t(0.975, df) by bisection on the CDF (12.706 at df 1, 4.303 at df 2, -> 1.960)."""
+    if df < 1:
+        raise ValueError(f"t quantile needs df >= 1, got {df}")
+    lo, hi = 0.0, 64.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf(mid, df) < 0.975 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_sd(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (nan with fewer than two values)."""
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else float("nan")
+    return m, sd
+
+
+def paired(diffs: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high) of the 95% t interval of paired differences; low/high nan for one pair."""
+    m, sd = mean_sd(diffs)
+    if len(diffs) < 2:
+        return m, float("nan"), float("nan")
+    half = t_quantile_975(len(diffs) - 1) * sd / math.sqrt(len(diffs))
+    return m, m - half, m + half
+
+
+# ------------------------------------------------------------------------------------------------ reading results
+@dataclass
+class ArmResult:
+    """Per seed, per family (and "all"): (correct, graded) of one arm's eval results."""
+
+    arm: str
+    counts: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)  # seeds whose eval stage has not finished
+
+    def accuracy(self, seed: int, family: str) -> float | None:
+        c, n = self.counts[seed].get(family, (0, 0))
+        return c / n if n else None
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ExperimentError(f"{path}:{n}: not a JSON line ({exc})") from None
+    return rows
+
+
+def collect(exp: Experiment) -> tuple[list[ArmResult], list[str]]:
+    """Read every finished eval stage. Returns the arms' counts and the families in order (all first)."""
+    if exp.eval is None:
+        raise ExperimentError(f"experiment {exp.name}: no eval stage, nothing to report")
+    qs, _ = eval_questions(exp)
+    family = {q.id: str(q.meta.get("family") or q.task) for q in qs}
+    families: list[str] = []
+    for f in family.values():
+        if f not in families:
+            families.append(f)
+    out = []
+    for arm in exp.arms:
+        res = ArmResult(arm)
+        for seed in exp.seeds:
+            folder = exp.stage_dir(arm, seed, "eval")
+            record_path = folder / STAGE_FILE
+            if not record_path.is_file():
+                res.missing.append(seed)
+                continue
+            record = json.loads(record_path.read_text())
+            path = Path(record.get("results", {}).get("results") or folder / RESULTS_FILE)
+            counts: dict[str, list[int]] = {ALL: [0, 0]}
+            for row in read_results(path):
+                if row.get("correct") is None:  # no ground truth: not graded
+                    continue
+                fam = family.get(row["id"])
+                if fam is None:
+                    raise ExperimentError(f"{path}: id {row['id']!r} is not in {exp.eval.questions}")
+                for key in (ALL, fam):
+                    c = counts.setdefault(key, [0, 0])
+                    c[0] += bool(row["correct"])
+                    c[1] += 1
+            res.counts[seed] = {k: (v[0], v[1]) for k, v in counts.items()}
+        out.append(res)
+    return out, [ALL] + families
+
+
+def summarize(exp: Experiment) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """One row per arm x family: per-seed accuracies, mean, sd, and the paired difference to the first arm.
+    Also returns the families and notes (missing seeds)."""
+    arms, families = collect(exp)
+    base = arms[0]
+    rows, notes = [], []
+    for res in arms:
+        if res.missing:
+            notes.append(f"arm {res.arm}: eval not finished for seeds {res.missing} (left out)")
+        for fam in families:
+            per_seed = {s: res.accuracy(s, fam) for s in res.counts}
+            per_seed = {s: a for s, a in per_seed.items() if a is not None}
+            row: dict[str, Any] = {"arm": res.arm, "family": fam, "seeds": sorted(per_seed),
+                                   "accuracy": [per_seed[s] for s in sorted(per_seed)],
+                                   "graded": sum(res.counts[s].get(fam, (0, 0))[1] for s in per_seed)}
+            row["mean"], row["sd"] = mean_sd(row["accuracy"]) if per_seed else (float("nan"), float("nan"))
+            if res is not base:
+                both = [s for s in sorted(per_seed) if s in base.counts and base.accuracy(s, fam) is not None]
+                diffs = [per_seed[s] - base.accuracy(s, fam) for s in both]  # type: ignore[operator]
+                row["diff_seeds"], row["diff"] = both, diffs
+                row["diff_mean"], row["diff_low"], row["diff_high"] = (
+                    paired(diffs) if diffs else (float("nan"),) * 3)
+            rows.append(row)
+    return rows, families, notes
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def _pct(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}"
+
+
+def _signed(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:+.1f}"
+
+
+def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[str], notes: list[str]) -> str:
+    arms = list(exp.arms)
+    base = arms[0]
+    by = {(r["arm"], r["family"]): r for r in rows}
+    lines = [f"# Experiment {exp.name}", "",
+             f"Seeds {exp.seeds}; eval questions {exp.eval.questions if exp.eval else '-'}. Accuracy in %, mean ± sd "
+             f"over seeds (sd n/a with one seed). Paired difference: arm minus {base}, seed by seed; 95% interval "
+             f"mean ± t(0.975, n−1)·sd/√n (n/a with one seed).", "",
+             "## Accuracy", "", "| arm | " + " | ".join(families) + " |", "|---" * (len(families) + 1) + "|"]
+    for arm in arms:
+        cells = []
+        for fam in families:
+            r = by[(arm, fam)]
+            cells.append("n/a" if not r["seeds"] else f"{_pct(r['mean'])} ± {_pct(r['sd'])}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    if len(arms) > 1:
+        lines += ["", f"## Paired difference to {base} (points)", "",
+                  "| arm | family | per seed | mean | 95% interval |", "|---|---|---|---|---|"]
+        for arm in arms[1:]:
+            for fam in families:
+                r = by[(arm, fam)]
+                per = ", ".join(f"seed{s}: {_signed(d)}" for s, d in zip(r["diff_seeds"], r["diff"])) or "n/a"
+                ci = ("n/a" if math.isnan(r["diff_low"]) else f"[{_signed(r['diff_low'])}, {_signed(r['diff_high'])}]")
+                lines.append(f"| {arm} | {fam} | {per} | {_signed(r['diff_mean'])} | {ci} |")
+    lines += ["", "## Per seed", "", "| arm | seed | " + " | ".join(families) + " |",
+              "|---" * (len(families) + 2) + "|"]
+    for arm in arms:
+        seeds = by[(arm, families[0])]["seeds"]
+        for s in seeds:
+            cells = []
+            for fam in families:
+                r = by[(arm, fam)]
+                cells.append(_pct(r["accuracy"][r["seeds"].index(s)]) if s in r["seeds"] else "n/a")
+            lines.append(f"| {arm} | {s} | " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """Fractions, unrounded: arm, family, seeds and accuracies (';'-joined), mean, sd, and the paired difference."""
+    cols = ["arm", "family", "n_seeds", "seeds", "accuracy", "graded", "mean", "sd", "diff", "diff_mean",
+            "diff_low", "diff_high"]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([r["arm"], r["family"], len(r["seeds"]), ";".join(map(str, r["seeds"])),
+                        ";".join(repr(a) for a in r["accuracy"]), r["graded"], repr(r["mean"]), repr(r["sd"]),
+                        ";".join(repr(d) for d in r.get("diff", []))]
+                       + [repr(r[k]) if k in r else "" for k in ("diff_mean", "diff_low", "diff_high")])
+    tmp.replace(path)
+    return path
+
+
+# (metric, label) drawn per training stage, the first one present in the stage's metrics
+CURVES = {"sft": [("loss", "SFT loss")], "marl": [("reward/mean", "MARL mean reward"), ("loss", "MARL loss")]}
+
+
+def plot_arms(exp: Experiment, out: Path) -> list[Path]:
+    """One PNG per arm: a panel per training stage, a line per seed (steps the stage logged)."""
+    from m1.plots import PlotError, read_metrics
+
+    stages = [s for s in ("sft", "marl") if getattr(exp, s) is not None]
+    if not stages:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for arm in exp.arms:
+        fig, axes = plt.subplots(1, len(stages), figsize=(6 * len(stages), 4), dpi=100, squeeze=False)
+        drawn = False
+        for ax, stage in zip(axes[0], stages):
+            label = CURVES[stage][0][1]
+            for seed in exp.seeds:
+                try:
+                    rows = read_metrics(exp.stage_dir(arm, seed, stage))
+                except PlotError:
+                    continue
+                key, label = next(((k, lab) for k, lab in CURVES[stage] if any(k in r for r in rows)),
+                                  CURVES[stage][0])
+                pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, markersize=3, label=f"seed {seed}")
+                    drawn = True
+            ax.set_title(f"{arm}: {label}")
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+        fig.tight_layout()
+        if drawn:
+            path = out / f"{arm}.png"
+            fig.savefig(path)
+            written.append(path)
+        plt.close(fig)
+    return written
+
+
+def write_report(exp: Experiment) -> dict[str, Any]:
+    """Write report.md, report.csv and plots/<arm>.png into the experiment's out_dir; returns paths and rows."""
+    out = Path(exp.out_dir)
+    rows, families, notes = summarize(exp)
+    if all(not r["seeds"] for r in rows):
+        raise ExperimentError(f"{out}: no finished eval stage yet (run `m1 experiment run` first)")
+    out.mkdir(parents=True, exist_ok=True)
+    md = render_markdown(exp, rows, families, notes)
+    (out / "report.md").write_text(md)
+    csv_path = write_csv(out / "report.csv", rows)
+    plots = plot_arms(exp, out / "plots")
+    return {"markdown": out / "report.md", "csv": csv_path, "plots": plots, "rows": rows, "text": md,
+            "notes": notes}

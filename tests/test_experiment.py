@@ -1,0 +1,244 @@
+"""`m1 experiment`: stages x arms x seeds on tiny models end to end, skipping finished stages after a kill, the
+report's numbers against the eval results files, `--plan` on the paper's experiment, and config errors."""
+import csv
+import json
+import math
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from conftest import make_video
+from m1.cli import app
+from m1.config import ConfigError
+from m1.experiment.config import load_experiment
+from m1.experiment.report import paired, t_quantile_975
+from m1.marl.sft import write_examples
+from test_sft import EXAMPLES
+from test_trainer import team_dict
+
+runner = CliRunner()
+
+
+def _write(path, data):
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def tiny_experiment(tmp_path):
+    """Two arms (full; LoRA in SFT and MARL) x one seed; one SFT step, one MARL step, four eval questions."""
+    video = make_video(tmp_path / "videos" / "v.mp4", seconds=6, fps=2)
+    team = _write(tmp_path / "team.yaml", team_dict())
+    write_examples(tmp_path / "examples.jsonl", EXAMPLES)
+    families = ["colour", "colour", "count", "scene"]
+    qs = [{"id": f"q{i}", "video": "v.mp4", "text": f"What colour is the square in scene {i}?",
+           "options": ["white", "red"], "task": "mcq", "answer": "AB"[i % 2], "meta": {"family": fam}}
+          for i, fam in enumerate(families)]
+    (tmp_path / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in qs))
+    log = {"progress": False, "tensorboard": False}
+    sft = _write(tmp_path / "sft.yaml", {
+        "name": "tiny_sft", "team": str(team), "data": {"examples": str(tmp_path / "examples.jsonl")},
+        "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16},
+        "batch_size": 4, "max_steps": 1, "checkpoint": {"every": 1}, "log": log})
+    marl = _write(tmp_path / "marl.yaml", {
+        "name": "tiny_marl", "team": str(team),
+        "data": {"questions": str(tmp_path / "questions.jsonl"), "video_dir": str(video.parent)},
+        "rollout": {"num_generations": 2, "questions_per_step": 2}, "grpo": {"beta": 0.0},
+        "judge": {"kind": "rubric"}, "steps": 1, "checkpoint": {"every": 1, "keep_last": 1}, "log": log,
+        "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16}})
+    return _write(tmp_path / "exp.yaml", {
+        "name": "tiny", "out_dir": str(tmp_path / "exp"), "seeds": [0],
+        "sft": {"config": str(sft)}, "marl": {"config": str(marl)},
+        "eval": {"team": str(team), "questions": str(tmp_path / "questions.jsonl"), "video_dir": str(video.parent)},
+        "arms": {"full": None, "lora": {"sft": ["learner.finetune=lora"], "marl": ["learner.finetune=lora"]}}})
+
+
+def _count(monkeypatch, module, name, calls, fail_on=None):
+    import importlib
+
+    mod = importlib.import_module(module)
+    original = getattr(mod, name)
+
+    def wrapped(*args, **kw):
+        calls.append(name)
+        if fail_on is not None and calls.count(name) == fail_on:
+            raise RuntimeError(f"killed in {name}")
+        return original(*args, **kw)
+
+    monkeypatch.setattr(mod, name, wrapped)
+
+
+def test_experiment_runs_skips_finished_stages_and_reports(tmp_path, m1_cache, monkeypatch):
+    from m1.experiment.report import write_report
+    from m1.experiment.runner import read_stage, run_experiment
+
+    exp = load_experiment(tiny_experiment(tmp_path))
+    out = tmp_path / "exp"
+    # 1. killed in the first MARL stage, after the first arm's SFT finished
+    calls: list[str] = []
+    with monkeypatch.context() as m:
+        _count(m, "m1.marl.sft", "sft_main", calls)
+        _count(m, "m1.marl.launch", "train_main", calls, fail_on=1)
+        with pytest.raises(RuntimeError, match="killed in train_main"):
+            run_experiment(exp, progress=lambda _: None)
+    assert calls == ["sft_main", "train_main"]
+    assert read_stage(out / "full" / "seed0" / "sft") is not None
+    assert read_stage(out / "full" / "seed0" / "marl") is None
+    # 2. the rerun repeats no finished stage: SFT of the first arm is skipped
+    calls = []
+    printed: list[str] = []
+    with monkeypatch.context() as m:
+        _count(m, "m1.marl.sft", "sft_main", calls)
+        _count(m, "m1.marl.launch", "train_main", calls)
+        _count(m, "m1.run", "run_questions", calls)
+        records = run_experiment(exp, progress=printed.append)
+    assert calls == ["train_main", "run_questions", "sft_main", "train_main", "run_questions"]
+    assert any("full seed0 sft: done before" in p for p in printed)
+    assert [(r["arm"], r["stage"]) for r in records] == [
+        ("full", "sft"), ("full", "marl"), ("full", "eval"), ("lora", "sft"), ("lora", "marl"), ("lora", "eval")]
+    # 3. a third run has nothing left to do
+    calls = []
+    with monkeypatch.context() as m:
+        _count(m, "m1.marl.sft", "sft_main", calls)
+        _count(m, "m1.marl.launch", "train_main", calls)
+        _count(m, "m1.run", "run_questions", calls)
+        run_experiment(exp, progress=lambda _: None)
+    assert calls == []
+
+    # chaining: MARL starts from its arm's SFT weights, eval answers with MARL's
+    full_sft = read_stage(out / "full" / "seed0" / "sft")
+    full_marl, full_eval = read_stage(out / "full" / "seed0" / "marl"), read_stage(out / "full" / "seed0" / "eval")
+    sft_model = f"models.qa.path={full_sft['results']['checkpoint']}/agents/alpha/model"
+    assert sft_model in full_marl["resolved"]["team_overrides"]
+    assert f"models.qa.path={full_marl['results']['checkpoint']}/agents/alpha/model" in full_eval["overrides"]
+    assert full_eval["resolved"]["models"]["qa"]["path"].startswith(str(out / "full" / "seed0" / "marl"))
+    assert full_marl["resolved"]["seed"] == 0 and full_marl["resolved"]["out_dir"] == str(out / "full/seed0/marl")
+    # LoRA after LoRA: SFT's adapters merged into whole models, MARL's adapter on top of them
+    lora_eval = read_stage(out / "lora" / "seed0" / "eval")
+    qa = lora_eval["resolved"]["models"]["qa"]
+    assert qa["path"] == str(out / "lora" / "seed0" / "sft" / "merged" / "alpha")
+    assert qa["adapter"].startswith(str(out / "lora" / "seed0" / "marl")) and qa["adapter"].endswith("alpha/adapter")
+
+    # the report: every number from the eval stages' results files
+    rep = write_report(exp)
+    fam = {f"q{i}": f for i, f in enumerate(["colour", "colour", "count", "scene"])}
+    acc = {}
+    for arm in ("full", "lora"):
+        rows = [json.loads(x) for x in (out / arm / "seed0" / "eval" / "results.jsonl").read_text().splitlines()]
+        assert sorted(r["id"] for r in rows) == ["q0", "q1", "q2", "q3"]
+        acc[(arm, "all")] = sum(bool(r["correct"]) for r in rows) / len(rows)
+        for f in ("colour", "count", "scene"):
+            mine = [bool(r["correct"]) for r in rows if fam[r["id"]] == f]
+            acc[(arm, f)] = sum(mine) / len(mine)
+    table = list(csv.DictReader((out / "report.csv").open()))
+    assert [(r["arm"], r["family"]) for r in table] == [
+        (a, f) for a in ("full", "lora") for f in ("all", "colour", "count", "scene")]
+    for r in table:
+        assert float(r["mean"]) == pytest.approx(acc[(r["arm"], r["family"])])
+        assert r["seeds"] == "0" and math.isnan(float(r["sd"]))
+        if r["arm"] == "lora":
+            diff = acc[("lora", r["family"])] - acc[("full", r["family"])]
+            assert float(r["diff_mean"]) == pytest.approx(diff) and float(r["diff"]) == pytest.approx(diff)
+            assert math.isnan(float(r["diff_low"]))  # one seed: no interval
+    md = (out / "report.md").read_text()
+    assert f"| full | {100 * acc[('full', 'all')]:.1f} ± n/a |" in md
+    assert "| n/a |" in md  # the interval column with one seed
+    assert [p.name for p in rep["plots"]] == ["full.png", "lora.png"]
+    assert all(p.stat().st_size > 1000 for p in rep["plots"])
+
+
+def test_plan_of_the_paper_experiment_runs_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # out_dir is relative: nothing may appear there
+    res = runner.invoke(app, ["experiment", "run", "lora_vs_full", "--plan", "--gpus", "24", "--gpu-mem", "80"])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "stages sft -> marl -> eval; arms ['lora', 'full']; seeds [0, 1, 2]; 18 stage runs" in out
+    assert "full seed2 eval" in out and "to run" in out
+    for stage, arm, gpus in (("sft", "lora", 8), ("sft", "full", 13), ("marl", "lora", 8), ("marl", "full", 15)):
+        assert f"== {stage} / arm {arm} (videochat_m1_lora" in out
+        assert f"{gpus} GPUs needed of 24" in out
+    assert "time: not estimated (no step time measured yet); 15 GPUs per run x 3 seeds, 200 steps each" in out
+    assert out.count("fits: yes") == 4
+    assert not (tmp_path / "runs").exists()
+
+
+def test_experiment_config_errors(tmp_path):
+    base = {"name": "x", "out_dir": str(tmp_path / "o"), "eval": {"team": "tiny", "questions": "q.jsonl"},
+            "arms": {"a": None}}
+    bad = _write(tmp_path / "bad.yaml", {**base, "seed": [0]})
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'seed'"):
+        load_experiment(bad)
+    arm = _write(tmp_path / "arm.yaml", {**base, "arms": {"a": {"marl": ["steps=1"], "sfx": []}}})
+    with pytest.raises(ConfigError, match=r"arm.yaml: unknown key 'arms.a.sfx'"):
+        load_experiment(arm)
+    absent = _write(tmp_path / "absent.yaml", {**base, "arms": {"a": {"marl": ["steps=1"]}}})
+    with pytest.raises(ConfigError, match=r"arms.a.marl: overrides for a stage the experiment does not have"):
+        load_experiment(absent)
+    res = runner.invoke(app, ["experiment", "run", str(bad)])
+    assert res.exit_code == 2 and "unknown key 'seed'" in res.output
+    # an arm override naming an unknown key of its stage's config fails before anything runs
+    from m1.experiment.runner import run_experiment
+
+    exp = load_experiment(_write(tmp_path / "typo.yaml", {
+        **base, "marl": {"config": "mini"}, "arms": {"a": None, "b": {"marl": ["learner.finetun=lora"]}}}))
+    with pytest.raises(ConfigError, match=r"arm 'b', stage marl: .*mini.yaml: unknown key 'learner.finetun'"):
+        run_experiment(exp, progress=lambda _: None)
+    assert not (tmp_path / "o").exists()
+
+
+def test_report_statistics_from_result_files(tmp_path):
+    """Three seeds x two arms of finished eval stages (as the runner writes them): mean, sd, paired differences and
+    their t interval in report.csv are those of the files' rows."""
+    from m1.experiment.report import write_report
+    from m1.experiment.runner import STAGE_FILE
+
+    fams = ["a", "a", "b", "b", "b"]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(
+        {"id": f"q{i}", "video": "v.mp4", "text": "?", "task": "mcq", "options": ["x", "y"], "answer": "A",
+         "meta": {"family": f}}) + "\n" for i, f in enumerate(fams)))
+    exp = load_experiment(_write(tmp_path / "e.yaml", {
+        "name": "stats", "out_dir": str(tmp_path / "out"), "seeds": [0, 1, 2],
+        "eval": {"team": "tiny", "questions": str(tmp_path / "q.jsonl")}, "arms": {"base": None, "new": None}}))
+    right = {("base", 0): {0, 2}, ("base", 1): {0, 1, 2}, ("base", 2): {3},
+             ("new", 0): {0, 1, 2, 3}, ("new", 1): {0, 2, 3, 4}, ("new", 2): {1, 3}}
+    for (arm, seed), ok in right.items():
+        folder = exp.stage_dir(arm, seed, "eval")
+        folder.mkdir(parents=True)
+        rows = [{"id": f"q{i}", "answer": "A", "correct": i in ok} for i in range(5)]
+        rows.append({"id": "q9", "answer": "A"})  # no ground truth: not graded, not counted
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / STAGE_FILE).write_text(json.dumps({"results": {"results": str(folder / "results.jsonl")}}))
+    write_report(exp)
+    table = {(r["arm"], r["family"]): r for r in csv.DictReader((tmp_path / "out" / "report.csv").open())}
+
+    def acc(arm, seed, fam):
+        ids = [i for i, f in enumerate(fams) if fam in ("all", f)]
+        return sum(i in right[(arm, seed)] for i in ids) / len(ids)
+
+    for arm in ("base", "new"):
+        for fam in ("all", "a", "b"):
+            xs = [acc(arm, s, fam) for s in (0, 1, 2)]
+            m = sum(xs) / 3
+            sd = math.sqrt(sum((x - m) ** 2 for x in xs) / 2)
+            r = table[(arm, fam)]
+            assert [float(x) for x in r["accuracy"].split(";")] == pytest.approx(xs)
+            assert (float(r["mean"]), float(r["sd"])) == pytest.approx((m, sd))
+    for fam in ("all", "a", "b"):
+        d = [acc("new", s, fam) - acc("base", s, fam) for s in (0, 1, 2)]
+        m = sum(d) / 3
+        half = 4.302653 * math.sqrt(sum((x - m) ** 2 for x in d) / 2) / math.sqrt(3)
+        r = table[("new", fam)]
+        assert (float(r["diff_mean"]), float(r["diff_low"]), float(r["diff_high"])) == pytest.approx(
+            (m, m - half, m + half), abs=1e-6)
+    # all: base 0.4, 0.6, 0.2 -> 40.0 +- 20.0; new 0.8, 0.8, 0.4 -> paired +0.4, +0.2, +0.2
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| base | 40.0 ± 20.0 |" in md and "| new | all | seed0: +40.0, seed1: +20.0, seed2: +20.0 | +26.7 |" in md
+
+
+def test_paired_interval_uses_student_t():
+    assert t_quantile_975(1) == pytest.approx(12.706, abs=1e-3)
+    assert t_quantile_975(2) == pytest.approx(4.303, abs=1e-3)
+    assert t_quantile_975(30) == pytest.approx(2.042, abs=1e-3)
+    m, lo, hi = paired([0.1, 0.2, 0.3])
+    assert m == pytest.approx(0.2) and hi - m == pytest.approx(4.303 * 0.1 / math.sqrt(3), abs=1e-4)
+    assert math.isnan(paired([0.1])[1])
