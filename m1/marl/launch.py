@@ -41,6 +41,24 @@ def infer_command(cfg, agents: list[str], root: Path) -> str:
     return command + "".join(f" ({n})" for n in notes)
 
 
+def run_training(cfg, make_trainer, total_steps: Callable[[Any], int], announce: Callable[[Any], None],
+                 progress: Callable[[str], None]):
+    """One `m1 train` / `m1 sft` run: its out_dir held against a second run, a first SIGTERM/SIGINT turned into a
+    checkpointed stop (TrainingStopped), the trainer closed whatever happens; returns (trainer, rows)."""
+    from m1.locks import hold_dir
+
+    with hold_dir(Path(cfg.out_dir), "training output folder"), stop_on_signals() as stop:
+        trainer = make_trainer(cfg)
+        announce(trainer)
+        try:
+            rows = trainer.train(stop=stop)
+        finally:
+            trainer.close()
+        if stop and trainer.step < total_steps(trainer):
+            raise stopped(cfg.name, trainer, stop, progress)
+    return trainer, rows
+
+
 def train_main(config_path: str | Path, overrides: list[str] | None = None,
                progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """`m1 train --config PATH --set key=value ...`: load the config, train, return the per-step metrics.
@@ -49,21 +67,16 @@ def train_main(config_path: str | Path, overrides: list[str] | None = None,
     TrainingStopped says "stopped at step N; rerun the same command to resume" (the command exits with 143 / 130);
     a second signal stops at once (StoppedAtOnce, no checkpoint). Rerunning the command resumes.
     """
-    from m1.locks import hold_dir
     from m1.plots import plot_finished_run
 
     cfg = load_train_config(config_path, overrides)
-    with hold_dir(Path(cfg.out_dir), "training output folder"), stop_on_signals() as stop:  # one run per out_dir
-        trainer = Trainer(cfg)
-        start = trainer.step
-        if start:
-            progress(f"resuming {cfg.name} from step {start} in {cfg.out_dir}")
-        try:
-            rows = trainer.train(stop=stop)
-        finally:
-            trainer.close()
-        if stop and trainer.step < cfg.steps:
-            raise stopped(cfg.name, trainer, stop, progress)
+
+    def announce(trainer) -> None:
+        if trainer.step:
+            progress(f"resuming {cfg.name} from step {trainer.step} in {cfg.out_dir}")
+
+    trainer, rows = run_training(cfg, Trainer, lambda tr: cfg.steps, announce, progress)
+    start = trainer.step - len(rows)
     if rows:
         progress(f"{cfg.name}: {len(rows)} steps, last loss {rows[-1]['loss']:.5f}, "
                  f"mean reward {rows[-1]['reward/mean']:.3f}; metrics in {Path(cfg.out_dir) / 'metrics.jsonl'}")

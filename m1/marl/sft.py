@@ -272,21 +272,14 @@ def sft_main(config_path: str | Path, overrides: list[str] | None = None,
     SIGTERM / SIGINT: the current step finishes and is checkpointed, then TrainingStopped (exit status 143 / 130 from
     the command) says so; a second signal stops at once (StoppedAtOnce). Rerunning the command resumes.
     """
-    from m1.locks import hold_dir
-    from m1.marl.checkpoint import stop_on_signals, stopped
+    from m1.marl.launch import run_training
     from m1.plots import plot_finished_run
 
     cfg = load_sft_config(config_path, overrides)
-    with hold_dir(Path(cfg.out_dir), "training output folder"), stop_on_signals() as stop:  # one run per out_dir
-        trainer = SFTTrainer(cfg)
-        progress(f"{cfg.name}: {len(trainer.examples)} examples, {trainer.total_steps} steps "
-                 f"(starting at {trainer.step})")
-        try:
-            rows = trainer.train(stop=stop)
-        finally:
-            trainer.close()
-        if stop and trainer.step < trainer.total_steps:
-            raise stopped(cfg.name, trainer, stop, progress)
+    trainer, rows = run_training(
+        cfg, SFTTrainer, lambda tr: tr.total_steps,
+        lambda tr: progress(f"{cfg.name}: {len(tr.examples)} examples, {tr.total_steps} steps (starting at {tr.step})"),
+        progress)
     if rows:
         progress(f"{cfg.name}: last loss {rows[-1]['loss']:.4f}; checkpoints in {Path(cfg.out_dir) / 'checkpoints'}")
     plot_finished_run(cfg.out_dir, progress)
