@@ -344,23 +344,21 @@ def cfg_lr(learner) -> float:
     return learner.cfg.learning_rate()
 
 
-def _master_dtypes(learner) -> list[str]:
-    """Dtypes of the weights the optimizer steps: DeepSpeed's fp32 partitions, or the trainable tensors."""
+def _masters(learner) -> list:
+    """The weights the optimizer steps: DeepSpeed's fp32 partitions, or the trainable tensors."""
     opt = getattr(learner.engine, "optimizer", None) if learner.engine is not None else None
-    groups = getattr(opt, "single_partition_of_fp32_groups", None)
-    tensors = groups if groups else learner.params
-    return sorted({str(t.dtype) for t in tensors})
+    return getattr(opt, "single_partition_of_fp32_groups", None) or learner.params
+
+
+def _master_dtypes(learner) -> list[str]:
+    return sorted({str(t.dtype) for t in _masters(learner)})
 
 
 def _master_copy(learner):
     """A flat copy of the first few million master values (to see a 1e-7 step that bf16 weights cannot show)."""
     import torch
 
-    opt = getattr(learner.engine, "optimizer", None) if learner.engine is not None else None
-    groups = getattr(opt, "single_partition_of_fp32_groups", None)
-    tensors = groups if groups else learner.params
-    flat = torch.cat([t.detach().reshape(-1)[:1_000_000].float() for t in tensors])
-    return flat.cpu().clone()
+    return torch.cat([t.detach().reshape(-1)[:1_000_000].float() for t in _masters(learner)]).cpu().clone()
 
 
 def main(argv: list[str] | None = None) -> int:

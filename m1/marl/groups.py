@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import uuid
 from pathlib import Path
@@ -385,8 +386,6 @@ def check_shared_storage(out_dir: str | Path, writers: dict[str, Callable[[str, 
             if not ok:
                 missing.append(f"{who} wrote on host {host}")
     finally:
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)
     if missing:
         raise DistributedError(
