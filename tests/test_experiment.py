@@ -198,7 +198,7 @@ def test_report_statistics_from_result_files(tmp_path):
          "meta": {"family": f}}) + "\n" for i, f in enumerate(fams)))
     exp = load_experiment(_write(tmp_path / "e.yaml", {
         "name": "stats", "out_dir": str(tmp_path / "out"), "seeds": [0, 1, 2],
-        "eval": {"team": "tiny", "questions": str(tmp_path / "q.jsonl")}, "arms": {"base": None, "new": None}}))
+        "eval": {"team": "tiny", "questions": str(tmp_path / "q.jsonl")}, "arms": {"base": None, "new": {"eval": ["limits.max_turns=2"]}}}))
     right = {("base", 0): {0, 2}, ("base", 1): {0, 1, 2}, ("base", 2): {3},
              ("new", 0): {0, 1, 2, 3}, ("new", 1): {0, 2, 3, 4}, ("new", 2): {1, 3}}
     for (arm, seed), ok in right.items():
@@ -242,3 +242,66 @@ def test_paired_interval_uses_student_t():
     m, lo, hi = paired([0.1, 0.2, 0.3])
     assert m == pytest.approx(0.2) and hi - m == pytest.approx(4.303 * 0.1 / math.sqrt(3), abs=1e-4)
     assert math.isnan(paired([0.1])[1])
+
+
+def test_shared_and_skipped_stages_data_stage_and_seeds_in_worker_processes(tmp_path, m1_cache):
+    """Arms that agree up to a stage run it once (in the first one's folder); an arm runs only its `stages` (a
+    reference team via `eval_team`); the data stage renders its worlds and refuses eval videos a training stage
+    uses; seed 1 starts from other tiny weights; two seeds in two worker processes give the records of one."""
+    from m1.experiment.runner import ExperimentError, read_stage, run_experiment, stage_runs
+
+    path = tiny_experiment(tmp_path)
+    spec = yaml.safe_load(path.read_text())
+    spec["seeds"] = [0, 1]
+    spec["data"] = {"worlds": [{"out": str(tmp_path / "world"), "videos": 1, "seed": 3, "duration": 30,
+                                "questions_per_video": 2}]}
+    spec["arms"] = {"full": None, "lora_marl": {"marl": ["learner.finetune=lora"]},
+                    "sft_only": {"stages": ["sft", "eval"]}, "base": {"stages": ["eval"]},
+                    "reference": {"stages": ["eval"], "eval_team": spec["eval"]["team"]}}
+    # the eval questions on the MARL video: refused by the data stage, before any training
+    exp = load_experiment(_write(tmp_path / "same.yaml", spec))
+    with pytest.raises(ExperimentError, match=r"eval video .*v.mp4 has the same bytes as training video"):
+        run_experiment(exp, progress=lambda _: None)
+    assert (tmp_path / "world" / "questions.jsonl").is_file()  # rendered first
+    assert not (tmp_path / "exp" / "full").exists()
+
+    held = make_video(tmp_path / "held" / "w.mp4", seconds=4, fps=2)
+    qs = [json.loads(x) | {"video": "w.mp4"} for x in (tmp_path / "questions.jsonl").read_text().splitlines()]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(q) + "\n" for q in qs))
+    spec["eval"].update(questions=str(tmp_path / "held.jsonl"), video_dir=str(held.parent))
+    exp = load_experiment(_write(tmp_path / "exp.yaml", spec))
+    out = tmp_path / "exp"
+    assert exp.owner("lora_marl", "sft") == exp.owner("sft_only", "sft") == "full"
+    assert exp.owner("lora_marl", "marl") == "lora_marl" and exp.owner("sft_only", "eval") == "sft_only"
+    assert exp.owner("base", "eval") == "base" and exp.owner("reference", "eval") == "reference"
+    runs = stage_runs(exp)
+    assert [(r.arm, r.stage) for r in runs if r.seed == 0] == [
+        ("full", "sft"), ("full", "marl"), ("full", "eval"), ("lora_marl", "sft"), ("lora_marl", "marl"),
+        ("lora_marl", "eval"), ("sft_only", "sft"), ("sft_only", "eval"), ("base", "eval"), ("reference", "eval")]
+    printed: list[str] = []
+    records = run_experiment(exp, progress=printed.append, jobs=2)
+    assert read_stage(out / "data")["held_out_check"] == "1 eval videos share no bytes with 1 training videos"
+    assert "2 seeds in 2 worker processes" in printed[-1] and (out / "logs" / "seed1.log").is_file()
+    assert [(r["arm"], r["seed"], r["stage"]) for r in records] == [
+        (exp.owner(r.arm, r.stage), r.seed, r.stage) for r in runs]
+    # one SFT per seed, in full's folder; nothing written for the shared or skipped stages
+    assert sorted(p.name for p in (out / "lora_marl" / "seed0").iterdir()) == ["eval", "marl"]
+    assert sorted(p.name for p in (out / "sft_only" / "seed0").iterdir()) == ["eval"]
+    assert sorted(p.name for p in (out / "base" / "seed0").iterdir()) == ["eval"]
+    sft0, sft1 = read_stage(out / "full" / "seed0" / "sft"), read_stage(out / "full" / "seed1" / "sft")
+    assert "models.qa.tiny.seed" not in json.dumps(sft0["overrides"])
+    tiny_seed = team_dict()["models"]["qa"]["tiny"]["seed"]
+    assert f"models.qa.tiny.seed={tiny_seed + 1000}" in sft1["resolved"]["team_overrides"]
+    assert sft1["resolved"]["team_overrides"] != sft0["resolved"]["team_overrides"]
+    # seated weights: the shared SFT under both MARL arms and sft_only's eval; base and reference untrained
+    sft_model = f"models.qa.path={sft0['results']['checkpoint']}/agents/alpha/model"
+    assert sft_model in read_stage(out / "lora_marl" / "seed0" / "marl")["resolved"]["team_overrides"]
+    assert sft_model in read_stage(out / "sft_only" / "seed0" / "eval")["overrides"]
+    base = read_stage(out / "base" / "seed0" / "eval")
+    assert base["resolved"]["models"]["qa"]["tiny"]["seed"] == tiny_seed and base["overrides"][0] == "sampling.seed=0"
+    assert read_stage(out / "reference" / "seed1" / "eval")["config"] == spec["eval"]["team"]
+    # a rerun in one process finds everything done
+    printed = []
+    run_experiment(exp, progress=printed.append)
+    assert sum("done before" in p for p in printed) == len(runs)
+    assert any("lora_marl seed1 sft (= arm full's): done before" in p for p in printed)

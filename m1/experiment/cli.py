@@ -33,6 +33,8 @@ def run(
                                                    "placement plan, then exit; runs and loads no model."),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help="Plan for N GPUs (with --plan)."),
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", min=0.0, help="Memory of one GPU in GB (with --plan)."),
+    jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Run this many seeds at once, each in its own process "
+                                                          "with its share of the CPU threads (logs in OUT/logs)."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback behind an error (also: M1_DEBUG=1)."),
 ) -> None:
     """Run every unfinished stage of every arm and seed, each in <out_dir>/<arm>/seed<k>/<stage>.
@@ -61,7 +63,7 @@ def run(
 
     def go() -> None:
         try:
-            run_experiment(exp, progress=typer.echo)
+            run_experiment(exp, progress=typer.echo, jobs=jobs)
         except (InputError, LockError) as exc:
             fail(describe(exc), exc, debug)
         except Stopped as exc:

@@ -7,13 +7,14 @@ configs/team).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
 from m1.config import Strict, load_config, resolve_config_path
 
 STAGES = ("sft", "marl", "eval")
+RESERVED = ("data", "logs", "plots")  # folders in <out_dir> that are not arms
 
 
 class TrainStage(Strict):
@@ -32,18 +33,45 @@ class EvalStage(Strict):
     overrides: list[str] = Field(default_factory=list)
 
 
+class World(Strict):
+    """An M1-Synth world the experiment renders once (`m1 synth make OUT --videos N --seed S ...`)."""
+
+    out: str
+    videos: int = Field(ge=1)
+    seed: int
+    duration: float = Field(300.0, ge=30.0, le=1200.0)
+    questions_per_video: int = Field(10, ge=1)
+
+
+class DataStage(Strict):
+    """What every arm and seed shares, made once before they run: synthetic worlds, then the SFT stage's teacher
+    examples (its `data.examples` file, built by its teacher). The eval videos are then checked to share no bytes
+    with the training stages' videos."""
+
+    worlds: list[World] = Field(default_factory=list)
+    sft_examples: bool = True  # build the SFT examples here (only when the sft stage names a teacher)
+
+
 class Arm(Strict):
-    """What one arm changes, per stage: dotted overrides added after the stage's own."""
+    """What one arm changes, per stage: dotted overrides added after the stage's own; which of the experiment's stages
+    it runs (the paper's "base / SFT / MARL / SFT + MARL" rows skip some); and the team it is evaluated on (a team
+    that is not trained, e.g. the teacher, as a reference row)."""
 
     sft: list[str] = Field(default_factory=list)
     marl: list[str] = Field(default_factory=list)
     eval: list[str] = Field(default_factory=list)
+    stages: Optional[list[Literal["sft", "marl", "eval"]]] = None  # None: all the experiment's stages
+    eval_team: Optional[str] = None  # None: the eval stage's team
 
 
 class Experiment(Strict):
     name: str
     out_dir: str
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    # seed k starts every randomly initialised (tiny) model of the first training stage from its spec seed
+    # + k * init_seed_stride, so seeds differ in their initial weights too, not only in data order and sampling
+    init_seed_stride: int = Field(1000, ge=0)
+    data: Optional[DataStage] = None
     sft: Optional[TrainStage] = None
     marl: Optional[TrainStage] = None
     eval: Optional[EvalStage] = None
@@ -64,6 +92,16 @@ class Experiment(Strict):
         if not self.stages:
             raise ValueError("at least one of sft, marl, eval is needed")
         for arm, spec in self.arms.items():
+            if arm in RESERVED:
+                raise ValueError(f"arm name {arm!r} is taken by the experiment's own folder <out_dir>/{arm}")
+            for stage in spec.stages or []:
+                if getattr(self, stage) is None:
+                    raise ValueError(f"arms.{arm}.stages: {stage!r} is not a stage of the experiment")
+            if spec.eval_team is not None and self.eval is None:
+                raise ValueError(f"arms.{arm}.eval_team: the experiment has no eval stage")
+            if spec.eval_team is not None and spec.stages != ["eval"]:
+                raise ValueError(f"arms.{arm}.eval_team: trained agents are seated on the eval stage's team only; "
+                                 f"an arm with its own team runs `stages: [eval]`")
             for stage in STAGES:
                 if getattr(spec, stage) and getattr(self, stage) is None:
                     raise ValueError(f"arms.{arm}.{stage}: overrides for a stage the experiment does not have "
@@ -77,8 +115,27 @@ class Experiment(Strict):
     def arm(self, name: str) -> Arm:
         return self.arms[name]  # type: ignore[return-value]  # None arms are replaced by Arm() on validation
 
+    def arm_stages(self, arm: str) -> list[str]:
+        """The stages `arm` runs, in order."""
+        only = self.arm(arm).stages
+        return [s for s in self.stages if only is None or s in only]
+
+    def _identity(self, arm: str, stage: str) -> list:
+        spec = self.arm(arm)
+        upto = self.stages[: self.stages.index(stage) + 1]
+        return [(s, s in self.arm_stages(arm), getattr(spec, s)) for s in upto] + [spec.eval_team]
+
+    def owner(self, arm: str, stage: str) -> str:
+        """The first arm that runs the same stages with the same overrides as `arm` up to and including `stage`:
+        both would compute the same thing, so the stage runs once, in that arm's folder (e.g. one SFT for a
+        LoRA-vs-full MARL, or for the "SFT" and "SFT + MARL" rows)."""
+        if stage not in self.arm_stages(arm):
+            return arm
+        mine = self._identity(arm, stage)
+        return next(a for a in self.arms if stage in self.arm_stages(a) and self._identity(a, stage) == mine)
+
     def stage_dir(self, arm: str, seed: int, stage: str) -> Path:
-        return Path(self.out_dir) / arm / f"seed{seed}" / stage
+        return Path(self.out_dir) / self.owner(arm, stage) / f"seed{seed}" / stage
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Experiment:

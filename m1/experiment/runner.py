@@ -43,10 +43,28 @@ class StageRun:
         return f"{self.arm} seed{self.seed} {self.stage}"
 
 
+def first_training_stage(exp: Experiment, arm: str) -> str | None:
+    return next((s for s in exp.arm_stages(arm) if s != "eval"), None)
+
+
+def init_seat(exp: Experiment, arm: str, seed: int) -> list[str]:
+    """Team overrides that start seed k's randomly initialised (tiny) chat models from their spec seed +
+    k * init_seed_stride in the first training stage; none for seed 0 (its weights are the config's own)."""
+    stage = first_training_stage(exp, arm)
+    shift = seed * exp.init_seed_stride
+    if stage is None or shift == 0:
+        return []
+    run = StageRun(arm, seed, stage, exp.stage_dir(arm, seed, stage))
+    team = load_stage_config(exp, run)[0].team_config()
+    chat = {a.model for a in team.agents}
+    return [f"models.{key}.tiny.seed={spec.tiny.seed + shift}" for key, spec in team.models.items()
+            if key in chat and spec.tiny is not None]
+
+
 def stage_runs(exp: Experiment) -> list[StageRun]:
     """Arm by arm, seed by seed, stages in order: a killed experiment has finished whole arms first."""
     return [StageRun(arm, seed, stage, exp.stage_dir(arm, seed, stage))
-            for arm in exp.arms for seed in exp.seeds for stage in exp.stages]
+            for arm in exp.arms for seed in exp.seeds for stage in exp.arm_stages(arm)]
 
 
 def read_stage(folder: Path) -> dict[str, Any] | None:
@@ -121,7 +139,10 @@ def _seat_of(cfg, folder: Path) -> tuple[list[str], str]:
     sets, notes = trained_agent_overrides(team, agents, root, cfg.learner.finetune)
     if notes:  # an agent left unseated would make the next stage silently use untrained weights
         raise ExperimentError(f"{folder}: cannot seat every trained agent: " + "; ".join(notes))
-    return list(cfg.team_overrides) + sets, str(root)
+    # a trained model no longer starts from a tiny spec: drop the overrides of its spec (init_seat's seed shift)
+    untiny = {x.split("=", 1)[0][: -len(".tiny")] + ".tiny." for x in sets if x.endswith(".tiny=null")}
+    kept = [x for x in cfg.team_overrides if not any(x.startswith(p) for p in untiny)]
+    return kept + sets, str(root)
 
 
 MERGED_DIR = "merged"
@@ -163,13 +184,20 @@ def _run_train(exp: Experiment, run: StageRun, seat: list[str], progress: Callab
     main = sft_main if run.stage == "sft" else train_main
     main(spec.config, sets, progress=lambda msg: progress(f"  {msg}"))
     new_seat, root = _seat_of(cfg, run.folder)
-    later = [st for st in exp.stages[exp.stages.index(run.stage) + 1:] if st != "eval"]
+    after = exp.stages[exp.stages.index(run.stage) + 1:]  # does any arm sharing this stage train on from it?
+    later = [st for a in exp.arms if exp.owner(a, run.stage) == run.arm if run.stage in exp.arm_stages(a)
+             for st in exp.arm_stages(a) if st in after and st != "eval"]
     if later and cfg.learner.finetune == "lora":
         new_seat = merge_adapters(cfg, new_seat, run.folder / MERGED_DIR, progress)
     return {"config": spec.config, "overrides": sets, "resolved": cfg.model_dump(mode="json"),
             "results": {"metrics": str(run.folder / "metrics.jsonl"), "checkpoint": root,
                         "plots": str(run.folder / "plots")},
             "finetune": cfg.learner.finetune, "seat": new_seat}
+
+
+def eval_team(exp: Experiment, arm: str) -> str:
+    assert exp.eval is not None
+    return exp.arm(arm).eval_team or exp.eval.team
 
 
 def eval_questions(exp: Experiment):
@@ -189,7 +217,8 @@ def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callabl
 
     assert exp.eval is not None
     sets = eval_overrides(exp, run, seat)
-    cfg = load_team(exp.eval.team, sets)
+    team = eval_team(exp, run.arm)
+    cfg = load_team(team, sets)
     qs, issues = eval_questions(exp)
     for msg in issues:
         progress(f"  skipped: {msg}")
@@ -198,8 +227,9 @@ def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callabl
     run.folder.mkdir(parents=True, exist_ok=True)
     out = run.folder / RESULTS_FILE
     summary = run_questions(cfg, qs, out, progress=False)
-    progress(f"  {summary.describe()}")
-    return {"config": exp.eval.team, "overrides": sets, "resolved": cfg.model_dump(mode="json"),
+    for line in summary.describe().splitlines():
+        progress(f"  {line}")
+    return {"config": team, "overrides": sets, "resolved": cfg.model_dump(mode="json"),
             "results": {"results": str(out), "questions": exp.eval.questions},
             "answered": summary.answered + summary.skipped_done, "graded": summary.graded,
             "correct": summary.correct, "errors": summary.errors}
@@ -213,30 +243,33 @@ def check_configs(exp: Experiment) -> None:
     for arm in exp.arms:
         run0 = StageRun(arm, exp.seeds[0], "", Path())
         for stage in ("sft", "marl"):
-            if getattr(exp, stage) is not None:
+            if stage in exp.arm_stages(arm):
                 run = StageRun(arm, run0.seed, stage, exp.stage_dir(arm, run0.seed, stage))
                 try:
                     load_stage_config(exp, run)
                 except ConfigError as exc:
                     raise ConfigError(f"arm {arm!r}, stage {stage}: {exc}") from None
-        if exp.eval is not None:
+        if "eval" in exp.arm_stages(arm):
             run = StageRun(arm, run0.seed, "eval", exp.stage_dir(arm, run0.seed, "eval"))
             try:
-                load_team(exp.eval.team, eval_overrides(exp, run, []))
+                load_team(eval_team(exp, arm), eval_overrides(exp, run, []))
             except ConfigError as exc:
                 raise ConfigError(f"arm {arm!r}, stage eval: {exc}") from None
 
 
-def run_experiment(exp: Experiment, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run every unfinished stage; returns the stage records in order. A finished stage (stage.json) is skipped;
-    one finished with other overrides than the experiment now gives is refused rather than silently reused."""
-    check_configs(exp)
+def run_chains(exp: Experiment, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Every unfinished (arm, seed, stage) in order; the stage records. A finished stage (stage.json) is skipped, and
+    so is a stage another arm owns (the same overrides up to it: `Experiment.owner`); one finished with other
+    overrides than the experiment now gives is refused rather than silently reused."""
     runs = stage_runs(exp)
     records: list[dict[str, Any]] = []
     seats: dict[tuple[str, int], list[str]] = {}
     for i, run in enumerate(runs, 1):
-        tag = f"[{i}/{len(runs)}] {run.label}"
-        seat = seats.get((run.arm, run.seed), [])
+        owner = exp.owner(run.arm, run.stage)
+        tag = f"[{i}/{len(runs)}] {run.label}" + (f" (= arm {owner}'s)" if owner != run.arm else "")
+        seat = seats.get((run.arm, run.seed))
+        if seat is None:
+            seat = init_seat(exp, run.arm, run.seed)
         done = read_stage(run.folder)
         if done is not None:
             if run.stage != "eval":
@@ -248,6 +281,8 @@ def run_experiment(exp: Experiment, progress: Callable[[str], None] = print) -> 
                     f"{run.folder / STAGE_FILE}: finished with other overrides than the experiment now gives "
                     f"({done.get('overrides')} vs {expected}); delete that folder to rerun it, or use another out_dir")
             progress(f"{tag}: done before ({done['wall_s']:.1f}s), skipped -> {run.folder}")
+        elif owner != run.arm:
+            raise ExperimentError(f"{run.label}: arm {owner} runs this stage and has not finished it ({run.folder})")
         else:
             progress(f"{tag}: running -> {run.folder}")
             t0 = time.perf_counter()
@@ -260,6 +295,158 @@ def run_experiment(exp: Experiment, progress: Callable[[str], None] = print) -> 
             seats[(run.arm, run.seed)] = done["seat"]
         records.append(done)
     return records
+
+
+def run_experiment(exp: Experiment, progress: Callable[[str], None] = print, jobs: int = 1) -> list[dict[str, Any]]:
+    """The data stage, then every arm and seed (`run_chains`); with `jobs` > 1, that many seeds at once, each in a
+    worker process on its share of the CPU threads (their training bars in <out_dir>/logs/seed<k>.log)."""
+    check_configs(exp)
+    if exp.data is not None:
+        run_data(exp, progress)
+    if jobs <= 1 or len(exp.seeds) == 1:
+        return run_chains(exp, progress)
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = min(jobs, len(exp.seeds))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    logs = Path(exp.out_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    progress(f"{len(exp.seeds)} seeds in {workers} worker processes, {threads} torch thread(s) each; "
+             f"their logs in {logs}")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        futures = [ex.submit(_seed_worker, exp.model_copy(update={"seeds": [seed]}), threads,
+                             str(logs / f"seed{seed}.log")) for seed in exp.seeds]
+        outcomes = [f.result() for f in futures]  # every seed runs to its end before any failure is raised
+    failed = [(seed, o) for seed, o in zip(exp.seeds, outcomes) if "error" in o]
+    stopped = [o["exit_status"] for _, o in failed if o.get("exit_status")]
+    if stopped:
+        from m1.run import Stopped
+
+        raise Stopped(stopped[0] - 128, "stopped by a signal; rerun the same command to resume")
+    if failed:
+        raise ExperimentError("; ".join(f"seed {seed}: {o['error']} (log: {logs / f'seed{seed}.log'})"
+                                        for seed, o in failed))
+    by_run = {}
+    for seed, o in zip(exp.seeds, outcomes):
+        one = exp.model_copy(update={"seeds": [seed]})
+        by_run.update({(run.arm, seed, run.stage): r for run, r in zip(stage_runs(one), o["records"])})
+    return [by_run[(run.arm, run.seed, run.stage)] for run in stage_runs(exp)]  # in the order of one process
+
+
+def _seed_worker(exp: Experiment, threads: int, log_path: str) -> dict[str, Any]:
+    """One seed of `run_experiment(jobs > 1)` in a spawned process: stderr (bars, warnings) to its log file, stage
+    lines to stdout prefixed with the seed; the outcome returned as plain data (exceptions need not pickle)."""
+    import sys
+
+    import torch
+
+    torch.set_num_threads(threads)
+    seed = exp.seeds[0]
+    log_file = open(log_path, "a", buffering=1)
+    os.dup2(log_file.fileno(), 2)
+    sys.stderr = log_file
+
+    def say(msg: str) -> None:
+        print(f"[seed {seed}] {msg}", flush=True)
+        print(msg, file=log_file, flush=True)
+
+    try:
+        records = run_chains(exp, say)
+    except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which decides the exit status
+        from m1.errors import describe
+
+        import traceback
+
+        traceback.print_exc(file=log_file)
+        return {"error": describe(exc) if isinstance(exc, Exception) else str(exc),
+                "exit_status": getattr(exc, "exit_status", None)}
+    return {"records": records}
+
+
+# ------------------------------------------------------------------------------------------------ data
+def _world_files(folder: Path) -> list[Path]:
+    return sorted((folder / "videos").glob("*.mp4"))
+
+
+def run_data(exp: Experiment, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """The data stage (<out_dir>/data/stage.json): render the worlds not yet rendered, build each SFT owner arm's
+    teacher examples, and check that no eval video has the bytes of a training video (a held-out world made from a
+    training seed would score questions the students were trained on)."""
+    from m1.marl.sft import data_settings, examples_path, prepare_examples
+
+    assert exp.data is not None
+    folder = Path(exp.out_dir) / "data"
+    t0 = time.perf_counter()
+    worlds = []
+    for w in exp.data.worlds:
+        out = Path(w.out)
+        if (out / "questions.jsonl").is_file():
+            progress(f"data: world {out} (seed {w.seed}) exists")
+        else:
+            from m1.synth.make import make_dataset
+
+            progress(f"data: rendering world {out}: {w.videos} videos of {w.duration:g} s, seed {w.seed}")
+            make_dataset(out, w.videos, w.seed, duration=w.duration, questions_per_video=w.questions_per_video)
+        worlds.append({"out": str(out), "seed": w.seed, "videos": len(_world_files(out))})
+    examples: dict[str, Any] = {}
+    if exp.data.sft_examples and exp.sft is not None:
+        built: dict[str, tuple[str, dict]] = {}
+        for arm in exp.arms:
+            owner = exp.owner(arm, "sft")
+            if owner != arm:
+                continue
+            run = StageRun(arm, exp.seeds[0], "sft", exp.stage_dir(arm, exp.seeds[0], "sft"))
+            cfg = load_stage_config(exp, run)[0]
+            if cfg.data.teacher is None:
+                continue
+            if not cfg.data.examples:
+                raise ExperimentError(f"arm {arm}, stage sft: data.examples must name a file for the data stage to "
+                                      f"build it once for every seed (it defaults to one per run folder)")
+            path, settings = str(examples_path(cfg)), data_settings(cfg)
+            if path in built and built[path][1] != settings:
+                raise ExperimentError(f"arms {built[path][0]} and {arm} build SFT examples with other settings into "
+                                      f"the same file {path}: give one of them another data.examples")
+            if path not in built:
+                found, stats = prepare_examples(cfg, progress=lambda m: progress(f"data: {m}"))
+                built[path] = (arm, settings)
+                examples[path] = {"examples": len(found),
+                                  "stats": {k: v for k, v in stats.items() if k != "data"}}
+    overlap = check_held_out(exp)
+    record = {"experiment": exp.name, "stage": "data", "wall_s": time.perf_counter() - t0, "worlds": worlds,
+              "sft_examples": examples, "held_out_check": overlap}
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_stage(folder, record)
+    progress(f"data: ready in {record['wall_s']:.1f}s ({overlap})")
+    return record
+
+
+def check_held_out(exp: Experiment) -> str:
+    """Refuse an eval video whose bytes equal a training stage's video; returns what was compared."""
+    from m1.marl.stream import load_questions
+    from m1.tools.clip_index import file_sha256
+
+    if exp.eval is None:
+        return "no eval stage"
+    trained: dict[str, str] = {}
+    for stage in ("sft", "marl"):
+        if getattr(exp, stage) is None:
+            continue
+        for arm in exp.arms:
+            run = StageRun(arm, exp.seeds[0], stage, exp.stage_dir(arm, exp.seeds[0], stage))
+            d = load_stage_config(exp, run)[0].data
+            if d.questions and Path(d.questions).is_file():
+                for q in load_questions(d.questions, d.video_dir):
+                    if Path(q.video).is_file() and q.video not in trained.values():
+                        trained[file_sha256(q.video)] = q.video
+    held, _ = eval_questions(exp)
+    videos = sorted({q.video for q in held if Path(q.video).is_file()})
+    for v in videos:
+        same = trained.get(file_sha256(v))
+        if same is not None:
+            raise ExperimentError(f"eval video {v} has the same bytes as training video {same}: the held-out "
+                                  f"questions must come from another world (another synth seed)")
+    return f"{len(videos)} eval videos share no bytes with {len(trained)} training videos"
 
 
 # ------------------------------------------------------------------------------------------------ --plan
@@ -303,6 +490,9 @@ def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tu
     runs = stage_runs(exp)
     lines = [f"experiment {exp.name}: stages {' -> '.join(exp.stages)}; arms {list(exp.arms)}; seeds {exp.seeds}; "
              f"{len(runs)} stage runs in {exp.out_dir}"]
+    if exp.data is not None:
+        state = "done" if (Path(exp.out_dir) / "data" / STAGE_FILE).is_file() else "to run"
+        lines.append(f"  {'data (worlds, SFT examples)':<32} {state:<7} {Path(exp.out_dir) / 'data'}")
     for run in runs:
         state = "done" if (run.folder / STAGE_FILE).is_file() else "to run"
         lines.append(f"  {run.label:<32} {state:<7} {run.folder}")
@@ -312,13 +502,18 @@ def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tu
         if getattr(exp, stage) is None:
             continue
         for arm in exp.arms:
+            if stage not in exp.arm_stages(arm):
+                continue
+            if exp.owner(arm, stage) != arm:
+                lines += ["", f"== {stage} / arm {arm}: the same as arm {exp.owner(arm, stage)}'s, run once =="]
+                continue
             run = StageRun(arm, exp.seeds[0], stage, exp.stage_dir(arm, exp.seeds[0], stage))
             cfg, _ = load_stage_config(exp, run)  # planned on the config's own weights: seats change paths, not shapes
             plan = make_plan(cfg, gpus=gpus, gpu_mem_gb=gpu_mem_gb)
             fits = fits and plan.fits
             extra = " + the arm's overrides" if getattr(exp.arm(arm), stage) else ""
             lines += ["", f"== {stage} / arm {arm} ({getattr(exp, stage).config}{extra}) =="]
-            if stage == "marl" and exp.sft is not None:
+            if stage == "marl" and "sft" in exp.arm_stages(arm):
                 lines.append("(starts from this arm's SFT weights: same shapes as planned here)")
             lines.append(plan.render())
             steps, step_s = _steps(cfg, stage), _measured_step_s(exp, arm, stage)

@@ -302,6 +302,12 @@ class SFTDataConfig(Strict):
     phases: list[Literal["plan", "communicate", "answer", "summary"]] = Field(default_factory=lambda: ["plan"])
     # all: every student agent learns every kept example; same_name: only examples of the agent with its name
     assign: Literal["all", "same_name"] = "all"
+    # ours: keep at most N communicate examples per agent and question (over all its rollouts), the first ones: they
+    # are mostly `continue()` and the longest prompts, so this is a data budget applied after the keep rule
+    communicate_per_episode: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
+    # run the teacher in this many worker processes, each over whole videos; the teacher's choices depend only on
+    # its prompt, so the concatenated examples are those of one process (not part of the data's identity)
+    workers: int = Field(1, ge=1, exclude_if=lambda v: v == 1)
 
 
 class SFTConfig(Strict):

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from m1.files import write_whole
 from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
 from m1.marl.rewards import RewardConfig, batch_agent_rewards
 from m1.marl.rollout import rotate_options
@@ -109,21 +110,143 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
 
 def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, judge=None,
                    phases: Sequence[str] = ("plan",), rollouts: int = 1,
-                   rotate: bool = False, keep_revised_plans: bool = False
+                   rotate: bool = False, keep_revised_plans: bool = False, progress: bool = False
                    ) -> tuple[list[SFTExample], dict[str, int]]:
     """Run the teacher `team` `rollouts` times over every question and keep plans by the paper's rule (see
     `select_examples`); with `rotate`, rollout r of an MCQ question sees its options rotated by r places."""
     repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(rollouts)]
-    episodes = team.run(repeated)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(repeated), desc="teacher episodes", unit="ep", dynamic_ncols=True)
+    try:
+        episodes = team.run(repeated, on_episode=(lambda _: bar.update(1)) if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
     return select_examples(episodes, rewards, judge, phases, keep_revised_plans)
+
+
+def thin_communicate(examples: list[SFTExample], per_episode: int) -> list[SFTExample]:
+    """The first `per_episode` communicate examples of each (question, agent), every other example kept."""
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for e in examples:
+        if e.phase == "communicate":
+            key = (e.question_id, e.agent)
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] > per_episode:
+                continue
+        out.append(e)
+    return out
+
+
+def data_settings(cfg: SFTConfig) -> dict[str, Any]:
+    """What decides which examples the teacher data holds (recorded with them; other settings mean a rebuild)."""
+    d = cfg.data
+    teacher = d.teacher if isinstance(d.teacher, str) or d.teacher is None else d.teacher.model_dump(mode="json")
+    out: dict[str, Any] = {"phases": list(d.phases), "assign": d.assign, "rollouts_per_question": d.rollouts_per_question,
+                           "rotate_options": d.rotate_options, "keep_revised_plans": d.keep_revised_plans,
+                           "teacher_overrides": list(d.teacher_overrides),
+                           "communicate_per_episode": d.communicate_per_episode,
+                           "teacher": teacher, "questions": d.questions}
+    return out
+
+
+def video_shards(questions: Sequence[Question], n: int) -> list[list[Question]]:
+    """`questions` cut into at most `n` contiguous runs of whole videos (each worker then decodes its own videos)."""
+    by_video: dict[str, list[Question]] = {}
+    for q in questions:
+        by_video.setdefault(q.video, []).append(q)
+    videos = list(by_video.values())
+    size = math.ceil(len(videos) / max(n, 1)) if videos else 1
+    return [[q for v in videos[i:i + size] for q in v] for i in range(0, len(videos), size)]
+
+
+def _teacher_shard(cfg: SFTConfig, questions: list[Question]) -> tuple[list[SFTExample], dict[str, int]]:
+    """One worker process of `prepare_examples`: the teacher over some whole videos, on one torch thread."""
+    import torch
+
+    from m1.team.cpp import Team
+
+    torch.set_num_threads(1)
+    d = cfg.data
+    return build_sft_data(Team(cfg.teacher_config()), questions, cfg.rewards, None, d.phases,
+                          d.rollouts_per_question, d.rotate_options, d.keep_revised_plans)
+
+
+def examples_path(cfg: SFTConfig) -> Path:
+    return Path(cfg.data.examples) if cfg.data.examples else Path(cfg.out_dir) / "sft_examples.jsonl"
+
+
+def stats_path(path: Path) -> Path:
+    return path.with_name(path.name + ".stats.json")
+
+
+def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str], None] | None = None
+                     ) -> tuple[list[SFTExample], dict[str, Any]]:
+    """The SFT examples of `cfg`: read from `data.examples` when it exists (and, when its stats file records other
+    data settings, built again), otherwise built by the teacher over `data.questions` and written with a
+    `<examples>.stats.json` (keep-rule counts, examples per phase, the settings)."""
+    from m1.marl.stream import load_questions
+    from m1.team.cpp import Team
+
+    say = progress or (lambda msg: log.info("%s", msg))
+    d = cfg.data
+    path = examples_path(cfg)
+    settings = data_settings(cfg)
+    if path.is_file():
+        recorded = stats_path(path)
+        if not recorded.is_file():  # a file made elsewhere: taken as it is
+            return read_examples(path), {}
+        stats = json.loads(recorded.read_text())
+        if stats.get("data") == settings:
+            return read_examples(path), stats
+        old = stats.get("data") or {}
+        changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        say(f"{path}: built with other data settings ({', '.join(changed)}): building it again")
+    teacher = cfg.teacher_config()
+    if teacher is None or not d.questions:
+        raise ValueError(f"data.examples {path} does not exist and no teacher + questions are given to build it")
+    questions = load_questions(d.questions, d.video_dir)
+    shards = video_shards(questions, d.workers)
+    say(f"SFT data: teacher {teacher.name} over {len(questions)} questions x {d.rollouts_per_question} rollouts"
+        + (f" in {len(shards)} worker processes" if len(shards) > 1 else ""))
+    if len(shards) > 1:
+        if teacher_hub is not None:
+            raise ValueError("data.workers > 1: the teacher's models are hosted by the run (placement: ray); "
+                             "set data.workers=1")
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=len(shards), mp_context=mp.get_context("spawn")) as ex:
+            parts = list(ex.map(_teacher_shard, [cfg] * len(shards), shards))
+        examples = [e for part, _ in parts for e in part]
+        stats: dict[str, Any] = {}
+        for _, part_stats in parts:
+            for k, v in part_stats.items():
+                stats[k] = stats.get(k, 0) + v
+    else:
+        examples, stats = build_sft_data(Team(teacher, hub=teacher_hub), questions, cfg.rewards, None, d.phases,
+                                         d.rollouts_per_question, d.rotate_options, d.keep_revised_plans,
+                                         progress=cfg.log.progress)
+    if d.communicate_per_episode is not None:
+        thinned = thin_communicate(examples, d.communicate_per_episode)
+        stats["thinned_communicate"] = len(examples) - len(thinned)
+        examples = thinned
+    stats["by_phase"] = {ph: sum(e.phase == ph for e in examples) for ph in sorted({e.phase for e in examples})}
+    stats["data"] = settings
+    write_examples(path, examples)
+    write_whole(stats_path(path), json.dumps(stats, indent=1).encode())  # after the examples: a stats file vouches for them
+    say(f"SFT data: {len(examples)} examples -> {path} ({ {k: v for k, v in stats.items() if k != 'data'} })")
+    return examples, stats
 
 
 def write_examples(path: str | Path, examples: Sequence[SFTExample]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(asdict(e)) + "\n" for e in examples))
-    tmp.replace(path)
+    write_whole(path, "".join(json.dumps(asdict(e)) + "\n" for e in examples).encode())
     return path
 
 
@@ -182,29 +305,16 @@ class SFTTrainer:
             self.stream.cursor = int(state["cursor"])
 
     def _load_or_build(self, teacher_hub) -> list[SFTExample]:
-        d = self.cfg.data
-        path = Path(d.examples) if d.examples else self.out / "sft_examples.jsonl"
-        if path.is_file():
-            return read_examples(path)
-        from m1.marl.stream import load_questions
-        from m1.team.cpp import Team
-
-        teacher = self.cfg.teacher_config()
-        if teacher is None or not d.questions:
-            raise ValueError(f"data.examples {path} does not exist and no teacher + questions are given to build it")
-        if teacher_hub is None and self.placement is not None:  # the teacher's tool models on their planned GPUs
+        if teacher_hub is None and self.placement is not None and not examples_path(self.cfg).is_file():
             from m1.marl.groups import host_driver_models
             from m1.models.hub import ModelHub
 
-            teacher_hub = ModelHub(teacher.models)
-            for key, model in host_driver_models(self.placement, teacher.models).items():
-                teacher_hub.register(key, model, kind=model.kind)
-        examples, stats = build_sft_data(Team(teacher, hub=teacher_hub), load_questions(d.questions, d.video_dir),
-                                         self.cfg.rewards, None, d.phases, d.rollouts_per_question,
-                                         d.rotate_options, d.keep_revised_plans)
-        log.info("SFT data from teacher %s: %s", teacher.name, stats)
-        write_examples(path, examples)
-        return examples
+            teacher = self.cfg.teacher_config()  # the teacher's tool models on their planned GPUs
+            if teacher is not None:
+                teacher_hub = ModelHub(teacher.models)
+                for key, model in host_driver_models(self.placement, teacher.models).items():
+                    teacher_hub.register(key, model, kind=model.kind)
+        return prepare_examples(self.cfg, teacher_hub)[0]
 
     def _assigned(self, batch: list[SFTExample], agent: str) -> list[SFTExample]:
         if self.cfg.data.assign == "all":
