@@ -315,6 +315,9 @@ def _mount_subapps() -> None:
     from m1.experiment.cli import app as experiment_app
 
     app.add_typer(experiment_app, name="experiment", help="Experiments: stages x arms x seeds as one command.")
+    from m1.data.cli import app as data_app
+
+    app.add_typer(data_app, name="data", help="Training data: question files split by video; teacher SFT examples.")
 
 
 _mount_subapps()

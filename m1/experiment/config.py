@@ -31,6 +31,9 @@ class EvalStage(Strict):
     questions: str
     video_dir: Optional[str] = None  # relative `video` fields are resolved against it
     overrides: list[str] = Field(default_factory=list)
+    # also write each question's JSON trace and HTML page to <stage>/traces (`m1 view`): every generation with its
+    # phase and whether it parsed, for questions about format and behaviour that results rows do not answer
+    traces: bool = False
 
 
 class World(Strict):
@@ -43,12 +46,25 @@ class World(Strict):
     questions_per_video: int = Field(10, ge=1)
 
 
+class Dataset(Strict):
+    """A training set split into question files once (`m1 data prepare`): OUT/<split>.jsonl with `video` relative
+    to `videos` (stages then read `data.questions=OUT/sft.jsonl data.video_dir=VIDEOS`)."""
+
+    annotations: str
+    videos: str
+    out: str
+    format: str = "jsonl"
+    split: str = "sft=0.5,marl=0.4,dev=0.1"
+    seed: int = 0
+
+
 class DataStage(Strict):
     """What every arm and seed shares, made once before they run: synthetic worlds, then the SFT stage's teacher
     examples (its `data.examples` file, built by its teacher). The eval videos are then checked to share no bytes
     with the training stages' videos."""
 
     worlds: list[World] = Field(default_factory=list)
+    datasets: list[Dataset] = Field(default_factory=list)
     sft_examples: bool = True  # build the SFT examples here (only when the sft stage names a teacher)
 
 
@@ -75,7 +91,9 @@ class Experiment(Strict):
     sft: Optional[TrainStage] = None
     marl: Optional[TrainStage] = None
     eval: Optional[EvalStage] = None
-    arms: dict[str, Optional[Arm]] = Field(min_length=1)  # the first arm is the baseline of the paired differences
+    arms: dict[str, Optional[Arm]] = Field(min_length=1)
+    # the arm the report's paired differences and answer changes are taken against; None: the first arm
+    baseline: Optional[str] = None
 
     @field_validator("arms")
     @classmethod
@@ -91,6 +109,8 @@ class Experiment(Strict):
             raise ValueError(f"seeds: must be unique, got {self.seeds}")
         if not self.stages:
             raise ValueError("at least one of sft, marl, eval is needed")
+        if self.baseline is not None and self.baseline not in self.arms:
+            raise ValueError(f"baseline: {self.baseline!r} is not an arm (arms: {list(self.arms)})")
         for arm, spec in self.arms.items():
             if arm in RESERVED:
                 raise ValueError(f"arm name {arm!r} is taken by the experiment's own folder <out_dir>/{arm}")
@@ -111,6 +131,11 @@ class Experiment(Strict):
     @property
     def stages(self) -> list[str]:
         return [s for s in STAGES if getattr(self, s) is not None]
+
+    @property
+    def base_arm(self) -> str:
+        """The arm of the report's paired comparisons."""
+        return self.baseline or next(iter(self.arms))
 
     def arm(self, name: str) -> Arm:
         return self.arms[name]  # type: ignore[return-value]  # None arms are replaced by Arm() on validation

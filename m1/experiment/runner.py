@@ -389,6 +389,21 @@ def run_data(exp: Experiment, progress: Callable[[str], None] = print) -> dict[s
             progress(f"data: rendering world {out}: {w.videos} videos of {w.duration:g} s, seed {w.seed}")
             make_dataset(out, w.videos, w.seed, duration=w.duration, questions_per_video=w.questions_per_video)
         worlds.append({"out": str(out), "seed": w.seed, "videos": len(_world_files(out))})
+    datasets = []
+    for d in exp.data.datasets:
+        from m1.data.prepare import parse_split, prepare
+
+        out, fractions = Path(d.out), parse_split(d.split)
+        made = json.loads((out / "prepare.json").read_text()) if (out / "prepare.json").is_file() else {}
+        same = {k: made.get(k) for k in ("format", "annotations", "videos", "seed", "split")}
+        if same == {"format": d.format, "annotations": str(Path(d.annotations)), "videos": str(Path(d.videos)),
+                    "seed": d.seed, "split": fractions}:
+            progress(f"data: {out} was split before ({made['questions']} questions)")
+        else:
+            progress(f"data: splitting {d.annotations} ({d.format}) into {out}")
+            made = prepare(d.format, Path(d.annotations), Path(d.videos), out, fractions, d.seed,
+                           progress=lambda m: progress(f"data: {m}"))
+        datasets.append({"out": str(out), "questions": made["questions"], "skipped": made["skipped"]})
     examples: dict[str, Any] = {}
     if exp.data.sft_examples and exp.sft is not None:
         built: dict[str, tuple[str, dict]] = {}
@@ -414,7 +429,7 @@ def run_data(exp: Experiment, progress: Callable[[str], None] = print) -> dict[s
                                   "stats": {k: v for k, v in stats.items() if k != "data"}}
     overlap = check_held_out(exp)
     record = {"experiment": exp.name, "stage": "data", "wall_s": time.perf_counter() - t0, "worlds": worlds,
-              "sft_examples": examples, "held_out_check": overlap}
+              "datasets": datasets, "sft_examples": examples, "held_out_check": overlap}
     folder.mkdir(parents=True, exist_ok=True)
     _write_stage(folder, record)
     progress(f"data: ready in {record['wall_s']:.1f}s ({overlap})")
