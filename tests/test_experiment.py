@@ -305,3 +305,128 @@ def test_shared_and_skipped_stages_data_stage_and_seeds_in_worker_processes(tmp_
     run_experiment(exp, progress=printed.append)
     assert sum("done before" in p for p in printed) == len(runs)
     assert any("lora_marl seed1 sft (= arm full's): done before" in p for p in printed)
+
+
+def test_export_writes_the_seated_agents_as_full_models(tmp_path, m1_cache):
+    """`m1 experiment export`: every trained agent of an arm as its eval seats it, a plain model folder that loads
+    alone and answers with the seated model's greedy tokens; a LoRA arm's adapter merged into its (merged SFT) base;
+    no optimizer state; an existing folder replaced whole."""
+    from m1.config import ModelSpec, load_team
+    from m1.experiment.export import export_agents
+    from m1.experiment.runner import read_stage, run_experiment
+    from m1.marl.learner import read_safetensors
+    from m1.models.base import ChatRequest, SamplingParams
+    from m1.models.hf import HFChatModel
+
+    path = tiny_experiment(tmp_path)
+    exp = load_experiment(path)
+    run_experiment(exp, progress=lambda _: None)
+    out = tmp_path / "exp"
+    # one MARL step on random agents may leave LoRA's B at zero (equal rewards): give each adapter a real delta, so
+    # the merge shows in the weights
+    from safetensors.torch import load_file, save_file
+
+    for adapter in (out / "lora" / "seed0" / "marl").glob("**/agents/*/adapter/adapter_model.safetensors"):
+        tensors = load_file(adapter)
+        save_file({k: v + 0.05 if "lora_B" in k else v for k, v in tensors.items()}, adapter)
+    (tmp_path / "lora_export" / "alpha").mkdir(parents=True)
+    (tmp_path / "lora_export" / "alpha" / "stale.txt").write_text("from an older export")
+    res = runner.invoke(app, ["experiment", "export", str(path), str(tmp_path / "lora_export"), "--arm", "lora"])
+    assert res.exit_code == 0, res.output
+    assert "wrote 2 agents" in res.output
+    written = export_agents(exp, "full", 0, tmp_path / "full_export", progress=lambda _: None)
+    assert sorted(written) == ["alpha", "beta"]
+    req = [ChatRequest([{"role": "user", "content": "Which tool first? Answer with a plan."}])]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    for arm in ("full", "lora"):
+        record = read_stage(out / arm / "seed0" / "eval")
+        team = load_team(record["config"], record["overrides"])
+        folder = tmp_path / f"{arm}_export"
+        assert sorted(p.name for p in folder.iterdir()) == ["SOURCE.md", "alpha", "beta"]
+        for agent, key in (("alpha", "qa"), ("beta", "qb")):
+            files = sorted(p.name for p in (folder / agent).iterdir())
+            assert "model.safetensors" in files and "config.json" in files, files
+            assert not any("adapter" in f or "optim" in f or f.endswith(".pt") for f in files), files
+            seated = HFChatModel(team.models[key], key)
+            alone = HFChatModel(ModelSpec(kind="chat", backend="hf", device="cpu", path=str(folder / agent)), agent)
+            want, got = seated.model.state_dict(), read_safetensors(folder / agent, "model")
+            assert set(got) <= set(want) and all(got[k].equal(want[k]) for k in got)
+            a, b = seated.generate(req, greedy)[0], alone.generate(req, greedy)[0]
+            assert a.completion_ids == b.completion_ids and a.text == b.text
+            if arm == "lora":  # MARL's adapter moved the merged SFT weights it sat on
+                assert team.models[key].adapter is not None
+                base = read_safetensors(out / "lora" / "seed0" / "sft" / "merged" / agent, "model")
+                assert any(not got[k].equal(base[k]) for k in got if k in base)
+    assert "--arm lora --seed 0" in (tmp_path / "lora_export" / "SOURCE.md").read_text()
+    assert "(merged)" in (tmp_path / "lora_export" / "SOURCE.md").read_text()
+    # errors name the arm or seed and what there is
+    res = runner.invoke(app, ["experiment", "export", str(path), str(tmp_path / "x"), "--arm", "nope"])
+    assert res.exit_code == 2 and "--arm 'nope': not an arm of experiment tiny (arms: ['full', 'lora'])" in res.output
+    res = runner.invoke(app, ["experiment", "export", str(path), str(tmp_path / "x"), "--arm", "full", "--seed", "3"])
+    assert res.exit_code == 2 and "--seed 3: not a seed" in res.output
+
+
+def test_report_counts_answers_changed_against_the_baseline(tmp_path):
+    """Per seed, an arm's answers against the baseline arm's (`baseline:`, not the first arm here): changed, fixed
+    (wrong -> right), broken (right -> wrong) and the exact sign test, as the results files give them."""
+    from m1.experiment.report import sign_test_p, write_report
+    from m1.experiment.runner import STAGE_FILE
+
+    n = 12
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(
+        {"id": f"q{i}", "video": "v.mp4", "text": "?", "task": "mcq", "options": ["x", "y"], "answer": "A"}) + "\n"
+        for i in range(n)))
+    exp = load_experiment(_write(tmp_path / "e.yaml", {
+        "name": "changes", "out_dir": str(tmp_path / "out"), "seeds": [0, 1], "baseline": "base",
+        "eval": {"team": "tiny", "questions": str(tmp_path / "q.jsonl")},
+        "arms": {"other": {"eval": ["limits.max_turns=1"]}, "base": None, "new": {"eval": ["limits.max_turns=2"]}}}))
+    rng = __import__("random").Random(4)
+    answers = {(arm, seed): [rng.choice("AB") for _ in range(n)] for arm in ("other", "base", "new")
+               for seed in (0, 1)}
+    for (arm, seed), ans in answers.items():
+        folder = exp.stage_dir(arm, seed, "eval")
+        folder.mkdir(parents=True)
+        rows = [{"id": f"q{i}", "answer": a, "correct": a == "A"} for i, a in enumerate(ans)]
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / STAGE_FILE).write_text(json.dumps({"results": {"results": str(folder / "results.jsonl")}}))
+    rep = write_report(exp)
+    md = rep["text"]
+    assert "## Paired difference to base (points)" in md and "## Answers changed against base, per seed" in md
+    assert [(c["arm"], c["seed"]) for c in rep["changes"]] == [("other", 0), ("other", 1), ("new", 0), ("new", 1)]
+    for c in rep["changes"]:
+        mine, base = answers[(c["arm"], c["seed"])], answers[("base", c["seed"])]
+        fixed = sum(m == "A" != b for m, b in zip(mine, base))
+        broken = sum(b == "A" != m for m, b in zip(mine, base))
+        assert (c["n"], c["changed"], c["fixed"], c["broken"]) == (n, sum(m != b for m, b in zip(mine, base)),
+                                                                  fixed, broken)
+        assert c["p"] == pytest.approx(min(1.0, 2 * sum(math.comb(fixed + broken, i) for i in
+                                                        range(min(fixed, broken) + 1)) / 2 ** (fixed + broken)))
+        assert f"| {c['arm']} | {c['seed']} | {n} | {c['changed']} | {fixed} | {broken} | {c['p']:.3g} |" in md
+    table = {(r["arm"], r["family"]): r for r in csv.DictReader((tmp_path / "out" / "report.csv").open())}
+    assert table[("base", "all")]["diff_mean"] == "" and table[("other", "all")]["diff_mean"] != ""
+    # exact binomial tails: 0 of 5 at 2/32; 1 of 10 at 2 * 11/1024; none changed: 1
+    assert sign_test_p(0, 5) == pytest.approx(0.0625) and sign_test_p(9, 1) == pytest.approx(22 / 1024)
+    assert sign_test_p(0, 0) == 1.0 and 0.3 < sign_test_p(53, 64) < 0.4
+    with pytest.raises(ConfigError, match=r"baseline: 'nope' is not an arm"):
+        load_experiment(_write(tmp_path / "b.yaml", {**yaml.safe_load((tmp_path / "e.yaml").read_text()),
+                                                     "baseline": "nope"}))
+
+
+def test_plan_of_the_paper_ablations_shares_stages(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["experiment", "run", "ablations", "--plan", "--gpus", "24", "--gpu-mem", "80"])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    for arm in ("no_dropout", "no_r_col", "no_r_format", "sft_only", "best_score", "decide_by_agent"):
+        assert f"== sft / arm {arm}: the same as arm full_team's, run once ==" in out
+    for arm in ("best_score", "decide_by_agent"):
+        assert f"== marl / arm {arm}: the same as arm full_team's, run once ==" in out
+    assert "== marl / arm marl_only (videochat_m1_lora) ==" in out and "sft / arm marl_only" not in out
+    assert "/ arm base" not in out  # eval only: nothing to place
+    # a smaller team needs fewer learner GPUs: 4 driver models + one learner per agent
+    for arm, gpus in (("full_team", 8), ("agents3", 7), ("agents2", 6), ("agents1", 5)):
+        assert f"== marl / arm {arm} (videochat_m1_lora" in out
+        section = out.split(f"== marl / arm {arm} (")[1].split("\n== ")[0]
+        assert f"{gpus} GPUs needed of 24" in section
+    assert "base seed2 eval" in out and "base seed0 sft" not in out
+    assert not (tmp_path / "runs").exists()
