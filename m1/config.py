@@ -68,6 +68,9 @@ class ModelSpec(Strict):
     gpu_memory_utilization: float = 0.85  # vllm
     tensor_parallel_size: int = 1  # vllm
     error_rate: float = Field(0.0, ge=0.0, le=1.0)  # synth teacher: share of deliberately poor plans
+    # synth teacher: `uniform` draws every plan uniformly from the valid select x browse pairs (key info still from
+    # the question): a teacher that answers well but plans at random, the weak-plan SFT start of docs/weak_plan.md
+    plans: Literal["rules", "uniform"] = Field("rules", exclude_if=lambda v: v == "rules")
     seed: int = 0  # synth teacher: seeds its error draws
 
     @model_validator(mode="after")

@@ -487,6 +487,16 @@ def _content(content) -> str:
 # ------------------------------------------------------------------ the run's index
 
 
+def _plan_of(ep: Episode, agent: str) -> dict:
+    """The tools the agent planned first and whether that plan was written in the strict format (what the report's
+    plan-choice tables count); empty for agents without a plan (single-agent kinds)."""
+    rec = ep.memory.get(agent)
+    gen = next((g for g in ep.generations if g.agent == agent and g.phase == "plan"), None)
+    if rec is None or gen is None:
+        return {}
+    return {"plan": list(rec.plan), "plan_ok": gen.parse_ok}
+
+
 def result_row(ep: Episode) -> dict:
     from m1.data.metrics import is_correct
 
@@ -495,7 +505,8 @@ def result_row(ep: Episode) -> dict:
     row = {
         "id": ep.id, "video": ep.question.video, "question": ep.question.text, "task": ep.question.task,
         "answer": ep.final_answer, "reason": ep.final_reason, "aggregation": ep.aggregation,
-        "agents": {a.agent: {"answer": a.answer, "reason": a.reason, "parse_ok": a.parse_ok} for a in ep.answers},
+        "agents": {a.agent: {"answer": a.answer, "reason": a.reason, "parse_ok": a.parse_ok,
+                             **_plan_of(ep, a.agent)} for a in ep.answers},
         "frames_used": ep.frames_used, "seconds": round(per_q, 3),
         "latency": {k: round(v, 4) for k, v in t.items() if k in ("llm", "vision", "tools", "decode", "open_video")},
         "error": ep.error,

@@ -40,3 +40,8 @@ def test_demo_runs_the_trained_team_and_reports_accuracy(tmp_path, m1_cache):
 
     ok = [a["parse_ok"] for r in map(json.loads, results) for a in r["agents"].values()]
     assert len(ok) == 16 and sum(ok) / len(ok) > 0.25, ok
+    # each agent's first plan and whether it was strict, as the report's plan tables read them
+    first = json.loads(results[0])["agents"]["qwen3_big"]
+    from m1.agents.parsers import ALL_TOOLS
+
+    assert first["plan"] and set(first["plan"]) <= set(ALL_TOOLS) and isinstance(first["plan_ok"], bool)

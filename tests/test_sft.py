@@ -199,3 +199,39 @@ def test_sft_main_and_configs(tmp_path, m1_cache):
     assert load_sft_config("mini").team_config().name == "mini"
     with pytest.raises(ValueError, match="teacher"):
         SFTConfig.model_validate({"team": STUDENTS, "data": {"questions": "q.jsonl"}})
+
+
+def test_plan_filter_all_keeps_every_plan_and_the_rule_for_the_rest():
+    """The weak-plan start: every plan is learnt whatever the outcome; answers still need a right agent."""
+    eps = [episode({"alpha": "A", "beta": "B"}, changed={"beta"}, i=0), episode({"alpha": "B", "beta": "B"}, i=1),
+           episode({}, error="cannot read video", i=2)]
+    kept, stats = select_examples(eps, RewardConfig(), phases=("plan", "answer"), plan_filter="all")
+    assert [(e.question_id, e.agent, e.phase) for e in kept] == [
+        ("q0", "alpha", "plan"), ("q0", "alpha", "answer"), ("q0", "beta", "plan"), ("q0", "beta", "answer"),
+        ("q1", "alpha", "plan"), ("q1", "beta", "plan")]
+    assert stats["episodes_nobody_right"] == 1 and stats["episodes_failed"] == 1 and stats["kept"] == 6
+
+
+def test_uniform_teacher_plans_any_valid_pair_and_keeps_its_key_info():
+    from m1.agents.prompts import plan_messages
+    from m1.config import ModelSpec
+    from m1.synth.teacher import BROWSE, SELECT, TeacherChatModel, plan_for
+
+    rules = TeacherChatModel(ModelSpec(kind="chat", backend="synth", seed=1))
+    uniform = TeacherChatModel(ModelSpec(kind="chat", backend="synth", seed=1, plans="uniform"))
+    tools = list(SELECT + BROWSE)
+    seen, same = set(), 0
+    for i in range(200):
+        text = f"How many times does a red square appear in part {i}?"
+        question = Question(id=str(i), video="v.mp4", text=text, options=["1", "2"], task="mcq")
+        msgs = plan_messages(question, tools)
+        assert rules.reply(msgs).endswith("<Image Retrieval>, <Fine Browser>")
+        plan = uniform.reply(msgs)
+        key, rule_tools = plan_for(text)
+        assert plan.startswith(f"##key info: {key}\n##tool use: ")
+        pair = tuple(t.strip("<> ") for t in plan.split("##tool use: ")[1].split(", "))
+        assert pair[0] in SELECT and pair[1] in BROWSE
+        seen.add(pair)
+        same += list(pair) == rule_tools
+        assert uniform.reply(msgs) == plan  # deterministic per prompt
+    assert len(seen) == 16 and 2 <= same <= 30  # about 1 in 16 is the rules' own pair

@@ -305,6 +305,9 @@ class SFTDataConfig(Strict):
     # ours: keep at most N communicate examples per agent and question (over all its rollouts), the first ones: they
     # are mostly `continue()` and the longest prompts, so this is a data budget applied after the keep rule
     communicate_per_episode: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
+    # keep_rule: plans by the paper's rule (see keep_revised_plans); all: every plan the teacher wrote, whatever the
+    # outcome (ours: with a teacher that plans at random, SFT then teaches the plan format, not which plan is good)
+    plan_filter: Literal["keep_rule", "all"] = Field("keep_rule", exclude_if=lambda v: v == "keep_rule")
     # run the teacher in this many worker processes, each over whole videos; the teacher's choices depend only on
     # its prompt, so the concatenated examples are those of one process (not part of the data's identity)
     workers: int = Field(1, ge=1, exclude_if=lambda v: v == 1)

@@ -78,10 +78,11 @@ def right_agents(episodes: Sequence[Episode], rewards: RewardConfig, judge=None)
 
 
 def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=None,
-                    phases: Sequence[str] = ("plan",),
-                    keep_revised_plans: bool = False) -> tuple[list[SFTExample], dict[str, int]]:
+                    phases: Sequence[str] = ("plan",), keep_revised_plans: bool = False,
+                    plan_filter: str = "keep_rule") -> tuple[list[SFTExample], dict[str, int]]:
     """Apply the keep rule to episodes (plan examples also need an unchanged plan, or with `keep_revised_plans` an
-    agent that answered right after revising it); returns the examples and counts of why others were dropped."""
+    agent that answered right after revising it; with `plan_filter="all"` every plan is kept); returns the examples
+    and counts of why others were dropped."""
     stats = {"episodes": len(episodes), "episodes_failed": 0, "episodes_nobody_right": 0, "kept": 0,
              "dropped_plan_changed": 0}
     if keep_revised_plans:
@@ -93,11 +94,14 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
             continue
         if not right:
             stats["episodes_nobody_right"] += 1
-            continue
         for gen in ep.generations:
             if gen.phase not in phases:
                 continue
-            if gen.phase == "plan" and not plan_unchanged(ep, gen.agent):
+            if gen.phase == "plan" and plan_filter == "all":
+                pass
+            elif not right:
+                continue
+            elif gen.phase == "plan" and not plan_unchanged(ep, gen.agent):
                 if not (keep_revised_plans and gen.agent in right):
                     stats["dropped_plan_changed"] += 1
                     continue
@@ -110,8 +114,8 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
 
 def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, judge=None,
                    phases: Sequence[str] = ("plan",), rollouts: int = 1,
-                   rotate: bool = False, keep_revised_plans: bool = False, progress: bool = False
-                   ) -> tuple[list[SFTExample], dict[str, int]]:
+                   rotate: bool = False, keep_revised_plans: bool = False, progress: bool = False,
+                   plan_filter: str = "keep_rule") -> tuple[list[SFTExample], dict[str, int]]:
     """Run the teacher `team` `rollouts` times over every question and keep plans by the paper's rule (see
     `select_examples`); with `rotate`, rollout r of an MCQ question sees its options rotated by r places."""
     repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(rollouts)]
@@ -125,7 +129,7 @@ def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, j
     finally:
         if bar is not None:
             bar.close()
-    return select_examples(episodes, rewards, judge, phases, keep_revised_plans)
+    return select_examples(episodes, rewards, judge, phases, keep_revised_plans, plan_filter)
 
 
 def thin_communicate(examples: list[SFTExample], per_episode: int) -> list[SFTExample]:
@@ -151,6 +155,8 @@ def data_settings(cfg: SFTConfig) -> dict[str, Any]:
                            "teacher_overrides": list(d.teacher_overrides),
                            "communicate_per_episode": d.communicate_per_episode,
                            "teacher": teacher, "questions": d.questions}
+    if d.plan_filter != "keep_rule":  # recorded only when set, so files built before the option stay valid
+        out["plan_filter"] = d.plan_filter
     return out
 
 
@@ -173,7 +179,7 @@ def _teacher_shard(cfg: SFTConfig, questions: list[Question]) -> tuple[list[SFTE
     torch.set_num_threads(1)
     d = cfg.data
     return build_sft_data(Team(cfg.teacher_config()), questions, cfg.rewards, None, d.phases,
-                          d.rollouts_per_question, d.rotate_options, d.keep_revised_plans)
+                          d.rollouts_per_question, d.rotate_options, d.keep_revised_plans, plan_filter=d.plan_filter)
 
 
 def examples_path(cfg: SFTConfig) -> Path:
@@ -230,7 +236,7 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
     else:
         examples, stats = build_sft_data(Team(teacher, hub=teacher_hub), questions, cfg.rewards, None, d.phases,
                                          d.rollouts_per_question, d.rotate_options, d.keep_revised_plans,
-                                         progress=cfg.log.progress)
+                                         progress=cfg.log.progress, plan_filter=d.plan_filter)
     if d.communicate_per_episode is not None:
         thinned = thin_communicate(examples, d.communicate_per_episode)
         stats["thinned_communicate"] = len(examples) - len(thinned)

@@ -92,6 +92,7 @@ class TeacherChatModel:
         self.name = name
         self.error_rate = float(getattr(spec, "error_rate", 0.0) or 0.0)
         self.seed = int(getattr(spec, "seed", 0) or 0)
+        self.plans = getattr(spec, "plans", "rules")
         self.calls = 0
 
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
@@ -116,7 +117,9 @@ class TeacherChatModel:
     def _plan(self, text: str) -> str:
         key, tools = plan_for(_question(text))
         rng = self._rng(text)
-        if rng.random() < self.error_rate:  # a deliberately poorer, still valid plan
+        if self.plans == "uniform":  # any valid pair, the rules' own included
+            tools = list(rng.choice([(s, b) for s in SELECT for b in BROWSE]))
+        elif rng.random() < self.error_rate:  # a deliberately poorer, still valid plan
             choices = [[s, b] for s in SELECT for b in BROWSE if [s, b] != tools]
             tools = rng.choice(choices)
         return f"##key info: {key}\n##tool use: " + ", ".join(f"<{t}>" for t in tools)
