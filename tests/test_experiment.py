@@ -299,6 +299,8 @@ def test_shared_and_skipped_stages_data_stage_and_seeds_in_worker_processes(tmp_
     assert sft_model in read_stage(out / "sft_only" / "seed0" / "eval")["overrides"]
     base = read_stage(out / "base" / "seed0" / "eval")
     assert base["resolved"]["models"]["qa"]["tiny"]["seed"] == tiny_seed and base["overrides"][0] == "sampling.seed=0"
+    # an arm that trains nothing is evaluated at seed 1 with the weights seed 1's training starts from
+    assert read_stage(out / "base" / "seed1" / "eval")["resolved"]["models"]["qa"]["tiny"]["seed"] == tiny_seed + 1000
     assert read_stage(out / "reference" / "seed1" / "eval")["config"] == spec["eval"]["team"]
     # a rerun in one process finds everything done
     printed = []

@@ -1,4 +1,4 @@
-"""`m1 experiment run|report EXPERIMENT.yaml` (mounted by m1/cli.py). Heavy imports stay inside the commands."""
+"""`m1 experiment run|report|export EXPERIMENT.yaml` (mounted by m1/cli.py). Heavy imports stay inside the commands."""
 from __future__ import annotations
 
 from typing import Optional
@@ -77,8 +77,9 @@ def run(
 @app.command()
 def report(experiment: str = typer.Argument(..., help=_EXP_HELP),
            overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help=_SET_HELP)) -> None:
-    """Accuracy per arm (mean ± sd over seeds, overall and per family), paired differences to the first arm with
-    95% t intervals, and training curves: report.md, report.csv and plots/<arm>.png in the experiment's out_dir."""
+    """Accuracy per arm (mean ± sd over seeds, overall and per family), paired differences to the baseline arm with
+    95% t intervals and the answers each arm fixed and broke against it, and training curves: report.md, report.csv
+    and plots/<arm>.png in the experiment's out_dir."""
     from m1.errors import fail
     from m1.experiment.report import write_report
     from m1.experiment.runner import ExperimentError
@@ -91,3 +92,28 @@ def report(experiment: str = typer.Argument(..., help=_EXP_HELP),
         fail(str(exc))
     typer.echo(out["text"])
     typer.echo(f"wrote {out['markdown']}, {out['csv']}" + "".join(f", {p}" for p in out["plots"]))
+
+
+@app.command()
+def export(experiment: str = typer.Argument(..., help=_EXP_HELP),
+           dest: str = typer.Argument(..., help="Folder for DEST/<agent> (each agent folder replaced whole)."),
+           arm: str = typer.Option(..., "--arm", help="The arm whose trained agents are written."),
+           seed: Optional[int] = typer.Option(None, "--seed", help="Which seed's agents (default: the first seed)."),
+           overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help=_SET_HELP),
+           debug: bool = typer.Option(False, "--debug", help="Show the traceback behind an error (also: M1_DEBUG=1).")
+           ) -> None:
+    """Write an arm's trained agents, as its eval seats them, to DEST/<agent>: full model folders with their
+    tokenizer (a LoRA adapter merged into its base), no optimizer state, and DEST/SOURCE.md naming their origin.
+    A team config can then point `path` at them (configs/team/mini_trained.yaml reads assets/mini_team)."""
+    from m1.config import ConfigError
+    from m1.errors import describe, fail
+    from m1.experiment.export import export_agents
+    from m1.experiment.runner import ExperimentError
+    from m1.models.base import ModelError
+
+    exp = _load(experiment, overrides)
+    try:
+        written = export_agents(exp, arm, exp.seeds[0] if seed is None else seed, dest, progress=typer.echo)
+    except (ExperimentError, ConfigError, ModelError, OSError) as exc:
+        fail(describe(exc), exc, debug)
+    typer.echo(f"wrote {len(written)} agents to {dest}: {', '.join(written)}")

@@ -85,7 +85,8 @@ class Experiment(Strict):
     out_dir: str
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     # seed k starts every randomly initialised (tiny) model of the first training stage from its spec seed
-    # + k * init_seed_stride, so seeds differ in their initial weights too, not only in data order and sampling
+    # + k * init_seed_stride, so seeds differ in their initial weights too, not only in data order and sampling; an
+    # arm that trains nothing gets the same shift on its eval team (and on rule-based synth chat models' error draws)
     init_seed_stride: int = Field(1000, ge=0)
     data: Optional[DataStage] = None
     sft: Optional[TrainStage] = None

@@ -1,10 +1,13 @@
 """`m1 experiment report`: accuracy per arm (mean +- sd over seeds, overall and per question family), paired
-differences against the first arm, training curves per arm.
+differences against the baseline arm (the first, unless `baseline:` names another) with the answers each arm
+changed against it, training curves per arm.
 
 Every number is read from the eval stages' own results files (rows with `id` and `correct`); a question's family is
 its `meta.family` in the questions file, else its `task`. The paired difference of an arm is taken seed by seed
-against the first arm (the same seed's SFT data order, rollouts and sampling), so seed-to-seed spread common to both
-arms cancels; its 95% interval is mean +- t(0.975, n-1) * sd / sqrt(n), and with one seed there is none.
+against the baseline arm (the same seed's SFT data order, rollouts and sampling), so seed-to-seed spread common to both
+arms cancels; its 95% interval is mean +- t(0.975, n-1) * sd / sqrt(n), and with one seed there is none. Per seed,
+the questions an arm answers right and the baseline wrong ("fixed") or the reverse ("broken") get an exact two-sided
+sign test: a gain made of few fixes and no breaks is learning, many changes both ways a perturbation.
 """
 from __future__ import annotations
 
@@ -46,6 +49,13 @@ def t_quantile_975(df: int) -> float:
     return (lo + hi) / 2
 
 
+def sign_test_p(fixed: int, broken: int) -> float:
+    """Exact two-sided sign (McNemar) test on the questions that changed from wrong to right or back: the chance of
+    a split at least this uneven if each were a fair coin (1 when none changed)."""
+    n, k = fixed + broken, min(fixed, broken)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+
+
 def mean_sd(xs: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (nan with fewer than two values)."""
     m = sum(xs) / len(xs)
@@ -70,6 +80,7 @@ class ArmResult:
     arm: str
     counts: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)  # seeds whose eval stage has not finished
+    answers: dict[int, dict[str, tuple[Any, bool]]] = field(default_factory=dict)  # seed -> id -> (answer, correct)
 
     def accuracy(self, seed: int, family: str) -> float | None:
         c, n = self.counts[seed].get(family, (0, 0))
@@ -109,9 +120,11 @@ def collect(exp: Experiment) -> tuple[list[ArmResult], list[str]]:
             record = json.loads(record_path.read_text())
             path = Path(record.get("results", {}).get("results") or folder / RESULTS_FILE)
             counts: dict[str, list[int]] = {ALL: [0, 0]}
+            answers = res.answers.setdefault(seed, {})
             for row in read_results(path):
                 if row.get("correct") is None:  # no ground truth: not graded
                     continue
+                answers[row["id"]] = (row.get("answer"), bool(row["correct"]))
                 fam = family.get(row["id"])
                 if fam is None:
                     raise ExperimentError(f"{path}: id {row['id']!r} is not in {exp.eval.questions}")
@@ -124,11 +137,55 @@ def collect(exp: Experiment) -> tuple[list[ArmResult], list[str]]:
     return out, [ALL] + families
 
 
-def summarize(exp: Experiment) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """One row per arm x family: per-seed accuracies, mean, sd, and the paired difference to the first arm.
-    Also returns the families and notes (missing seeds)."""
-    arms, families = collect(exp)
-    base = arms[0]
+def answer_changes(arms: list[ArmResult], base: str) -> list[dict[str, Any]]:
+    """Per arm and seed, its graded answers against the baseline's of the same seed, on the questions both graded:
+    how many changed, wrong -> right ("fixed"), right -> wrong ("broken"), and the sign test's p."""
+    ref = next(a for a in arms if a.arm == base)
+    out = []
+    for res in arms:
+        if res is ref:
+            continue
+        for seed in sorted(res.answers):
+            if seed not in ref.answers:
+                continue
+            mine, theirs = res.answers[seed], ref.answers[seed]
+            ids = [i for i in mine if i in theirs]
+            fixed = sum(mine[i][1] and not theirs[i][1] for i in ids)
+            broken = sum(theirs[i][1] and not mine[i][1] for i in ids)
+            out.append({"arm": res.arm, "seed": seed, "n": len(ids),
+                        "changed": sum(mine[i][0] != theirs[i][0] for i in ids), "fixed": fixed, "broken": broken,
+                        "p": sign_test_p(fixed, broken)})
+    return out
+
+
+def strict_format(exp: Experiment) -> dict[str, dict[str, float]]:
+    """Per arm that traced its eval (`eval.traces`), per phase: the share of its agents' replies that parsed in the
+    strict format, over every traced question of every seed (training teaches format before it teaches answers).
+    Arms without traces are left out."""
+    out: dict[str, dict[str, float]] = {}
+    for arm in exp.arms:
+        counts: dict[str, list[int]] = {}
+        for seed in exp.seeds:
+            record_path = exp.stage_dir(arm, seed, "eval") / STAGE_FILE
+            if not record_path.is_file():
+                continue
+            traces = json.loads(record_path.read_text()).get("results", {}).get("traces")
+            for path in sorted(Path(traces).glob("*.json")) if traces else []:
+                for g in json.loads(path.read_text()).get("generations", []):
+                    c = counts.setdefault(g["phase"], [0, 0])
+                    c[0] += bool(g.get("parse_ok", True))
+                    c[1] += 1
+        if counts:
+            out[arm] = {phase: ok / n for phase, (ok, n) in counts.items()}
+    return out
+
+
+def summarize(exp: Experiment, collected: tuple[list[ArmResult], list[str]] | None = None
+              ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """One row per arm x family: per-seed accuracies, mean, sd, and the paired difference to the baseline arm.
+    Also returns the families and notes (missing seeds). `collected`: `collect(exp)`'s result, if already read."""
+    arms, families = collected or collect(exp)
+    base = next(a for a in arms if a.arm == exp.base_arm)
     rows, notes = [], []
     for res in arms:
         if res.missing:
@@ -159,9 +216,11 @@ def _signed(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{100 * x:+.1f}"
 
 
-def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[str], notes: list[str]) -> str:
+def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[str], notes: list[str],
+                    changes: list[dict[str, Any]] | None = None,
+                    formats: dict[str, dict[str, float]] | None = None) -> str:
     arms = list(exp.arms)
-    base = arms[0]
+    base = exp.base_arm
     by = {(r["arm"], r["family"]): r for r in rows}
     lines = [f"# Experiment {exp.name}", "",
              f"Seeds {exp.seeds}; eval questions {exp.eval.questions if exp.eval else '-'}. Accuracy in %, mean ± sd "
@@ -177,12 +236,26 @@ def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[
     if len(arms) > 1:
         lines += ["", f"## Paired difference to {base} (points)", "",
                   "| arm | family | per seed | mean | 95% interval |", "|---|---|---|---|---|"]
-        for arm in arms[1:]:
+        for arm in (a for a in arms if a != base):
             for fam in families:
                 r = by[(arm, fam)]
                 per = ", ".join(f"seed{s}: {_signed(d)}" for s, d in zip(r["diff_seeds"], r["diff"])) or "n/a"
                 ci = ("n/a" if math.isnan(r["diff_low"]) else f"[{_signed(r['diff_low'])}, {_signed(r['diff_high'])}]")
                 lines.append(f"| {arm} | {fam} | {per} | {_signed(r['diff_mean'])} | {ci} |")
+    if changes:
+        lines += ["", f"## Answers changed against {base}, per seed", "",
+                  f"On the questions both graded: answers that differ; fixed = wrong for {base}, right for the arm; "
+                  "broken = the reverse; p = exact two-sided sign test on fixed vs broken.", "",
+                  "| arm | seed | questions | changed | fixed | broken | sign test p |", "|---" * 7 + "|"]
+        for c in changes:
+            lines.append(f"| {c['arm']} | {c['seed']} | {c['n']} | {c['changed']} | {c['fixed']} | {c['broken']} | "
+                         f"{c['p']:.3g} |")
+    if formats:
+        phases = [p for p in ("plan", "communicate", "answer", "summary") if any(p in f for f in formats.values())]
+        lines += ["", "## Replies in the strict format (% of generations, all seeds; from the eval traces)", "",
+                  "| arm | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
+        for arm, f in formats.items():
+            lines.append(f"| {arm} | " + " | ".join(f"{100 * f[p]:.0f}" if p in f else "n/a" for p in phases) + " |")
     lines += ["", "## Per seed", "", "| arm | seed | " + " | ".join(families) + " |",
               "|---" * (len(families) + 2) + "|"]
     for arm in arms:
@@ -266,13 +339,16 @@ def plot_arms(exp: Experiment, out: Path) -> list[Path]:
 def write_report(exp: Experiment) -> dict[str, Any]:
     """Write report.md, report.csv and plots/<arm>.png into the experiment's out_dir; returns paths and rows."""
     out = Path(exp.out_dir)
-    rows, families, notes = summarize(exp)
+    collected = collect(exp)
+    rows, families, notes = summarize(exp, collected)
+    changes = answer_changes(collected[0], exp.base_arm)
     if all(not r["seeds"] for r in rows):
         raise ExperimentError(f"{out}: no finished eval stage yet (run `m1 experiment run` first)")
     out.mkdir(parents=True, exist_ok=True)
-    md = render_markdown(exp, rows, families, notes)
+    formats = strict_format(exp)
+    md = render_markdown(exp, rows, families, notes, changes, formats)
     (out / "report.md").write_text(md)
     csv_path = write_csv(out / "report.csv", rows)
     plots = plot_arms(exp, out / "plots")
     return {"markdown": out / "report.md", "csv": csv_path, "plots": plots, "rows": rows, "text": md,
-            "notes": notes}
+            "notes": notes, "changes": changes, "formats": formats}

@@ -48,17 +48,34 @@ def first_training_stage(exp: Experiment, arm: str) -> str | None:
 
 
 def init_seat(exp: Experiment, arm: str, seed: int) -> list[str]:
-    """Team overrides that start seed k's randomly initialised (tiny) chat models from their spec seed +
-    k * init_seed_stride in the first training stage; none for seed 0 (its weights are the config's own)."""
+    """Team overrides that give seed k its own untrained draws; none for seed 0 (the configs' own).
+
+    The randomly initialised (tiny) chat models of the arm's first training stage start from their spec seed +
+    k * init_seed_stride. An arm without a training stage (an untrained or a reference row) gets the same shift on
+    its eval team: tiny chat models start where seed k's training would have started, and rule-based synth chat
+    models draw their errors from seed + k * stride, so the row varies over seeds as a trained one does."""
     stage = first_training_stage(exp, arm)
     shift = seed * exp.init_seed_stride
-    if stage is None or shift == 0:
+    if shift == 0:
         return []
-    run = StageRun(arm, seed, stage, exp.stage_dir(arm, seed, stage))
-    team = load_stage_config(exp, run)[0].team_config()
+    if stage is not None:
+        run = StageRun(arm, seed, stage, exp.stage_dir(arm, seed, stage))
+        team = load_stage_config(exp, run)[0].team_config()
+    elif "eval" in exp.arm_stages(arm):
+        from m1.config import load_team
+
+        run = StageRun(arm, seed, "eval", exp.stage_dir(arm, seed, "eval"))
+        team = load_team(eval_team(exp, arm), eval_overrides(exp, run, []))
+    else:
+        return []
     chat = {a.model for a in team.agents}
-    return [f"models.{key}.tiny.seed={spec.tiny.seed + shift}" for key, spec in team.models.items()
-            if key in chat and spec.tiny is not None]
+    sets = []
+    for key, spec in team.models.items():
+        if key in chat and spec.tiny is not None:
+            sets.append(f"models.{key}.tiny.seed={spec.tiny.seed + shift}")
+        elif key in chat and spec.backend == "synth" and stage is None:
+            sets.append(f"models.{key}.seed={spec.seed + shift}")
+    return sets
 
 
 def stage_runs(exp: Experiment) -> list[StageRun]:
@@ -226,11 +243,13 @@ def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callabl
         raise ExperimentError(f"{exp.eval.questions}: no usable questions ({len(issues)} skipped)")
     run.folder.mkdir(parents=True, exist_ok=True)
     out = run.folder / RESULTS_FILE
-    summary = run_questions(cfg, qs, out, progress=False)
+    traces = run.folder / "traces" if exp.eval.traces else None
+    summary = run_questions(cfg, qs, out, trace_dir=traces, progress=False)
     for line in summary.describe().splitlines():
         progress(f"  {line}")
     return {"config": team, "overrides": sets, "resolved": cfg.model_dump(mode="json"),
-            "results": {"results": str(out), "questions": exp.eval.questions},
+            "results": {"results": str(out), "questions": exp.eval.questions,
+                        **({"traces": str(traces)} if traces is not None else {})},
             "answered": summary.answered + summary.skipped_done, "graded": summary.graded,
             "correct": summary.correct, "errors": summary.errors}
 
