@@ -432,3 +432,50 @@ def test_plan_of_the_paper_ablations_shares_stages(tmp_path, monkeypatch):
         assert f"{gpus} GPUs needed of 24" in section
     assert "base seed2 eval" in out and "base seed0 sft" not in out
     assert not (tmp_path / "runs").exists()
+
+
+def test_report_plan_choices_from_result_rows(tmp_path):
+    """Per family the best plan (its agents' own answers right most often, every arm pooled) and, per arm, the share
+    of plans that are it, the most chosen plan and the strict-format share, from the results rows' first plans."""
+    from m1.experiment.report import ArmResult, plan_choices, write_report
+    from m1.experiment.runner import STAGE_FILE
+
+    fams = ["a", "a", "b", "b"]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(
+        {"id": f"q{i}", "video": "v.mp4", "text": "?", "task": "mcq", "options": ["x", "y"], "answer": "A",
+         "meta": {"family": f}}) + "\n" for i, f in enumerate(fams)))
+    exp = load_experiment(_write(tmp_path / "e.yaml", {
+        "name": "plans", "out_dir": str(tmp_path / "out"), "seeds": [0],
+        "eval": {"team": "tiny", "questions": str(tmp_path / "q.jsonl")},
+        "arms": {"before": None, "after": {"eval": ["limits.max_turns=2"]}}}))
+    good, bad = ["Video Retrieval", "Fine Browser"], ["Global Sampling", "Rough Browser"]
+    # before: agent x plans badly (answers wrong), agent y well (right); after: both plan well on family a
+    chosen = {"before": {"x": bad, "y": good}, "after": {"x": good, "y": good}}
+    for arm, agents in chosen.items():
+        folder = exp.stage_dir(arm, 0, "eval")
+        folder.mkdir(parents=True)
+        rows = []
+        for i, fam in enumerate(fams):
+            plans = agents if fam == "a" else {"x": bad, "y": bad}
+            ag = {a: {"answer": "A" if p == good else "B", "parse_ok": True, "plan": p, "plan_ok": a == "y"}
+                  for a, p in plans.items()}
+            rows.append({"id": f"q{i}", "answer": "A", "correct": True, "agents": ag})
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / STAGE_FILE).write_text(json.dumps({"results": {"results": str(folder / "results.jsonl")}}))
+    from m1.experiment.report import collect
+
+    arms, families = collect(exp)
+    got = plan_choices(arms, families, dict(zip([f"q{i}" for i in range(4)], fams)), min_uses=1)
+    assert got["best"]["a"] == (tuple(good), 1.0, 6) and got["best"]["b"][0] == tuple(bad)
+    assert got["arms"]["before"]["a"]["best_share"] == 0.5 and got["arms"]["after"]["a"]["best_share"] == 1.0
+    assert got["arms"]["after"]["a"]["top"] == tuple(good) and got["arms"]["after"]["b"]["top_share"] == 1.0
+    assert got["strict"] == {"before": 0.5, "after": 0.5}
+    md = write_report(exp)["text"]
+    assert "## Plans chosen" not in md  # 4 uses per plan and family: below the 20 a best plan needs
+    assert isinstance(arms[0], ArmResult)
+    from m1.experiment.report import render_markdown, summarize
+
+    rows, fams_, notes = summarize(exp)
+    md = render_markdown(exp, rows, fams_, notes, plans=got)
+    assert "| a | VR→FB (100.0%, 6) | 50; GS→RB 50 | 100; VR→FB 100 |" in md
+    assert "| plans in the strict format | | 50% | 50% |" in md

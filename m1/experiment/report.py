@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,8 @@ class ArmResult:
     counts: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)  # seeds whose eval stage has not finished
     answers: dict[int, dict[str, tuple[Any, bool]]] = field(default_factory=dict)  # seed -> id -> (answer, correct)
+    # seed -> id -> agent -> (first plan, written in the strict format, the agent's own answer right)
+    plans: dict[int, dict[str, dict[str, tuple[tuple[str, ...], bool, bool]]]] = field(default_factory=dict)
 
     def accuracy(self, seed: int, family: str) -> float | None:
         c, n = self.counts[seed].get(family, (0, 0))
@@ -102,8 +105,11 @@ def collect(exp: Experiment) -> tuple[list[ArmResult], list[str]]:
     """Read every finished eval stage. Returns the arms' counts and the families in order (all first)."""
     if exp.eval is None:
         raise ExperimentError(f"experiment {exp.name}: no eval stage, nothing to report")
+    from m1.data.metrics import is_correct
+
     qs, _ = eval_questions(exp)
     family = {q.id: str(q.meta.get("family") or q.task) for q in qs}
+    question = {q.id: q for q in qs}
     families: list[str] = []
     for f in family.values():
         if f not in families:
@@ -121,10 +127,15 @@ def collect(exp: Experiment) -> tuple[list[ArmResult], list[str]]:
             path = Path(record.get("results", {}).get("results") or folder / RESULTS_FILE)
             counts: dict[str, list[int]] = {ALL: [0, 0]}
             answers = res.answers.setdefault(seed, {})
+            plans = res.plans.setdefault(seed, {})
             for row in read_results(path):
                 if row.get("correct") is None:  # no ground truth: not graded
                     continue
                 answers[row["id"]] = (row.get("answer"), bool(row["correct"]))
+                if row["id"] in question:
+                    plans[row["id"]] = {a: (tuple(v["plan"]), bool(v.get("plan_ok")),
+                                            is_correct(question[row["id"]], v.get("answer")))
+                                        for a, v in (row.get("agents") or {}).items() if v.get("plan")}
                 fam = family.get(row["id"])
                 if fam is None:
                     raise ExperimentError(f"{path}: id {row['id']!r} is not in {exp.eval.questions}")
@@ -156,6 +167,56 @@ def answer_changes(arms: list[ArmResult], base: str) -> list[dict[str, Any]]:
                         "changed": sum(mine[i][0] != theirs[i][0] for i in ids), "fixed": fixed, "broken": broken,
                         "p": sign_test_p(fixed, broken)})
     return out
+
+
+_SHORT = {"Global Sampling": "GS", "Video Retrieval": "VR", "Time Stamp Retrieval": "TSR", "Image Retrieval": "IR",
+          "Rough Browser": "RB", "Fine Browser": "FB", "Space Tool": "ST", "Grounding Tool": "GT"}
+
+
+def plan_name(plan: tuple[str, ...]) -> str:
+    return "→".join(_SHORT.get(t, t) for t in plan)
+
+
+def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str, str], min_uses: int = 20
+                 ) -> dict[str, Any]:
+    """What the agents planned (results rows' first plans, every seed pooled). Per family, the best plan: the one
+    whose agents' own answers were right most often over every arm (at least `min_uses` uses, so one lucky
+    question does not decide it); per arm and family, the share of plans that are that best plan, the most
+    chosen plan and its share; per arm, the share of plans in the strict format. Empty without plans."""
+    uses: dict[str, dict[tuple[str, ...], list[int]]] = {}
+    per_arm: dict[str, dict[str, list]] = {}
+    strict: dict[str, list[int]] = {}
+    for res in arms:
+        for seed, by_id in res.plans.items():
+            for qid, agents in by_id.items():
+                fam = family_of.get(qid)
+                if fam is None:
+                    continue
+                for plan, ok, right in agents.values():
+                    for key in (fam, ALL):
+                        u = uses.setdefault(key, {}).setdefault(plan, [0, 0])
+                        u[0] += right
+                        u[1] += 1
+                        per_arm.setdefault(res.arm, {}).setdefault(key, []).append(plan)
+                    st = strict.setdefault(res.arm, [0, 0])
+                    st[0] += ok
+                    st[1] += 1
+    if not per_arm:
+        return {}
+    best = {}
+    for fam in families:
+        pool = {p: c for p, c in uses.get(fam, {}).items() if c[1] >= min_uses}
+        if pool:
+            plan, (right, n) = max(pool.items(), key=lambda kv: (kv[1][0] / kv[1][1], kv[1][1]))
+            best[fam] = (plan, right / n, n)
+    table = {}
+    for arm, fams in per_arm.items():
+        table[arm] = {}
+        for fam, plans in fams.items():
+            top, count = Counter(plans).most_common(1)[0]
+            table[arm][fam] = {"best_share": (sum(p == best[fam][0] for p in plans) / len(plans)) if fam in best
+                               else None, "top": top, "top_share": count / len(plans), "n": len(plans)}
+    return {"best": best, "arms": table, "strict": {a: ok / n for a, (ok, n) in strict.items()}}
 
 
 def strict_format(exp: Experiment) -> dict[str, dict[str, float]]:
@@ -218,7 +279,7 @@ def _signed(x: float) -> str:
 
 def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[str], notes: list[str],
                     changes: list[dict[str, Any]] | None = None,
-                    formats: dict[str, dict[str, float]] | None = None) -> str:
+                    formats: dict[str, dict[str, float]] | None = None, plans: dict[str, Any] | None = None) -> str:
     arms = list(exp.arms)
     base = exp.base_arm
     by = {(r["arm"], r["family"]): r for r in rows}
@@ -250,6 +311,26 @@ def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[
         for c in changes:
             lines.append(f"| {c['arm']} | {c['seed']} | {c['n']} | {c['changed']} | {c['fixed']} | {c['broken']} | "
                          f"{c['p']:.3g} |")
+    if plans and plans["best"]:
+        fams = [f for f in families if f in plans["best"]]
+        arms_p = [a for a in arms if a in plans["arms"]]
+        lines += ["", "## Plans chosen (every agent's first plan, all seeds)", "",
+                  "Best plan of a family: the plan whose agents answered right most often, over every arm (≥ 20 "
+                  "uses). Cells: % of the arm's plans that are that best plan; then the arm's most chosen plan and "
+                  "its %. GS Global Sampling, VR Video Retrieval, TSR Time Stamp Retrieval, IR Image Retrieval, "
+                  "RB Rough / FB Fine Browser, ST Space Tool, GT Grounding Tool.", "",
+                  "| family | best plan (its agents right, uses) | " + " | ".join(arms_p) + " |",
+                  "|---" * (len(arms_p) + 2) + "|"]
+        for fam in fams:
+            plan, acc, n = plans["best"][fam]
+            cells = []
+            for arm in arms_p:
+                c = plans["arms"][arm].get(fam)
+                cells.append("n/a" if c is None else
+                             f"{100 * c['best_share']:.0f}; {plan_name(c['top'])} {100 * c['top_share']:.0f}")
+            lines.append(f"| {fam} | {plan_name(plan)} ({_pct(acc)}%, {n}) | " + " | ".join(cells) + " |")
+        lines.append("| plans in the strict format | | " + " | ".join(
+            f"{100 * plans['strict'][a]:.0f}%" for a in arms_p) + " |")
     if formats:
         phases = [p for p in ("plan", "communicate", "answer", "summary") if any(p in f for f in formats.values())]
         lines += ["", "## Replies in the strict format (% of generations, all seeds; from the eval traces)", "",
@@ -346,9 +427,11 @@ def write_report(exp: Experiment) -> dict[str, Any]:
         raise ExperimentError(f"{out}: no finished eval stage yet (run `m1 experiment run` first)")
     out.mkdir(parents=True, exist_ok=True)
     formats = strict_format(exp)
-    md = render_markdown(exp, rows, families, notes, changes, formats)
+    qs, _ = eval_questions(exp)
+    choices = plan_choices(collected[0], families, {q.id: str(q.meta.get("family") or q.task) for q in qs})
+    md = render_markdown(exp, rows, families, notes, changes, formats, choices)
     (out / "report.md").write_text(md)
     csv_path = write_csv(out / "report.csv", rows)
     plots = plot_arms(exp, out / "plots")
     return {"markdown": out / "report.md", "csv": csv_path, "plots": plots, "rows": rows, "text": md,
-            "notes": notes, "changes": changes, "formats": formats}
+            "notes": notes, "changes": changes, "formats": formats, "plans": choices}
