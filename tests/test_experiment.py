@@ -290,6 +290,7 @@ def test_shared_and_skipped_stages_data_stage_and_seeds_in_worker_processes(tmp_
     assert sorted(p.name for p in (out / "base" / "seed0").iterdir()) == ["eval"]
     sft0, sft1 = read_stage(out / "full" / "seed0" / "sft"), read_stage(out / "full" / "seed1" / "sft")
     assert "models.qa.tiny.seed" not in json.dumps(sft0["overrides"])
+    assert sft0["gpus"] == 0 and sft0["gpu_hours"] == 0 and sft0["wall_s"] > 0  # a CPU: wall time, no GPU-hours
     tiny_seed = team_dict()["models"]["qa"]["tiny"]["seed"]
     assert f"models.qa.tiny.seed={tiny_seed + 1000}" in sft1["resolved"]["team_overrides"]
     assert sft1["resolved"]["team_overrides"] != sft0["resolved"]["team_overrides"]

@@ -13,6 +13,7 @@ eval answers with the seat of the last training stage.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -22,6 +23,8 @@ from typing import Any, Callable
 
 from m1.config import ConfigError
 from m1.experiment.config import Experiment
+
+log = logging.getLogger(__name__)
 
 STAGE_FILE = "stage.json"
 RESULTS_FILE = "results.jsonl"
@@ -209,7 +212,23 @@ def _run_train(exp: Experiment, run: StageRun, seat: list[str], progress: Callab
     return {"config": spec.config, "overrides": sets, "resolved": cfg.model_dump(mode="json"),
             "results": {"metrics": str(run.folder / "metrics.jsonl"), "checkpoint": root,
                         "plots": str(run.folder / "plots")},
-            "finetune": cfg.learner.finetune, "seat": new_seat}
+            "finetune": cfg.learner.finetune, "seat": new_seat, "gpus": _gpus_used(cfg)}
+
+
+def _gpus_used(cfg) -> int:
+    """GPUs a training stage held: its placement plan's count when it ran on GPUs (the GPU-hours of its record),
+    0 on a CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    from m1.marl.cluster import PlanError, make_plan
+
+    try:
+        return make_plan(cfg).gpus_needed or torch.cuda.device_count()
+    except PlanError as exc:  # the run itself went through: count the GPUs this machine has
+        log.warning("GPU-hours of %s: no placement plan (%s); counting this machine's GPUs", cfg.name, exc)
+        return torch.cuda.device_count()
 
 
 def eval_team(exp: Experiment, arm: str) -> str:
@@ -308,6 +327,8 @@ def run_chains(exp: Experiment, progress: Callable[[str], None] = print) -> list
             body = (_run_eval if run.stage == "eval" else _run_train)(exp, run, seat, progress)
             done = {"experiment": exp.name, "arm": run.arm, "seed": run.seed, "stage": run.stage,
                     "wall_s": time.perf_counter() - t0, **body}
+            if "gpus" in done:
+                done["gpu_hours"] = done["wall_s"] / 3600 * done["gpus"]
             _write_stage(run.folder, done)
             progress(f"{tag}: finished in {done['wall_s']:.1f}s -> {run.folder}")
         if run.stage != "eval":
