@@ -480,3 +480,31 @@ def test_report_plan_choices_from_result_rows(tmp_path):
     md = render_markdown(exp, rows, fams_, notes, plans=got)
     assert "| a | VR→FB (100.0%, 6) | 50; GS→RB 50 | 100; VR→FB 100 |" in md
     assert "| plans in the strict format | | 50% | 50% |" in md
+
+
+def test_eval_on_benchmarks_reports_one_family_each(tmp_path, m1_cache):
+    """`eval.benchmarks` (as `m1 eval` reads them) instead of one questions file: ids get the benchmark's name and
+    the report has a row per benchmark; exactly one of `questions` and `benchmarks`."""
+    from m1.experiment.report import write_report
+    from m1.experiment.runner import read_stage, run_experiment
+
+    video = make_video(tmp_path / "videos" / "v.mp4", seconds=4, fps=2)
+    for name, n in (("holmes", 2), ("lvb", 3)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(
+            {"id": f"q{i}", "video": "v.mp4", "text": "What colour?", "options": ["white", "red"], "task": "mcq",
+             "answer": "A"}) + "\n" for i in range(n)))
+    bench = [{"name": name, "format": "jsonl", "annotations": str(tmp_path / f"{name}.jsonl"),
+              "videos": str(video.parent)} for name in ("holmes", "lvb")]
+    spec = {"name": "b", "out_dir": str(tmp_path / "exp"), "seeds": [0], "arms": {"base": None},
+            "eval": {"team": "tiny", "benchmarks": bench, "overrides": ["limits.max_turns=1"]}}
+    exp = load_experiment(_write(tmp_path / "b.yaml", spec))
+    run_experiment(exp, progress=lambda _: None)
+    rows = [json.loads(x) for x in (tmp_path / "exp" / "base" / "seed0" / "eval" / "results.jsonl").read_text()
+            .splitlines()]
+    assert sorted(r["id"] for r in rows) == ["holmes:q0", "holmes:q1", "lvb:q0", "lvb:q1", "lvb:q2"]
+    assert read_stage(tmp_path / "exp" / "base" / "seed0" / "eval")["results"]["questions"] == "holmes, lvb"
+    table = list(csv.DictReader(open(write_report(exp)["csv"])))
+    assert [(r["family"], int(r["graded"])) for r in table] == [("all", 5), ("holmes", 2), ("lvb", 3)]
+    for bad in ({"team": "tiny"}, {"team": "tiny", "questions": "q.jsonl", "benchmarks": bench}):
+        with pytest.raises(ConfigError, match="give `questions` .* or `benchmarks`"):
+            load_experiment(_write(tmp_path / "bad.yaml", {**spec, "eval": bad}))

@@ -24,13 +24,38 @@ class TrainStage(Strict):
     overrides: list[str] = Field(default_factory=list)
 
 
+class Benchmark(Strict):
+    """A benchmark as `m1 eval` reads it; its questions are answered under ids `<name>:<id>` and reported as one
+    family named `name`."""
+
+    name: str
+    format: str  # longvideobench | videomme | mlvu | charades_sta | vsibench | video_holmes | jsonl
+    annotations: str
+    videos: str
+
+
 class EvalStage(Strict):
-    """Answer a questions file (JSONL, as `m1 infer --questions` reads) with a team; graded rows give accuracy."""
+    """Answer a questions file (JSONL, as `m1 infer --questions` reads) or benchmarks with a team; graded rows give
+    accuracy."""
 
     team: str  # a name in configs/team or a YAML path; trained agents of earlier stages are seated on it
-    questions: str
+    questions: Optional[str] = None
+    benchmarks: list[Benchmark] = Field(default_factory=list)  # instead of `questions`: one family per benchmark
     video_dir: Optional[str] = None  # relative `video` fields are resolved against it
     overrides: list[str] = Field(default_factory=list)
+    @model_validator(mode="after")
+    def _source(self) -> EvalStage:
+        if (self.questions is None) == (not self.benchmarks):
+            raise ValueError("eval: give `questions` (a JSONL) or `benchmarks`, one of the two")
+        names = [b.name for b in self.benchmarks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.benchmarks: names must be unique, got {names}")
+        return self
+
+    @property
+    def source(self) -> str:
+        return self.questions or ", ".join(b.name for b in self.benchmarks)
+
     # also write each question's JSON trace and HTML page to <stage>/traces (`m1 view`): every generation with its
     # phase and whether it parsed, for questions about format and behaviour that results rows do not answer
     traces: bool = False

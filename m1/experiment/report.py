@@ -138,7 +138,7 @@ def collect(exp: Experiment) -> tuple[list[ArmResult], list[str]]:
                                         for a, v in (row.get("agents") or {}).items() if v.get("plan")}
                 fam = family.get(row["id"])
                 if fam is None:
-                    raise ExperimentError(f"{path}: id {row['id']!r} is not in {exp.eval.questions}")
+                    raise ExperimentError(f"{path}: id {row['id']!r} is not in {exp.eval.source}")
                 for key in (ALL, fam):
                     c = counts.setdefault(key, [0, 0])
                     c[0] += bool(row["correct"])
@@ -284,7 +284,7 @@ def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[
     base = exp.base_arm
     by = {(r["arm"], r["family"]): r for r in rows}
     lines = [f"# Experiment {exp.name}", "",
-             f"Seeds {exp.seeds}; eval questions {exp.eval.questions if exp.eval else '-'}. Accuracy in %, mean ± sd "
+             f"Seeds {exp.seeds}; eval questions {exp.eval.source if exp.eval else '-'}. Accuracy in %, mean ± sd "
              f"over seeds (sd n/a with one seed). Paired difference: arm minus {base}, seed by seed; 95% interval "
              f"mean ± t(0.975, n−1)·sd/√n (n/a with one seed).", "",
              "## Accuracy", "", "| arm | " + " | ".join(families) + " |", "|---" * (len(families) + 1) + "|"]

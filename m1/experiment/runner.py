@@ -242,6 +242,16 @@ def eval_questions(exp: Experiment):
 
     assert exp.eval is not None
     e = exp.eval
+    if e.benchmarks:
+        from m1.data.loaders import load_benchmark
+
+        qs, issues = [], []
+        for b in e.benchmarks:
+            got, bad = load_benchmark(b.format, b.annotations, b.videos)
+            qs += [q.model_copy(update={"id": f"{b.name}:{q.id}", "meta": {**q.meta, "family": b.name}})
+                   for q in got]
+            issues += [f"{b.name}: {i}" for i in bad]
+        return qs, issues
     if e.video_dir:
         return build_questions(Path(e.video_dir), questions_file=Path(e.questions))
     return read_questions(Path(e.questions))
@@ -259,7 +269,7 @@ def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callabl
     for msg in issues:
         progress(f"  skipped: {msg}")
     if not qs:
-        raise ExperimentError(f"{exp.eval.questions}: no usable questions ({len(issues)} skipped)")
+        raise ExperimentError(f"{exp.eval.source}: no usable questions ({len(issues)} skipped)")
     run.folder.mkdir(parents=True, exist_ok=True)
     out = run.folder / RESULTS_FILE
     traces = run.folder / "traces" if exp.eval.traces else None
@@ -267,7 +277,7 @@ def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callabl
     for line in summary.describe().splitlines():
         progress(f"  {line}")
     return {"config": team, "overrides": sets, "resolved": cfg.model_dump(mode="json"),
-            "results": {"results": str(out), "questions": exp.eval.questions,
+            "results": {"results": str(out), "questions": exp.eval.source,
                         **({"traces": str(traces)} if traces is not None else {})},
             "answered": summary.answered + summary.skipped_done, "graded": summary.graded,
             "correct": summary.correct, "errors": summary.errors}
@@ -589,7 +599,7 @@ def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tu
                 lines.append(f"time: not estimated ({why}); {plan.gpus_needed} GPUs per run x {n} seeds"
                              + (f", {steps} steps each" if steps is not None else ""))
     if exp.eval is not None:
-        lines += ["", f"== eval: team {exp.eval.team} on {exp.eval.questions}: not planned (inference, "
+        lines += ["", f"== eval: team {exp.eval.team} on {exp.eval.source}: not planned (inference, "
                       f"{len(exp.arms) * len(exp.seeds)} runs) =="]
     if total_hours is not None and total_hours > 0:
         lines.append(f"total training: {total_hours:.1f} GPU-hours")
