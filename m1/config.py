@@ -88,10 +88,17 @@ class ModelSpec(Strict):
         return self
 
 
+AgentKind = Literal["cpp", "weaver", "zoomer", "sage"]
+
+
 class AgentSpec(Strict):
     name: str
     model: str  # key in TeamConfig.models
     temperature: float | None = None  # overrides sampling.temperature for this agent
+    # cpp: a policy agent of the CPP engine (m1/team/cpp.py). weaver | zoomer | sage: a seed system's single VLM
+    # policy in a multi-turn tool loop (m1/team/single.py, m1/seeds), a team of one. Left out of dumps when cpp,
+    # so the signatures of teams recorded before the field existed still match
+    kind: AgentKind = Field("cpp", exclude_if=lambda v: v == "cpp")
 
 
 class ToolsConfig(Strict):
@@ -123,6 +130,20 @@ class ToolsConfig(Strict):
     grounding_fps: float = 2.0
     grounding_max_frames: int = 32
     grounding_tokens: int = 64
+
+
+class SeedSystemConfig(Strict):
+    """The tool loop of a weaver / zoomer / sage agent. Unset fields take the kind's paper settings
+    (m1/seeds/__init__.py): glance 128 / 64 / 128 frames, 10 / 5 / 11 turns, tool clips at 1 fps."""
+
+    tools: list[str] | None = None  # the kind's tools the policy may call (None: all; []: answer from the glance)
+    glance_frames: int | None = Field(None, ge=1)  # uniform frames in the first user turn
+    max_turns: int | None = Field(None, ge=1)  # policy turns, the answer turn included
+    tool_fps: float | None = Field(None, gt=0)  # frames per second inside a clip a tool returns
+    max_tool_frames: int = Field(64, ge=1)  # cap on the frames one tool result adds (ours: the papers set none)
+    zoom_frames: int = Field(16, ge=1)  # zoomer: (end - start) * fps may not exceed this (VideoZoomer's B = 16)
+    count_clips: int = Field(8, ge=1)  # weaver temporal_count: equal clips judged one by one (ours)
+    reply_tokens: int = Field(512, ge=1)  # new tokens per policy turn
 
 
 class TopologyConfig(Strict):
@@ -172,6 +193,8 @@ class TeamConfig(Strict):
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    # settings of a weaver / zoomer / sage agent's loop; left out of dumps when unset (old signatures still match)
+    seed_system: SeedSystemConfig | None = Field(None, exclude_if=lambda v: v is None)
 
     @model_validator(mode="after")
     def _references(self) -> TeamConfig:
@@ -180,8 +203,17 @@ class TeamConfig(Strict):
             raise ValueError("agents: at least one agent is needed")
         if len(set(names)) != len(names):
             raise ValueError(f"agents: names must be unique, got {names}")
+        self._check_kinds()
         for i, a in enumerate(self.agents):
-            self._need(f"agents.{i}.model", a.model, "chat")
+            if a.kind == "cpp":
+                self._need(f"agents.{i}.model", a.model, "chat")
+            else:  # a seed system's policy: a vision-language model, or a chat model that reads frames as text
+                spec = self.models.get(a.model)
+                if spec is None:
+                    raise ValueError(f"agents.{i}.model: no model named {a.model!r} (models: {list(self.models)})")
+                if spec.kind not in ("chat", "vision"):
+                    raise ValueError(f"agents.{i}.model: model {a.model!r} is a {spec.kind} model; a {a.kind} "
+                                     f"policy needs a chat or vision model")
         for key in ("clip", "browser", "space", "grounding"):
             ref = getattr(self.tools, key)
             if ref is not None:
@@ -200,6 +232,27 @@ class TeamConfig(Strict):
             raise ValueError("tools.enabled: a plan needs at least one select tool and one browse tool, "
                              f"got {self.tools.enabled}")
         return self
+
+    def _check_kinds(self) -> None:
+        """A seed-system agent runs alone; its `seed_system.tools` must be tools of its kind."""
+        seeded = [(i, a) for i, a in enumerate(self.agents) if a.kind != "cpp"]
+        if not seeded:
+            if self.seed_system is not None:
+                raise ValueError("seed_system: applies to agents of kind weaver, zoomer or sage; every agent here "
+                                 "is kind cpp")
+            return
+        if len(self.agents) != 1:
+            i, a = seeded[0]
+            raise ValueError(f"agents.{i}.kind: a {a.kind!r} agent runs alone (a team of one), but the team has "
+                             f"{len(self.agents)} agents")
+        from m1.seeds import DEFAULTS, SAGE_UNAVAILABLE  # late: keeps this module light
+
+        kind = seeded[0][1].kind
+        known = DEFAULTS[kind].tools
+        for t in (self.seed_system.tools or []) if self.seed_system else []:
+            if t not in known:
+                why = " (it needs audio or the web, which M1 does not have)" if t in SAGE_UNAVAILABLE else ""
+                raise ValueError(f"seed_system.tools: {t!r} is not a {kind} tool{why} (known: {list(known)})")
 
     def _need(self, where: str, ref: str, kind: str) -> None:
         spec = self.models.get(ref)

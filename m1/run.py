@@ -455,7 +455,7 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
 def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSignals) -> RunSummary:
     from tqdm import tqdm
 
-    from m1.team.cpp import Team
+    from m1.team.cpp import make_team
 
     check_team(Path(out), cfg)
     results = ResultsFile(out)
@@ -473,7 +473,7 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSig
             with stop.write():
                 index.write()
         return summary
-    team = team or Team(cfg)
+    team = team or make_team(cfg)
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=f"team {cfg.name}", unit="q", disable=not progress)
     last_index = [time.monotonic()]  # when the index was last written (first: INDEX_EVERY_S into the run)

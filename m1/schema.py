@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Task = Literal["mcq", "open", "grounding", "numeric"]
-Phase = Literal["plan", "communicate", "answer", "summary"]
+Phase = Literal["plan", "communicate", "answer", "summary", "act"]  # act: a seed-kind turn that calls tools
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
@@ -120,5 +120,8 @@ class Episode(Record):
     final_reason: str = ""
     aggregation: str = ""
     frames_used: int = 0
+    # seed kinds (m1/team/single.py): frames the policy saw, frames tool models read, turns, tool calls; left out
+    # of dumps when empty, so CPP episodes read and write as before
+    frame_counts: dict[str, int] = Field(default_factory=dict, exclude_if=lambda v: not v)
     timings: dict[str, float] = Field(default_factory=dict)
     error: str | None = None

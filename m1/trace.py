@@ -511,6 +511,8 @@ def result_row(ep: Episode) -> dict:
         "latency": {k: round(v, 4) for k, v in t.items() if k in ("llm", "vision", "tools", "decode", "open_video")},
         "error": ep.error,
     }
+    if ep.frame_counts:  # seed kinds: frames the policy saw / tools read, turns, tool calls
+        row["frame_counts"] = dict(ep.frame_counts)
     if ep.question.answer is not None:
         row["truth"] = ep.question.answer
         row["correct"] = is_correct(ep.question, ep.final_answer)

@@ -22,9 +22,35 @@ class SamplingParams:
 
 @dataclass
 class ChatRequest:
-    """A chat in OpenAI message form: [{"role": ..., "content": str}, ...]."""
+    """A chat in OpenAI message form: [{"role": ..., "content": str}, ...].
+
+    Multimodal chats (the seed kinds' policies, m1/team/single.py): a content may be a list of parts,
+    {"type": "text", "text": ...} or {"type": "image", "time": seconds, "frame": index}; the k-th image part's
+    pixels are `images[k]` (H, W, 3 uint8). Parts stay JSON-safe, so the messages can be traced as they are.
+    Only models with `accepts_images = True` are sent images; others get `text_only(messages)`."""
 
     messages: list[dict[str, Any]]
+    images: list[np.ndarray] | None = None
+
+
+def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with every list content flattened to a string; an image part becomes a placeholder naming its time
+    (how a text-only chat model is shown the frames of a seed-kind conversation)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            bits = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    bits.append(f"[frame at {float(part.get('time', 0.0)):.1f}s]")
+                elif isinstance(part, dict):
+                    bits.append(str(part.get("text", "")))
+                else:
+                    bits.append(str(part))
+            content = "".join(bits)
+        out.append({**m, "content": content})
+    return out
 
 
 @dataclass

@@ -298,7 +298,12 @@ def _fmt_time(t: float) -> str:
 
 
 class HFVisionModel:
-    """A Qwen2.5-VL-style model describing a list of frame sets, one left-padded generate call."""
+    """A Qwen2.5-VL-style model describing a list of frame sets, one left-padded generate call.
+
+    It is also a multimodal chat model (`generate`): the policy of a seed kind (m1/team/single.py) sends chats
+    whose turns interleave text and frames (ChatRequest.images)."""
+
+    accepts_images = True
 
     def __init__(self, spec: ModelSpec, name: str, max_batch: int | None = None):
         if spec.kind != "vision":
@@ -315,6 +320,11 @@ class HFVisionModel:
             size = dict(getattr(vp, "size", None) or {})
             low = min(int(size.get("shortest_edge", spec.max_pixels)), spec.max_pixels)
             vp.size = {"shortest_edge": low, "longest_edge": spec.max_pixels}
+            ip = getattr(self.processor, "image_processor", None)
+            if ip is not None:  # the frames of a multimodal chat go through the image processor
+                isize = dict(getattr(ip, "size", None) or {})
+                ilow = min(int(isize.get("shortest_edge", spec.max_pixels)), spec.max_pixels)
+                ip.size = {"shortest_edge": ilow, "longest_edge": spec.max_pixels}
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.context_length = _context_length(self.model.config)
 
@@ -356,6 +366,67 @@ class HFVisionModel:
             for start in range(0, len(prepared), step):
                 results += self._describe_batch(prepared[start:start + step], params)
         return results
+
+    def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
+        """Multimodal chat: each request's image parts take its `images` in order (see ChatRequest)."""
+        if not requests:
+            return []
+        step = self.max_batch or len(requests)
+        results: list[Completion] = []
+        with self._lock:
+            for start in range(0, len(requests), step):
+                results += self._chat_batch(requests[start:start + step], params)
+        return results
+
+    def _chat_batch(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
+        import numpy as np
+
+        texts, images = [], []
+        for i, req in enumerate(requests):
+            msgs, n_parts = [], 0
+            for m in req.messages:
+                content = m.get("content")
+                if isinstance(content, list):
+                    parts = []
+                    for part in content:
+                        if part.get("type") == "image":
+                            parts.append({"type": "image"})
+                            n_parts += 1
+                        else:
+                            parts.append({"type": "text", "text": str(part.get("text", ""))})
+                    content = parts
+                msgs.append({"role": m["role"], "content": content})
+            pix = list(req.images or [])
+            if n_parts != len(pix):
+                raise ModelError(f"model {self.name!r}: request {i}: {n_parts} image parts but {len(pix)} images")
+            texts.append(self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+            images += [np.asarray(x, dtype=np.uint8) for x in pix]
+        try:
+            inputs = self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+        except (ValueError, TypeError) as exc:
+            raise ModelError(f"model {self.name!r}: processor failed: {exc}") from exc
+        inputs = inputs.to(self.device)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        metas = [{"images": len(r.images or [])} for r in requests]
+        return self._generate_inputs(inputs, params, metas)
+
+    def _generate_inputs(self, inputs, params: SamplingParams, metas: list[dict[str, Any]]) -> list[Completion]:
+        width = int(inputs["input_ids"].shape[1])
+        if self.context_length is not None and width + params.max_new_tokens > self.context_length:
+            raise ModelError(
+                f"model {self.name!r}: {width} prompt tokens + {params.max_new_tokens} new tokens "
+                f"exceed the context of {self.context_length}; give fewer frames or set max_pixels")
+        mask = inputs["attention_mask"].tolist()
+        prompts = [[t for t, m in zip(row, mrow) if m]
+                   for row, mrow in zip(inputs["input_ids"].tolist(), mask)]
+        gen_kw = _generation_kwargs(params, self.eos_ids, self.tokenizer.pad_token_id)
+        try:
+            out = _run_generate(self.model, dict(inputs), params, gen_kw)
+        except RuntimeError as exc:
+            raise ModelError(f"model {self.name!r}: generate failed: {exc}") from exc
+        self.calls += 1
+        return _completions(out, width, prompts, self.tokenizer, self.eos_ids, params, metas)
 
     def _describe_batch(self, prepared, params: SamplingParams) -> list[Completion]:
         texts = [self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

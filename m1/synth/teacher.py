@@ -86,7 +86,12 @@ def _confident(note: dict) -> bool:
 
 
 class TeacherChatModel:
-    """ChatModel protocol; `spec.error_rate` and `spec.seed` come from the team config."""
+    """ChatModel protocol; `spec.error_rate` and `spec.seed` come from the team config.
+
+    A chat of a seed kind (Weaver, VideoZoomer, SAGE: m1/team/single.py) goes to that kind's rule policy
+    (m1/synth/seed_rules.py), which reads the frames it is sent; hence `accepts_images`."""
+
+    accepts_images = True
 
     def __init__(self, spec=None, name: str = "teacher"):
         self.name = name
@@ -97,7 +102,10 @@ class TeacherChatModel:
 
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
         self.calls += 1
-        return [Completion(text=self.reply(r.messages)) for r in requests]
+        from m1.synth import seed_rules
+
+        return [Completion(text=seed_rules.reply(r.messages, getattr(r, "images", None))
+                           if seed_rules.seed_kind(r.messages) else self.reply(r.messages)) for r in requests]
 
     # ---------------------------------------------------------------- phases
     def reply(self, messages: list[dict]) -> str:

@@ -76,6 +76,10 @@ class Team:
     def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
         from m1.models.hub import ModelHub
 
+        seeded = [a.name for a in cfg.agents if a.kind != "cpp"]
+        if seeded:
+            raise ValueError(f"team {cfg.name!r}: agent {seeded[0]!r} is a seed-system kind, which the CPP engine does "
+                             f"not run; build the team with m1.team.cpp.make_team")
         self.cfg = cfg
         self.hub = hub if hub is not None else ModelHub(cfg.models)
         self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20)
@@ -379,6 +383,17 @@ class Team:
     @property
     def generate_calls(self) -> int:
         return self._calls
+
+
+def make_team(cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
+    """The engine a team config asks for: the CPP Team for `kind: cpp` agents, the single-agent tool loop
+    (m1/team/single.py) for a Weaver / VideoZoomer / SAGE agent."""
+    shared = {k: v for k, v in (("hub", hub), ("pool", pool)) if v is not None}
+    if all(a.kind == "cpp" for a in cfg.agents):
+        return Team(cfg, **shared)
+    from m1.team.single import SingleAgentTeam
+
+    return SingleAgentTeam(cfg, **shared)
 
 
 def _map_models(fn: Callable, jobs: list, models: list) -> list:

@@ -1,0 +1,73 @@
+"""The seed systems as agent kinds: Weaver, VideoZoomer and SAGE, single VLM policies in a tool loop.
+
+An agent of `kind: weaver | zoomer | sage` is a team of one run by `m1.team.single` (the CPP engine keeps
+`kind: cpp`). This module stays import-light (configs validate against it); the pieces live beside it:
+`prompts` (system prompts and observation turns), `parsers` (each kind's syntax, strict then lenient),
+`tools` (each kind's tools over the video, the vision model and CLIP). The rule-based policies that make the
+kinds meaningful offline are M1-Synth's, in `m1/synth/seed_rules.py`.
+
+Paper settings (`/work/shared/notes/seed-systems.md`): Weaver glances at 128 uniform frames, then its tools
+return clips sampled at 1 fps, for at most 10 turns; VideoZoomer glances at 64 frames and may zoom 4 times,
+each zoom at most 16 frames (5 turns with the answer); SAGE glances at 128 frames and answers at once or keeps
+calling tools, for at most 11 turns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("weaver", "zoomer", "sage")
+
+
+@dataclass(frozen=True)
+class KindDefaults:
+    tools: tuple[str, ...]  # every tool the kind knows, in the order its prompt lists them
+    glance_frames: int  # uniform frames of the first user turn
+    max_turns: int  # policy turns, the answer turn included
+    tool_fps: float  # frames per second inside the clips tools return (Weaver: 1 fps; SAGE extract: ours)
+
+
+WEAVER_TOOLS = ("temporal_grounding", "frame_selection", "temporal_count", "trim", "spatial_tracking",
+                "spatial_grounding")
+ZOOMER_TOOLS = ("video_zoom",)
+# SAGE's transcribe-speech, web-search and parse-website need audio or the web, which M1's videos and machines
+# do not have; they are left out (a policy that names them gets an error observation).
+SAGE_TOOLS = ("ground-event", "extract-video-parts", "analyze")
+SAGE_UNAVAILABLE = ("transcribe-speech", "web-search", "parse-website")
+
+DEFAULTS: dict[str, KindDefaults] = {
+    "weaver": KindDefaults(WEAVER_TOOLS, glance_frames=128, max_turns=10, tool_fps=1.0),
+    "zoomer": KindDefaults(ZOOMER_TOOLS, glance_frames=64, max_turns=5, tool_fps=1.0),
+    "sage": KindDefaults(SAGE_TOOLS, glance_frames=128, max_turns=11, tool_fps=1.0),
+}
+
+
+@dataclass(frozen=True)
+class KindSettings:
+    """A kind's loop settings once the config's `seed_system` section is merged over the paper defaults."""
+
+    kind: str
+    tools: tuple[str, ...]
+    glance_frames: int
+    max_turns: int
+    tool_fps: float
+    max_tool_frames: int
+    zoom_frames: int
+    count_clips: int
+    reply_tokens: int
+
+
+def settings_for(kind: str, section=None) -> KindSettings:
+    """Merge a `SeedSystemConfig` (or None) over the defaults of `kind`."""
+    if kind not in DEFAULTS:
+        raise ValueError(f"agent kind {kind!r} has no single-agent loop (kinds: {list(KINDS)})")
+    d = DEFAULTS[kind]
+
+    def pick(name, default):
+        value = getattr(section, name, None) if section is not None else None
+        return default if value is None else value
+
+    return KindSettings(kind=kind, tools=tuple(pick("tools", d.tools)),
+                        glance_frames=int(pick("glance_frames", d.glance_frames)),
+                        max_turns=int(pick("max_turns", d.max_turns)), tool_fps=float(pick("tool_fps", d.tool_fps)),
+                        max_tool_frames=int(pick("max_tool_frames", 64)), zoom_frames=int(pick("zoom_frames", 16)),
+                        count_clips=int(pick("count_clips", 8)), reply_tokens=int(pick("reply_tokens", 512)))

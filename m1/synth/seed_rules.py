@@ -1,0 +1,340 @@
+"""Rule-based policies of the seed kinds on M1-Synth: what the teacher is to CPP, for Weaver, VideoZoomer and SAGE.
+
+Each reads only its chat (never the world script): the system prompt (which kind, which tools are offered), the
+question block, the tool observations, and the pixels of every frame in the chat, which it reads with the synth
+vision model's pixel reader (m1/synth/vision.py) as a VLM policy would look at them. It answers in the kind's
+syntax, so its replies go through the same parsers as a real model's:
+
+- weaver: grounds the question's object in time (temporal_grounding), trims or tracks there, counts with
+  temporal_count, picks a frame for background questions, then answers from everything it has seen;
+- zoomer: reads its 64-frame glance, zooms (<= 16 frames, 2 fps) where the question's object was seen or at the
+  stated time, refines both ends for grounding, widens a zoom once when it still cannot see (self-refine), then
+  answers; counting it answers from the glance;
+- sage: answers at once when the glance shows what the question needs (any-horizon); otherwise grounds the
+  event, extracts frames around it and answers.
+
+`TeacherChatModel` (backend `synth`) hands a seed-kind chat to `reply` here, so a config names these policies the
+way it names the teacher: `{kind: chat, backend: synth}`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from m1.models.base import SamplingParams
+from m1.synth.vision import _Answerer
+from m1.synth.world import COLOURS, SHAPES
+
+_OBJ = re.compile(r"\b(?:the|a|an) (" + "|".join(COLOURS) + r") (" + "|".join(SHAPES) + r")\b")
+_TIME = re.compile(r"\b(\d{1,2}):(\d{2})\b")
+
+
+def seed_kind(messages: list[dict]) -> str | None:
+    """Which seed kind a chat belongs to, from its system prompt (None: not a seed-kind chat)."""
+    system = next((m.get("content") for m in messages if m.get("role") == "system"), None)
+    if not isinstance(system, str):
+        return None
+    if "<json>" in system and "final_answer" in system:
+        return "sage"
+    if "<think></think>" in system and "glance" in system:
+        return "zoomer"
+    if "<answer></answer>" in system and "# Tools" in system:
+        return "weaver"
+    return None
+
+
+@dataclass
+class Chat:
+    """What the policy reads of its conversation."""
+
+    kind: str
+    tools: list[str]
+    question: str  # the question block: "Question: ...", options, task line
+    text: str  # the question line alone
+    task: str
+    duration: float
+    glance: list[int]  # positions (in image order) of the first turn's frames
+    times: list[float]  # time of every image part, in order
+    replies: list[str]  # the policy's own earlier replies
+    observations: list[str]  # tool observation lines, in order
+    last_turn: bool
+    images: list[np.ndarray] = field(default_factory=list)
+
+
+def read_chat(messages: list[dict], images: list[np.ndarray] | None) -> Chat:
+    kind = seed_kind(messages) or ""
+    system = messages[0].get("content", "") if messages else ""
+    if kind == "zoomer":
+        tools = ["video_zoom"] if "<video_zoom>" in system else []
+    else:
+        tools = re.findall(r"^- ([a-z_\-]+): ", system, re.M)
+    times, glance, observations, users = [], [], [], []
+    for n, m in enumerate(messages):
+        if m.get("role") != "user":
+            continue
+        parts = m["content"] if isinstance(m.get("content"), list) else [{"type": "text", "text": str(m.get("content"))}]
+        for p in parts:
+            if p.get("type") == "image":
+                if len(users) == 0:
+                    glance.append(len(times))
+                times.append(float(p.get("time", 0.0)))
+            else:
+                text = str(p.get("text", ""))
+                if text.startswith("["):
+                    observations.append(text)
+        users.append(" ".join(str(p.get("text", "")) for p in parts if p.get("type") != "image"))
+    first = users[0] if users else ""
+    qm = re.search(r"^Question: .*?(?=^Task:|\Z)", first, re.M | re.S)
+    question = qm.group(0).strip() if qm else first
+    line = re.search(r"^Question: (.+)$", first, re.M)
+    task = re.search(r"^Task: (.+)$", first, re.M)
+    dur = re.search(r"The video lasts ([\d.]+) s", first)
+    last = bool(re.search(r"No tool calls are left|Stop using the tool", users[-1] if users else ""))
+    return Chat(kind=kind, tools=tools, question=question, text=line.group(1).strip() if line else "",
+                task=_task(task.group(1) if task else ""), duration=float(dur.group(1)) if dur else 0.0,
+                glance=glance, times=times, replies=[m.get("content", "") for m in messages
+                                                     if m.get("role") == "assistant"],
+                observations=observations, last_turn=last, images=list(images or []))
+
+
+def _task(line: str) -> str:
+    low = line.lower()
+    for word, task in (("multiple choice", "mcq"), ("temporal grounding", "grounding"), ("numeric", "numeric")):
+        if low.startswith(word):
+            return task
+    return "open"
+
+
+@dataclass
+class Reading:
+    answer: str | None
+    seen: bool
+    reader: _Answerer | None
+
+
+def read_frames(chat: Chat, positions: list[int] | None = None) -> Reading:
+    """Look at the chat's frames (all, or those at `positions`), sorted by time, one per time."""
+    pos = range(len(chat.times)) if positions is None else positions
+    by_time: dict[float, int] = {}
+    for k in pos:
+        if k < len(chat.images):
+            by_time.setdefault(chat.times[k], k)
+    if not by_time:
+        return Reading(None, False, None)
+    ts = sorted(by_time)
+    frames = np.stack([np.asarray(chat.images[by_time[t]], np.uint8) for t in ts])
+    reader = _Answerer(frames, ts, chat.question)
+    out = reader.completion(SamplingParams(max_new_tokens=64))
+    m = re.search(r"##Timestamp: (\[[^\]]*\])", out.text)
+    a = re.search(r"##Answer: (.+)$", out.text, re.M)
+    answer = m.group(1) if m else (a.group(1).strip() if a else None)
+    if answer is not None and answer.lower() in ("not seen", "not found"):
+        answer = None
+    return Reading(answer, bool(out.meta.get("seen")), reader)
+
+
+def cue(text: str) -> tuple[str, list[str], float | None]:
+    """(kind of question, objects it names, a stated time) from the question's wording."""
+    q = text.lower()
+    objs = [f"{c} {s}" for c, s in _OBJ.findall(q)]
+    t = _TIME.search(q)
+    if t and "[start" not in q:
+        return "timestamp", objs, int(t.group(1)) * 60 + int(t.group(2))
+    for word, name in (("right after", "order"), ("how many", "counting"), ("relative to", "spatial"),
+                       ("when does", "grounding"), ("which way", "motion"), ("near the end", "late"),
+                       ("background", "background"), ("where in the frame", "position")):
+        if word in q:
+            return name, objs, None
+    return "other", objs, None
+
+
+def _fallback(chat: Chat) -> str:
+    return {"mcq": "A", "numeric": "0", "grounding": "[0.0 - 1.0]"}.get(chat.task, "unknown")
+
+
+def _answer_now(chat: Chat, prefer: str | None = None) -> tuple[str, str]:
+    """(answer, why) from every frame seen; `prefer` (a tool's span) when the frames settle nothing."""
+    r = read_frames(chat)
+    if r.answer is not None and (r.seen or prefer is None):
+        return r.answer, f"I read {len(set(chat.times))} frames" + ("" if r.seen else " but could not see it")
+    if prefer is not None:
+        return prefer, "the tool's result"
+    return _fallback(chat), "a guess"
+
+
+def _calls_made(chat: Chat, tag: str) -> int:
+    return sum(bool(re.search(rf"<{tag}>", r)) for r in chat.replies)
+
+
+# ------------------------------------------------------------------------------------------ Weaver
+def _last_span(chat: Chat, tool: str) -> tuple[float, float] | None:
+    for o in reversed(chat.observations):
+        if o.startswith(f"[{tool}]"):
+            m = re.search(r"from ([\d.]+)s to ([\d.]+)s", o)
+            return (float(m.group(1)), float(m.group(2))) if m else None
+    return None
+
+
+def weaver_reply(chat: Chat) -> str:
+    kind, objs, t = cue(chat.text)
+    x = f"the {objs[0]}" if objs else chat.text
+    dur = chat.duration
+    plan: list[tuple[str, dict]] = []
+    if kind == "timestamp" and t is not None:
+        plan = [("trim", {"start": max(0.0, t - 4.0), "end": min(dur, t + 6.0)})]
+    elif kind == "order":
+        plan = [("temporal_grounding", {"query": x})]
+        span = _last_span(chat, "temporal_grounding")
+        if span:
+            plan.append(("trim", {"start": max(0.0, span[1] - 2.0), "end": min(dur, span[1] + 10.0)}))
+    elif kind == "counting":
+        plan = [("temporal_count", {"query": x})]
+    elif kind == "spatial" and len(objs) >= 2:
+        plan = [("temporal_grounding", {"query": x}), ("spatial_grounding", {"objects": objs[:2]})]
+    elif kind == "grounding":
+        plan = [("temporal_grounding", {"query": x})]
+    elif kind == "motion":
+        plan = [("temporal_grounding", {"query": x}), ("spatial_tracking", {"objects": objs[:1] or [x]})]
+    elif kind == "position":
+        plan = [("temporal_grounding", {"query": x}), ("spatial_grounding", {"objects": objs[:1] or [x]})]
+    elif kind == "background":
+        plan = [("frame_selection", {"query": x})]
+    elif kind == "late":
+        plan = [("trim", {"start": max(0.0, dur - 30.0), "end": dur})]
+    plan = [p for p in plan if p[0] in chat.tools]
+    done = _calls_made(chat, "tool_call")
+    if done < len(plan) and not chat.last_turn:
+        name, args = plan[done]
+        step = {"trim": "cut the part of the video that matters", "temporal_grounding": f"find when {x} is on screen",
+                "temporal_count": f"find every clip with {x}", "frame_selection": f"pick the frame that shows {x}",
+                "spatial_grounding": "locate the objects", "spatial_tracking": f"follow {x}"}[name]
+        return (f"Step {done + 1}: the question needs a closer look, so I {step}.\n"
+                f"<tool_call>{json.dumps({'tool_name': name, **args})}</tool_call>")
+    span = _last_span(chat, "temporal_grounding")
+    prefer = f"[{span[0]:.1f} - {span[1]:.1f}]" if kind == "grounding" and span else None
+    answer, why = _answer_now(chat, prefer)
+    return f"Final step: {why}.\n<answer>{answer}</answer>"
+
+
+# ------------------------------------------------------------------------------------------ VideoZoomer
+def _zoom(s: float, e: float, fps: float, budget: int = 16) -> tuple[float, float, float]:
+    """A segment and an fps within the frame budget (fps lowered, to 3 decimals, when the segment is long)."""
+    s, e = max(0.0, round(s, 1)), round(e, 1)
+    e = max(e, s + 0.5)
+    fps = min(float(fps), budget / (e - s))
+    return s, e, max(0.001, math.floor(fps * 1000) / 1000)
+
+
+def zoomer_plan(chat: Chat) -> list[tuple[float, float, float]]:
+    """The zooms the glance calls for (each within the 16-frame budget)."""
+    kind, objs, t = cue(chat.text)
+    dur = chat.duration
+    glance = read_frames(chat, chat.glance)
+    runs = {o: glance.reader.of(o) if glance.reader else [] for o in objs}
+    x = runs.get(objs[0], []) if objs else []
+    if kind == "timestamp" and t is not None:
+        return [_zoom(t - 3.0, min(dur, t + 5.0), 2)]
+    if kind == "order" and x:
+        last = x[-1].last
+        return [_zoom(last - 2.0, min(dur, last + 6.0), 2)]
+    if kind == "grounding" and x:
+        first, last = x[0].first, x[-1].last
+        return [_zoom(first - 4.0, min(dur, first + 4.0), 2), _zoom(last - 4.0, min(dur, last + 4.0), 2)]
+    if kind == "motion" and x:
+        r = max(x, key=lambda r: r.last - r.first)
+        return [_zoom(r.first, min(dur, max(r.last, r.first + 1.0)), 2)]
+    if kind == "spatial" and len(objs) >= 2 and not glance.seen and runs[objs[0]]:
+        a = runs[objs[0]][0].first
+        return [_zoom(a - 8.0, min(dur, a + 8.0), 1)]
+    if kind in ("position", "background") and not glance.seen:
+        return []
+    if kind == "late":
+        return [_zoom(dur - 16.0, dur, 1)]
+    return []
+
+
+def zoomer_reply(chat: Chat) -> str:
+    done = _calls_made(chat, "video_zoom")
+    can_zoom = "video_zoom" in chat.tools and not chat.last_turn
+    if can_zoom:
+        plan = zoomer_plan(chat)
+        if done < len(plan):
+            s, e, fps = plan[done]
+            return (f"<think>The glance is too sparse here; I zoom into {s:.1f}-{e:.1f}s at {fps:g} fps.</think>"
+                    f"<video_zoom>{json.dumps({'segment': [s, e], 'fps': fps})}</video_zoom>")
+        if done and done == len(plan) and not read_frames(chat).seen:  # self-refine: widen the last zoom once
+            s, e, fps = plan[-1]
+            c, half = (s + e) / 2, (e - s)
+            ws, we = max(0.0, c - half), min(chat.duration, c + half)
+            wfps = _zoom(ws, we, fps / 2)[2]
+            return (f"<think>The zoom missed it; the segment was too narrow. I widen it to {ws:.1f}-{we:.1f}s."
+                    f"</think><video_zoom>{json.dumps({'segment': [round(ws, 1), round(we, 1)], 'fps': wfps})}"
+                    "</video_zoom>")
+    answer, why = _answer_now(chat)
+    return f"<think>{why}.</think><answer>{answer}</answer>"
+
+
+# ------------------------------------------------------------------------------------------ SAGE
+def _sage(final: str | None, reasoning: str, calls: list[tuple[str, dict, str]], first: bool) -> str:
+    rec = {"needed": bool(calls), "why_no_tool": "" if calls else "the frames answer the question",
+           "tool_calls": [{"rationale": why, "name": n, "arguments": a} for n, a, why in calls]}
+    body = ({"video_context": reasoning, "query_intent": "answer the question", "final_answer": final,
+             "recommended_tools": rec} if first else
+            {"answerable": {"verdict": final is not None, "reasoning": reasoning}, "final_answer": final,
+             "recommended_tools": rec})
+    return f"<json>{json.dumps(body)}</json>"
+
+
+def _hms(t: float) -> str:
+    t = max(0.0, t)
+    return f"{int(t // 3600):02d}:{int(t % 3600 // 60):02d}:{int(t % 60):02d}"
+
+
+def sage_reply(chat: Chat) -> str:
+    first = not chat.replies
+    r = read_frames(chat)
+    if r.seen or not chat.tools or chat.last_turn:
+        answer = r.answer if r.answer is not None else _fallback(chat)
+        why = f"the {len(set(chat.times))} frames show it" if r.seen else "the evidence is thin; best guess"
+        return _sage(answer, why, [], first)
+    kind, objs, t = cue(chat.text)
+    dur = chat.duration
+    asked = [json.loads(m.group(1)) for rep in chat.replies for m in re.finditer(r"<json>(.*?)</json>", rep, re.S)]
+    names = [c.get("name") for a in asked for c in a.get("recommended_tools", {}).get("tool_calls", [])]
+    if "extract-video-parts" not in names and "extract-video-parts" in chat.tools:
+        window = None
+        if kind == "timestamp" and t is not None:
+            window = (t - 10.0, t + 10.0)
+        elif kind == "late":
+            window = (dur - 30.0, dur)
+        elif objs and "ground-event" in chat.tools:
+            if "ground-event" not in names:
+                return _sage(None, f"the glance does not show the {objs[0]} clearly", [
+                    ("ground-event", {"event": f"the {objs[0]} appears", "start": _hms(0), "end": _hms(dur)},
+                     f"find when the {objs[0]} is on screen")], first)
+            found = next((o for o in reversed(chat.observations) if o.startswith("[ground-event]")), "")
+            m = re.search(r'"start": "(\d\d:\d\d:\d\d)", "end": "(\d\d:\d\d:\d\d)"', found)
+            if m:
+                s = sum(int(x) * k for x, k in zip(m.group(1).split(":"), (3600, 60, 1)))
+                e = sum(int(x) * k for x, k in zip(m.group(2).split(":"), (3600, 60, 1)))
+                window = (s - 5.0, e + 5.0)
+        if window is not None:
+            s, e = max(0.0, window[0]), min(dur, window[1])
+            return _sage(None, "I need frames of that moment", [
+                ("extract-video-parts", {"start": _hms(s), "end": _hms(e), "type": "frames"},
+                 "look at the moment densely")], first)
+    answer = r.answer if r.answer is not None else _fallback(chat)
+    return _sage(answer, "answering from what I could see", [], first)
+
+
+REPLIES = {"weaver": weaver_reply, "zoomer": zoomer_reply, "sage": sage_reply}
+
+
+def reply(messages: list[dict], images: list[np.ndarray] | None) -> str:
+    """The rule policy's reply to a seed-kind chat."""
+    chat = read_chat(messages, images)
+    return REPLIES[chat.kind](chat)

@@ -1,0 +1,276 @@
+"""The seed systems' engine: one vision-language policy in a multi-turn tool loop (Weaver, VideoZoomer, SAGE).
+
+A team of one agent of `kind: weaver | zoomer | sage` runs here instead of the CPP engine, behind the same
+entry points (`m1.team.cpp.make_team`, `m1 infer`, `m1 eval`, `run_questions`) and into the same `Episode`, so
+results lines, traces and metrics are unchanged. Per turn, every episode in flight gets one batched generate call
+of the policy model, and the vision requests of all tool calls one batched call per vision model.
+
+    turn 0    user: glance (uniform frames, each after its time) + question
+    turn k    policy reply -> parsed (m1/seeds/parsers.py) -> tool call(s) | answer
+              tool call -> observation text + the frames it returned, as the next user turn
+    last turn the user turn says no tools are left; a reply without an answer leaves the question unanswered
+
+Tool observations are context, never generation targets: only the policy's replies are Generations. A reply the
+parser cannot read is a format failure (parse_ok False) and, before the last turn, the policy is told why and
+tries again. Frames used = the distinct frames the policy saw plus those tool models read (CLIP scoring, as in
+the CPP engine, is not counted); `Episode.frame_counts` splits them.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from m1.config import TeamConfig
+from m1.models.base import ChatRequest, SamplingParams, text_only
+from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology, Turn
+from m1.seeds import prompts, settings_for
+from m1.seeds.parsers import parse_reply
+from m1.seeds.tools import Context, Observation, SeedTools
+from m1.text import format_span
+from m1.video import VideoError, VideoPool, uniform_indices
+
+
+@dataclass
+class _Run:
+    question: Question
+    topology: Topology
+    video: object | None = None
+    ctx: Context | None = None
+    messages: list[dict] = field(default_factory=list)
+    image_frames: list[int] = field(default_factory=list)  # the frame of each image part, in order
+    policy_frames: set[int] = field(default_factory=set)
+    tool_frames: set[int] = field(default_factory=set)
+    turns: list[Turn] = field(default_factory=list)
+    tools_used: list[str] = field(default_factory=list)
+    generations: list[Generation] = field(default_factory=list)
+    done: bool = False
+    answer: str | None = None
+    reason: str = ""
+    parse_ok: bool = False
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+class SingleAgentTeam:
+    """The engine of a weaver / zoomer / sage agent; the interface of m1.team.cpp.Team (run, run_batch, pool)."""
+
+    def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
+        from m1.models.hub import ModelHub
+
+        if len(cfg.agents) != 1 or cfg.agents[0].kind == "cpp":
+            raise ValueError(f"team {cfg.name!r}: SingleAgentTeam runs one agent of kind weaver, zoomer or sage")
+        self.cfg = cfg
+        self.agent = cfg.agents[0]
+        self.kind = self.agent.kind
+        self.settings = settings_for(self.kind, cfg.seed_system)
+        self.hub = hub if hub is not None else ModelHub(cfg.models)
+        self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20)
+        self.order = [self.agent.name]
+        self.tools = SeedTools(self.settings, cfg.tools, self._clip)
+        self.system = prompts.system_prompt(self.kind, self.settings.tools, self.settings.zoom_frames)
+        self._clip_index = None
+        self._calls = 0
+        self._seed = cfg.sampling.seed
+
+    def reseed(self, seed: int) -> None:
+        self._seed, self._calls = seed, 0
+
+    @property
+    def generate_calls(self) -> int:
+        return self._calls
+
+    # ------------------------------------------------------------------ entry point
+    def run(self, questions: list[Question], topologies: list[Topology] | None = None,
+            rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+        out: list[Episode] = []
+        n = self.cfg.limits.batch_episodes
+        for start in range(0, len(questions), n):
+            chunk = questions[start:start + n]
+            tops = topologies[start:start + n] if topologies else [self._topology() for _ in chunk]
+            for ep in self.run_batch(chunk, tops):
+                out.append(ep)
+                if on_episode:
+                    on_episode(ep)
+        return out
+
+    def _topology(self) -> Topology:
+        return Topology(agents=list(self.order), active=list(self.order), edges=[])
+
+    def run_batch(self, questions: list[Question], topologies: list[Topology]) -> list[Episode]:
+        t0 = time.perf_counter()
+        runs = [self._start(q, t) for q, t in zip(questions, topologies)]
+        last = self.settings.max_turns - 1
+        for turn in range(self.settings.max_turns):
+            live = [r for r in runs if not r.done and r.error is None]
+            if not live:
+                break
+            if turn == last:
+                for r in live:
+                    self._append_text(r, prompts.LAST_TURN[self.kind])
+            self._policy_turn(live, turn, final=turn == last)
+        wall = time.perf_counter() - t0
+        for r in runs:
+            r.timings["batch_wall"], r.timings["batch_size"] = wall, float(len(runs))
+        return [self._finish(r) for r in runs]
+
+    # ------------------------------------------------------------------ steps
+    def _start(self, q: Question, t: Topology) -> _Run:
+        r = _Run(question=q, topology=t)
+        t0 = time.perf_counter()
+        try:
+            r.video = self.pool.open(q.video)
+            info = r.video.info
+            idx = uniform_indices(info, self.settings.glance_frames)
+            r.ctx = Context(question=q, video=r.video, span=(0.0, info.duration))
+            r.messages = [{"role": "system", "content": self.system},
+                          {"role": "user", "content": prompts.first_turn(self.kind, q, info.duration, idx,
+                                                                         r.video.timestamps(idx))}]
+            r.image_frames = list(idx)
+            r.policy_frames.update(idx)
+        except VideoError as exc:
+            r.error = str(exc)
+        except ValueError as exc:  # e.g. a question whose task no prompt knows
+            r.error = f"{q.id}: {exc}"
+        r.timings["open_video"] = time.perf_counter() - t0
+        return r
+
+    def _policy_turn(self, runs: list[_Run], turn: int, final: bool) -> None:
+        key = self.agent.model
+        model = self.hub.vision(key) if self.cfg.models[key].kind == "vision" else self.hub.chat(key)
+        images = getattr(model, "accepts_images", False)
+        temp = self.agent.temperature if self.agent.temperature is not None else self.cfg.sampling.temperature
+        self._calls += 1
+        params = SamplingParams(max_new_tokens=self.settings.reply_tokens, temperature=temp,
+                                top_p=self.cfg.sampling.top_p, seed=self._seed + self._calls)
+        requests = []
+        for r in runs:
+            d0 = r.video.decode_seconds
+            if images:
+                requests.append(ChatRequest(_copy(r.messages), images=list(r.video.frames(r.image_frames))))
+            else:
+                requests.append(ChatRequest(text_only(r.messages)))
+            r.timings["decode"] += r.video.decode_seconds - d0
+        t0 = time.perf_counter()
+        outs = model.generate(requests, params)
+        dt = (time.perf_counter() - t0) / max(1, len(runs))
+        pending = []
+        for r, req, out in zip(runs, requests, outs):
+            r.timings["llm"] += dt
+            reply = parse_reply(self.kind, out.text, r.question, self.settings.tools)
+            phase = "act" if reply.calls and not final else "answer"
+            r.generations.append(Generation(
+                agent=self.agent.name, phase=phase, step=turn, prompt=_copy(r.messages), completion=out.text,
+                prompt_ids=out.prompt_ids, completion_ids=out.completion_ids, logprobs=out.logprobs,
+                parse_ok=reply.ok, parse_error=reply.error, weight_version=out.meta.get("weight_version")))
+            r.messages.append({"role": "assistant", "content": out.text})
+            if reply.calls and not final:
+                pending.append((r, reply))
+            elif reply.answer is not None or final:
+                r.done, r.answer, r.reason, r.parse_ok = True, reply.answer, reply.reason, reply.ok
+            else:  # unreadable, and turns are left: say why, let it try again
+                r.messages.append({"role": "user", "content": [{"type": "text", "text": (
+                    f"Your reply could not be read ({reply.error}). Follow the format in the instructions.")}]})
+        if pending:
+            self._run_tools(pending, turn)
+
+    def _run_tools(self, pending: list, turn: int) -> None:
+        """Prepare every call, send each vision model its requests in one call, then finish and append."""
+        prepared = []  # (run, [(call, Pending)])
+        by_model: dict[str, list[tuple[int, int, int]]] = defaultdict(list)  # key -> (run k, call j, request m)
+        for k, (r, reply) in enumerate(pending):
+            t0, d0 = time.perf_counter(), r.video.decode_seconds
+            items = []
+            for j, call in enumerate(reply.calls):
+                p = self.tools.prepare(r.ctx, call.name, call.args)
+                items.append((call, p))
+                for m, (key, _req) in enumerate(p.requests):
+                    by_model[key].append((k, j, m))
+            prepared.append((r, items))
+            r.timings["tools"] += time.perf_counter() - t0
+            r.timings["decode"] += r.video.decode_seconds - d0
+        replies: dict[tuple[int, int, int], object] = {}
+        for key, slots in by_model.items():
+            t0 = time.perf_counter()
+            reqs = [prepared[k][1][j][1].requests[m][1] for k, j, m in slots]
+            params = SamplingParams(max_new_tokens=max(self.cfg.tools.grounding_tokens, self.cfg.tools.space_tokens,
+                                                       self.cfg.tools.fine_tokens, self.cfg.tools.rough_tokens),
+                                    temperature=0.0, logprobs=False)
+            outs = self.hub.vision(key).describe(reqs, params)
+            dt = (time.perf_counter() - t0) / max(1, len(slots))
+            for slot, out in zip(slots, outs):
+                replies[slot] = out
+                prepared[slot[0]][0].timings["vision"] += dt
+        for k, (r, items) in enumerate(prepared):
+            parts: list[dict] = []
+            for j, (call, p) in enumerate(items):
+                t0, d0 = time.perf_counter(), r.video.decode_seconds
+                try:
+                    obs = p.finish([replies[(k, j, m)] for m in range(len(p.requests))])
+                except (VideoError, ValueError) as exc:
+                    obs = Observation(call.name, call.args, "", error=f"{call.name}: {exc}")
+                r.timings["tools"] += time.perf_counter() - t0
+                parts += self._observe(r, obs, turn)
+                r.timings["decode"] += r.video.decode_seconds - d0
+            r.messages.append({"role": "user", "content": parts})
+
+    def _observe(self, r: _Run, obs: Observation, turn: int) -> list[dict]:
+        """Record the call in memory and render its observation (text line, then its frames)."""
+        import json
+
+        r.tools_used.append(obs.tool)
+        r.tool_frames.update(obs.tool_frames)
+        times = r.video.timestamps(obs.indices) if obs.indices else []
+        r.turns.append(Turn(step=len(r.turns) + 1, tool=obs.tool, key_info=json.dumps(obs.args, ensure_ascii=False,
+                                                                                      default=str)[:500],
+                            output=obs.text, timestamps=times, answer=obs.answer, span=obs.span, error=obs.error))
+        head = f"[{obs.tool}] " + (f"error: {obs.error}" if obs.error else obs.text)
+        parts = [{"type": "text", "text": head}]
+        if obs.indices:
+            parts += prompts.frame_parts(obs.indices, times, start=len(r.image_frames))
+            r.image_frames += list(obs.indices)
+            r.policy_frames.update(obs.indices)
+        return parts
+
+    # ------------------------------------------------------------------ helpers
+    def _append_text(self, r: _Run, text: str) -> None:
+        last = r.messages[-1]
+        if last["role"] == "user" and isinstance(last["content"], list):
+            last["content"] = list(last["content"]) + [{"type": "text", "text": "\n" + text}]
+        else:
+            r.messages.append({"role": "user", "content": [{"type": "text", "text": text}]})
+
+    def _clip(self):
+        if self.cfg.tools.clip is None:
+            return None
+        if self._clip_index is None:
+            from m1.tools.clip_index import ClipIndex
+
+            self._clip_index = ClipIndex(self.hub.clip(self.cfg.tools.clip), cache_dir=self.cfg.tools.clip_cache_dir)
+        return self._clip_index
+
+    def _finish(self, r: _Run) -> Episode:
+        name = self.agent.name
+        answers = []
+        if r.error is None:
+            answers = [AgentAnswer(agent=name, answer=r.answer or "", reason=r.reason, parse_ok=r.parse_ok)]
+        memory = {name: AgentRecord(plan=list(r.tools_used), key_info="", turns=r.turns, answer=r.answer,
+                                    reason=r.reason or None)}
+        if r.question.task == "grounding" and r.answer is not None:
+            from m1.text import parse_span
+
+            span = parse_span(r.answer)
+            r.answer = format_span(span) if span else r.answer
+        counts = {"policy": len(r.policy_frames), "tools": len(r.tool_frames),
+                  "turns": len(r.generations), "tool_calls": len(r.turns)} if r.error is None else {}
+        return Episode(id=r.question.id, question=r.question, topology=r.topology, memory=memory,
+                       generations=r.generations, answers=answers, final_answer=r.answer, final_reason=r.reason,
+                       aggregation=f"single ({self.kind})", frames_used=len(r.policy_frames | r.tool_frames),
+                       frame_counts=counts, timings=dict(r.timings), error=r.error)
+
+
+def _copy(messages: list[dict]) -> list[dict]:
+    """A snapshot of the chat (contents are replaced, never mutated in place, so a shallow copy per message does)."""
+    return [dict(m) for m in messages]
