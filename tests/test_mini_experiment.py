@@ -55,11 +55,12 @@ def test_synth_model_cache_follows_the_tokenizer_version(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ teacher data
-def _teacher_overrides() -> str:
-    """configs/sft/mini.yaml's teacher overrides plus the tiny CLIP."""
+def _teacher_overrides(sft_config: str = "mini") -> str:
+    """The SFT config's teacher overrides plus the tiny CLIP."""
     from m1.marl.config import load_sft_config
 
-    return "data.teacher_overrides=" + json.dumps(list(load_sft_config("mini").data.teacher_overrides) + [TINY_CLIP])
+    return "data.teacher_overrides=" + json.dumps(list(load_sft_config(sft_config).data.teacher_overrides)
+                                                  + [TINY_CLIP])
 
 
 @pytest.mark.slow
@@ -125,10 +126,10 @@ def test_plan_of_the_mini_team_experiment(tmp_path, monkeypatch):
     assert init_seat(exp, "teacher", 1) == [f"models.teacher_{c}.seed={s + 1000}" for c, s in zip("abcd", (1, 2, 3, 4))]
 
 
-def _mini_experiment(tmp_path) -> Path:
-    """configs/experiments/mini_team.yaml on tiny budgets: one seed; 1-video worlds of 8 questions; SFT 80 steps of
+def _mini_experiment(tmp_path, name: str = "mini_team", sft_config: str = "mini") -> Path:
+    """configs/experiments/<name>.yaml on tiny budgets: one seed; 1-video worlds of 8 questions; SFT 80 steps of
     16 examples; one MARL step of 2 rollouts of 1 question; the tiny CLIP everywhere."""
-    spec = yaml.safe_load((REPO / "configs" / "experiments" / "mini_team.yaml").read_text())
+    spec = yaml.safe_load((REPO / "configs" / "experiments" / f"{name}.yaml").read_text())
     w = {name: tmp_path / name for name in ("train", "marl_world", "test")}
     clip = ["tools.clip_cache_dir=" + str(tmp_path / "clip_cache"), TINY_CLIP]
     spec.update(out_dir=str(tmp_path / "exp"), seeds=[0])
@@ -137,15 +138,14 @@ def _mini_experiment(tmp_path) -> Path:
                               for name, seed in (("train", 1), ("marl_world", 5), ("test", 1001))]
     spec["sft"]["overrides"] = [f"data.questions={w['train'] / 'questions.jsonl'}", f"data.video_dir={w['train']}",
                                 f"data.examples={tmp_path / 'sft_examples.jsonl'}", "data.workers=1",
-                                _teacher_overrides(), "max_steps=80", "batch_size=16", "learner.micro_batch_size=16",
+                                _teacher_overrides(sft_config), "max_steps=80", "batch_size=16", "learner.micro_batch_size=16",
                                 "log.progress=false"]
     spec["marl"]["overrides"] = [f"data.questions={w['marl_world'] / 'questions.jsonl'}",
                                  f"data.video_dir={w['marl_world']}", "steps=1", "rollout.num_generations=2",
                                  "rollout.questions_per_step=1", "log.progress=false",
                                  "team_overrides=" + json.dumps(clip)]  # the SFT seat is added by the experiment
     spec["eval"].update(questions=str(w["test"] / "questions.jsonl"), video_dir=str(w["test"]), overrides=clip)
-    assert spec["eval"]["traces"] is True  # plan formats are read from the traces
-    path = tmp_path / "mini_team.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
@@ -170,6 +170,7 @@ def test_mini_team_experiment_with_tiny_budgets(tmp_path, m1_cache):
     from m1.experiment.runner import read_stage, run_experiment
 
     exp = load_experiment(_mini_experiment(tmp_path))
+    assert exp.eval.traces is True  # plan formats are read from the traces
     assert list(exp.arms) == ["untrained", "sft", "sft_marl", "teacher"] and exp.base_arm == "sft"
     assert exp.owner("sft_marl", "sft") == "sft"
     run_experiment(exp, progress=lambda _: None)
@@ -230,3 +231,39 @@ def test_mini_team_experiment_with_tiny_budgets(tmp_path, m1_cache):
     assert sorted(p.name for p in (tmp_path / "assets").iterdir()) == sorted(AGENTS + ["SOURCE.md"])
     with pytest.raises(ValueError, match="arm untrained runs no training stage"):
         export_agents(exp, "untrained", 0, tmp_path / "nothing", progress=lambda _: None)
+
+
+@pytest.mark.slow
+def test_weak_plan_experiment_with_tiny_budgets(tmp_path, m1_cache):
+    """configs/experiments/mini_weakplan.yaml, quick: the weak-plan teacher's plans are spread over the valid pairs
+    and kept whatever the outcome, both MARL arms start from the one SFT, the plans-only arm trains plans only."""
+    from collections import Counter
+
+    from m1.experiment.config import load_experiment
+    from m1.experiment.report import write_report
+    from m1.experiment.runner import read_stage, run_experiment
+    from m1.marl.sft import read_examples
+
+    exp = load_experiment(_mini_experiment(tmp_path, "mini_weakplan", "mini_weakplan"))
+    assert list(exp.arms) == ["sft", "sft_marl", "sft_marl_plans", "teacher"]
+    assert exp.owner("sft_marl_plans", "sft") == exp.owner("sft_marl", "sft") == "sft"
+    run_experiment(exp, progress=lambda _: None)
+    out = tmp_path / "exp"
+    examples = read_examples(tmp_path / "sft_examples.jsonl")
+    stats = json.loads((tmp_path / "sft_examples.jsonl.stats.json").read_text())
+    plans = [e for e in examples if e.phase == "plan"]
+    assert len(plans) == stats["episodes"] * 4  # every agent's plan of every episode, right or wrong
+    assert stats["data"]["plan_filter"] == "all"
+    pairs = Counter(e.completion.split("##tool use: ")[1] for e in plans)
+    assert len(pairs) >= 10, pairs  # 8 questions x 4 rollouts x 4 agents over 16 pairs
+    plans_only = read_stage(out / "sft_marl_plans" / "seed0" / "marl")["resolved"]["rollout"]["train_phases"]
+    assert plans_only == ["plan"]
+    assert read_stage(out / "sft_marl" / "seed0" / "marl")["resolved"]["rollout"]["train_phases"] == [
+        "plan", "communicate", "answer", "summary"]
+    rows = [json.loads(x) for x in (out / "sft_marl_plans" / "seed0" / "marl" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert len(rows) == 1 and rows[0]["episodes/failed"] == 0
+    rep = write_report(exp)
+    for arm in exp.arms:
+        assert f"| {arm} | " in rep["text"]
+    assert [c["arm"] for c in rep["changes"]] == ["sft_marl", "sft_marl_plans", "teacher"]
