@@ -13,8 +13,40 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
-from m1.config import ModelSpec, Strict, TeamConfig, load_config, load_team
+from m1.config import ConfigError, ModelSpec, Strict, TeamConfig, load_config, load_team
 from m1.marl.rewards import RewardConfig
+
+CPP_PHASES = ("plan", "communicate", "answer", "summary")
+SEED_PHASES = ("act", "answer")  # the generations of a seed-kind episode (m1/team/single.py)
+
+
+def seed_kind(team: TeamConfig) -> str | None:
+    """The team's seed kind (weaver, zoomer, sage) when it is a team of one such agent, else None (CPP)."""
+    kinds = [a.kind for a in team.agents if a.kind != "cpp"]
+    return kinds[0] if kinds else None
+
+
+def seed_phases(phases, where: str, kind: str, default) -> list[str] | None:
+    """The phases a seed-kind run trains on: every turn (None) when `phases` is the CPP default, else `phases`,
+    which must name only act and answer."""
+    if list(phases) == list(default):
+        return None
+    bad = [p for p in phases if p not in SEED_PHASES]
+    if bad:
+        raise ValueError(f"{where}: {bad} are CPP phases; a {kind} agent writes only {list(SEED_PHASES)}")
+    return list(phases)
+
+
+def _seed_policy_checks(team: TeamConfig, trained: list[str], where: str) -> None:
+    """A trained seed-kind policy must be a text chat model: the learner scores token ids of text prompts (frames
+    are `[frame at t s]` placeholders); a learner that feeds frames to a VLM is not built."""
+    for a in team.agents:
+        spec = team.models[a.model]
+        if a.name in trained and (spec.kind != "chat" or spec.backend not in ("hf", "vllm")):
+            raise ValueError(f"{where}: agent {a.name!r} (kind {a.kind}) has model {a.model!r} of kind {spec.kind!r}, "
+                             f"backend {spec.backend!r}; training a seed-kind policy needs a kind chat model "
+                             "(backend hf) (frames reach it as text placeholders; a VLM learner is not built)")
+
 
 # lr used when `learner.lr` is left empty (MARL: the paper's values; SFT: see SFTConfig)
 DEFAULT_LR = {"lora": 2e-6, "full": 1e-7}
@@ -115,9 +147,11 @@ class RolloutConfig(Strict):
     # question's K rollouts spread its answer over the letters and no letter is reinforced for its own sake
     rotate_options: bool = False
     # ours: the phases whose generations are trained on; the others still run and shape the episode, but carry no
-    # gradient (e.g. [answer, summary]: learn to read the notes while plans and tool use stay as SFT left them)
-    train_phases: list[Literal["plan", "communicate", "answer", "summary"]] = Field(
-        default_factory=lambda: ["plan", "communicate", "answer", "summary"], min_length=1)
+    # gradient (e.g. [answer, summary]: learn to read the notes while plans and tool use stay as SFT left them).
+    # A seed-kind team (weaver / zoomer / sage) writes `act` (a tool-calling turn) and `answer`; there the default
+    # list means every turn, and a list of its own may name only act and answer
+    train_phases: list[Literal["plan", "communicate", "answer", "summary", "act"]] = Field(
+        default_factory=lambda: list(CPP_PHASES), min_length=1)
 
     @model_validator(mode="after")
     def _one_answer_credit(self):
@@ -278,6 +312,19 @@ class TrainConfig(Strict):
                              f"{sorted(r.engine_url)}")
         if self.grpo.loss_type == "dr_grpo" and self.learner.max_completion_tokens < 1:
             raise ValueError("grpo.loss_type dr_grpo needs learner.max_completion_tokens")
+        kind = seed_kind(team)
+        if kind is None:
+            if "act" in r.train_phases:
+                raise ValueError(f"rollout.train_phases: 'act' is a seed-kind phase; team {team.name!r} is CPP")
+        else:
+            seed_phases(r.train_phases, "rollout.train_phases", kind, CPP_PHASES)
+            if r.answer_samples or r.credit != "episode":
+                raise ValueError(f"rollout.answer_samples / rollout.credit: a {kind} episode has one reward for "
+                                 f"all its turns; leave them at 0 / episode (got {r.answer_samples}, {r.credit!r})")
+            _seed_policy_checks(team, trained, "train_agents")
+        from m1.marl.rewards import reward_kind
+
+        reward_kind(self.rewards, team)
         return self
 
     def team_config(self) -> TeamConfig:
@@ -299,7 +346,9 @@ class SFTDataConfig(Strict):
     # ours: also keep a plan its agent revised during the episode when that agent answered right (the paper drops
     # every changed plan); the revision itself is learnt from the communicate example
     keep_revised_plans: bool = False
-    phases: list[Literal["plan", "communicate", "answer", "summary"]] = Field(default_factory=lambda: ["plan"])
+    # a seed-kind teacher (weaver / zoomer / sage) writes act and answer turns: there the default means both, as
+    # every turn of a right episode is an example
+    phases: list[Literal["plan", "communicate", "answer", "summary", "act"]] = Field(default_factory=lambda: ["plan"])
     # all: every student agent learns every kept example; same_name: only examples of the agent with its name
     assign: Literal["all", "same_name"] = "all"
     # ours: keep at most N communicate examples per agent and question (over all its rollouts), the first ones: they
@@ -346,6 +395,18 @@ class SFTConfig(Strict):
         d = self.data
         if d.examples is None and (d.teacher is None or d.questions is None):
             raise ValueError("data: give `examples` (a JSONL) or both `teacher` and `questions` to build it")
+        try:  # a teacher that does not load yet is reported where it is built, as before
+            teacher = self.teacher_config()
+        except (ConfigError, OSError):
+            teacher = None
+        kind = seed_kind(teacher) if teacher is not None else None
+        if kind is not None:
+            seed_phases(d.phases, "data.phases", kind, ["plan"])
+        elif "act" in d.phases:
+            raise ValueError("data.phases: 'act' is a seed-kind phase; the teacher is a CPP team")
+        student = self.team_config()
+        if seed_kind(student) is not None:
+            _seed_policy_checks(student, list(self.train_agents or names), "train_agents")
         return self
 
     def team_config(self) -> TeamConfig:

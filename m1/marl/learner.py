@@ -131,10 +131,12 @@ class AgentLearner:
     def sft_sample(self, ex) -> Sample:
         """An SFT example (m1/marl/sft.py) as this learner's `Sample`: its own chat rendering and tokenizer; the
         target ends with end-of-turn."""
-        from m1.models.base import ChatRequest
+        from m1.models.base import ChatRequest, text_only
 
         tok = self.tokenizer
-        prompt = tok(self.chat.render(ChatRequest(ex.messages)), add_special_tokens=False)["input_ids"]
+        # a seed-kind chat carries image parts: the text model sees them as placeholders, as when it generates
+        # (m1/team/single.py); plain-string CPP chats render exactly as before
+        prompt = tok(self.chat.render(ChatRequest(text_only(ex.messages))), add_special_tokens=False)["input_ids"]
         completion = tok(ex.completion, add_special_tokens=False)["input_ids"] + [self.chat.eos_ids[0]]
         return Sample(agent=self.agent, question_id=ex.question_id, group=0, rollout=0, phase=ex.phase,
                       prompt_ids=list(prompt), completion_ids=list(completion), logprobs=None, reward=0.0,

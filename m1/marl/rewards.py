@@ -52,7 +52,8 @@ __all__ = [
     "RewardConfig", "RewardBreakdown", "result_reward", "answer_rewards", "format_reward",
     "outcome_parsed", "collaboration_reward",
     "tool_penalty", "agent_answer", "agent_rewards", "batch_agent_rewards", "log_breakdowns",
-    "summarize",
+    "summarize", "SeedReward", "SEED_WEIGHTS", "SAGE_STEP", "seed_reward", "seed_rewards", "summarize_seed",
+    "reward_kind", "turns_strict", "tool_used", "repeated_calls",
 ]
 
 
@@ -71,6 +72,9 @@ class RewardConfig(Strict):
     numeric: Literal["linear", "threshold"] = "linear"
     numeric_threshold: float = Field(0.5, gt=0.0, le=1.0)  # MRA needed for +1 in threshold mode
     format: Literal["generations", "phases"] = "generations"  # R_format: share of generations, or mean per phase
+    # Which reward: auto follows the team's agent kind (cpp: the rewards above; weaver / zoomer / sage: that seed's
+    # own reward, `seed_rewards`, whose weights are the papers' and ignore w_*). Left out of dumps at auto
+    kind: Literal["auto", "cpp", "weaver", "zoomer", "sage"] = Field("auto", exclude_if=lambda v: v == "auto")
 
 
 class RewardBreakdown(BaseModel):
@@ -296,6 +300,115 @@ def summarize(batch: Sequence[dict[str, RewardBreakdown]]) -> dict[str, float]:
     out["reward/over_limit"] = sum(b.penalty < 0 for b in rows) / n
     teams = [next(iter(per.values())).team_res for per in batch if per]  # one team answer per episode
     out["reward/team_res"] = sum(teams) / len(teams)
+    for agent in sorted({b.agent for b in rows}):
+        mine = [b.total for b in rows if b.agent == agent]
+        out[f"reward/total/{agent}"] = sum(mine) / len(mine)
+    return out
+
+
+# ----------------------------------------------------------------------------- the seed kinds' rewards
+# (correct, format, tool) weights from the papers. Weaver: R = 0.7 R_corr + 0.2 R_format + 0.1 R_tool. VideoZoomer:
+# R = 0.9 R_acc + 0.1 R_format + 0.5 R_tool (its Table of RL settings), R_tool only when the answer is right in both.
+# Format is 1 when every policy turn parsed strictly (m1/seeds/parsers.py `ok`): VideoZoomer's definition (each
+# turn <think> then a valid <video_zoom> or <answer>); Weaver's paper only asks for an <answer> tag, which its strict
+# parser checks along with every tool call, so a malformed call now costs the format part too.
+SEED_WEIGHTS = {"weaver": (0.7, 0.2, 0.1), "zoomer": (0.9, 0.1, 0.5)}
+# SAGE: the seed (its supplement) names two LLM-judge rewards and no weights: accuracy (True/False) and a
+# "reasonable-tool" verdict on the tool-calling trace that must penalise needless repeated calls. Ours, the simplest
+# faithful version: accuracy 1/0 by is_correct, plus SAGE_STEP (+) when the trace repeats no call and (-) when it
+# repeats one, 0 when no tool was called (no trace to judge); 0.1 is the step reward's size in SAGE's released code
+# (outside the seeds), and the repetition rule stands in for the offline judge.
+SAGE_STEP = 0.1
+
+
+class SeedReward(BaseModel):
+    """One seed-kind episode's reward and its parts (all 0/1 except `step`, SAGE's reasonable-tool term)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str
+    kind: str
+    correct: float
+    format: float  # every policy turn parsed strictly
+    tool: float  # a tool was called and the answer is right (Weaver, VideoZoomer)
+    step: float = 0.0  # SAGE: +/- SAGE_STEP for a trace without / with a repeated call
+    total: float
+    tool_calls: int
+    turns: int
+
+
+def reward_kind(cfg: RewardConfig, team) -> str:
+    """The reward a team trains with: `rewards.kind`, or with `auto` its agents' kind; a CPP reward on a seed-kind
+    team (or the reverse) is refused naming both."""
+    kinds = {a.kind for a in team.agents}
+    team_kind = "cpp" if kinds == {"cpp"} else next(k for k in kinds if k != "cpp")
+    if cfg.kind == "auto":
+        return team_kind
+    if (cfg.kind == "cpp") != (team_kind == "cpp"):
+        raise ValueError(f"rewards.kind: {cfg.kind!r} does not fit team {team.name!r}, whose agent kind is "
+                         f"{team_kind!r} (use auto)")
+    return cfg.kind
+
+
+def turns_strict(episode: Episode, agent: str) -> float:
+    """1.0 when the agent wrote at least one reply and every one parsed in the strict format, else 0.0."""
+    gens = [g for g in episode.generations if g.agent == agent]
+    return float(bool(gens) and all(g.parse_ok for g in gens))
+
+
+def tool_used(episode: Episode, agent: str) -> bool:
+    """Whether the agent called a tool (an executed call, even one answered with an error observation)."""
+    return _tool_calls(episode, agent) > 0
+
+
+def repeated_calls(episode: Episode, agent: str) -> int:
+    """Calls that repeat an earlier call of the episode exactly (same tool, same arguments)."""
+    rec = episode.memory.get(agent)
+    seen, repeats = set(), 0
+    for t in rec.turns if rec is not None else []:
+        key = (t.tool, t.key_info)
+        repeats += key in seen
+        seen.add(key)
+    return repeats
+
+
+def seed_reward(episode: Episode, kind: str, agent: str | None = None) -> SeedReward:
+    """The reward of a weaver / zoomer / sage episode for its (only) agent, as its paper defines it (see
+    SEED_WEIGHTS, SAGE_STEP). Right or wrong is `m1.data.metrics.is_correct` on the team's final answer, the
+    evaluation's own definition (grounding: IoU >= 0.5)."""
+    if kind not in ("weaver", "zoomer", "sage"):
+        raise ValueError(f"rewards.kind: {kind!r} has no seed reward (weaver, zoomer, sage)")
+    if episode.question.answer is None:
+        raise ValueError(f"question {episode.question.id!r}: no ground truth answer; the seed reward needs one")
+    agent = agent if agent is not None else next(iter(episode.memory))
+    correct = float(is_correct(episode.question, episode.final_answer))
+    fmt = turns_strict(episode, agent)
+    calls = _tool_calls(episode, agent)
+    tool = float(calls > 0 and correct == 1.0)
+    turns = sum(g.agent == agent for g in episode.generations)
+    if kind == "sage":
+        step = 0.0 if calls == 0 else (-SAGE_STEP if repeated_calls(episode, agent) else SAGE_STEP)
+        return SeedReward(agent=agent, kind=kind, correct=correct, format=fmt, tool=tool, step=step,
+                          total=correct + step, tool_calls=calls, turns=turns)
+    w_c, w_f, w_t = SEED_WEIGHTS[kind]
+    return SeedReward(agent=agent, kind=kind, correct=correct, format=fmt, tool=tool,
+                      total=w_c * correct + w_f * fmt + w_t * tool, tool_calls=calls, turns=turns)
+
+
+def seed_rewards(episodes: Sequence[Episode], kind: str) -> list[dict[str, SeedReward]]:
+    """`seed_reward` per episode as {agent: SeedReward}; a failed episode (unreadable video) gets {} (no reward)."""
+    return [{} if ep.error is not None else {(r := seed_reward(ep, kind)).agent: r} for ep in episodes]
+
+
+def summarize_seed(batch: Sequence[dict[str, SeedReward]]) -> dict[str, float]:
+    """Batch means of the seed rewards' parts for the training log."""
+    rows = [b for per in batch for b in per.values()]
+    if not rows:
+        return {}
+    n = len(rows)
+    out = {f"reward/{k}": sum(getattr(b, k) for b in rows) / n for k in ("total", "correct", "format", "tool", "step")}
+    out["reward/tool_calls"] = sum(b.tool_calls for b in rows) / n
+    out["reward/turns"] = sum(b.turns for b in rows) / n
     for agent in sorted({b.agent for b in rows}):
         mine = [b.total for b in rows if b.agent == agent]
         out[f"reward/total/{agent}"] = sum(mine) / len(mine)

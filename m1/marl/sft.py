@@ -33,7 +33,7 @@ from m1.files import write_whole
 from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
 from m1.marl.rewards import RewardConfig, batch_agent_rewards
 from m1.marl.rollout import rotate_options
-from m1.schema import Episode, Question
+from m1.schema import Episode, Question, Turn
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +112,62 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
     return examples, stats
 
 
+def corrected_calls(episode: Episode, agent: str) -> int:
+    """Tool calls that correct an earlier one (VideoZoomer's reflection pattern): any call after a call that returned
+    an error, or the same tool again over a span that strictly contains an earlier call's span (a zoom that missed,
+    then a wider one). Calls over other spans (both ends of an event, say) are a plan, not a correction."""
+    rec = episode.memory.get(agent)
+    turns = rec.turns if rec is not None else []
+
+    def widens(t: Turn, e: Turn) -> bool:
+        return (t.tool == e.tool and t.span is not None and e.span is not None and tuple(t.span) != tuple(e.span)
+                and t.span[0] <= e.span[0] and e.span[1] <= t.span[1])
+
+    return sum(any(e.error for e in turns[:i]) or any(widens(t, e) for e in turns[:i]) for i, t in enumerate(turns))
+
+
+def select_seed_examples(episodes: Sequence[Episode], kind: str,
+                         phases: Sequence[str] | None = None) -> tuple[list[SFTExample], dict[str, int]]:
+    """Seed-kind trajectories (weaver / zoomer / sage): every turn of a right episode is an example (its chat so far,
+    tool observations included, as the prompt; its reply as the target), `phases` (act, answer) when given. Right
+    is the seed reward's `correct` (m1.data.metrics.is_correct on the final answer). A right episode that corrected
+    a tool call on the way (`corrected_calls`) is kept like any other: these are VideoZoomer's reflection
+    trajectories, counted in `kept_reflection_episodes`."""
+    from m1.marl.rewards import seed_rewards
+
+    stats = {"episodes": len(episodes), "episodes_failed": 0, "episodes_wrong": 0, "kept": 0,
+             "kept_episodes": 0, "kept_reflection_episodes": 0}
+    examples: list[SFTExample] = []
+    for ep, per in zip(episodes, seed_rewards(episodes, kind)):
+        if ep.error is not None:
+            stats["episodes_failed"] += 1
+            continue
+        reward = next(iter(per.values()))
+        if reward.correct != 1.0:
+            stats["episodes_wrong"] += 1
+            continue
+        stats["kept_episodes"] += 1
+        stats["kept_reflection_episodes"] += corrected_calls(ep, reward.agent) > 0
+        for gen in ep.generations:
+            if phases is not None and gen.phase not in phases:
+                continue
+            examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
+                                       messages=gen.prompt, completion=gen.completion))
+            stats["kept"] += 1
+    return examples, stats
+
+
 def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, judge=None,
                    phases: Sequence[str] = ("plan",), rollouts: int = 1,
                    rotate: bool = False, keep_revised_plans: bool = False, progress: bool = False,
                    plan_filter: str = "keep_rule") -> tuple[list[SFTExample], dict[str, int]]:
     """Run the teacher `team` `rollouts` times over every question and keep plans by the paper's rule (see
-    `select_examples`); with `rotate`, rollout r of an MCQ question sees its options rotated by r places."""
+    `select_examples`); with `rotate`, rollout r of an MCQ question sees its options rotated by r places.
+    A seed-kind teacher (m1/team/single.py) keeps every turn of its right episodes instead (`select_seed_examples`;
+    `phases` at its default ["plan"] means all turns)."""
+    from m1.team.single import SingleAgentTeam
+
+    kind = team.kind if isinstance(team, SingleAgentTeam) else None
     repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(rollouts)]
     bar = None
     if progress:
@@ -129,6 +179,10 @@ def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, j
     finally:
         if bar is not None:
             bar.close()
+    if kind is not None:
+        from m1.marl.config import seed_phases
+
+        return select_seed_examples(episodes, kind, seed_phases(phases, "data.phases", kind, ["plan"]))
     return select_examples(episodes, rewards, judge, phases, keep_revised_plans, plan_filter)
 
 
@@ -174,11 +228,11 @@ def _teacher_shard(cfg: SFTConfig, questions: list[Question]) -> tuple[list[SFTE
     """One worker process of `prepare_examples`: the teacher over some whole videos, on one torch thread."""
     import torch
 
-    from m1.team.cpp import Team
+    from m1.team.cpp import make_team
 
     torch.set_num_threads(1)
     d = cfg.data
-    return build_sft_data(Team(cfg.teacher_config()), questions, cfg.rewards, None, d.phases,
+    return build_sft_data(make_team(cfg.teacher_config()), questions, cfg.rewards, None, d.phases,
                           d.rollouts_per_question, d.rotate_options, d.keep_revised_plans, plan_filter=d.plan_filter)
 
 
@@ -196,7 +250,7 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
     data settings, built again), otherwise built by the teacher over `data.questions` and written with a
     `<examples>.stats.json` (keep-rule counts, examples per phase, the settings)."""
     from m1.marl.stream import load_questions
-    from m1.team.cpp import Team
+    from m1.team.cpp import make_team
 
     say = progress or (lambda msg: log.info("%s", msg))
     d = cfg.data
@@ -234,7 +288,7 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
             for k, v in part_stats.items():
                 stats[k] = stats.get(k, 0) + v
     else:
-        examples, stats = build_sft_data(Team(teacher, hub=teacher_hub), questions, cfg.rewards, None, d.phases,
+        examples, stats = build_sft_data(make_team(teacher, hub=teacher_hub), questions, cfg.rewards, None, d.phases,
                                          d.rollouts_per_question, d.rotate_options, d.keep_revised_plans,
                                          progress=cfg.log.progress, plan_filter=d.plan_filter)
     if d.communicate_per_episode is not None:

@@ -12,6 +12,10 @@ One training step, top to bottom (`Trainer.train_step`):
    beta * k3 KL to the reference (m1/marl/grpo.py), accumulate gradients over micro-batches, clip, AdamW step;
 6. log metrics (JSONL, TensorBoard, progress bar) and checkpoint every `checkpoint.every` steps.
 
+A seed-kind team (weaver / zoomer / sage, m1/team/single.py) trains through the same loop: its one agent on the
+complete topology, its kind's reward (m1.marl.rewards.seed_rewards), and every policy turn a sample whose prompt is
+the chat so far (tool observations are context only) and whose advantage is its episode's.
+
 The learners (policy, reference, optimizer; local or Ray actors) live in m1/marl/learner.py, checkpoints in
 m1/marl/checkpoint.py, the question stream and metrics log in m1/marl/stream.py, the command in m1/marl/launch.py.
 
@@ -34,7 +38,7 @@ from typing import Any
 
 from m1.marl.checkpoint import (CHECKPOINT_DIR, StopFlag, finished_checkpoints, load_checkpoint, naming_full_disk,
                                  resume_point, save_checkpoint)
-from m1.marl.config import TrainConfig
+from m1.marl.config import CPP_PHASES, TrainConfig, seed_kind, seed_phases
 from m1.marl.groups import build_learners, host_driver_models, reserve_placement
 from m1.marl.learner import derive_seed, seed_everything
 from m1.marl.rewards import answer_rewards
@@ -84,6 +88,9 @@ class Trainer:
             self.team_cfg = self.team_cfg.model_copy(update={"limits": limits.model_copy(
                 update={"batch_episodes": max(limits.batch_episodes, step_episodes)})})
         self.agents = [a.name for a in self.team_cfg.agents]
+        # weaver / zoomer / sage: a team of one in a multi-turn tool loop; every turn is a sample with the episode's
+        # advantage, the tool observations in its prompt only (m1/team/single.py); None: the CPP team
+        self.seed_kind = seed_kind(self.team_cfg)
         self.trained = list(cfg.train_agents or self.agents)
         self.temperatures = {a: agent_temperature(self.team_cfg, a) for a in self.trained}
         self.hub = hub if hub is not None else ModelHub(self.team_cfg.models)
@@ -118,6 +125,11 @@ class Trainer:
             if key != "judge":
                 self.hub.register(key, model, kind=model.kind)
         self.judge = judge
+        if reward_fn is None and self.seed_kind is not None:
+            from m1.marl.rewards import reward_kind, seed_rewards
+
+            kind = reward_kind(cfg.rewards, self.team_cfg)
+            reward_fn = lambda eps: seed_rewards(eps, kind)  # noqa: E731
         if reward_fn is None:
             from m1.marl.rewards import batch_agent_rewards
 
@@ -171,7 +183,8 @@ class Trainer:
 
         # 1-2. this step's questions and its communication DAG (agent dropout)
         questions = self.data.take(cfg.rollout.questions_per_step)
-        topology = sample_topology(self.agents, cfg.rollout.topology, cfg.rollout.edge_prob, cfg.rollout.dropout,
+        topology = sample_topology(self.agents, "complete" if self.seed_kind else cfg.rollout.topology,
+                                   cfg.rollout.edge_prob, cfg.rollout.dropout,
                                    random.Random(derive_seed(cfg.seed, step, "topology")))
 
         # 3. K episodes per question, generated with the current weights (rollout engines get them first)
@@ -201,8 +214,10 @@ class Trainer:
                 batch, self.trained, lambda a: self.hub.chat(self.model_keys[a]), cfg.rollout.answer_samples,
                 self.temperatures, self.team_cfg.limits.answer_tokens, derive_seed(cfg.seed, step, "answers"),
                 lambda pairs: answer_rewards(pairs, cfg.rewards, self.judge), cfg.grpo.scale_rewards)
-        samples = build_samples(batch, advantages, self.temperatures, answer_adv, answer_groups,
-                                cfg.rollout.train_phases)
+        phases = cfg.rollout.train_phases
+        if self.seed_kind is not None:  # the default: every turn (act and answer)
+            phases = seed_phases(phases, "rollout.train_phases", self.seed_kind, CPP_PHASES)
+        samples = build_samples(batch, advantages, self.temperatures, answer_adv, answer_groups, phases)
         if self.engines is not None:
             self.engines.check_versions(samples, step)
         t_reward = time.perf_counter()
@@ -231,12 +246,12 @@ class Trainer:
     def _team(self, step: int, greedy: bool = False):
         """One team for the whole run (so CLIP embeddings and decoded frames are reused), reseeded
         from (seed, step) so rollouts repeat exactly after a resume; `greedy`: its copy decoding greedily."""
-        from m1.team.cpp import Team
+        from m1.team.cpp import make_team
 
         name = "_greedy_team" if greedy else "_team_obj"
         if getattr(self, name, None) is None:
             cfg = self.team_cfg.greedy() if greedy else self.team_cfg
-            setattr(self, name, Team(cfg, hub=self.hub, pool=self.pool))
+            setattr(self, name, make_team(cfg, hub=self.hub, pool=self.pool))
         team = getattr(self, name)
         team.reseed(derive_seed(self.cfg.seed, step, "greedy" if greedy else "sampling"))
         return team
@@ -263,6 +278,10 @@ class Trainer:
             from m1.marl.rewards import summarize
 
             row.update(summarize(batch.breakdowns))
+        elif batch.breakdowns and all(hasattr(v, "kind") for per in batch.breakdowns for v in per.values()):
+            from m1.marl.rewards import summarize_seed
+
+            row.update(summarize_seed(batch.breakdowns))
         if answer_groups:  # how often the resampled answers disagreed (only those groups carry signal)
             row["answer_groups/reward"] = sum(sum(x.rewards) for x in answer_groups) / sum(
                 len(x.rewards) for x in answer_groups)
