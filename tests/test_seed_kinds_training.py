@@ -292,7 +292,9 @@ def test_seed_configs_refuse_what_does_not_apply(tmp_path):
         train_cfg(tmp_path, rollout={"credit": "phase"})
     vl = weaver_team()
     vl["models"]["policy"] = {"kind": "vision", "device": "cpu", "tiny": {"arch": "qwen2_5_vl", "seed": 5}}
-    with pytest.raises(ValueError, match="a VLM learner is not built"):
+    assert train_cfg(tmp_path, team=vl).team.models["policy"].kind == "vision"  # tests/test_seed_kinds_vlm_training.py
+    vl["models"]["policy"] = {"kind": "vision", "backend": "synth"}
+    with pytest.raises(ValueError, match="a trained vision-language policy needs backend 'hf'"):
         train_cfg(tmp_path, team=vl)
     with pytest.raises(ValueError, match="rewards.kind: 'cpp' does not fit"):
         train_cfg(tmp_path, rewards={"kind": "cpp"})

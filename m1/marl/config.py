@@ -37,15 +37,27 @@ def seed_phases(phases, where: str, kind: str, default) -> list[str] | None:
     return list(phases)
 
 
-def _seed_policy_checks(team: TeamConfig, trained: list[str], where: str) -> None:
-    """A trained seed-kind policy must be a text chat model: the learner scores token ids of text prompts (frames
-    are `[frame at t s]` placeholders); a learner that feeds frames to a VLM is not built."""
+def _seed_policy_checks(team: TeamConfig, trained: list[str], where: str, engine: str = "hf") -> None:
+    """A trained seed-kind policy must be one the learner can score: a text chat model (backend hf or vllm; frames
+    reach it as `[frame at t s]` placeholders) or a vision-language model on backend hf (frames reach it as images,
+    and the learner feeds their pixels to its forward pass; m1/marl/learner.py). Other vision backends are refused,
+    and so is a vLLM rollout engine for a vision-language policy (its multimodal requests are not built)."""
     for a in team.agents:
+        if a.name not in trained:
+            continue
         spec = team.models[a.model]
-        if a.name in trained and (spec.kind != "chat" or spec.backend not in ("hf", "vllm")):
+        if spec.kind == "vision":
+            if spec.backend != "hf":
+                raise ValueError(f"{where}: agent {a.name!r} (kind {a.kind}) has model {a.model!r} of kind 'vision', "
+                                 f"backend {spec.backend!r}; a trained vision-language policy needs backend 'hf' "
+                                 "(a Qwen2-VL / Qwen2.5-VL model)")
+            if engine != "hf":
+                raise ValueError(f"rollout.engine: {engine!r} cannot sample the vision-language policy of agent "
+                                 f"{a.name!r} (model {a.model!r}); use rollout.engine: hf")
+        elif spec.kind != "chat" or spec.backend not in ("hf", "vllm"):
             raise ValueError(f"{where}: agent {a.name!r} (kind {a.kind}) has model {a.model!r} of kind {spec.kind!r}, "
                              f"backend {spec.backend!r}; training a seed-kind policy needs a kind chat model "
-                             "(backend hf) (frames reach it as text placeholders; a VLM learner is not built)")
+                             "(backend hf or vllm) or a kind vision model (backend hf)")
 
 
 # lr used when `learner.lr` is left empty (MARL: the paper's values; SFT: see SFTConfig)
@@ -321,7 +333,7 @@ class TrainConfig(Strict):
             if r.answer_samples or r.credit != "episode":
                 raise ValueError(f"rollout.answer_samples / rollout.credit: a {kind} episode has one reward for "
                                  f"all its turns; leave them at 0 / episode (got {r.answer_samples}, {r.credit!r})")
-            _seed_policy_checks(team, trained, "train_agents")
+            _seed_policy_checks(team, trained, "train_agents", r.engine)
         from m1.marl.rewards import reward_kind
 
         reward_kind(self.rewards, team)

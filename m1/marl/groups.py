@@ -131,8 +131,9 @@ class RemoteChat:
 
     remote = True  # the driver only waits on it: the team engine calls every agent's model of a phase at once
 
-    def __init__(self, name: str, actors: list):
+    def __init__(self, name: str, actors: list, accepts_images: bool = False):
         self.name, self._actors = name, list(actors)
+        self.accepts_images = accepts_images  # a vision-language learner: the team sends it frames
 
     def generate(self, requests, params):
         ray = _require_ray()
@@ -158,6 +159,7 @@ class RayLearners:
         default = {"num_gpus": ray_cfg.num_gpus_per_learner, "num_cpus": ray_cfg.num_cpus_per_learner}
         actor_cls = ray.remote(LearnerRank)
         self.keys = {agent: key for agent, (key, _) in specs.items()}
+        self.kinds = {agent: spec.kind for agent, (_, spec) in specs.items()}
         self.groups: dict[str, list] = {
             agent: [actor_cls.options(**(placement.options("learner", agent, r) if placement else default)).remote()
                     for r in range(worlds[agent])] for agent in specs}
@@ -177,7 +179,8 @@ class RayLearners:
                                            for agent, group in self.groups.items() for r, actor in enumerate(group)})
 
     def chat_models(self) -> dict[str, RemoteChat]:
-        return {agent: RemoteChat(self.keys[agent], group) for agent, group in self.groups.items()}
+        return {agent: RemoteChat(self.keys[agent], group, self.kinds.get(agent) == "vision")
+                for agent, group in self.groups.items()}
 
     def sft_samples(self, agent: str, examples: list) -> list[Sample]:
         ray = _require_ray()

@@ -9,6 +9,12 @@ Old log-probs: with `grpo.old_logprobs: policy` (default) the surrogate uses `lo
 rollout batch, TRL's on-policy case, ratio exactly 1 with the gradient of logp. `rollout` uses the sampler's
 log-probs instead. Either way `logp_gap` logs the mean |recomputed - sampled| log-prob, which should be ~0.
 
+Vision-language policies (a seed kind's `kind: vision` Qwen2-VL / Qwen2.5-VL model, backend hf): a sample's prompt ids
+keep the processor's image-pad tokens, and the forward pass gets the `pixel_values` / `image_grid_thw` of its frames,
+decoded again from the sample's video and frame indices (samples and traces never hold pixels). The model then
+places its own multimodal rotary positions, so such prompts take the joint pass (no prompt sharing) and are never
+cut: a prompt over `max_prompt_tokens` is an error. Policy, reference and sampler all score with the same images.
+
 Gradient accumulation: an agent's samples of one step are split into micro-batches of `learner.micro_batch_size`;
 each micro-batch loss is weighted so the accumulated gradient equals that of the whole step's batch (`grpo` and
 `dr_grpo`: weight = micro size / step size; token-mean losses: normalised by the step's token count, as TRL's
@@ -35,6 +41,9 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")  # vision-language models the learner feeds pixel_values/image_grid_thw
+
+
 # ================================================================================================ one agent's learner
 class AgentLearner:
     """Policy, reference and optimizer of one agent; also a ChatModel (`name`, `generate`) for the team."""
@@ -43,7 +52,7 @@ class AgentLearner:
                  seed: int = 0, rank: int = 0, world: int = 1):
         import torch
 
-        from m1.models.hf import HFChatModel, resolve_device
+        from m1.models.hf import HFChatModel, HFVisionModel, resolve_device
 
         self.agent, self.name, self.cfg, self.grpo = agent, model_key, cfg, grpo
         self.rank, self.world = rank, world
@@ -64,7 +73,22 @@ class AgentLearner:
         # Full fine-tuning under DeepSpeed: bf16 weights, fp32 master partitions inside the ZeRO optimizer. Full
         # fine-tuning in plain torch: fp32 weights, since the paper's lr 1e-7 would round away in bf16 weights.
         self.weights_dtype = "bfloat16" if self.bf16 and (cfg.finetune == "lora" or ds_cfg) else "float32"
-        self.chat = HFChatModel(spec.model_copy(update={"dtype": self.weights_dtype}), model_key)
+        # a vision-language policy loads through HFVisionModel (AutoModelForImageTextToText with its processor)
+        self.vl = spec.kind == "vision"
+        self.accepts_images = self.vl  # the team sends it frames, not placeholders
+        self._videos = None  # a VideoPool, opened on the first multimodal sample
+        if self.vl:
+            if spec.backend != "hf":
+                raise ValueError(f"agent {agent!r}: model {model_key!r} has kind 'vision' and backend "
+                                 f"{spec.backend!r}; a vision-language learner needs backend 'hf'")
+            self.chat = HFVisionModel(spec.model_copy(update={"dtype": self.weights_dtype}), model_key)
+            model_type = getattr(self.chat.model.config, "model_type", None)
+            if model_type not in VL_MODEL_TYPES:
+                raise ValueError(f"agent {agent!r}: model {model_key!r} is a {model_type!r} model; the learner "
+                                 f"trains vision-language models of type {list(VL_MODEL_TYPES)} (image_grid_thw "
+                                 "inputs)")
+        else:
+            self.chat = HFChatModel(spec.model_copy(update={"dtype": self.weights_dtype}), model_key)
         self.chat.name = model_key
         self.tokenizer = self.chat.tokenizer
         self.device = self.chat.device
@@ -131,9 +155,23 @@ class AgentLearner:
     def sft_sample(self, ex) -> Sample:
         """An SFT example (m1/marl/sft.py) as this learner's `Sample`: its own chat rendering and tokenizer; the
         target ends with end-of-turn."""
-        from m1.models.base import ChatRequest, text_only
+        from m1.models.base import ChatRequest, image_frames, text_only
 
         tok = self.tokenizer
+        if self.vl:  # the frames stay images: the prompt ids carry their image-pad tokens
+            frames = image_frames(ex.messages)
+            video = getattr(ex, "video", None)
+            if frames and not video:
+                raise ValueError(f"agent {self.agent!r}: SFT example of question {ex.question_id!r} has "
+                                 f"{len(frames)} image parts but no `video`; a vision-language student needs it "
+                                 "(prepare the examples again)")
+            text, _ = self.chat.render_chat(ex.messages)
+            images = self._decode(video, frames) if frames else None
+            prompt = self.chat.processor(text=[text], images=images, return_tensors="np")["input_ids"][0].tolist()
+            completion = tok(ex.completion, add_special_tokens=False)["input_ids"] + [self.chat.eos_ids[0]]
+            return Sample(agent=self.agent, question_id=ex.question_id, group=0, rollout=0, phase=ex.phase,
+                          prompt_ids=prompt, completion_ids=list(completion), logprobs=None, reward=0.0,
+                          advantage=0.0, temperature=1.0, video=video if frames else None, frames=frames or None)
         # a seed-kind chat carries image parts: the text model sees them as placeholders, as when it generates
         # (m1/team/single.py); plain-string CPP chats render exactly as before
         prompt = tok(self.chat.render(ChatRequest(text_only(ex.messages))), add_special_tokens=False)["input_ids"]
@@ -142,20 +180,77 @@ class AgentLearner:
                       prompt_ids=list(prompt), completion_ids=list(completion), logprobs=None, reward=0.0,
                       advantage=0.0, temperature=1.0)
 
+    # -------------------------------------------------------------- images (vision-language policies)
+    def _decode(self, video: str, frames: list[int]):
+        """The frames as the team decoded them for the prompt (same reader, same indices)."""
+        from m1.video import VideoPool
+
+        if self._videos is None:
+            self._videos = VideoPool(max_bytes=256 << 20)
+        return list(self._videos.open(video).frames(frames))
+
+    def vision_inputs(self, samples: list[Sample]) -> dict[str, Any] | None:
+        """The `pixel_values` / `image_grid_thw` of the samples' prompts, in row order (the model fills the
+        image-pad tokens of the batch in that order); None for a text learner or prompts without images.
+
+        Checks each prompt's image-pad count against its images, so a prompt cut short or a frame list that does
+        not belong to it is an error rather than a silently misplaced image."""
+        import torch
+
+        if not self.vl:
+            return None
+        images, counts = [], []
+        for s in samples:
+            if s.frames and not s.video:
+                raise ValueError(f"agent {self.agent!r}: sample of question {s.question_id!r} has frames but no video")
+            got = self._decode(s.video, s.frames) if s.frames else []
+            images += got
+            counts.append(len(got))
+        if not images:
+            return None
+        inputs = self.chat.image_inputs(images)
+        config = self.chat.model.config
+        pad_id = config.image_token_id
+        merge = self.chat.processor.image_processor.merge_size ** 2
+        per_image = (inputs["image_grid_thw"].prod(-1) // merge).tolist()
+        start = 0
+        for s, n in zip(samples, counts):
+            want = int(sum(per_image[start:start + n]))
+            start += n
+            have = sum(t == pad_id for t in s.prompt_ids)
+            if have != want:
+                raise ValueError(f"agent {self.agent!r}: sample of question {s.question_id!r} ({s.phase}) has {have} "
+                                 f"image-pad tokens but its {n} frames make {want}")
+        inputs["image_grid_thw"] = inputs["image_grid_thw"].to(torch.long)
+        return inputs
+
     # -------------------------------------------------------------- scoring
     def _rows(self, samples: list[Sample]) -> list[tuple[list[int], list[int]]]:
-        """(prompt, completion) ids cut to the configured lengths: prompts keep their end, completions their start."""
+        """(prompt, completion) ids cut to the configured lengths: prompts keep their end, completions their start.
+
+        A vision-language prompt is never cut (its image tokens must stay whole): one longer than
+        `learner.max_prompt_tokens` is an error."""
         p_max, c_max = self.cfg.max_prompt_tokens, self.cfg.max_completion_tokens
+        if self.vl:
+            for s in samples:
+                if len(s.prompt_ids) > p_max:
+                    raise ValueError(f"agent {self.agent!r}: a prompt of {len(s.prompt_ids)} tokens (question "
+                                     f"{s.question_id!r}, {s.phase}) exceeds learner.max_prompt_tokens={p_max}; "
+                                     "vision-language prompts cannot be cut, raise it")
         return [(s.prompt_ids[-p_max:], s.completion_ids[:c_max]) for s in samples]
 
-    def completion_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float):
+    def completion_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float,
+                            vision: dict[str, Any] | None = None):
         """Log-probs [B, C] of each completion token given its prompt, and the mask [B, C] of real tokens.
 
         Prompts are left-padded and completions right-padded so all completions start at one column; positions
         count real tokens only (as `generate` does with left padding), so the values match the sampler's.
         GRPO's K completions of a question share one prompt: when rows repeat prompts (and `share_prompt_forward`
         is on), each distinct prompt is run once and its key/value cache is reused by its completions.
+        `vision` (from `vision_inputs` of the same rows) feeds the images of multimodal prompts.
         """
+        if vision is not None or self.vl:
+            return self._joint_logprobs(model, rows, temperature, vision)
         prompts = list(dict.fromkeys(tuple(p) for p, _ in rows))
         longest = max(len(c) for _, c in rows)
         if (self.cfg.share_prompt_forward and len(prompts) < len(rows) and longest > 0
@@ -163,8 +258,11 @@ class AgentLearner:
             return self._shared_prompt_logprobs(model, rows, [list(p) for p in prompts], temperature)
         return self._joint_logprobs(model, rows, temperature)
 
-    def _joint_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float):
-        """One forward over prompt + completion for every row (no sharing)."""
+    def _joint_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float,
+                        vision: dict[str, Any] | None = None):
+        """One forward over prompt + completion for every row (no sharing). A vision-language model is given no
+        position ids: it derives its multimodal rotary positions from the ids, the image grids and the mask, as
+        `generate` does."""
         import torch
 
         from m1.marl.grpo import token_logprobs
@@ -180,9 +278,24 @@ class AgentLearner:
             cmask.append([1.0] * len(c) + [0.0] * rc)
         input_ids = torch.tensor(ids, device=self.device)
         attention = torch.tensor(attn, device=self.device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                    logits_to_keep=c_len + 1, use_cache=False)
+        if self.vl and vision is not None:
+            # Only the prompts' image pads take image features and 3D positions. A sampled reply may hold an image-
+            # or video-pad token too (a random policy does): the sampler embedded it as text, so here it is hidden
+            # from the placement (`placed`) while the text embeddings come from the true ids.
+            config = self.chat.model.config
+            placed = input_ids.clone()
+            reply = placed[:, p_len:]
+            reply[(reply == config.image_token_id) | (reply == config.video_token_id)] = pad
+            types = (placed == config.image_token_id).int() + 2 * (placed == config.video_token_id).int()
+            embeds = getattr(model, "module", model).get_input_embeddings()(input_ids)
+            out = model(input_ids=placed, inputs_embeds=embeds, attention_mask=attention, mm_token_type_ids=types,
+                        logits_to_keep=c_len + 1, use_cache=False, **vision)
+        elif self.vl:  # no images: the model's own (text) positions
+            out = model(input_ids=input_ids, attention_mask=attention, logits_to_keep=c_len + 1, use_cache=False)
+        else:
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                        logits_to_keep=c_len + 1, use_cache=False)
         logits = out.logits[:, :-1]  # the logits at column P-1+t score completion token t
         logp = token_logprobs(logits, input_ids[:, p_len:], temperature)
         return logp, torch.tensor(cmask, device=self.device)
@@ -305,8 +418,9 @@ class AgentLearner:
                 totals[key] = totals.get(key, 0.0) + value * w
 
         for micro, micro_rows, weight in self._micro_batches(samples, rows):
+            vision = self.vision_inputs(micro)  # the same images for policy, reference and (sampler) old log-probs
             with self._autocast():
-                logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature)
+                logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
             tokens = float(mask.sum())
             if objective == "sft":
                 loss = -(logp * mask).sum() / max(n_tokens, 1)  # token mean over the whole step
@@ -315,7 +429,7 @@ class AgentLearner:
                 ref = None
                 if g.beta > 0:
                     with torch.no_grad(), self._autocast(), self._reference() as ref_model:
-                        ref, _ = self.completion_logprobs(ref_model, micro_rows, temperature)
+                        ref, _ = self.completion_logprobs(ref_model, micro_rows, temperature, vision)
                 old = is_weight = None
                 if g.old_logprobs == "rollout":
                     old = self._padded([s.logprobs for s in micro], logp.shape[1])
@@ -415,7 +529,7 @@ class AgentLearner:
         if self.rank == 0:  # the weights are whole on every rank of a ZeRO-2 group: one copy is written
             weights = folder / ("adapter" if self.cfg.finetune == "lora" else "model")
             self.policy.save_pretrained(weights)
-            self.tokenizer.save_pretrained(weights)
+            self._processor().save_pretrained(weights)
         if self.engine is not None:  # collective: each rank writes its optimizer shard
             self.engine.save_checkpoint(str(folder / "deepspeed"), tag="state", exclude_frozen_parameters=True)
         else:
@@ -431,7 +545,12 @@ class AgentLearner:
         """The weights as a rollout engine loads them: the peft adapter folder (LoRA) or a whole HF model folder."""
         if self.rank == 0:
             self.policy.save_pretrained(folder)
-            self.tokenizer.save_pretrained(folder)
+            self._processor().save_pretrained(folder)
+
+    def _processor(self):
+        """What a saved folder needs to be loaded again: the tokenizer, or a VL model's whole processor (its image
+        and video processors too)."""
+        return self.chat.processor if self.vl else self.tokenizer
 
     def _rng_file(self) -> str:
         return "rng.pt" if self.rank == 0 else f"rng-rank{self.rank}.pt"

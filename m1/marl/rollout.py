@@ -70,6 +70,11 @@ class Sample:
     advantage: float
     temperature: float = 1.0
     weight_version: int | None = None  # rollout engines: the weights that sampled it (the trainer checks it)
+    # a multimodal prompt (seed kinds): its video and the frame of each image part, in order. A vision-language
+    # learner decodes and processes them again for its forward pass; a text learner ignores them (the prompt ids
+    # hold placeholders). Pixels are never stored.
+    video: str | None = None
+    frames: list[int] | None = None
 
 
 @dataclass
@@ -246,6 +251,8 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
     `answer_advantages` (credit: phase), its answers and summaries get answer_advantages[agent][g, k] instead; an
     answer with an `AnswerGroup` gets its group's advantage and is followed by the group's extra answers.
     With `phases` (`rollout.train_phases`), generations of other phases are left out."""
+    from m1.models.base import image_frames
+
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
     resampled = {(x.agent, x.group, x.rollout, x.index): x for x in answer_groups}
     for g, group in enumerate(batch.episodes):
@@ -262,13 +269,15 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                 outcome_credit = answer_advantages is not None and gen.phase in OUTCOME_PHASES
                 table = answer_advantages if outcome_credit else advantages
                 extra = resampled.get((gen.agent, g, k, i))
+                frames = image_frames(gen.prompt) or None
                 out[gen.agent].append(Sample(
                     agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase=gen.phase,
                     prompt_ids=list(gen.prompt_ids), completion_ids=list(gen.completion_ids),
                     logprobs=list(gen.logprobs) if gen.logprobs is not None else None,
                     reward=batch.rewards[gen.agent][g][k] if extra is None else extra.rewards[0],
                     advantage=float(table[gen.agent][g, k]) if extra is None else extra.advantages[0],
-                    temperature=temperatures[gen.agent], weight_version=gen.weight_version))
+                    temperature=temperatures[gen.agent], weight_version=gen.weight_version,
+                    video=ep.question.video if frames else None, frames=frames))
                 if extra is None:
                     continue
                 for o, r, a in zip(extra.extra, extra.rewards[1:], extra.advantages[1:]):

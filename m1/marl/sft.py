@@ -47,6 +47,7 @@ class SFTExample:
     phase: str
     messages: list[dict[str, Any]]
     completion: str
+    video: str | None = None  # the video of the messages' image parts (seed kinds): a VLM student decodes them again
 
     @classmethod
     def from_json(cls, line: str, where: str = "") -> SFTExample:
@@ -107,7 +108,7 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
                     continue
                 stats["kept_revised_plans"] += 1
             examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
-                                       messages=gen.prompt, completion=gen.completion))
+                                       messages=gen.prompt, completion=gen.completion, video=ep.question.video))
             stats["kept"] += 1
     return examples, stats
 
@@ -152,7 +153,7 @@ def select_seed_examples(episodes: Sequence[Episode], kind: str,
             if phases is not None and gen.phase not in phases:
                 continue
             examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
-                                       messages=gen.prompt, completion=gen.completion))
+                                       messages=gen.prompt, completion=gen.completion, video=ep.question.video))
             stats["kept"] += 1
     return examples, stats
 
@@ -306,7 +307,9 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
 def write_examples(path: str | Path, examples: Sequence[SFTExample]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(path, "".join(json.dumps(asdict(e)) + "\n" for e in examples).encode())
+    # `video` only where set: CPP examples are written as before
+    rows = [{k: v for k, v in asdict(e).items() if not (k == "video" and v is None)} for e in examples]
+    write_whole(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
     return path
 
 

@@ -119,8 +119,8 @@ class Trainer:
                 self.close()
                 raise
         chats = self.engines.chat_models() if self.engines is not None else self.learners.chat_models()
-        for agent, chat in chats.items():
-            self.hub.register(key_of[agent], chat, kind="chat")
+        for agent, chat in chats.items():  # a vision-language policy is fetched as a vision model (m1/team/single.py)
+            self.hub.register(key_of[agent], chat, kind=self.team_cfg.models[key_of[agent]].kind)
         for key, model in hosted.items():
             if key != "judge":
                 self.hub.register(key, model, kind=model.kind)

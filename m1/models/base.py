@@ -53,6 +53,13 @@ def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def image_frames(messages: list[dict[str, Any]]) -> list[int]:
+    """The video frame index of every image part of `messages`, in order: with the video's path this is all a
+    learner needs to rebuild a prompt's pixels, so samples and traces never carry them."""
+    return [int(part["frame"]) for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
+
+
 @dataclass
 class VisionRequest:
     """Frames (T, H, W, 3 uint8 RGB) with their times in seconds, and a text prompt."""

@@ -378,28 +378,48 @@ class HFVisionModel:
                 results += self._chat_batch(requests[start:start + step], params)
         return results
 
+    def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, int]:
+        """The prompt text of a multimodal chat (assistant turn opened) and its number of image parts; one rendering
+        for generation and for the learner, so both see the same tokens."""
+        msgs, n_parts = [], 0
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") == "image":
+                        parts.append({"type": "image"})
+                        n_parts += 1
+                    else:
+                        parts.append({"type": "text", "text": str(part.get("text", ""))})
+                content = parts
+            msgs.append({"role": m["role"], "content": content})
+        return self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), n_parts
+
+    def image_inputs(self, images: list) -> dict[str, Any]:
+        """`pixel_values` / `image_grid_thw` of frames, on the model's device and dtype, exactly as the processor
+        makes them for a prompt (each image is processed on its own, so a prompt's images give the same values
+        whatever else shares the batch)."""
+        import numpy as np
+
+        try:
+            out = self.processor.image_processor(images=[np.asarray(x, dtype=np.uint8) for x in images],
+                                                 return_tensors="pt")
+        except (ValueError, TypeError) as exc:
+            raise ModelError(f"model {self.name!r}: image processor failed: {exc}") from exc
+        return {"pixel_values": out["pixel_values"].to(self.device, self.model.dtype),
+                "image_grid_thw": out["image_grid_thw"].to(self.device)}
+
     def _chat_batch(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
         import numpy as np
 
         texts, images = [], []
         for i, req in enumerate(requests):
-            msgs, n_parts = [], 0
-            for m in req.messages:
-                content = m.get("content")
-                if isinstance(content, list):
-                    parts = []
-                    for part in content:
-                        if part.get("type") == "image":
-                            parts.append({"type": "image"})
-                            n_parts += 1
-                        else:
-                            parts.append({"type": "text", "text": str(part.get("text", ""))})
-                    content = parts
-                msgs.append({"role": m["role"], "content": content})
+            text, n_parts = self.render_chat(req.messages)
             pix = list(req.images or [])
             if n_parts != len(pix):
                 raise ModelError(f"model {self.name!r}: request {i}: {n_parts} image parts but {len(pix)} images")
-            texts.append(self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+            texts.append(text)
             images += [np.asarray(x, dtype=np.uint8) for x in pix]
         try:
             inputs = self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
