@@ -31,6 +31,18 @@ def make_video(path, seconds=12, fps=4, size=64):
     return write_video(path, frames(), fps, size, size)
 
 
+def make_synth_world(folder, videos, seed, duration, questions_per_video):
+    """A small M1-Synth world in `folder`: (folder, questions.jsonl, its questions)."""
+    from m1.run import read_questions
+    from m1.synth.make import make_dataset
+
+    path = make_dataset(folder, videos=videos, seed=seed, duration=duration,
+                        questions_per_video=questions_per_video, progress=False)
+    qs, issues = read_questions(path, folder)
+    assert not issues
+    return folder, path, qs
+
+
 @pytest.fixture
 def video_factory(tmp_path):
     def _make(name="v.mp4", **kw):

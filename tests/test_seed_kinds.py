@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import make_synth_world
+
 from m1.config import ConfigError, TeamConfig, load_team
 from m1.schema import Episode, Question
 from m1.seeds import DEFAULTS, settings_for
@@ -219,14 +221,7 @@ def test_fuzz_parsers_never_raise():
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny M1-Synth world: 3 videos of 60 s, 10 questions each."""
-    from m1.run import read_questions
-    from m1.synth.make import make_dataset
-
-    d = tmp_path_factory.mktemp("world")
-    path = make_dataset(d, videos=3, seed=7, duration=60, questions_per_video=10, progress=False)
-    qs, issues = read_questions(path, d)
-    assert not issues
-    return d, path, qs
+    return make_synth_world(tmp_path_factory.mktemp("world"), 3, 7, 60, 10)
 
 
 def _tools(kind: str, **section):

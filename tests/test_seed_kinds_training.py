@@ -9,6 +9,8 @@ import math
 
 import pytest
 
+from conftest import make_synth_world
+
 from m1.config import load_team
 from m1.marl.config import SFTConfig, TrainConfig, load_sft_config, load_train_config
 from m1.marl.rewards import RewardConfig, SeedReward, reward_kind, seed_reward, seed_rewards
@@ -105,14 +107,7 @@ def test_corrected_calls_count_reflection_trajectories():
 # ----------------------------------------------------------------------------- a tiny world and a tiny policy
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from m1.run import read_questions
-    from m1.synth.make import make_dataset
-
-    d = tmp_path_factory.mktemp("world")
-    path = make_dataset(d, videos=2, seed=7, duration=30, questions_per_video=6, progress=False)
-    qs, issues = read_questions(path, d)
-    assert not issues
-    return d, path, qs
+    return make_synth_world(tmp_path_factory.mktemp("world"), 2, 7, 30, 6)
 
 
 def weaver_team(max_turns=3, **seed):

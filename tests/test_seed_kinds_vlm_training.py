@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import make_synth_world
+
 from m1.marl.config import SFTConfig, TrainConfig
 from m1.marl.rewards import RewardConfig
 
@@ -16,14 +18,7 @@ TINY_VL = {"arch": "qwen2_5_vl", "hidden_size": 64, "layers": 2, "seed": 5}
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from m1.run import read_questions
-    from m1.synth.make import make_dataset
-
-    d = tmp_path_factory.mktemp("world")
-    path = make_dataset(d, videos=2, seed=7, duration=30, questions_per_video=6, progress=False)
-    qs, issues = read_questions(path, d)
-    assert not issues
-    return d, path, qs
+    return make_synth_world(tmp_path_factory.mktemp("world"), 2, 7, 30, 6)
 
 
 def vl_team(max_turns=2, glance=2):

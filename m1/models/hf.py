@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from m1.config import ModelSpec
 from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest
@@ -357,25 +357,19 @@ class HFVisionModel:
         return frames.astype(np.uint8, copy=False), meta, self._messages(req, n_real)
 
     def describe(self, requests: list[VisionRequest], params: SamplingParams) -> list[Completion]:
-        if not requests:
-            return []
-        prepared = [self._prepare(r, i) for i, r in enumerate(requests)]
-        step = self.max_batch or len(prepared)
-        results: list[Completion] = []
-        with self._lock:
-            for start in range(0, len(prepared), step):
-                results += self._describe_batch(prepared[start:start + step], params)
-        return results
+        return self._in_batches([self._prepare(r, i) for i, r in enumerate(requests)], self._describe_batch, params)
 
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
         """Multimodal chat: each request's image parts take its `images` in order (see ChatRequest)."""
-        if not requests:
-            return []
-        step = self.max_batch or len(requests)
+        return self._in_batches(requests, self._chat_batch, params)
+
+    def _in_batches(self, items: list, run: Callable, params: SamplingParams) -> list[Completion]:
+        """`run` over batches of at most `max_batch` items, one model call at a time (the lock)."""
+        step = self.max_batch or len(items)
         results: list[Completion] = []
         with self._lock:
-            for start in range(0, len(requests), step):
-                results += self._chat_batch(requests[start:start + step], params)
+            for start in range(0, len(items), step):
+                results += run(items[start:start + step], params)
         return results
 
     def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, int]:
@@ -460,20 +454,6 @@ class HFVisionModel:
         inputs = inputs.to(self.device)
         if "pixel_values_videos" in inputs:
             inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(self.model.dtype)
-        width = int(inputs["input_ids"].shape[1])
-        if self.context_length is not None and width + params.max_new_tokens > self.context_length:
-            raise ModelError(
-                f"model {self.name!r}: {width} prompt tokens + {params.max_new_tokens} new tokens "
-                f"exceed the context of {self.context_length}; give fewer frames or set max_pixels")
-        mask = inputs["attention_mask"].tolist()
-        prompts = [[t for t, m in zip(row, mrow) if m]
-                   for row, mrow in zip(inputs["input_ids"].tolist(), mask)]
         metas = [{"frames": m["real_frames"], "padded_frames": m["total_num_frames"], "fps": m["fps"]}
                  for _, m, _ in prepared]
-        gen_kw = _generation_kwargs(params, self.eos_ids, self.tokenizer.pad_token_id)
-        try:
-            out = _run_generate(self.model, dict(inputs), params, gen_kw)
-        except RuntimeError as exc:
-            raise ModelError(f"model {self.name!r}: generate failed: {exc}") from exc
-        self.calls += 1
-        return _completions(out, width, prompts, self.tokenizer, self.eos_ids, params, metas)
+        return self._generate_inputs(inputs, params, metas)

@@ -54,6 +54,17 @@ def _tag(text: str, name: str, strict: bool) -> list[str]:
     return found
 
 
+def _tags(text: str, name: str, errors: list[str]) -> list[str]:
+    """Contents of the exact <name> tags, else of lenient ones (noted in `errors`: the reply is then not strict)."""
+    found = _tag(text, name, strict=True)
+    if found:
+        return found
+    found = _tag(text, name, strict=False)
+    if found:
+        errors.append(f"{name} tag not exact")
+    return found
+
+
 def _json_candidates(s: str) -> list[str]:
     s = s.strip()
     out = [s]
@@ -230,14 +241,8 @@ def parse_weaver(text: str, question: Question, tools: Sequence[str]) -> SeedRep
 
 def _parse_weaver(raw: str, question: Question, tools: Sequence[str]) -> SeedReply:
     reply, errors = SeedReply(reason=_reason(raw)), []
-    calls_s = _tag(raw, "tool_call", strict=True)
-    answers_s = _tag(raw, "answer", strict=True)
-    calls = calls_s or _tag(raw, "tool_call", strict=False)
-    answers = answers_s or _tag(raw, "answer", strict=False)
-    if calls and not calls_s:
-        errors.append("tool_call tag not exact")
-    if answers and not answers_s:
-        errors.append("answer tag not exact")
+    calls = _tags(raw, "tool_call", errors)
+    answers = _tags(raw, "answer", errors)
     if calls:
         if len(calls) > 1:
             errors.append(f"{len(calls)} tool calls in one reply; the first is run")
@@ -310,14 +315,8 @@ def _parse_zoomer(raw: str, question: Question) -> SeedReply:
     reply, errors = SeedReply(reason=_reason(raw)), []
     if not re.match(r"\s*<think>.*?</think>", raw, re.DOTALL):
         errors.append("the reply does not open with <think>...</think>")
-    zooms_s = _tag(raw, "video_zoom", strict=True)
-    answers_s = _tag(raw, "answer", strict=True)
-    zooms = zooms_s or _tag(raw, "video_zoom", strict=False)
-    answers = answers_s or _tag(raw, "answer", strict=False)
-    if zooms and not zooms_s:
-        errors.append("video_zoom tag not exact")
-    if answers and not answers_s:
-        errors.append("answer tag not exact")
+    zooms = _tags(raw, "video_zoom", errors)
+    answers = _tags(raw, "answer", errors)
     if zooms:
         if answers:
             errors.append("a zoom and an answer in one reply; the zoom is run")

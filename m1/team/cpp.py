@@ -353,12 +353,10 @@ class Team:
                            focus=st.focus, clip=clip)
 
     def _clip(self):
-        if self.cfg.tools.clip is None:
-            return None
         if self._clip_index is None:
-            from m1.tools.clip_index import ClipIndex
+            from m1.tools.clip_index import team_clip_index
 
-            self._clip_index = ClipIndex(self.hub.clip(self.cfg.tools.clip), cache_dir=self.cfg.tools.clip_cache_dir)
+            self._clip_index = team_clip_index(self.cfg, self.hub)
         return self._clip_index
 
     def _vision_key(self, tool: str) -> str:

@@ -258,3 +258,11 @@ class ClipIndex:
     @staticmethod
     def _warn(message: str) -> None:
         warnings.warn(message, ClipCacheWarning, stacklevel=3)
+
+
+def team_clip_index(cfg, hub) -> ClipIndex | None:
+    """The CLIP index of a team config's tools (None without a CLIP), built once per team by its engine (the CPP
+    Team, the single-agent loop) when a tool first needs it, so its model loads only then."""
+    if cfg.tools.clip is None:
+        return None
+    return ClipIndex(hub.clip(cfg.tools.clip), cache_dir=cfg.tools.clip_cache_dir)
