@@ -720,4 +720,6 @@ def serve(folder: Path, port: int = 0):
         def log_message(self, format, *args):  # one line per request would bury the URL
             pass
 
-    return ThreadingHTTPServer(("127.0.0.1", port), functools.partial(Quiet, directory=str(folder)))
+    server = ThreadingHTTPServer(("127.0.0.1", port), functools.partial(Quiet, directory=str(folder)))
+    server.block_on_close = False  # Ctrl-C stops at once, even while a browser holds a connection open
+    return server
