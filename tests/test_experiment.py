@@ -478,8 +478,22 @@ def test_report_plan_choices_from_result_rows(tmp_path):
 
     rows, fams_, notes = summarize(exp)
     md = render_markdown(exp, rows, fams_, notes, plans=got)
-    assert "| a | VR→FB (100.0%, 6) | 50; GS→RB 50 | 100; VR→FB 100 |" in md
+    # cells: best plan share; mean success rate of the chosen plans; the most chosen plan
+    assert "| a | VR→FB (100.0%, 6) | 50; 50.0; GS→RB 50 | 100; 100.0; VR→FB 100 |" in md
+    # over all families: the share of plans that are their own family's best, and their family success rates
+    assert "| all | each family's own | 75; 25.0; GS→RB 75 | 100; 50.0; VR→FB 50 |" in md
     assert "| plans in the strict format | | 50% | 50% |" in md
+    assert got["arms"]["before"]["a"]["shares"] == {tuple(bad): 0.5, tuple(good): 0.5}
+    # a reference arm (a teacher team) chooses plans but does not rate them: here "after" only used the good plan
+    ref = plan_choices(arms, families, dict(zip([f"q{i}" for i in range(4)], fams)), min_uses=1,
+                       references=frozenset({"after"}))
+    assert ref["best"]["a"] == (tuple(good), 1.0, 2) and ref["arms"]["after"]["a"]["value"] == 1.0
+    assert ref["rates"]["b"][tuple(bad)] == (0.0, 4)
+    from m1.experiment.report import write_plans_csv
+
+    lines = write_plans_csv(tmp_path / "plans.csv", got).read_text().splitlines()
+    assert lines[0] == "arm,family,plan,share,plans,success_rate,success_uses"
+    assert "before,a,GS→RB,0.5,4,0.0,2" in lines and "after,a,VR→FB,1.0,4,1.0,6" in lines
 
 
 def test_eval_on_benchmarks_reports_one_family_each(tmp_path, m1_cache):

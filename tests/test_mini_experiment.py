@@ -245,7 +245,7 @@ def test_weak_plan_experiment_with_tiny_budgets(tmp_path, m1_cache):
     from m1.marl.sft import read_examples
 
     exp = load_experiment(_mini_experiment(tmp_path, "mini_weakplan", "mini_weakplan"))
-    assert list(exp.arms) == ["sft", "sft_marl", "sft_marl_plans", "teacher"]
+    assert list(exp.arms) == ["sft", "untrained", "sft_marl", "sft_marl_plans", "teacher"]
     assert exp.owner("sft_marl_plans", "sft") == exp.owner("sft_marl", "sft") == "sft"
     run_experiment(exp, progress=lambda _: None)
     out = tmp_path / "exp"
@@ -266,4 +266,14 @@ def test_weak_plan_experiment_with_tiny_budgets(tmp_path, m1_cache):
     rep = write_report(exp)
     for arm in exp.arms:
         assert f"| {arm} | " in rep["text"]
-    assert [c["arm"] for c in rep["changes"]] == ["sft_marl", "sft_marl_plans", "teacher"]
+    assert [c["arm"] for c in rep["changes"]] == ["untrained", "sft_marl", "sft_marl_plans", "teacher"]
+    # the greedy team's result per MARL step (the report's training curve), and every plan chosen, per arm
+    assert isinstance(rows[0]["greedy/team_res"], float)
+    assert [p.name for p in rep["plots"]] == ["sft.png", "sft_marl.png", "sft_marl_plans.png"]
+    chosen = (out / "plans.csv").read_text().splitlines()
+    assert {line.split(",")[0] for line in chosen[1:]} == set(exp.arms)
+    shares = {}
+    for line in chosen[1:]:
+        arm, fam, _, share = line.split(",")[:4]
+        shares[(arm, fam)] = shares.get((arm, fam), 0.0) + float(share)
+    assert all(abs(v - 1.0) < 1e-9 for v in shares.values()), shares

@@ -177,12 +177,16 @@ def plan_name(plan: tuple[str, ...]) -> str:
     return "→".join(_SHORT.get(t, t) for t in plan)
 
 
-def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str, str], min_uses: int = 20
-                 ) -> dict[str, Any]:
-    """What the agents planned (results rows' first plans, every seed pooled). Per family, the best plan: the one
-    whose agents' own answers were right most often over every arm (at least `min_uses` uses, so one lucky
-    question does not decide it); per arm and family, the share of plans that are that best plan, the most
-    chosen plan and its share; per arm, the share of plans in the strict format. Empty without plans."""
+def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str, str], min_uses: int = 20,
+                 references: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """What the agents planned (results rows' first plans, every seed pooled). A plan's success rate in a family: how
+    often the agents that chose it answered right, pooled over the student arms (not `references`, teams such as
+    the rule-based teacher whose better reading would credit its own plans; over every arm if all are references).
+    Per family the best plan: the highest success rate with at least `min_uses` uses (so one lucky question does not
+    decide it). Per arm and family: the share of plans that are the best plan, the most chosen plan and its share,
+    `value` (the mean success rate of the plans chosen: what the plan choice alone is worth), and every plan's share
+    (`shares`); per arm, the share of plans in the strict format. Empty without plans."""
+    pooled = [res for res in arms if res.arm not in references] or arms
     uses: dict[str, dict[tuple[str, ...], list[int]]] = {}
     per_arm: dict[str, dict[str, list]] = {}
     strict: dict[str, list[int]] = {}
@@ -194,9 +198,10 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
                     continue
                 for plan, ok, right in agents.values():
                     for key in (fam, ALL):
-                        u = uses.setdefault(key, {}).setdefault(plan, [0, 0])
-                        u[0] += right
-                        u[1] += 1
+                        if res in pooled:
+                            u = uses.setdefault(key, {}).setdefault(plan, [0, 0])
+                            u[0] += right
+                            u[1] += 1
                         per_arm.setdefault(res.arm, {}).setdefault(key, []).append(plan)
                     st = strict.setdefault(res.arm, [0, 0])
                     st[0] += ok
@@ -205,6 +210,8 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
         return {}
     best = {}
     for fam in families:
+        if fam == ALL:
+            continue
         pool = {p: c for p, c in uses.get(fam, {}).items() if c[1] >= min_uses}
         if pool:
             plan, (right, n) = max(pool.items(), key=lambda kv: (kv[1][0] / kv[1][1], kv[1][1]))
@@ -213,10 +220,43 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
     for arm, fams in per_arm.items():
         table[arm] = {}
         for fam, plans in fams.items():
-            top, count = Counter(plans).most_common(1)[0]
-            table[arm][fam] = {"best_share": (sum(p == best[fam][0] for p in plans) / len(plans)) if fam in best
-                               else None, "top": top, "top_share": count / len(plans), "n": len(plans)}
-    return {"best": best, "arms": table, "strict": {a: ok / n for a, (ok, n) in strict.items()}}
+            counts = Counter(plans)
+            top, count = counts.most_common(1)[0]
+            rated = [(c, uses[fam][p]) for p, c in counts.items() if uses.get(fam, {}).get(p, [0, 0])[1] >= min_uses]
+            table[arm][fam] = {
+                "best_share": (counts[best[fam][0]] / len(plans)) if fam in best else None,
+                "top": top, "top_share": count / len(plans), "n": len(plans),
+                "value": (sum(c * r / n for c, (r, n) in rated) / sum(c for c, _ in rated)) if rated else None,
+                "shares": {p: c / len(plans) for p, c in counts.most_common()}, "rated": sum(c for c, _ in rated)}
+        # over all families, a plan is worth its success rate in the family it was chosen for
+        parts = [c for fam, c in table[arm].items() if fam != ALL and c["value"] is not None]
+        # over all families, a plan is worth its success rate in the family it was chosen for, and is "best" when
+        # it is its own family's best plan
+        if ALL in table[arm]:
+            rated = sum(c["rated"] for c in parts)
+            table[arm][ALL]["value"] = sum(c["value"] * c["rated"] for c in parts) / rated if rated else None
+            table[arm][ALL]["rated"] = rated
+            with_best = [c for fam, c in table[arm].items() if fam != ALL and c["best_share"] is not None]
+            n = sum(c["n"] for c in with_best)
+            table[arm][ALL]["best_share"] = sum(c["best_share"] * c["n"] for c in with_best) / n if n else None
+    rates = {fam: {p: (r / n, n) for p, (r, n) in by.items()} for fam, by in uses.items()}
+    return {"best": best, "arms": table, "strict": {a: ok / n for a, (ok, n) in strict.items()}, "rates": rates}
+
+
+def write_plans_csv(path: Path, plans: dict[str, Any]) -> Path:
+    """Every plan each arm chose, per family: its share of the arm's plans, and its success rate (and uses) over the
+    pooled student arms: the whole distribution behind the report's compact plan table."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arm", "family", "plan", "share", "plans", "success_rate", "success_uses"])
+        for arm, fams in plans["arms"].items():
+            for fam, c in fams.items():
+                for plan, share in c["shares"].items():
+                    rate, n = plans["rates"].get(fam, {}).get(plan, (float("nan"), 0))
+                    w.writerow([arm, fam, plan_name(plan), repr(share), c["n"], repr(rate), n])
+    tmp.replace(path)
+    return path
 
 
 def strict_format(exp: Experiment) -> dict[str, dict[str, float]]:
@@ -269,8 +309,8 @@ def summarize(exp: Experiment, collected: tuple[list[ArmResult], list[str]] | No
 
 
 # ------------------------------------------------------------------------------------------------ writing
-def _pct(x: float) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}"
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.{digits}f}"
 
 
 def _signed(x: float) -> str:
@@ -312,23 +352,26 @@ def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[
             lines.append(f"| {c['arm']} | {c['seed']} | {c['n']} | {c['changed']} | {c['fixed']} | {c['broken']} | "
                          f"{c['p']:.3g} |")
     if plans and plans["best"]:
-        fams = [f for f in families if f in plans["best"]]
+        fams = [ALL] + [f for f in families if f in plans["best"]]
         arms_p = [a for a in arms if a in plans["arms"]]
         lines += ["", "## Plans chosen (every agent's first plan, all seeds)", "",
                   "Best plan of a family: the plan whose agents answered right most often, over every arm (≥ 20 "
-                  "uses). Cells: % of the arm's plans that are that best plan; then the arm's most chosen plan and "
-                  "its %. GS Global Sampling, VR Video Retrieval, TSR Time Stamp Retrieval, IR Image Retrieval, "
+                  "uses; success rates pooled over the student arms, not the reference teams). Cells: % of the "
+                  "arm's plans that are that best plan; the mean success rate of the plans it chose (what its plan "
+                  "choice alone is worth); its most chosen plan and that plan's %. GS Global Sampling, VR Video Retrieval, TSR Time Stamp Retrieval, IR Image Retrieval, "
                   "RB Rough / FB Fine Browser, ST Space Tool, GT Grounding Tool.", "",
                   "| family | best plan (its agents right, uses) | " + " | ".join(arms_p) + " |",
                   "|---" * (len(arms_p) + 2) + "|"]
         for fam in fams:
-            plan, acc, n = plans["best"][fam]
+            plan, acc, n = plans["best"].get(fam, ((), float("nan"), 0))
             cells = []
             for arm in arms_p:
                 c = plans["arms"][arm].get(fam)
                 cells.append("n/a" if c is None else
-                             f"{100 * c['best_share']:.0f}; {plan_name(c['top'])} {100 * c['top_share']:.0f}")
-            lines.append(f"| {fam} | {plan_name(plan)} ({_pct(acc)}%, {n}) | " + " | ".join(cells) + " |")
+                             f"{_pct(c['best_share'], 0)}; {_pct(c['value'])}; "
+                             f"{plan_name(c['top'])} {100 * c['top_share']:.0f}")
+            head = "each family's own" if fam == ALL else f"{plan_name(plan)} ({_pct(acc)}%, {n})"
+            lines.append(f"| {fam} | {head} | " + " | ".join(cells) + " |")
         lines.append("| plans in the strict format | | " + " | ".join(
             f"{100 * plans['strict'][a]:.0f}%" for a in arms_p) + " |")
     if formats:
@@ -369,16 +412,40 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-# (metric, label) drawn per training stage, the first one present in the stage's metrics
-CURVES = {"sft": [("loss", "SFT loss")], "marl": [("reward/mean", "MARL mean reward"), ("loss", "MARL loss")]}
+# Panels drawn per training stage: (stage, [(metric, label), ...] the first one present, moving-average window).
+# The greedy team's result (the mean team reward of greedy runs on each step's questions, what evaluation measures;
+# logged with `grpo.baseline: greedy`) is noisy over a few questions a step, hence the 10-step mean.
+PANELS = [("sft", [("loss", "SFT loss")], 1),
+          ("marl", [("reward/mean", "MARL mean reward"), ("loss", "MARL loss")], 1),
+          ("marl", [("greedy/team_res", "greedy team result, 10-step mean")], 10)]
+
+
+def moving_mean(points: list[tuple[float, float]], window: int) -> list[tuple[float, float]]:
+    """Trailing mean over the last `window` points (fewer at the start)."""
+    out = []
+    for i, (x, _) in enumerate(points):
+        ys = [y for _, y in points[max(0, i + 1 - window):i + 1]]
+        out.append((x, sum(ys) / len(ys)))
+    return out
 
 
 def plot_arms(exp: Experiment, out: Path) -> list[Path]:
-    """One PNG per arm: a panel per training stage, a line per seed (steps the stage logged)."""
+    """One PNG per arm that trained: a panel per training stage metric it logged (PANELS), a line per seed."""
     from m1.plots import PlotError, read_metrics
 
-    stages = [s for s in ("sft", "marl") if getattr(exp, s) is not None]
-    if not stages:
+    metrics: dict[tuple[str, int, str], list[dict]] = {}
+    for arm in exp.arms:
+        for seed in exp.seeds:
+            for stage in {s for s, _, _ in PANELS if getattr(exp, s) is not None}:
+                try:
+                    metrics[(arm, seed, stage)] = read_metrics(exp.stage_dir(arm, seed, stage))
+                except PlotError:
+                    continue
+
+    def logged(arm: str, stage: str, keys: list[tuple[str, str]]) -> bool:
+        return any(k in r for seed in exp.seeds for r in metrics.get((arm, seed, stage), []) for k, _ in keys)
+
+    if not any(logged(arm, stage, keys) for arm in exp.arms for stage, keys, _ in PANELS):
         return []
     import matplotlib
 
@@ -388,19 +455,22 @@ def plot_arms(exp: Experiment, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for arm in exp.arms:
-        fig, axes = plt.subplots(1, len(stages), figsize=(6 * len(stages), 4), dpi=100, squeeze=False)
+        panels = [(stage, keys, window) for stage, keys, window in PANELS if logged(arm, stage, keys)]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), dpi=100, squeeze=False)
         drawn = False
-        for ax, stage in zip(axes[0], stages):
-            label = CURVES[stage][0][1]
+        for ax, (stage, keys, window) in zip(axes[0], panels):
+            label = keys[0][1]
             for seed in exp.seeds:
-                try:
-                    rows = read_metrics(exp.stage_dir(arm, seed, stage))
-                except PlotError:
+                rows = metrics.get((arm, seed, stage))
+                if not rows:
                     continue
-                key, label = next(((k, lab) for k, lab in CURVES[stage] if any(k in r for r in rows)),
-                                  CURVES[stage][0])
-                pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+                key, label = next(((k, lab) for k, lab in keys if any(k in r for r in rows)), keys[0])
+                pts = [(r["step"], r[key]) for r in rows
+                       if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
                 if pts:
+                    pts = moving_mean(pts, window) if window > 1 else pts
                     ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, markersize=3, label=f"seed {seed}")
                     drawn = True
             ax.set_title(f"{arm}: {label}")
@@ -418,7 +488,8 @@ def plot_arms(exp: Experiment, out: Path) -> list[Path]:
 
 
 def write_report(exp: Experiment) -> dict[str, Any]:
-    """Write report.md, report.csv and plots/<arm>.png into the experiment's out_dir; returns paths and rows."""
+    """Write report.md, report.csv, plans.csv (when the results rows carry plans) and plots/<arm>.png into the
+    experiment's out_dir; returns paths and rows."""
     out = Path(exp.out_dir)
     collected = collect(exp)
     rows, families, notes = summarize(exp, collected)
@@ -428,10 +499,14 @@ def write_report(exp: Experiment) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     formats = strict_format(exp)
     qs, _ = eval_questions(exp)
-    choices = plan_choices(collected[0], families, {q.id: str(q.meta.get("family") or q.task) for q in qs})
+    references = frozenset(a for a, spec in exp.arms.items() if spec.eval_team is not None)
+    choices = plan_choices(collected[0], families, {q.id: str(q.meta.get("family") or q.task) for q in qs},
+                           references=references)
     md = render_markdown(exp, rows, families, notes, changes, formats, choices)
     (out / "report.md").write_text(md)
     csv_path = write_csv(out / "report.csv", rows)
+    if choices:
+        write_plans_csv(out / "plans.csv", choices)
     plots = plot_arms(exp, out / "plots")
     return {"markdown": out / "report.md", "csv": csv_path, "plots": plots, "rows": rows, "text": md,
             "notes": notes, "changes": changes, "formats": formats, "plans": choices}
