@@ -232,7 +232,7 @@ def test_report_statistics_from_result_files(tmp_path):
             (m, m - half, m + half), abs=1e-6)
     # all: base 0.4, 0.6, 0.2 -> 40.0 +- 20.0; new 0.8, 0.8, 0.4 -> paired +0.4, +0.2, +0.2
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "| base | 40.0 ± 20.0 |" in md and "| new | all | seed0: +40.0, seed1: +20.0, seed2: +20.0 | +26.7 |" in md
+    assert "| base | 40.0 ± 20.0 |" in md and "| new | all | seed0: +40.0, seed1: +20.0, seed2: +20.0 | +26.7 ± 6.7 |" in md
 
 
 def test_paired_interval_uses_student_t():

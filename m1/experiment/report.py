@@ -325,8 +325,8 @@ def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[
     by = {(r["arm"], r["family"]): r for r in rows}
     lines = [f"# Experiment {exp.name}", "",
              f"Seeds {exp.seeds}; eval questions {exp.eval.source if exp.eval else '-'}. Accuracy in %, mean ± sd "
-             f"over seeds (sd n/a with one seed). Paired difference: arm minus {base}, seed by seed; 95% interval "
-             f"mean ± t(0.975, n−1)·sd/√n (n/a with one seed).", "",
+             f"over seeds (sd n/a with one seed). Paired difference: arm minus {base}, seed by seed; SE = sd/√n of "
+             f"those; 95% interval mean ± t(0.975, n−1)·SE (n/a with one seed).", "",
              "## Accuracy", "", "| arm | " + " | ".join(families) + " |", "|---" * (len(families) + 1) + "|"]
     for arm in arms:
         cells = []
@@ -336,13 +336,15 @@ def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     if len(arms) > 1:
         lines += ["", f"## Paired difference to {base} (points)", "",
-                  "| arm | family | per seed | mean | 95% interval |", "|---|---|---|---|---|"]
+                  "| arm | family | per seed | mean ± SE | 95% interval |", "|---|---|---|---|---|"]
         for arm in (a for a in arms if a != base):
             for fam in families:
                 r = by[(arm, fam)]
                 per = ", ".join(f"seed{s}: {_signed(d)}" for s, d in zip(r["diff_seeds"], r["diff"])) or "n/a"
                 ci = ("n/a" if math.isnan(r["diff_low"]) else f"[{_signed(r['diff_low'])}, {_signed(r['diff_high'])}]")
-                lines.append(f"| {arm} | {fam} | {per} | {_signed(r['diff_mean'])} | {ci} |")
+                se = mean_sd(r["diff"])[1] / math.sqrt(len(r["diff"])) if len(r["diff"]) > 1 else float("nan")
+                mean = _signed(r["diff_mean"]) + ("" if math.isnan(se) else f" ± {100 * se:.1f}")
+                lines.append(f"| {arm} | {fam} | {per} | {mean} | {ci} |")
     if changes:
         lines += ["", f"## Answers changed against {base}, per seed", "",
                   f"On the questions both graded: answers that differ; fixed = wrong for {base}, right for the arm; "
