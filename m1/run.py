@@ -224,7 +224,11 @@ def check_team(results: Path, cfg: TeamConfig, restart: bool = False) -> None:
     stamp = results.with_name(results.name + ".team.json")
     sig = team_signature(cfg)
     if stamp.is_file() and results.is_file() and results.stat().st_size:
-        old = json.loads(stamp.read_text())
+        try:
+            old = json.loads(stamp.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InputError(f"{stamp}: not the JSON team record M1 writes beside {results.name} ({exc}); without "
+                             f"it the answers cannot be checked against this team: delete it only if they are") from None
         if old != sig:
             a, b = _flat(old), _flat(sig)
             diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
@@ -235,7 +239,7 @@ def check_team(results: Path, cfg: TeamConfig, restart: bool = False) -> None:
                     f"move the file")
             results.unlink()
     results.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps(sig, indent=1))
+    write_whole(stamp, json.dumps(sig, indent=1).encode())  # a full disk is a WriteError naming it, not half a stamp
 
 
 # ------------------------------------------------------------------ sharding

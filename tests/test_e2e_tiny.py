@@ -141,6 +141,12 @@ def test_results_record_their_team_and_weights(tmp_path):
     (adapter / "adapter_model.safetensors").write_bytes(b"b" * 11)
     with pytest.raises(InputError, match="adapters.q3_big"):
         check_team(out, with_adapter)
+    # a stamp cut short (a crash of an older version, a hand edit) is named, and the answers kept
+    stamp = out.with_name(out.name + ".team.json")
+    stamp.write_text('{"models": ')
+    with pytest.raises(InputError, match=r"res\.jsonl\.team\.json: not the JSON team record"):
+        check_team(out, with_adapter)
+    assert out.read_text() == '{"id": "a"}\n'
 
 
 def test_results_record_the_recipe_of_tiny_models(tmp_path, monkeypatch):
