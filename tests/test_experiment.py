@@ -450,15 +450,17 @@ def test_report_plan_choices_from_result_rows(tmp_path):
         "eval": {"team": "tiny", "questions": str(tmp_path / "q.jsonl")},
         "arms": {"before": None, "after": {"eval": ["limits.max_turns=2"]}}}))
     good, bad = ["Video Retrieval", "Fine Browser"], ["Global Sampling", "Rough Browser"]
-    # before: agent x plans badly (answers wrong), agent y well (right); after: both plan well on family a
-    chosen = {"before": {"x": bad, "y": good}, "after": {"x": good, "y": good}}
+    # before: agent x plans badly (answers wrong), agent y well (right); after: both plan well on family a. Agent z's
+    # plan is the parser's repair (not in the strict format): it answers right, but its plan is rated by nobody
+    odd = ["Image Retrieval", "Space Tool"]
+    chosen = {"before": {"x": bad, "y": good, "z": odd}, "after": {"x": good, "y": good, "z": odd}}
     for arm, agents in chosen.items():
         folder = exp.stage_dir(arm, 0, "eval")
         folder.mkdir(parents=True)
         rows = []
         for i, fam in enumerate(fams):
-            plans = agents if fam == "a" else {"x": bad, "y": bad}
-            ag = {a: {"answer": "A" if p == good else "B", "parse_ok": True, "plan": p, "plan_ok": a == "y"}
+            plans = agents if fam == "a" else {"x": bad, "y": bad, "z": odd}
+            ag = {a: {"answer": "B" if p == bad else "A", "parse_ok": True, "plan": p, "plan_ok": a != "z"}
                   for a, p in plans.items()}
             rows.append({"id": f"q{i}", "answer": "A", "correct": True, "agents": ag})
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -468,9 +470,11 @@ def test_report_plan_choices_from_result_rows(tmp_path):
     arms, families = collect(exp)
     got = plan_choices(arms, families, dict(zip([f"q{i}" for i in range(4)], fams)), min_uses=1)
     assert got["best"]["a"] == (tuple(good), 1.0, 6) and got["best"]["b"][0] == tuple(bad)
-    assert got["arms"]["before"]["a"]["best_share"] == 0.5 and got["arms"]["after"]["a"]["best_share"] == 1.0
-    assert got["arms"]["after"]["a"]["top"] == tuple(good) and got["arms"]["after"]["b"]["top_share"] == 1.0
-    assert got["strict"] == {"before": 0.5, "after": 0.5}
+    assert got["arms"]["before"]["a"]["best_share"] == pytest.approx(1 / 3)
+    assert got["arms"]["after"]["a"]["best_share"] == pytest.approx(2 / 3)
+    assert got["arms"]["after"]["a"]["top"] == tuple(good) and got["arms"]["after"]["b"]["top_share"] == 2 / 3
+    assert got["strict"] == {"before": 8 / 12, "after": 8 / 12}
+    assert tuple(odd) not in got["rates"]["a"]
     md = write_report(exp)["text"]
     assert "## Plans chosen" not in md  # 4 uses per plan and family: below the 20 a best plan needs
     assert isinstance(arms[0], ArmResult)
@@ -478,12 +482,12 @@ def test_report_plan_choices_from_result_rows(tmp_path):
 
     rows, fams_, notes = summarize(exp)
     md = render_markdown(exp, rows, fams_, notes, plans=got)
-    # cells: best plan share; mean success rate of the chosen plans; the most chosen plan
-    assert "| a | VR→FB (100.0%, 6) | 50; 50.0; GS→RB 50 | 100; 100.0; VR→FB 100 |" in md
+    # cells: best plan share; mean success rate of the chosen plans (z's unrated); the most chosen plan
+    assert "| a | VR→FB (100.0%, 6) | 33; 50.0; GS→RB 33 | 67; 100.0; VR→FB 67 |" in md
     # over all families: the share of plans that are their own family's best, and their family success rates
-    assert "| all | each family's own | 75; 25.0; GS→RB 75 | 100; 50.0; VR→FB 50 |" in md
-    assert "| plans in the strict format | | 50% | 50% |" in md
-    assert got["arms"]["before"]["a"]["shares"] == {tuple(bad): 0.5, tuple(good): 0.5}
+    assert "| all | each family's own | 50; 25.0; GS→RB 50 | 67; 50.0; VR→FB 33 |" in md
+    assert "| plans in the strict format | | 67% | 67% |" in md
+    assert got["arms"]["before"]["a"]["shares"] == {tuple(bad): 1 / 3, tuple(good): 1 / 3, tuple(odd): 1 / 3}
     # a reference arm (a teacher team) chooses plans but does not rate them: here "after" only used the good plan
     ref = plan_choices(arms, families, dict(zip([f"q{i}" for i in range(4)], fams)), min_uses=1,
                        references=frozenset({"after"}))
@@ -493,7 +497,8 @@ def test_report_plan_choices_from_result_rows(tmp_path):
 
     lines = write_plans_csv(tmp_path / "plans.csv", got).read_text().splitlines()
     assert lines[0] == "arm,family,plan,share,plans,success_rate,success_uses"
-    assert "before,a,GS→RB,0.5,4,0.0,2" in lines and "after,a,VR→FB,1.0,4,1.0,6" in lines
+    assert f"before,a,GS→RB,{1 / 3!r},6,0.0,2" in lines and f"after,a,VR→FB,{2 / 3!r},6,1.0,6" in lines
+    assert f"before,a,IR→ST,{1 / 3!r},6,nan,0" in lines
 
 
 def test_eval_on_benchmarks_reports_one_family_each(tmp_path, m1_cache):

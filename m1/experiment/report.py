@@ -180,8 +180,9 @@ def plan_name(plan: tuple[str, ...]) -> str:
 def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str, str], min_uses: int = 20,
                  references: frozenset[str] = frozenset()) -> dict[str, Any]:
     """What the agents planned (results rows' first plans, every seed pooled). A plan's success rate in a family: how
-    often the agents that chose it answered right, pooled over the student arms (not `references`, teams such as
-    the rule-based teacher whose better reading would credit its own plans; over every arm if all are references).
+    often the agents that wrote it in the strict format answered right (a plan the parser filled in, such as an
+    untrained agent's, was nobody's choice), pooled over the student arms (not `references`, teams such as the
+    rule-based teacher whose better reading would credit its own plans; over every arm if all are references).
     Per family the best plan: the highest success rate with at least `min_uses` uses (so one lucky question does not
     decide it). Per arm and family: the share of plans that are the best plan, the most chosen plan and its share,
     `value` (the mean success rate of the plans chosen: what the plan choice alone is worth), and every plan's share
@@ -198,7 +199,7 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
                     continue
                 for plan, ok, right in agents.values():
                     for key in (fam, ALL):
-                        if res in pooled:
+                        if res in pooled and ok:  # a plan the parser repaired or filled in was not chosen
                             u = uses.setdefault(key, {}).setdefault(plan, [0, 0])
                             u[0] += right
                             u[1] += 1
