@@ -185,7 +185,7 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
     rule-based teacher whose better reading would credit its own plans; over every arm if all are references).
     Per family the best plan: the highest success rate with at least `min_uses` uses (so one lucky question does not
     decide it). Per arm and family: the share of plans that are the best plan, the most chosen plan and its share,
-    `value` (the mean success rate of the plans chosen: what the plan choice alone is worth), and every plan's share
+    `value` (the mean success rate of its strict plans: what the plan choice alone is worth), and every plan's share
     (`shares`); per arm, the share of plans in the strict format. Empty without plans."""
     pooled = [res for res in arms if res.arm not in references] or arms
     uses: dict[str, dict[tuple[str, ...], list[int]]] = {}
@@ -203,7 +203,7 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
                             u = uses.setdefault(key, {}).setdefault(plan, [0, 0])
                             u[0] += right
                             u[1] += 1
-                        per_arm.setdefault(res.arm, {}).setdefault(key, []).append(plan)
+                        per_arm.setdefault(res.arm, {}).setdefault(key, []).append((plan, ok))
                     st = strict.setdefault(res.arm, [0, 0])
                     st[0] += ok
                     st[1] += 1
@@ -220,10 +220,13 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
     table = {}
     for arm, fams in per_arm.items():
         table[arm] = {}
-        for fam, plans in fams.items():
+        for fam, chosen in fams.items():
+            plans = [p for p, _ in chosen]
             counts = Counter(plans)
             top, count = counts.most_common(1)[0]
-            rated = [(c, uses[fam][p]) for p, c in counts.items() if uses.get(fam, {}).get(p, [0, 0])[1] >= min_uses]
+            strict_counts = Counter(p for p, ok in chosen if ok)  # the value of choices, not of the parser's repairs
+            rated = [(c, uses[fam][p]) for p, c in strict_counts.items()
+                     if uses.get(fam, {}).get(p, [0, 0])[1] >= min_uses]
             table[arm][fam] = {
                 "best_share": (counts[best[fam][0]] / len(plans)) if fam in best else None,
                 "top": top, "top_share": count / len(plans), "n": len(plans),
@@ -360,8 +363,9 @@ def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[
         lines += ["", "## Plans chosen (every agent's first plan, all seeds)", "",
                   "Best plan of a family: the plan whose agents answered right most often, over every arm (≥ 20 "
                   "uses; success rates pooled over the student arms, not the reference teams). Cells: % of the "
-                  "arm's plans that are that best plan; the mean success rate of the plans it chose (what its plan "
-                  "choice alone is worth); its most chosen plan and that plan's %. GS Global Sampling, VR Video Retrieval, TSR Time Stamp Retrieval, IR Image Retrieval, "
+                  "arm's plans that are that best plan; the mean success rate of the plans it wrote in the strict "
+                  "format (what its plan choice alone is worth); its most chosen plan and that plan's %. GS Global "
+                  "Sampling, VR Video Retrieval, TSR Time Stamp Retrieval, IR Image Retrieval, "
                   "RB Rough / FB Fine Browser, ST Space Tool, GT Grounding Tool.", "",
                   "| family | best plan (its agents right, uses) | " + " | ".join(arms_p) + " |",
                   "|---" * (len(arms_p) + 2) + "|"]
