@@ -187,11 +187,12 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
     decide it). Per arm and family: the share of plans that are the best plan, the most chosen plan and its share,
     `value` (the mean success rate of its strict plans: what the plan choice alone is worth), and every plan's share
     (`shares`); per arm, the share of plans in the strict format. Empty without plans."""
-    pooled = [res for res in arms if res.arm not in references] or arms
+    raters = {res.arm for res in arms if res.arm not in references} or {res.arm for res in arms}
     uses: dict[str, dict[tuple[str, ...], list[int]]] = {}
     per_arm: dict[str, dict[str, list]] = {}
     strict: dict[str, list[int]] = {}
     for res in arms:
+        rates = res.arm in raters
         for seed, by_id in res.plans.items():
             for qid, agents in by_id.items():
                 fam = family_of.get(qid)
@@ -199,7 +200,7 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
                     continue
                 for plan, ok, right in agents.values():
                     for key in (fam, ALL):
-                        if res in pooled and ok:  # a plan the parser repaired or filled in was not chosen
+                        if rates and ok:  # a plan the parser repaired or filled in was not chosen
                             u = uses.setdefault(key, {}).setdefault(plan, [0, 0])
                             u[0] += right
                             u[1] += 1
