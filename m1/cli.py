@@ -8,20 +8,24 @@ from typing import Optional
 
 import typer
 
-from m1.errors import fail, train_guarded
+from m1.errors import GuardedGroup, describe, fail, train_guarded
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(cls=GuardedGroup, add_completion=False, no_args_is_help=True,
                   help="M1: multi-agent collaborative policy planning for video understanding.")
 
 
 DEMO_TEAM = "mini_trained"  # the mini team after SFT + MARL on M1-Synth (weights in assets/mini_team)
 
 
+_KEEP_ERRORS_HELP = ("Keep the result lines of questions that ended in an error (default: a rerun answers them again "
+                     "and replaces their lines).")
+_DEBUG_HELP = "Show the traceback behind an error (also: M1_DEBUG=1)."
+
 _SHARD_HELP = ("Worker i of n (i = 0..n-1): answer the questions whose index in the input order is i mod n into "
                "OUT.part-i-of-n.jsonl (resumable); join the parts with `m1 merge OUT`.")
 
 
-def _run_guarded(run, out: Path):
+def _run_guarded(run, out: Path, debug: bool = False):
     """Run `run()` and turn what a run can meet into one `error:` line (status 2) or, for a stop by
     SIGINT/SIGTERM, the stop report with status 130/143."""
     from m1.locks import LockError
@@ -32,9 +36,11 @@ def _run_guarded(run, out: Path):
     try:
         return run()
     except (InputError, LockError, WriteError) as exc:  # another team's answers, a busy file, a full disk
-        fail(str(exc))
+        fail(str(exc), exc, debug)
+    except (OSError, UnicodeError) as exc:  # a read-only or missing folder, a folder given as a file, ...
+        fail(describe(exc), exc, debug)
     except ModelError as exc:  # finished questions are already in `out`; a rerun resumes
-        fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)")
+        fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)", exc, debug)
     except Stopped as exc:
         typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(exc.exit_status)
@@ -53,6 +59,8 @@ def infer(
     overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
     limit: Optional[int] = typer.Option(None, help="Answer at most this many new questions."),
     shard: Optional[str] = typer.Option(None, "--shard", help=_SHARD_HELP),
+    keep_errors: bool = typer.Option(False, "--keep-errors", help=_KEEP_ERRORS_HELP),
+    debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
 ) -> None:
     """Answer questions about a folder of videos with a team of policy agents.
 
@@ -67,11 +75,13 @@ def infer(
                                      questions_file=questions)
         split = parse_shard(shard) if shard else None
     except (ConfigError, InputError) as exc:
-        fail(str(exc))
+        fail(str(exc), exc, debug)
     for msg in issues:
         typer.secho(f"skipped: {msg}", fg=typer.colors.YELLOW, err=True)
+    if not qs:
+        fail(f"{questions}: no usable questions ({len(issues)} skipped); nothing to answer")
     summary = _run_guarded(lambda: run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit, shard=split,
-                                                 stop_on_signals=True), out)
+                                                 stop_on_signals=True, keep_errors=keep_errors), out, debug)
     typer.echo(summary.describe())
     if split:
         typer.echo(f"part {split[0]} of {split[1]} written; when every part is done: m1 merge {out}")
@@ -90,6 +100,8 @@ def eval_(
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Write one episode JSON + HTML per question."),
     shard: Optional[str] = typer.Option(None, "--shard", help=_SHARD_HELP.replace("OUT", "OUT/predictions.jsonl")
                                         + " Then rerun without --shard to score."),
+    keep_errors: bool = typer.Option(False, "--keep-errors", help=_KEEP_ERRORS_HELP),
+    debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
 ) -> None:
     """Run a team on a benchmark and score it with the benchmark's own metrics (resumable; locking,
     stops and --shard as for `m1 infer`)."""
@@ -103,7 +115,7 @@ def eval_(
         qs, issues = load_benchmark(benchmark, annotations, videos)
         split = parse_shard(shard) if shard else None
     except (ConfigError, ValueError, FileNotFoundError) as exc:
-        fail(str(exc))
+        fail(str(exc), exc, debug)
     for issue in issues:
         typer.secho(f"skipped: {issue}", fg=typer.colors.YELLOW, err=True)
     if not qs:
@@ -111,7 +123,7 @@ def eval_(
     out.mkdir(parents=True, exist_ok=True)
     preds_path = out / "predictions.jsonl"
     summary = _run_guarded(lambda: run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit, shard=split,
-                                                 stop_on_signals=True), preds_path)
+                                                 stop_on_signals=True, keep_errors=keep_errors), preds_path, debug)
     typer.echo(summary.describe())
     if split:  # a part is not scored; the merged predictions are
         typer.echo(f"part {split[0]} of {split[1]} written; when every part is done: m1 merge {preds_path}, "
@@ -120,7 +132,7 @@ def eval_(
     try:
         rows = ResultsFile(preds_path).read()
     except InputError as exc:
-        fail(str(exc))
+        fail(str(exc), exc, debug)
     preds = {r["id"]: r["answer"] for r in rows if r.get("answer") is not None}
     answered = [q for q in qs if q.id in {r["id"] for r in rows}]
     metrics = score_benchmark(benchmark, preds, answered)
@@ -189,7 +201,6 @@ _GPUS_HELP = "Plan for N GPUs (cluster.gpus_per_node per node) instead of asking
 _MEM_HELP = "Memory of one GPU in GB for the plan (default: cluster.gpu_mem_gb, else the local GPUs)."
 _RESUME_HELP = ("latest (default): resume from the newest checkpoint, and stop with an error naming the file when it "
                 "is damaged. previous: resume from the newest intact checkpoint, skipping damaged ones.")
-_DEBUG_HELP = "Show the traceback behind an error (also: M1_DEBUG=1)."
 
 
 @app.command()

@@ -277,6 +277,8 @@ def resolve_config_path(path: str | Path, group: str = "team") -> Path:
     p = Path(path)
     if p.is_file():
         return p
+    if p.is_dir():
+        raise ConfigError(f"{p}: is a folder; give a YAML config file (or a name in {CONFIG_DIR / group})")
     for cand in (CONFIG_DIR / group / f"{path}.yaml", CONFIG_DIR / group / str(path)):
         if cand.is_file():
             return cand
@@ -321,20 +323,46 @@ def _step(node: Any, key: str, where: str, source: str, create: bool) -> Any:
     return node[key]
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def _override_of(loc: str, overrides: list[str]) -> str | None:
+    """The override (the last one) that set the key at `loc`, or a key inside or above it; None when the file did."""
+    for item in reversed(overrides):
+        key = item.split("=", 1)[0].strip()
+        if key == loc or loc.startswith(key + ".") or key.startswith(loc + "."):
+            return item
+    return None
+
+
+def _format_errors(err: ValidationError, source: str, overrides: list[str] | None = None) -> str:
+    """One line per problem, naming the override that caused it (`--set` or an experiment's) or else the file."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key {loc!r}")
+        item = _override_of(loc, list(overrides or [])) if e["loc"] else None
+        if item is None:
+            where, tail = source, ""
         else:
-            lines.append(f"{source}: {loc}: {e['msg']} (got {e.get('input')!r:.80})")
+            where, tail = f"override {item!r}", f"; the override applies to {source}"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key {loc!r}{tail}")
+        else:
+            lines.append(f"{where}: {loc}: {e['msg']} (got {e.get('input')!r:.80}){tail}")
     return "\n".join(lines)
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping; a file that cannot be read, is not UTF-8 or not YAML is a ConfigError naming it."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as "
+                          f"UTF-8") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -349,7 +377,7 @@ def load_config(model: type[BaseModel], path: str | Path, overrides: list[str] |
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, str(p))) from None
+        raise ConfigError(_format_errors(exc, str(p), list(overrides or []))) from None
 
 
 def load_team(path: str | Path, overrides: list[str] | None = None) -> TeamConfig:

@@ -8,6 +8,7 @@ import sys
 from typing import NoReturn
 
 import typer
+from typer.core import TyperGroup
 
 
 def training_errors() -> tuple[type[Exception], ...]:
@@ -49,7 +50,24 @@ def describe(exc: BaseException) -> str:
         return (f"disk full while writing {exc.filename or 'the output'}: free space and rerun the same command "
                 f"(it resumes from the last checkpoint)")
     if isinstance(exc, OSError) and exc.filename:
-        return f"{exc.filename}: {exc.strerror or exc}; check the path and its permissions, then rerun"
+        name, code = exc.filename, exc.errno
+        if code == errno.EROFS:
+            return f"{name}: read-only file system; write to a folder on a writable disk (another --out), then rerun"
+        if code == errno.EISDIR:
+            return f"{name}: is a folder where a file is needed; give a file path, then rerun"
+        if code == errno.ENOTDIR:
+            return f"{name}: a part of this path is a file where a folder is needed; check the path, then rerun"
+        if code in (errno.EACCES, errno.EPERM):
+            return (f"{name}: permission denied; give this user access to it (or choose another path), "
+                    f"then rerun")
+        if code == errno.ENOENT:
+            return f"{name}: no such file or folder; check the path, then rerun"
+        return f"{name}: {exc.strerror or exc}; check the path and its permissions, then rerun"
+    if isinstance(exc, OSError):  # no file named: say what the system said
+        return f"{exc.strerror or exc} while reading or writing a file; rerun with --debug to see which"
+    if isinstance(exc, UnicodeDecodeError):
+        return (f"a file is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8, then rerun "
+                f"(--debug shows which file)")
     if type(exc).__name__ == "SafetensorError":
         return f"a weights file does not read ({exc}): damaged or truncated? rerun with --debug to see which"
     if type(exc).__module__.startswith("ray"):
@@ -67,6 +85,25 @@ def fail(msg: str, exc: BaseException | None = None, debug: bool = False) -> NoR
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+class GuardedGroup(TyperGroup):
+    """The one error path of every `m1` command: an OSError (read-only, a folder where a file belongs, permission,
+    a full disk), a decoding error, a whole-file write or a lock that no command turned into its own message still
+    ends as one `error:` line naming the file (status 2), not a traceback; `--debug` on the command line or
+    M1_DEBUG=1 keeps the traceback."""
+
+    def invoke(self, ctx):
+        from m1.files import WriteError
+        from m1.locks import LockError
+
+        debug = "--debug" in (*ctx._protected_args, *ctx.args)
+        try:
+            return super().invoke(ctx)
+        except (WriteError, LockError) as exc:  # their messages already name the file and what to do
+            fail(str(exc), exc, debug)
+        except (OSError, UnicodeError) as exc:
+            fail(describe(exc), exc, debug)
 
 
 def train_guarded(run, debug: bool) -> None:

@@ -70,11 +70,16 @@ def build_questions(video_dir: Path, question: str | None = None, options: list[
 
 
 def read_questions(path: Path, video_dir: Path | None = None) -> tuple[list[Question], list[str]]:
+    """Questions of a JSONL file; a line that is not UTF-8, not JSON or not a question is skipped and named
+    (file:line) in the returned problems, so one bad line never hides the rest."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder; --questions needs a JSONL file")
     if not path.is_file():
         raise InputError(f"{path}: questions file not found")
     qs, issues = [], []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
+    for n, line in enumerate(text_lines(path, issues, "question"), 1):
+        if line is None or not line.strip():
             continue
         try:
             q = Question.model_validate(json.loads(line))
@@ -91,6 +96,22 @@ def read_questions(path: Path, video_dir: Path | None = None) -> tuple[list[Ques
     return qs, issues
 
 
+def text_lines(path: Path, issues: list[str], what: str = "record") -> list[str | None]:
+    """The lines of a text file, each decoded as UTF-8 on its own: a line that is not UTF-8 is None, and
+    `path:n: not UTF-8 ...` goes to `issues`, so bad bytes on one line skip that line only."""
+    out: list[str | None] = []
+    for n, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+        try:
+            out.append(raw.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError as exc:
+            issues.append(f"{path}:{n}: malformed {what} (not UTF-8: byte 0x{raw[exc.start]:02x} at column "
+                          f"{exc.start + 1})")
+            out.append(None)
+    if out and out[-1] == "":
+        out.pop()
+    return out
+
+
 def _check_unique(qs: list[Question], source: str) -> None:
     seen = set()
     for q in qs:
@@ -100,13 +121,18 @@ def _check_unique(qs: list[Question], source: str) -> None:
 
 
 class ResultsFile:
-    """Append-only JSONL that survives being killed mid-write."""
+    """Append-only JSONL that survives being killed mid-write. `done`: the ids it lists; `failed`: those of them whose
+    line records an error (a rerun answers them again and `replace`s their line, so each id stays listed once)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise InputError(f"{self.path}: is a folder; the results need a file path (e.g. {self.path}/results.jsonl)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._repair()
-        self.done = {r["id"] for r in self.read()}
+        rows = self.read()
+        self.done = {r["id"] for r in rows}
+        self.failed = {r["id"] for r in rows if r.get("error")}
 
     def _repair(self) -> None:
         if not self.path.exists():
@@ -120,12 +146,31 @@ class ResultsFile:
         if not self.path.exists():
             return []
         rows = []
-        for n, line in enumerate(self.path.read_text().splitlines(), 1):
+        for n, raw in enumerate(self.path.read_bytes().splitlines(), 1):
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
+                row = json.loads(raw.decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise InputError(f"{self.path}:{n}: not a JSON line ({exc}); fix or move the file") from None
+            if not isinstance(row, dict) or "id" not in row:
+                raise InputError(f"{self.path}:{n}: not a results line (no id); fix or move the file")
+            rows.append(row)
         return rows
+
+    def replace(self, row: dict) -> None:
+        """Put `row` in place of the line of the same id (an earlier error being retried), writing the file whole
+        through a temporary file (`write_whole`): a reader or a killed run sees the old file or the new one."""
+        data = (json.dumps(row, ensure_ascii=False) + "\n").encode()
+        lines = self.path.read_bytes().splitlines(keepends=True)
+        at = [i for i, line in enumerate(lines) if json.loads(line).get("id") == row["id"]]
+        if len(at) != 1:
+            raise InputError(f"{self.path}: expected one line of id {row['id']!r} to replace, found {len(at)}")
+        lines[at[0]] = data
+        try:
+            write_whole(self.path, b"".join(lines))
+        except WriteError as exc:
+            raise WriteError(self.path, exc.exc, question=row["id"], safe=len(self.done), results=self.path) from None
+        if not row.get("error"):
+            self.failed.discard(row["id"])
 
     def append(self, row: dict) -> None:
         """Append one whole line and fsync it; if that fails (disk full), cut the file back to its
@@ -144,6 +189,8 @@ class ResultsFile:
                 os.ftruncate(f.fileno(), size)
                 raise WriteError(self.path, exc, question=row["id"], safe=len(self.done), results=self.path) from None
         self.done.add(row["id"])
+        if row.get("error"):
+            self.failed.add(row["id"])
 
 
 @dataclass
@@ -155,10 +202,19 @@ class RunSummary:
     correct: int = 0
     graded: int = 0
     seconds: float = 0.0
+    retried: int = 0  # earlier error lines answered again (their lines replaced)
+    retried_failed: int = 0  # of those, how many ended in an error again
+    kept_errors: int = 0  # earlier error lines left as they are (--keep-errors)
 
     def describe(self) -> str:
         lines = [f"{self.answered} answered, {self.skipped_done} already done, {len(self.errors)} errors "
                  f"in {self.seconds:.1f}s -> {self.out}"]
+        if self.retried:
+            lines.append(f"retried {self.retried} earlier errors: {self.retried - self.retried_failed} now answered, "
+                         f"{self.retried_failed} still errors")
+        if self.kept_errors:
+            lines.append(f"{self.kept_errors} earlier errors kept as they are (--keep-errors); rerun without it to "
+                         f"retry them")
         if self.graded:
             lines.append(f"accuracy {self.correct}/{self.graded} = {self.correct / self.graded:.1%}")
         lines += [f"  error: {e}" for e in self.errors]
@@ -326,10 +382,15 @@ def merge_parts(out: Path, delete_parts: bool = False) -> MergeSummary:
     split = json.loads(manifest.read_text())
     n, ids = int(split["n"]), list(split["ids"])
     parts = [part_path(out, i, n) for i in range(n)]
-    absent = [p.name for p in parts if not p.is_file()]
+    absent = [i for i, p in enumerate(parts) if not p.is_file()]
     if absent:
-        raise InputError(f"cannot merge into {out}: {', '.join(absent)} missing; run those workers "
-                         f"(--shard i/{n}) first")
+        def share(i: int) -> str:
+            mine = ids[i::n]
+            more = f", ... ({len(mine)} in all)" if len(mine) > 5 else ""
+            return f"{parts[i].name} (ids {', '.join(map(repr, mine[:5]))}{more})"
+
+        raise InputError(f"cannot merge into {out}: {'; '.join(share(i) for i in absent)} missing; run those workers "
+                         f"({', '.join(f'--shard {i}/{n}' for i in absent)}) first")
     problems: list[str] = []
     with ExitStack() as locks:
         for p in parts:
@@ -434,9 +495,12 @@ class _StopOnSignals:
 
 def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_dir: Path | None = None,
                   limit: int | None = None, team=None, progress: bool = True,
-                  shard: tuple[int, int] | None = None, stop_on_signals: bool = False) -> RunSummary:
+                  shard: tuple[int, int] | None = None, stop_on_signals: bool = False,
+                  keep_errors: bool = False) -> RunSummary:
     """Answer `questions` into the results file `out`, resuming it; see the module docstring.
 
+    A question whose line records an error (a video that was missing, a model that failed) is answered again and
+    its line replaced, unless `keep_errors`.
     `shard=(i, n)`: answer only worker i's share (`shard_of`) into `part_path(out, i, n)`.
     `stop_on_signals`: SIGTERM/SIGINT raise Stopped (with counts) after the line being written.
     Raises LockError when another run writes the same file, WriteError when a line cannot be written."""
@@ -449,24 +513,29 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
               "wait for it; every worker needs its own --shard i/n")
     with hold(out, "results file", advice), _StopOnSignals() as stop:
         try:
-            return _run(cfg, questions, out, trace_dir, limit, team, progress, stop)
+            return _run(cfg, questions, out, trace_dir, limit, team, progress, stop, keep_errors)
         except Stopped as exc:
             done = len({q.id for q in questions} & ResultsFile(out).done)
             raise Stopped(exc.signum, f"stopped by {signal.Signals(exc.signum).name}: {done} of {len(questions)} "
                                       f"questions answered in {out}; rerun the same command to continue") from None
 
 
-def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSignals) -> RunSummary:
+def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSignals,
+         keep_errors: bool = False) -> RunSummary:
     from tqdm import tqdm
 
     from m1.team.cpp import make_team
 
     check_team(Path(out), cfg)
     results = ResultsFile(out)
-    todo = [q for q in questions if q.id not in results.done]
-    summary = RunSummary(out=Path(out), skipped_done=len(questions) - len(todo))
+    failed = results.failed & {q.id for q in questions}
+    retry = set() if keep_errors else failed
+    todo = [q for q in questions if q.id not in results.done or q.id in retry]
+    summary = RunSummary(out=Path(out), skipped_done=len(questions) - len(todo),
+                         kept_errors=len(failed) if keep_errors else 0)
     if limit is not None:
         todo = todo[:limit]
+    retry &= {q.id for q in todo}
     index = None
     if trace_dir is not None:
         from m1.trace import TraceIndex
@@ -491,7 +560,12 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSig
                 except WriteError as exc:
                     raise WriteError(exc.path, exc.exc, question=ep.id, safe=len(results.done),
                                      results=Path(out)) from None
-            results.append(row)
+            if ep.id in retry:  # an earlier error answered again: its line is replaced, the id stays listed once
+                results.replace(row)
+                summary.retried += 1
+                summary.retried_failed += int(bool(ep.error))
+            else:
+                results.append(row)
             if index is not None and time.monotonic() - last_index[0] >= INDEX_EVERY_S:
                 last_index[0] = time.monotonic()
                 try:

@@ -16,6 +16,7 @@ import html
 import io
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -716,9 +717,20 @@ def serve(folder: Path, port: int = 0):
     import functools
     from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
+    root = os.path.realpath(folder)
+
     class Quiet(SimpleHTTPRequestHandler):
         def log_message(self, format, *args):  # one line per request would bury the URL
             pass
+
+        def send_head(self):
+            """Only what lies inside the trace folder once links are followed: a symlink in it that leads out
+            (to /etc, to a home folder) is answered 404, like a path that is not there."""
+            real = os.path.realpath(self.translate_path(self.path))
+            if real != root and not real.startswith(root + os.sep):
+                self.send_error(404, "File not found")
+                return None
+            return super().send_head()
 
     server = ThreadingHTTPServer(("127.0.0.1", port), functools.partial(Quiet, directory=str(folder)))
     server.block_on_close = False  # Ctrl-C stops at once, even while a browser holds a connection open

@@ -144,3 +144,24 @@ def test_a_wheel_install_finds_the_configs_and_the_demo_team(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}).stdout.split()
     assert out == [str(tmp_path / "site" / "m1" / "configs"), "True"]
+
+
+def test_bad_bytes_folders_and_override_typos_are_named(tmp_path):
+    p = tmp_path / "team.yaml"
+    p.write_bytes(b"name: x\n# caf\xe9\nmodels: {}\n")
+    with pytest.raises(ConfigError) as err:
+        load_team(p)
+    assert str(err.value) == f"{p}:2: not UTF-8 text (byte 0xe9); save the file as UTF-8"
+    with pytest.raises(ConfigError, match=f"{tmp_path}: is a folder; give a YAML config file"):
+        load_team(tmp_path)
+    with pytest.raises(ConfigError) as err:  # the typo is the override's, not the shipped file's
+        load_team("tiny", ["sampling.seed=3", "limits.max_turnz=2"])
+    assert str(err.value) == (f"override 'limits.max_turnz=2': unknown key 'limits.max_turnz'; the override applies "
+                              f"to {CONFIG_DIR / 'team' / 'tiny.yaml'}")
+    with pytest.raises(ConfigError) as err:
+        load_team("tiny", ["limits.max_turns=many"])
+    assert str(err.value).startswith("override 'limits.max_turns=many': limits.max_turns: Input should be a valid")
+    p.write_text("name: x\nmodels: {m: {kind: chat, path: a/b, colour: red}}\nagents: [{name: a, model: m}]\n")
+    with pytest.raises(ConfigError) as err:  # a key of the file stays the file's, whatever else is overridden
+        load_team(p, ["name=y"])
+    assert str(err.value) == f"{p}: unknown key 'models.m.colour'"

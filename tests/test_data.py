@@ -341,3 +341,17 @@ def test_vsibench_parquet_rows(tmp_path):
     assert [(q.id, q.task, q.answer) for q in qs] == [("1", "numeric", "4"), ("2", "mcq", "B"),
                                                        ("3", "numeric", "21.5"), ("7", "mcq", "C")]
     assert qs[3].options[0] == "chair, table, sofa" and len(issues) == 3
+
+
+def test_jsonl_line_that_is_not_utf8_is_skipped_by_line(tmp_path):
+    recs = [{"id": f"q{i}", "video": "v.mp4", "text": "Which?", "options": ["a", "b"], "answer": "A"}
+            for i in range(3)]
+    path = tmp_path / "bench.jsonl"
+    path.write_bytes(b"".join((json.dumps(r).replace("Which", "Wh\xe9ich") if i == 1 else json.dumps(r))
+                              .encode("latin-1") + b"\n" for i, r in enumerate(recs)))
+    qs, issues = load_benchmark("jsonl", path, tmp_path, check_videos=False)
+    assert [q.id for q in qs] == ["q0", "q2"]
+    col = json.dumps(recs[1]).index("Which") + 3  # the byte after "Wh", counted from 1
+    assert [str(i) for i in issues] == [f"{path}: line 2: line 2: not UTF-8 text (byte 0xe9 at column {col})"]
+    with pytest.raises(ValueError, match=f"{tmp_path}: is a folder"):
+        load_benchmark("jsonl", tmp_path, tmp_path)

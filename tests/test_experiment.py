@@ -181,7 +181,8 @@ def test_experiment_config_errors(tmp_path):
 
     exp = load_experiment(_write(tmp_path / "typo.yaml", {
         **base, "marl": {"config": "mini"}, "arms": {"a": None, "b": {"marl": ["learner.finetun=lora"]}}}))
-    with pytest.raises(ConfigError, match=r"arm 'b', stage marl: .*mini.yaml: unknown key 'learner.finetun'"):
+    with pytest.raises(ConfigError, match=r"arm 'b', stage marl: override 'learner.finetun=lora': unknown key 'learner.finetun'; "
+                       r"the override applies to .*mini.yaml"):
         run_experiment(exp, progress=lambda _: None)
     assert not (tmp_path / "o").exists()
 
@@ -527,3 +528,42 @@ def test_eval_on_benchmarks_reports_one_family_each(tmp_path, m1_cache):
     for bad in ({"team": "tiny"}, {"team": "tiny", "questions": "q.jsonl", "benchmarks": bench}):
         with pytest.raises(ConfigError, match="give `questions` .* or `benchmarks`"):
             load_experiment(_write(tmp_path / "bad.yaml", {**spec, "eval": bad}))
+
+
+def test_experiment_lock_and_a_resumed_eval_stage_counts_every_attempt(tmp_path, monkeypatch):
+    """One run of an experiment at a time (`<out_dir>/.lock`, the holder named); an eval stage stopped after two of
+    four answers and rerun records all four, and the wall time of both attempts."""
+    from m1.experiment.runner import read_stage, run_experiment
+    from m1.locks import LockError, hold_dir
+    from m1.run import ResultsFile
+    from test_run_safety import ScriptedTeam
+
+    spec = yaml.safe_load(tiny_experiment(tmp_path).read_text())
+    del spec["sft"], spec["marl"]
+    spec["arms"] = {"base": None}
+    exp = load_experiment(_write(tmp_path / "eval_only.yaml", spec))
+    monkeypatch.setattr("m1.team.cpp.Team", ScriptedTeam)  # answers A to everything: the records are under test
+    with hold_dir(tmp_path / "exp", "experiment folder"):
+        with pytest.raises(LockError, match=r"experiment folder .*exp is being written by pid \d+ on host .*; wait "
+                                            r"for that run to finish \(or stop it\), or give this run another out_dir"):
+            run_experiment(exp, progress=lambda _: None)
+    real = ResultsFile.append
+
+    def two_then_killed(self, row):
+        if len(self.done) == 2:
+            raise RuntimeError("killed after two lines")
+        real(self, row)
+
+    monkeypatch.setattr(ResultsFile, "append", two_then_killed)
+    with pytest.raises(RuntimeError, match="killed after two lines"):
+        run_experiment(exp, progress=lambda _: None)
+    folder = tmp_path / "exp" / "base" / "seed0" / "eval"
+    spent = float((folder / ".wall_s").read_text())
+    assert spent > 0 and read_stage(folder) is None and not (tmp_path / "exp" / ".lock").exists()
+    monkeypatch.setattr(ResultsFile, "append", real)
+    said = []
+    [rec] = run_experiment(exp, progress=said.append)
+    assert any("2 answered, 2 already done" in s for s in said), said
+    assert (rec["answered"], rec["graded"], rec["correct"], rec["errors"]) == (4, 4, 2, [])  # truths A, B, A, B; the team says A
+    assert rec["wall_s"] >= spent and not (folder / ".wall_s").exists()
+    assert read_stage(folder)["answered"] == 4 and not list(folder.glob(".stage.json*"))

@@ -377,3 +377,87 @@ def test_disk_full_on_a_trace_leaves_no_torn_file_and_the_rerun_completes(tmp_pa
     assert sorted(f.name for f in traces.iterdir()) == sorted(
         [f"{q.id}{s}" for q in qs for s in (".json", ".html")] + ["index.html"])
 
+
+
+# ------------------------------------------------------------------ error rows, shards, bad inputs
+
+class VideoTeam(ScriptedTeam):
+    """Answers A, or records an error for a question whose video file is not there (as the real team does)."""
+
+    def run(self, questions, on_episode=None):
+        for q in questions:
+            ep = _episode(q)
+            if not Path(q.video).is_file():
+                ep.error, ep.final_answer = f"cannot open video {q.video}: no such file", None
+            on_episode(ep)
+
+
+def test_error_rows_are_retried_by_default_and_kept_with_keep_errors(tmp_path, monkeypatch):
+    from m1.cli import app
+
+    monkeypatch.setattr("m1.team.cpp.Team", VideoTeam)
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("".join(json.dumps({"id": f"q{i:02d}", "video": f"v{i}.mp4", "text": "Which?",
+                                         "options": ["x", "y"]}) + "\n" for i in range(3)))
+    for i in (0, 2):
+        (tmp_path / f"v{i}.mp4").write_bytes(b"x")
+    out = tmp_path / "results.jsonl"
+    args = ["infer", str(tmp_path), "--questions", str(qfile), "--team", "tiny", "--out", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and "2 answered, 0 already done, 1 errors" in r.stdout, r.output
+    assert [json.loads(x)["error"] is not None for x in out.read_text().splitlines()] == [False, True, False]
+    r = CliRunner().invoke(app, args + ["--keep-errors"])
+    assert r.exit_code == 0 and "0 answered, 3 already done, 0 errors" in r.stdout
+    assert "1 earlier errors kept as they are (--keep-errors)" in r.stdout
+    before = out.read_bytes()
+    r = CliRunner().invoke(app, args)  # the video is still missing: retried, still an error, the line replaced
+    assert r.exit_code == 0 and "retried 1 earlier errors: 0 now answered, 1 still errors" in r.stdout, r.output
+    assert _ids(out) == ["q00", "q01", "q02"] and out.read_bytes().splitlines()[0] == before.splitlines()[0]
+    (tmp_path / "v1.mp4").write_bytes(b"x")  # the video is restored
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and "1 answered, 2 already done, 0 errors" in r.stdout, r.output
+    assert "retried 1 earlier errors: 1 now answered, 0 still errors" in r.stdout
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["id"] for x in rows] == ["q00", "q01", "q02"] and [x["error"] for x in rows] == [None] * 3
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and "0 answered, 3 already done, 0 errors" in r.stdout and "earlier errors" not in r.stdout
+
+
+def test_merge_names_the_ids_of_a_missing_part(tmp_path):
+    from m1 import run
+
+    cfg, qs = load_team("tiny"), _qs(tmp_path, 5)
+    out = tmp_path / "results.jsonl"
+    run.run_questions(cfg, qs, out, team=ScriptedTeam(), progress=False, shard=(0, 2))
+    with pytest.raises(run.InputError) as err:
+        run.merge_parts(out)
+    assert str(err.value) == (f"cannot merge into {out}: results.jsonl.part-1-of-2.jsonl (ids 'q01', 'q03') missing; "
+                              f"run those workers (--shard 1/2) first")
+
+
+def test_bad_bytes_empty_files_and_folders_as_files_are_one_line(tmp_path, monkeypatch):
+    from m1.cli import app
+
+    monkeypatch.setattr("m1.team.cpp.Team", ScriptedTeam)
+    qfile = tmp_path / "q.jsonl"
+    good = [json.dumps({"id": f"q{i}", "video": "v.mp4", "text": "Which?", "options": ["x", "y"]}) for i in range(3)]
+    qfile.write_bytes((good[0] + "\n" + good[1].replace("Which", "Wh\xffich") + "\n").encode("latin-1")
+                      + (good[2] + "\n").encode())
+    out = tmp_path / "results.jsonl"
+    r = CliRunner().invoke(app, ["infer", str(tmp_path), "--questions", str(qfile), "--out", str(out)])
+    assert r.exit_code == 0 and "2 answered" in r.stdout, r.output
+    assert f"skipped: {qfile}:2: malformed question (not UTF-8: byte 0xff at column" in r.stderr
+    assert _ids(out) == ["q0", "q2"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for argv, words in ((["--questions", str(empty), "--out", str(tmp_path / "e.jsonl")],
+                         f"error: {empty}: no usable questions (0 skipped); nothing to answer"),
+                        (["--questions", str(qfile), "--out", str(tmp_path)],
+                         f"error: {tmp_path}: is a folder; the results need a file path"),
+                        (["--questions", str(tmp_path), "--out", str(out)],
+                         f"error: {tmp_path}: is a folder; --questions needs a JSONL file")):
+        r = CliRunner().invoke(app, ["infer", str(tmp_path), *argv])
+        assert r.exit_code == 2 and "Traceback" not in r.stderr, r.output
+        assert len([x for x in r.stderr.splitlines() if x.startswith("error:")]) == 1, r.stderr
+        assert r.stderr.splitlines()[-1].startswith(words), r.stderr
+    assert _ids(out) == ["q0", "q2"]

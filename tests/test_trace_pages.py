@@ -435,3 +435,36 @@ def test_trace_page_screenshot(demo, tmp_path):
     assert len(buf.getvalue()) < 400_000
     if os.environ.get("M1_WRITE_DOCS") == "1":
         (REPO / "docs" / "trace_page.png").write_bytes(buf.getvalue())
+
+
+def test_view_serves_nothing_a_symlink_leads_to_outside_the_folder(tmp_path):
+    import threading
+    import urllib.error
+
+    from m1.trace import serve
+
+    traces, outside = tmp_path / "traces", tmp_path / "outside"
+    traces.mkdir()
+    outside.mkdir()
+    (traces / "index.html").write_text("<p>index</p>")
+    (traces / "inner").mkdir()
+    (traces / "inner" / "page.html").write_text("<p>inner</p>")
+    (outside / "secret.txt").write_text("not for the browser")
+    (traces / "etc").symlink_to(outside, target_is_directory=True)
+    (traces / "secret.txt").symlink_to(outside / "secret.txt")
+    (traces / "inside.html").symlink_to(traces / "inner" / "page.html")  # a link that stays inside is served
+    server = serve(traces, 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for path, body in (("/index.html", "<p>index</p>"), ("/inside.html", "<p>inner</p>")):
+            with urllib.request.urlopen(base + path, timeout=10) as r:
+                assert r.status == 200 and r.read().decode() == body
+        for path in ("/etc/secret.txt", "/etc/", "/secret.txt", "/../outside/secret.txt", "/%2e%2e/outside/secret.txt"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(base + path, timeout=10)
+            assert err.value.code == 404, path
+    finally:
+        server.shutdown()
+        server.server_close()

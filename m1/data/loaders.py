@@ -133,8 +133,24 @@ def format_span(start: float, end: float) -> str:
     return format_answer_span((start, end))
 
 
+def _utf8_lines(path: Path, issues: list[LoadIssue]) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of a text file, each decoded on its own: a line that is not UTF-8 is
+    reported by file and line and skipped, like a malformed one."""
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, start=1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                issues.append(LoadIssue(f"line {n}", str(path), f"line {n}: not UTF-8 text (byte "
+                                                                 f"0x{raw[e.start]:02x} at column {e.start + 1})"))
+
+
 def _read_json(path: Path, *, allow_trailing_commas: bool = False) -> Any:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not UTF-8 text (line {line}: {e.reason}); save it as UTF-8") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as first:
@@ -157,20 +173,19 @@ def _records(path: Path, issues: list[LoadIssue], *,
     """
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    issues.append(LoadIssue(f"line {n}", str(path), f"line {n}: invalid JSON ({e})"))
-                    continue
-                if not isinstance(rec, dict):
-                    issues.append(LoadIssue(f"line {n}", str(path),
-                                            f"line {n}: expected a JSON object, got {type(rec).__name__}"))
-                    continue
-                yield f"line {n}", rec
+        for n, line in _utf8_lines(path, issues):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                issues.append(LoadIssue(f"line {n}", str(path), f"line {n}: invalid JSON ({e})"))
+                continue
+            if not isinstance(rec, dict):
+                issues.append(LoadIssue(f"line {n}", str(path),
+                                        f"line {n}: expected a JSON object, got {type(rec).__name__}"))
+                continue
+            yield f"line {n}", rec
         return
     if suffix == ".parquet":
         try:
@@ -512,34 +527,33 @@ def load_charades_sta(annotations: Path, videos: Path, *, lengths_csv: Path | No
     b = _Builder("charades_sta", videos, check_videos)
     csv_path = Path(lengths_csv) if lengths_csv else _find_charades_csv(annotations, txt)
     lengths = _charades_lengths(csv_path, b) if csv_path else {}
-    with txt.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, start=1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            where = f"line {n}"
-            m = _STA_LINE.match(line)
-            if not m:
-                b.issue(where, txt, f"{where}: expected '<vid> <start> <end>##<sentence>', got {line!r:.80}")
-                continue
-            vid, s, e, sentence = m.groups()
-            qid = f"{vid}_{n}"
-            try:
-                start, end = _finite(s, "start"), _finite(e, "end")
-                if not 0 <= start < end:
-                    raise _Bad(f"start {start} and end {end} need 0 <= start < end")
-                query = sentence.strip().rstrip(".").strip()
-                if not query:
-                    raise _Bad("empty sentence")
-            except _Bad as err:
-                b.issue(qid, txt, f"{where}: {err}")
-                continue
-            meta: dict[str, Any] = {"video_id": vid, "start": start, "end": end, "sentence": sentence,
-                                    "line": n, "duration": lengths.get(vid)}
-            if vid in lengths:
-                meta["end_past_video"] = end > lengths[vid]
-            b.add(_Draft(qid, [f"{vid}.mp4", f"Charades_v1_480/{vid}.mp4"], query, [], "grounding",
-                         format_span(start, end), meta), txt, where)
+    for n, line in _utf8_lines(txt, b.issues):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        where = f"line {n}"
+        m = _STA_LINE.match(line)
+        if not m:
+            b.issue(where, txt, f"{where}: expected '<vid> <start> <end>##<sentence>', got {line!r:.80}")
+            continue
+        vid, s, e, sentence = m.groups()
+        qid = f"{vid}_{n}"
+        try:
+            start, end = _finite(s, "start"), _finite(e, "end")
+            if not 0 <= start < end:
+                raise _Bad(f"start {start} and end {end} need 0 <= start < end")
+            query = sentence.strip().rstrip(".").strip()
+            if not query:
+                raise _Bad("empty sentence")
+        except _Bad as err:
+            b.issue(qid, txt, f"{where}: {err}")
+            continue
+        meta: dict[str, Any] = {"video_id": vid, "start": start, "end": end, "sentence": sentence,
+                                "line": n, "duration": lengths.get(vid)}
+        if vid in lengths:
+            meta["end_past_video"] = end > lengths[vid]
+        b.add(_Draft(qid, [f"{vid}.mp4", f"Charades_v1_480/{vid}.mp4"], query, [], "grounding",
+                     format_span(start, end), meta), txt, where)
     return b.result()
 
 
@@ -635,6 +649,8 @@ def load_jsonl(annotations: Path, videos: Path, *, check_videos: bool = True):
     line number and skipped.
     """
     path = Path(annotations)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a folder; the jsonl benchmark needs its annotation file")
     if not path.is_file():
         raise FileNotFoundError(f"annotation file does not exist: {path}")
     b = _Builder("jsonl", videos, check_videos)

@@ -58,13 +58,14 @@ def run(
             fail("a training stage's plan does not fit (see `fits: NO` above)")
         return
     from m1.experiment.runner import run_experiment
+    from m1.files import WriteError
     from m1.locks import LockError
     from m1.run import InputError, Stopped
 
     def go() -> None:
         try:
             run_experiment(exp, progress=typer.echo, jobs=jobs)
-        except (InputError, LockError) as exc:
+        except (InputError, LockError, WriteError) as exc:
             fail(describe(exc), exc, debug)
         except Stopped as exc:
             typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)

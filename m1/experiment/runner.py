@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 from m1.config import ConfigError
 from m1.experiment.config import Experiment
+from m1.files import WriteError, write_whole
+from m1.locks import hold_dir
 
 log = logging.getLogger(__name__)
 
@@ -93,20 +95,39 @@ def read_stage(folder: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ExperimentError(f"{path}: not JSON ({exc}); delete it to rerun the stage") from None
 
 
 def _write_stage(folder: Path, record: dict[str, Any]) -> Path:
+    """stage.json through a temporary file unique to this process, renamed over it (`write_whole`)."""
     path = Path(folder) / STAGE_FILE
-    tmp = path.with_name(f".{STAGE_FILE}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(record, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_whole(path, json.dumps(record, indent=1).encode())
     return path
+
+
+SPENT_FILE = ".wall_s"  # wall seconds of the earlier, unfinished attempts of a stage (a stopped or failed run)
+
+
+def _spent(folder: Path) -> float:
+    """Wall seconds the earlier attempts of a stage took (0 for a first attempt)."""
+    path = Path(folder) / SPENT_FILE
+    try:
+        return float(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0.0
+
+
+def _add_spent(folder: Path, seconds: float) -> None:
+    """Count an unfinished attempt's wall time towards the stage's record (written whole; best effort on a full disk,
+    where the error in flight is the one to report)."""
+    if not Path(folder).is_dir():
+        return
+    try:
+        write_whole(Path(folder) / SPENT_FILE, f"{_spent(folder) + seconds:.3f}".encode())
+    except WriteError:
+        log.warning("could not record the wall time of the unfinished attempt in %s", folder)
 
 
 # ------------------------------------------------------------------------------------------------ overrides
@@ -259,7 +280,7 @@ def eval_questions(exp: Experiment):
 
 def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callable[[str], None]) -> dict:
     from m1.config import load_team
-    from m1.run import run_questions
+    from m1.run import ResultsFile, run_questions
 
     assert exp.eval is not None
     sets = eval_overrides(exp, run, seat)
@@ -276,11 +297,16 @@ def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callabl
     summary = run_questions(cfg, qs, out, trace_dir=traces, progress=False)
     for line in summary.describe().splitlines():
         progress(f"  {line}")
+    # counted from the results file, so a stage resumed after a stop counts the rows of every attempt
+    ids = {q.id for q in qs}
+    rows = [r for r in ResultsFile(out).read() if r["id"] in ids]
+    good = [r for r in rows if not r.get("error")]
+    graded = [r for r in good if "correct" in r]
     return {"config": team, "overrides": sets, "resolved": cfg.model_dump(mode="json"),
             "results": {"results": str(out), "questions": exp.eval.source,
                         **({"traces": str(traces)} if traces is not None else {})},
-            "answered": summary.answered + summary.skipped_done, "graded": summary.graded,
-            "correct": summary.correct, "errors": summary.errors}
+            "answered": len(rows), "graded": len(graded), "correct": sum(int(bool(r["correct"])) for r in graded),
+            "errors": [f"{r['id']}: {r['error']}" for r in rows if r.get("error")]}
 
 
 def check_configs(exp: Experiment) -> None:
@@ -332,14 +358,20 @@ def run_chains(exp: Experiment, progress: Callable[[str], None] = print) -> list
         elif owner != run.arm:
             raise ExperimentError(f"{run.label}: arm {owner} runs this stage and has not finished it ({run.folder})")
         else:
-            progress(f"{tag}: running -> {run.folder}")
+            earlier = _spent(run.folder)
+            progress(f"{tag}: running -> {run.folder}" + (f" (resumed; {earlier:.1f}s before)" if earlier else ""))
             t0 = time.perf_counter()
-            body = (_run_eval if run.stage == "eval" else _run_train)(exp, run, seat, progress)
+            try:
+                body = (_run_eval if run.stage == "eval" else _run_train)(exp, run, seat, progress)
+            except BaseException:  # stopped or failed: the rerun's record counts this attempt's time too
+                _add_spent(run.folder, time.perf_counter() - t0)
+                raise
             done = {"experiment": exp.name, "arm": run.arm, "seed": run.seed, "stage": run.stage,
-                    "wall_s": time.perf_counter() - t0, **body}
+                    "wall_s": earlier + time.perf_counter() - t0, **body}
             if "gpus" in done:
                 done["gpu_hours"] = done["wall_s"] / 3600 * done["gpus"]
             _write_stage(run.folder, done)
+            (run.folder / SPENT_FILE).unlink(missing_ok=True)
             progress(f"{tag}: finished in {done['wall_s']:.1f}s -> {run.folder}")
         if run.stage != "eval":
             seats[(run.arm, run.seed)] = done["seat"]
@@ -349,8 +381,18 @@ def run_chains(exp: Experiment, progress: Callable[[str], None] = print) -> list
 
 def run_experiment(exp: Experiment, progress: Callable[[str], None] = print, jobs: int = 1) -> list[dict[str, Any]]:
     """The data stage, then every arm and seed (`run_chains`); with `jobs` > 1, that many seeds at once, each in a
-    worker process on its share of the CPU threads (their training bars in <out_dir>/logs/seed<k>.log)."""
+    worker process on its share of the CPU threads (their training bars in <out_dir>/logs/seed<k>.log).
+
+    One run of an experiment at a time: it holds `<out_dir>/.lock` from start to end (a second run is refused naming
+    the holder; the lock of a killed run is taken over with a warning), so two runs never render the same worlds or
+    write the same stage records."""
     check_configs(exp)
+    with hold_dir(Path(exp.out_dir), "experiment folder", "wait for that run to finish (or stop it), or give this "
+                  "run another out_dir", warn=lambda msg: progress(f"warning: {msg}")):
+        return _run_experiment(exp, progress, jobs)
+
+
+def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int) -> list[dict[str, Any]]:
     if exp.data is not None:
         run_data(exp, progress)
     if jobs <= 1 or len(exp.seeds) == 1:
@@ -419,6 +461,27 @@ def _world_files(folder: Path) -> list[Path]:
     return sorted((folder / "videos").glob("*.mp4"))
 
 
+def _render_world(out: Path, w) -> None:
+    """Render a world into a folder unique to this process, then move its files into `out` by renames, questions.jsonl
+    last: a reader never sees a half-written video or question file, and `out/questions.jsonl` existing means the
+    world is complete."""
+    import shutil
+
+    from m1.synth.make import make_dataset
+
+    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        make_dataset(tmp, w.videos, w.seed, duration=w.duration, questions_per_video=w.questions_per_video)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != "questions.jsonl")
+        for src in files + [tmp / "questions.jsonl"]:
+            dest = out / src.relative_to(tmp)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def run_data(exp: Experiment, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """The data stage (<out_dir>/data/stage.json): render the worlds not yet rendered, build each SFT owner arm's
     teacher examples, and check that no eval video has the bytes of a training video (a held-out world made from a
@@ -434,10 +497,8 @@ def run_data(exp: Experiment, progress: Callable[[str], None] = print) -> dict[s
         if (out / "questions.jsonl").is_file():
             progress(f"data: world {out} (seed {w.seed}) exists")
         else:
-            from m1.synth.make import make_dataset
-
             progress(f"data: rendering world {out}: {w.videos} videos of {w.duration:g} s, seed {w.seed}")
-            make_dataset(out, w.videos, w.seed, duration=w.duration, questions_per_video=w.questions_per_video)
+            _render_world(out, w)
         worlds.append({"out": str(out), "seed": w.seed, "videos": len(_world_files(out))})
     datasets = []
     for d in exp.data.datasets:

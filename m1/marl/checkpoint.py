@@ -208,7 +208,8 @@ def resume_point(out_dir: Path, resume_from: str = "latest") -> Path | None:
 # ------------------------------------------------------------------------------------------------ save / load
 def _disk_full(exc: BaseException, where: Path) -> bool:
     """Whether a failed write ran out of space: ENOSPC/EDQUOT anywhere in the chain, the words of the libraries that
-    do not raise OSError (safetensors' StorageFull), or torch's bare "file write failed" on a nearly full disk."""
+    do not raise OSError (safetensors' StorageFull), or torch's own writer failing on a nearly full disk (its bare
+    "file write failed", or "[enforce fail at inline_container.cc] ... unexpected pos" when a write came up short)."""
     seen = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -216,7 +217,7 @@ def _disk_full(exc: BaseException, where: Path) -> bool:
         text = str(seen)
         if "No space left on device" in text or "StorageFull" in text or "Disk quota exceeded" in text:
             return True
-        if "file write failed" in text:
+        if "file write failed" in text or ("inline_container" in text and "unexpected pos" in text):
             try:
                 return shutil.disk_usage(where).free < 64 * 2**20
             except OSError:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from m1.errors import fail
+from m1.files import WriteError
 from m1.synth.make import make_dataset
 
 app = typer.Typer(no_args_is_help=True, help="M1-Synth: generate videos and questions.")
@@ -31,6 +33,8 @@ def make(out: Path = typer.Argument(..., help="Output folder (created if missing
                             questions_per_video=questions_per_video)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    except WriteError as exc:  # a full disk: nothing torn is left behind
+        fail(str(exc), exc)
     n = sum(1 for _ in path.open())
     typer.echo(f"wrote {videos} videos and {n} questions to {out} (questions: {path})")
 

@@ -14,6 +14,7 @@ import json
 import random
 from pathlib import Path
 
+from m1.files import write_whole
 from m1.synth.questions import LetterCycle, make_questions
 from m1.synth.render import render
 from m1.synth.world import make_script
@@ -49,5 +50,5 @@ def make_dataset(out: Path, videos: int, seed: int, duration: float = 300.0, fps
                             id_prefix=f"s{seed}-{stem}")
         lines += [json.dumps(q.model_dump(mode="json"), sort_keys=True) for q in qs]
     path = out / "questions.jsonl"
-    path.write_text("".join(line + "\n" for line in lines))
+    write_whole(path, "".join(line + "\n" for line in lines).encode())  # whole or not at all: it marks a world done
     return path
