@@ -319,3 +319,83 @@ def test_building_a_tiny_model_leaves_the_callers_random_state_alone(cache_dir):
     torch.manual_seed(123)
     ensure_tiny(TinySpec(arch="qwen3", hidden_size=32, layers=1, heads=2, kv_heads=1, seed=77), cache_dir)
     assert torch.equal(torch.rand(3), want)
+
+
+# ---------------------------------------------------------------- distinct rollouts (per-request seeds)
+def test_distinct_rollouts_k_copies_differ_and_do_not_depend_on_batching(hub, monkeypatch):
+    """K copies of a prompt in one call sample K different completions, and each request's sample depends on its
+    seed only: the same call cut into batches of 2 (or run as single requests with the seeds stamped) gives the
+    same tokens and log-probs. With one seed per batch, the two batches [q0, q0] and [q0, q0] were identical."""
+    from m1.models.base import with_seeds
+
+    model = hub.chat("q2")
+    p = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    k4 = [CHATS[1]] * 4
+    whole = model.generate(k4, p)
+    assert len({tuple(o.completion_ids) for o in whole}) == 4
+    monkeypatch.setattr(model, "max_batch", 2)
+    chunked = model.generate(k4, p)
+    assert [o.completion_ids for o in chunked] == [o.completion_ids for o in whole]
+    stamped = with_seeds(k4, p)
+    alone = [model.generate([r], SamplingParams(max_new_tokens=12, temperature=1.0, seed=999))[0] for r in stamped]
+    assert [o.completion_ids for o in alone] == [o.completion_ids for o in whole]
+    for a, b in zip(alone, whole):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_distinct_rollouts_remote_chat_stamps_seeds_before_splitting_over_ranks(monkeypatch):
+    """`RemoteChat` over 2 ranks sends each request with the seed of its place in the whole call: requests ordered
+    q0 x4, q1 x4 reach the ranks as [q0 x4] with the call's seeds 0..3 and [q1 x4] with seeds 4..7, so the answers equal what
+    one rank would give (here a fake rank echoes the seed it was given)."""
+    from m1.models.base import mix_seed
+
+    import m1.marl.groups as groups
+
+    class Rank:
+        def __init__(self):
+            self.generate = self
+            self.seen = []
+
+        def remote(self, requests, params):
+            self.seen.append([r.seed for r in requests])
+            return [Completion(text=f"{r.messages[0]['content']}:{r.seed}") for r in requests]
+
+    class FakeRay:
+        @staticmethod
+        def get(refs):
+            return refs
+
+    monkeypatch.setattr(groups, "_require_ray", lambda: FakeRay)
+    reqs = [ChatRequest([{"role": "user", "content": q}]) for q in ["q0"] * 4 + ["q1"] * 4]
+    p = SamplingParams(temperature=1.0, seed=100)
+    one, two = groups.RemoteChat("a", [Rank()]), groups.RemoteChat("a", [Rank(), Rank()])
+    seeds = [mix_seed(100, i) for i in range(8)]
+    want = [f"{q}:{s}" for q, s in zip(["q0"] * 4 + ["q1"] * 4, seeds)]
+    assert [c.text for c in one.generate(reqs, p)] == want
+    assert [c.text for c in two.generate(reqs, p)] == want
+    assert [r.seen for r in two._actors] == [[seeds[:4]], [seeds[4:]]]
+
+
+def test_generation_keeps_no_logits_yet_returns_exact_logprobs(hub, monkeypatch):
+    """Log-probs are recorded step by step (one step's [B, V] held at a time), so `generate` is never asked for every
+    step's logits (B x T x 151,936 fp32 at the paper's vocabulary); the values are still the tempered policy's."""
+    import torch
+
+    model = hub.chat("q3")
+    seen = []
+    real = model.model.generate
+
+    def spy(**kw):
+        out = real(**kw)
+        seen.append((kw.get("output_logits"), kw.get("output_scores"), getattr(out, "logits", None)))
+        return out
+
+    monkeypatch.setattr(model.model, "generate", spy)
+    out = model.generate([CHATS[1]], SamplingParams(max_new_tokens=6, temperature=0.9, seed=3))[0]
+    assert seen == [(False, None, None)]
+    ids = torch.tensor([out.prompt_ids + out.completion_ids])
+    with torch.no_grad():
+        logits = model.model(input_ids=ids).logits[0].float()
+    n = len(out.prompt_ids)
+    want = torch.log_softmax(logits[n - 1:-1] / 0.9, dim=-1).gather(1, torch.tensor(out.completion_ids)[:, None])
+    np.testing.assert_allclose(out.logprobs, want[:, 0].tolist(), atol=1e-4)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from m1.config import ModelSpec, TinySpec
-from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest
+from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, mix_seed
 from m1.models.openai import OpenAIChatModel, OpenAIVisionModel, parse_retry_after
 
 KEY_ENV = "M1_TEST_OPENAI_KEY"
@@ -178,7 +178,7 @@ def test_order_concurrency_and_param_mapping(servers, key_env):
         b = by_q[f"q{i}"]
         assert b["model"] == "served-model"
         assert b["max_tokens"] == 7 and b["temperature"] == 0.7 and b["top_p"] == 0.9
-        assert b["seed"] == 11 + i  # distinct seeds: K rollouts of one prompt still differ
+        assert b["seed"] == mix_seed(11, i)  # distinct seeds: K rollouts of one prompt still differ
         assert b["logprobs"] is True
         assert b["messages"][0] == {"role": "system", "content": "be brief"}
     assert set(srv.auth) == {f"Bearer {SECRET}"}

@@ -15,7 +15,7 @@ import pytest
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.models.base import ChatRequest, SamplingParams
+from m1.models.base import ChatRequest, SamplingParams, mix_seed, request_seeds
 from m1.models.engine import EngineChat, EngineError, EngineServer, vllm_command
 
 STANDIN = str(Path(__file__).with_name("engine_standin.py"))
@@ -143,10 +143,11 @@ def test_generate_matches_the_learner(server, learner):
         # sampler and learner agree on the log-probs of what was sampled (temperature 1)
         assert learner_logprobs(learner, o.prompt_ids, o.completion_ids) == pytest.approx(o.logprobs, abs=1e-4)
         assert chat.score(o.prompt_ids, o.completion_ids) == pytest.approx(o.logprobs, abs=1e-4)
-    # the same seed gives the same tokens; request i samples with seed + i
+    # the same seed gives the same tokens; request i samples with the seed request_seeds gives it
     again = chat.generate(CHATS, params)
     assert [o.completion_ids for o in again] == [o.completion_ids for o in outs]
-    shifted = chat.generate([CHATS[1]], SamplingParams(max_new_tokens=12, temperature=1.0, seed=8))[0]
+    alone = ChatRequest(CHATS[1].messages, seed=request_seeds(CHATS, params)[1])
+    shifted = chat.generate([alone], SamplingParams(max_new_tokens=12, temperature=1.0, seed=8))[0]
     assert shifted.completion_ids == outs[1].completion_ids
     same_prompt = chat.generate([CHATS[0]] * 3, params)  # GRPO's K rollouts: one prompt, three seeds
     assert len({tuple(o.completion_ids) for o in same_prompt}) > 1
@@ -278,6 +279,7 @@ def test_older_response_shape_token_ids_from_logprob_tokens(folder):
     chat._post = post
     out = chat.generate(CHATS[:2], SamplingParams(max_new_tokens=2, temperature=1.0, seed=5))
     assert [o.completion_ids for o in out] == [[11, 12], [11, 12]] and out[0].logprobs == [-0.5, -1.5]
-    assert sorted(p["seed"] for p in sent) == [5, 6] and all(p["prompt"] for p in sent)
+    assert sorted(p["seed"] for p in sent) == sorted([mix_seed(5, 0), mix_seed(5, 1)])
+    assert all(p["prompt"] for p in sent)
     assert all(p["return_token_ids"] and p["return_tokens_as_token_ids"] and p["logprobs"] == 0 for p in sent)
     assert all(p["top_k"] == -1 and p["repetition_penalty"] == 1.0 and p["model"] == "base" for p in sent)

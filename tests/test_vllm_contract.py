@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from m1.config import ModelSpec
-from m1.models.base import ChatRequest, ModelError, SamplingParams
+from m1.models.base import ChatRequest, ModelError, SamplingParams, mix_seed
 from m1.models.vllm import VLLMApi, VLLMChatModel, chosen_logprobs, load_vllm
 
 
@@ -168,7 +168,7 @@ def test_generate_maps_params_prompts_and_outputs():
         assert text.endswith("<|im_start|>assistant\n") and f"Question {i}?" in text
     sps = call["sampling_params"]
     assert [sp.kw for sp in sps] == [dict(n=1, temperature=0.8, top_p=0.95, max_tokens=17,
-                                          seed=5 + i, logprobs=0) for i in range(3)]
+                                          seed=mix_seed(5, i), logprobs=0) for i in range(3)]
 
     for i, c in enumerate(out):
         assert c.text == f"out{i}"

@@ -18,11 +18,13 @@ import logging
 import os
 import shutil
 import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 from m1.config import ModelSpec
+from m1.models.base import with_seeds
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.distributed import DistributedError, _require_ray
 from m1.models.engine import free_port
@@ -97,7 +99,8 @@ class LearnerRank:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"host": socket.gethostname(), "node_id": ctx.get_node_id(), "gpu_ids": ray.get_gpu_ids(),
+        return {"host": socket.gethostname(), "node_id": ctx.get_node_id(), "actor_id": ctx.get_actor_id(),
+                "ip": ray.util.get_node_ip_address(), "gpu_ids": ray.get_gpu_ids(),
                 "placement_group": ctx.get_placement_group_id(), "resources": ctx.get_assigned_resources(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
@@ -136,9 +139,12 @@ class RemoteChat:
         self.accepts_images = accepts_images  # a vision-language learner: the team sends it frames
 
     def generate(self, requests, params):
+        """Each request keeps the seed of its place in the whole call (stamped before the split), so the K copies
+        of a question sample distinct rollouts on whichever rank they land, as they would on one."""
         ray = _require_ray()
         if not requests:
             return []
+        requests = with_seeds(requests, params)
         n = min(len(self._actors), len(requests))
         size = -(-len(requests) // n)
         refs = [actor.generate.remote(requests[i * size:(i + 1) * size], params)
@@ -160,6 +166,7 @@ class RayLearners:
         actor_cls = ray.remote(LearnerRank)
         self.keys = {agent: key for agent, (key, _) in specs.items()}
         self.kinds = {agent: spec.kind for agent, (_, spec) in specs.items()}
+        self.worlds = worlds
         self.groups: dict[str, list] = {
             agent: [actor_cls.options(**(placement.options("learner", agent, r) if placement else default)).remote()
                     for r in range(worlds[agent])] for agent in specs}
@@ -174,7 +181,8 @@ class RayLearners:
         for (agent, r), w in self.where.items():
             log.info("learner %s rank %d of %d on host %s, GPUs %s", agent, r, worlds[agent], w["host"], w["gpu_ids"])
         if out_dir is not None:
-            check_shared_storage(out_dir, {f"agent {agent} rank {r} (host {self.where[(agent, r)]['host']})":
+            check_shared_storage(out_dir, {f"agent {agent} rank {r} (host {self.where[(agent, r)]['host']}, "
+                                           f"Ray node {self.where[(agent, r)]['node_id']})":
                                            _marker_writer(actor)
                                            for agent, group in self.groups.items() for r, actor in enumerate(group)})
 
@@ -212,6 +220,50 @@ class RayLearners:
         ray = _require_ray()
         return ray.get(self.groups[agent][0].parameters.remote())
 
+    def lost_ranks(self, exc: BaseException, wait_s: float | None = None) -> str | None:
+        """What a Ray failure took from these groups, for a one-line error: each Ray node that died (id, address)
+        with the agents' ranks it held, or the one rank whose process died on a node that is still up. None when
+        `exc` is not Ray's or every rank's node is up and no rank of ours died (a learner's own error, to be raised
+        as it is).
+
+        A node's death reaches the driver by more than one road: the dead rank's ActorDiedError, or first a
+        surviving rank's collective failing on its closed connection. Ray's table of nodes can lag either by
+        seconds, so it is polled for up to `wait_s` (default 30 s after an actor died, 5 s after another Ray error).
+        """
+        ray = _require_ray()
+        if not isinstance(exc, ray.exceptions.RayError):
+            return None
+        actor_died = isinstance(exc, ray.exceptions.RayActorError)
+        wait_s = (30.0 if actor_died else 5.0) if wait_s is None else wait_s
+        ours = {w["node_id"] for w in self.where.values()}
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = ours - {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if dead:
+            return "; ".join(
+                f"Ray node {node} (address {self._node_ip(node)}) died: it held "
+                + self._ranks([k for k, w in self.where.items() if w["node_id"] == node]) for node in sorted(dead))
+        gone = [k for k, w in self.where.items() if actor_died and w.get("actor_id") == exc.actor_id]
+        if gone:
+            node = self.where[gone[0]]["node_id"]
+            return (f"{self._ranks(gone)} died on Ray node {node} (address {self._node_ip(node)}), which is still up: "
+                    "its process was killed (out of host memory? see the node's raylet.out and dmesg)")
+        return None
+
+    def _node_ip(self, node: str) -> str:
+        return next(w["ip"] for w in self.where.values() if w["node_id"] == node)
+
+    def _ranks(self, keys: list[tuple[str, int]]) -> str:
+        """'agent alpha rank 1 of 2, agent beta ranks 0, 1 of 2'"""
+        by_agent: dict[str, list[int]] = {}
+        for agent, r in sorted(keys):
+            by_agent.setdefault(agent, []).append(r)
+        return ", ".join(f"agent {a} rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} of {self.worlds[a]}"
+                         for a, rs in by_agent.items())
+
     def shutdown(self) -> None:
         ray = _require_ray()
         for group in self.groups.values():
@@ -235,13 +287,14 @@ class RayPlacement:
     """The plan's GPUs reserved as one Ray placement group: one bundle per planned GPU, pinned to its node when the
     cluster's node addresses are known. `options(role, name, rank)` are the Ray actor options of one planned part."""
 
-    def __init__(self, plan, node_ips: list[str] | None = None, timeout_s: float = 300.0):
+    def __init__(self, plan, node_ips: list[str] | None = None, timeout_s: float = 300.0,
+                 node_ids: list[str] | None = None):
         ray = _require_ray()
         from ray.util.placement_group import placement_group
 
         self.plan = plan
-        self.bundles = plan.ray_bundles(node_ips=node_ips)
-        self.group = placement_group(self.bundles.bundles, strategy="PACK")
+        self.bundles = plan.ray_bundles(node_ips=node_ips, node_ids=node_ids)
+        self.group = placement_group(self.bundles.bundles, strategy="PACK", bundle_label_selector=self.bundles.labels)
         try:
             ray.get(self.group.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
@@ -283,7 +336,7 @@ def reserve_placement(cfg) -> RayPlacement | None:
     if not plan.gpus_needed:
         return None
     log.info("placement plan:\n%s", plan.render())
-    return RayPlacement(plan, info.node_ips)
+    return RayPlacement(plan, info.node_ips, node_ids=info.node_ids)
 
 
 # ------------------------------------------------------------------------------------------------ driver models
@@ -345,6 +398,11 @@ def host_driver_models(placement: RayPlacement, specs: dict[str, ModelSpec]) -> 
         hosts[key] = ray.remote(ModelHost).options(**placement.options("driver", key, 0)).remote(key, specs[key])
     attrs = ray.get([h.attributes.remote() for h in hosts.values()])  # load errors surface here
     return {key: RemoteModel(key, specs[key].kind, host, a) for (key, host), a in zip(hosts.items(), attrs)}
+
+
+def lost_ranks(learners, exc: BaseException) -> str | None:
+    """`RayLearners.lost_ranks` for any learners (None for those in this process: no node of theirs can die alone)."""
+    return learners.lost_ranks(exc) if isinstance(learners, RayLearners) else None
 
 
 def _marker_writer(actor) -> Callable[[str, str, str], str]:

@@ -31,6 +31,34 @@ class ChatRequest:
 
     messages: list[dict[str, Any]]
     images: list[np.ndarray] | None = None
+    seed: int | None = None  # this request's sampling seed; None: derived from the call's (request_seeds)
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A seed for item `index` of a call seeded `seed` (splitmix64, kept below 2**31 for every server's API): calls
+    with neighbouring seeds get unrelated request seeds (with seed + index, request 1 of call s and request 0 of
+    call s + 1 drew the same noise)."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(index) + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) % (2 ** 31 - 1)
+
+
+def request_seeds(requests: list, params: SamplingParams) -> list[int | None]:
+    """The seed each request of one call samples with: its own `seed` when set, else `mix_seed(call seed, index)`.
+
+    Every backend uses this one rule, so K copies of a prompt in one call draw K different samples; a caller that
+    splits a call (learner ranks, batches) stamps the seeds first, so the samples do not depend on the split."""
+    own = [getattr(r, "seed", None) for r in requests]
+    return [s if s is not None else (None if params.seed is None else mix_seed(params.seed, i))
+            for i, s in enumerate(own)]
+
+
+def with_seeds(requests: list[ChatRequest], params: SamplingParams) -> list[ChatRequest]:
+    """The requests with their seeds stamped (see `request_seeds`), before the call is split."""
+    from dataclasses import replace
+
+    return [replace(r, seed=s) for r, s in zip(requests, request_seeds(requests, params))]
 
 
 def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -56,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
-from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams
+from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, request_seeds
 
 _RESUME_HINT = "rerunning the same command resumes from the last checkpoint"
 
@@ -229,15 +229,18 @@ class EngineChat:
 
     # -- generation -------------------------------------------------------------------------
     def prompt_ids(self, request: ChatRequest) -> tuple[list[int], int]:
-        """(token ids the engine is sent, tokens dropped from the front to fit max_prompt_tokens)."""
+        """(token ids the engine is sent, 0 tokens dropped): a prompt over max_prompt_tokens is an EngineError, never
+        cut from the front (that loses the system prompt and the question; the team's prompt budget trims instead)."""
         ids = list(self.tokenizer(render_prompt(self.tokenizer, request.messages),
                                   add_special_tokens=False)["input_ids"])
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            return ids[-self.max_prompt_tokens:], len(ids) - self.max_prompt_tokens
+            raise EngineError(f"{self._where()}: a prompt of {len(ids)} tokens is over learner.max_prompt_tokens="
+                              f"{self.max_prompt_tokens}; prompts are never cut: keep the team's "
+                              "limits.max_prompt_tokens within it")
         return ids, 0
 
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
-        """One engine request per chat, sent concurrently; request i samples with seed + i."""
+        """One engine request per chat, sent concurrently; each with its seed (`request_seeds`)."""
         self.calls += 1
         if not requests:
             return []
@@ -250,11 +253,11 @@ class EngineChat:
         with self._lock:
             served, version = self._served, self._version
         prompts = [self.prompt_ids(r) for r in requests]
+        seeds = request_seeds(requests, params)
 
         def one(i: int) -> Completion:
             ids, dropped = prompts[i]
-            seed = None if params.seed is None else params.seed + i
-            return self._complete(ids, dropped, max_new, params, seed, served, version, i)
+            return self._complete(ids, dropped, max_new, params, seeds[i], served, version, i)
 
         if len(requests) == 1:
             return [one(0)]

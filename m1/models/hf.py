@@ -10,6 +10,10 @@ such as Qwen's top_k=20 are overridden, so the log-probs below describe the real
 Log-probs: for every generated token, log_softmax(raw_logits / T)[token], with T the sampling
 temperature (T = 1 when greedy). This is the temperature-scaled policy before top_p filtering,
 the same quantity GRPO trainers recompute from the logits, so old/new ratios line up.
+
+Seeds: request i of a call samples from its own seed (`request_seeds`: its `seed`, else one mixed from the
+call's seed and i) through per-row noise (`_RowSampler`), so a sample does not depend on the batch it shares or
+the rank it runs on.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from m1.config import ModelSpec
-from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest
+from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, request_seeds
 
 
 def offline() -> bool:
@@ -90,56 +94,107 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 
 def _generation_kwargs(params: SamplingParams, eos: list[int], pad: int) -> dict[str, Any]:
+    """`generate` runs greedily: sampling, when asked, happens in `_RowSampler` (noise per row from the row's own
+    seed), so HF's own temperature/top-k/top-p warpers and a checkpoint's generation_config defaults (Qwen's
+    top_k=20) stay off, and no step's logits are kept (`_RowSampler` records the chosen tokens' log-probs)."""
     if params.max_new_tokens < 1:
         raise ModelError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    kw: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos,
-                              pad_token_id=pad, return_dict_in_generate=True,
-                              output_logits=bool(params.logprobs), repetition_penalty=1.0)
-    if params.temperature > 0:
-        kw.update(do_sample=True, temperature=float(params.temperature), top_p=float(params.top_p),
-                  top_k=0)
-    else:
-        kw.update(do_sample=False, temperature=None, top_p=None)
-    return kw
+    return dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                return_dict_in_generate=True, output_logits=False, repetition_penalty=1.0,
+                do_sample=False, temperature=None, top_p=None, top_k=None)
 
 
-def _run_generate(model, inputs: dict[str, Any], params: SamplingParams, gen_kw: dict[str, Any]):
-    """One generate call; a seed makes sampling reproducible without touching the global RNG."""
+def _top_p_filter(scaled, top_p: float):
+    """`scaled` logits with every token outside the smallest set of probability mass >= top_p set to -inf."""
     import torch
 
+    ordered, order = torch.sort(scaled, dim=-1, descending=True)
+    mass_before = torch.softmax(ordered, dim=-1).cumsum(-1) - torch.softmax(ordered, dim=-1)
+    drop = mass_before >= top_p  # the most likely token always stays (its mass before is 0)
+    return scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
+class _RowSampler:
+    """A logits processor that makes a greedy `generate` sample each row from its own seed.
+
+    argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T); drawing the noise of row i from a
+    generator seeded with seeds[i] makes row i's sample depend only on its prompt and its seed, not on which rows
+    share the batch, how the requests were chunked or which learner rank ran them (with one seed per call, K
+    copies of a question split over two ranks sampled the same tokens twice). It also records each chosen token's
+    log-prob, log_softmax(logits / T)[token] before top_p, keeping one step's [B, V] at a time instead of every
+    step's logits."""
+
+    def __init__(self, seeds: list[int] | None, params: SamplingParams, device):
+        """`seeds`: one per row when sampling (temperature > 0), else None."""
+        import torch
+
+        self.temperature = params.temperature if params.temperature > 0 else 1.0
+        self.top_p, self.want_logprobs = float(params.top_p), bool(params.logprobs)
+        self.generators = None
+        if params.temperature > 0:
+            self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        self.last = None  # the previous step's log-probs [B, V] until its chosen token is known
+        self.steps: list = []
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        scaled = scores.float() / self.temperature
+        if self.want_logprobs:
+            self.last = torch.log_softmax(scaled, dim=-1)
+        if self.generators is None:
+            return scaled
+        if self.top_p < 1.0:
+            scaled = _top_p_filter(scaled, self.top_p)
+        width = scaled.shape[-1]
+        uniform = torch.stack([torch.rand(width, generator=g, device=scaled.device) for g in self.generators])
+        tiny = torch.finfo(uniform.dtype).tiny
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=tiny, max=1.0 - 1e-7)))
+        return scaled + gumbel
+
+    def logprobs(self, sequences):
+        """[B, steps] log-probs of the generated tokens (None when not asked for)."""
+        import torch
+
+        if not self.want_logprobs:
+            return None
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, sequences[:, -1:]).squeeze(1))
+            self.last = None
+        return torch.stack(self.steps, dim=1) if self.steps else None
+
+
+def _run_generate(model, inputs: dict[str, Any], params: SamplingParams, gen_kw: dict[str, Any],
+                  seeds: list[int | None]):
+    """One generate call: (sequences, log-probs [B, steps] or None); row i samples from seeds[i]."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    if params.temperature > 0 and any(s is None for s in seeds):
+        base = int(torch.randint(0, 2 ** 62, (1,)).item())  # unseeded call: new draws each time
+        seeds = [base + i if s is None else s for i, s in enumerate(seeds)]
+    sampler = _RowSampler(seeds if params.temperature > 0 else None, params, model.device)
+    processor = type("RowSampler", (LogitsProcessor,), {"__call__": lambda self, ids, scores: sampler(ids, scores)})
     with torch.inference_mode():
-        if params.seed is None or params.temperature <= 0:
-            return model.generate(**inputs, **gen_kw)
-        devices = [model.device.index or 0] if model.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(int(params.seed))
-            return model.generate(**inputs, **gen_kw)
+        out = model.generate(**inputs, **gen_kw, logits_processor=LogitsProcessorList([processor()]))
+    return out.sequences, sampler.logprobs(out.sequences)
 
 
-def _completions(out, prompt_len: int, prompts: list[list[int]], tokenizer, eos: list[int],
-                 params: SamplingParams, metas: list[dict[str, Any]]) -> list[Completion]:
-    """Cut each generated row at its first eos (kept) and attach log-probs of the chosen tokens."""
-    import torch
-
-    new = out.sequences[:, prompt_len:].tolist()
+def _completions(sequences, logprobs, prompt_len: int, prompts: list[list[int]], tokenizer, eos: list[int],
+                 metas: list[dict[str, Any]]) -> list[Completion]:
+    """Cut each generated row at its first eos (kept) and attach the log-probs of its tokens."""
+    new = sequences[:, prompt_len:].tolist()
     eos_set = set(eos)
-    temp = params.temperature if params.temperature > 0 else 1.0
     results: list[Completion] = []
     for row, (tokens, prompt_ids, meta) in enumerate(zip(new, prompts, metas)):
         cut = next((i + 1 for i, t in enumerate(tokens) if t in eos_set), None)
         ids = tokens[:cut] if cut is not None else tokens
-        logprobs = None
-        if params.logprobs and out.logits is not None:
-            steps = out.logits[: len(ids)]
-            if steps:
-                logits = torch.stack([s[row] for s in steps]).float() / temp
-                chosen = torch.tensor(ids, device=logits.device).unsqueeze(1)
-                logprobs = torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1).tolist()
-            else:
-                logprobs = []
+        lps = None if logprobs is None else logprobs[row, : len(ids)].tolist()
         results.append(Completion(
             text=tokenizer.decode(ids, skip_special_tokens=True),
-            prompt_ids=prompt_ids, completion_ids=ids, logprobs=logprobs,
+            prompt_ids=prompt_ids, completion_ids=ids, logprobs=lps,
             finish_reason="stop" if cut is not None else "length", meta=meta))
     return results
 
@@ -244,9 +299,11 @@ class HFChatModel:
             ids = self.tokenizer(self.render(req), add_special_tokens=False)["input_ids"]
             meta: dict[str, Any] = {}
             if self.context_length is not None and len(ids) + max_new > self.context_length:
-                keep = self.context_length - max_new
-                meta.update(truncated=True, dropped_prompt_tokens=len(ids) - keep)
-                ids = ids[-keep:]
+                # never cut from the front: that loses the system prompt and the question (the team trims to its
+                # limits.max_prompt_tokens, m1/team/budget.py)
+                raise ModelError(f"model {self.name!r}: a prompt of {len(ids)} tokens and {max_new} new tokens do "
+                                 f"not fit its context of {self.context_length} tokens; prompts are never cut: set "
+                                 f"the team's limits.max_prompt_tokens to at most {self.context_length - max_new}")
             prompts.append(ids)
             metas.append(meta)
         if max_new != params.max_new_tokens:
@@ -254,16 +311,17 @@ class HFChatModel:
                 m["max_new_tokens"] = max_new
         params = SamplingParams(max_new_tokens=max_new, temperature=params.temperature,
                                 top_p=params.top_p, seed=params.seed, logprobs=params.logprobs)
+        seeds = request_seeds(requests, params)
         step = self.max_batch or len(prompts)
         results: list[Completion] = []
         with self._lock:
             for start in range(0, len(prompts), step):
-                results += self._generate_batch(prompts[start:start + step],
-                                                metas[start:start + step], params)
+                results += self._generate_batch(prompts[start:start + step], metas[start:start + step], params,
+                                                seeds[start:start + step])
         return results
 
     def _generate_batch(self, prompts: list[list[int]], metas: list[dict[str, Any]],
-                        params: SamplingParams) -> list[Completion]:
+                        params: SamplingParams, seeds: list[int | None]) -> list[Completion]:
         import torch
 
         width = max(len(p) for p in prompts)
@@ -273,12 +331,12 @@ class HFChatModel:
                             device=self.device)
         gen_kw = _generation_kwargs(params, self.eos_ids, pad)
         try:
-            out = _run_generate(self.model, {"input_ids": input_ids, "attention_mask": mask},
-                                params, gen_kw)
+            sequences, logprobs = _run_generate(self.model, {"input_ids": input_ids, "attention_mask": mask},
+                                                params, gen_kw, seeds)
         except RuntimeError as exc:
             raise ModelError(f"model {self.name!r}: generate failed: {exc}") from exc
         self.calls += 1
-        return _completions(out, width, prompts, self.tokenizer, self.eos_ids, params, metas)
+        return _completions(sequences, logprobs, width, prompts, self.tokenizer, self.eos_ids, metas)
 
 
 def video_metadata(timestamps: list[float], n_frames: int) -> dict[str, float]:
@@ -364,12 +422,14 @@ class HFVisionModel:
         return self._in_batches(requests, self._chat_batch, params)
 
     def _in_batches(self, items: list, run: Callable, params: SamplingParams) -> list[Completion]:
-        """`run` over batches of at most `max_batch` items, one model call at a time (the lock)."""
+        """`run` over batches of at most `max_batch` items, one model call at a time (the lock); each item keeps
+        the seed of its place in the whole call."""
+        seeds = request_seeds(items, params)
         step = self.max_batch or len(items)
         results: list[Completion] = []
         with self._lock:
             for start in range(0, len(items), step):
-                results += run(items[start:start + step], params)
+                results += run(items[start:start + step], params, seeds[start:start + step])
         return results
 
     def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, int]:
@@ -404,7 +464,8 @@ class HFVisionModel:
         return {"pixel_values": out["pixel_values"].to(self.device, self.model.dtype),
                 "image_grid_thw": out["image_grid_thw"].to(self.device)}
 
-    def _chat_batch(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
+    def _chat_batch(self, requests: list[ChatRequest], params: SamplingParams,
+                    seeds: list[int | None]) -> list[Completion]:
         import numpy as np
 
         texts, images = [], []
@@ -423,9 +484,10 @@ class HFVisionModel:
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
         metas = [{"images": len(r.images or [])} for r in requests]
-        return self._generate_inputs(inputs, params, metas)
+        return self._generate_inputs(inputs, params, metas, seeds)
 
-    def _generate_inputs(self, inputs, params: SamplingParams, metas: list[dict[str, Any]]) -> list[Completion]:
+    def _generate_inputs(self, inputs, params: SamplingParams, metas: list[dict[str, Any]],
+                         seeds: list[int | None]) -> list[Completion]:
         width = int(inputs["input_ids"].shape[1])
         if self.context_length is not None and width + params.max_new_tokens > self.context_length:
             raise ModelError(
@@ -436,13 +498,13 @@ class HFVisionModel:
                    for row, mrow in zip(inputs["input_ids"].tolist(), mask)]
         gen_kw = _generation_kwargs(params, self.eos_ids, self.tokenizer.pad_token_id)
         try:
-            out = _run_generate(self.model, dict(inputs), params, gen_kw)
+            sequences, logprobs = _run_generate(self.model, dict(inputs), params, gen_kw, seeds)
         except RuntimeError as exc:
             raise ModelError(f"model {self.name!r}: generate failed: {exc}") from exc
         self.calls += 1
-        return _completions(out, width, prompts, self.tokenizer, self.eos_ids, params, metas)
+        return _completions(sequences, logprobs, width, prompts, self.tokenizer, self.eos_ids, metas)
 
-    def _describe_batch(self, prepared, params: SamplingParams) -> list[Completion]:
+    def _describe_batch(self, prepared, params: SamplingParams, seeds: list[int | None]) -> list[Completion]:
         texts = [self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
                  for _, _, msgs in prepared]
         try:
@@ -456,4 +518,4 @@ class HFVisionModel:
             inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(self.model.dtype)
         metas = [{"frames": m["real_frames"], "padded_frames": m["total_num_frames"], "fps": m["fps"]}
                  for _, m, _ in prepared]
-        return self._generate_inputs(inputs, params, metas)
+        return self._generate_inputs(inputs, params, metas, seeds)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from m1.config import ModelSpec
-from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest
+from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, request_seeds
 
 log = logging.getLogger(__name__)
 
@@ -276,10 +276,11 @@ class _OpenAIBackend:
                           meta=meta)
 
     # -- batches ---------------------------------------------------------------------------
-    def _run_batch(self, messages: list[list[dict[str, Any]]], params: SamplingParams) -> list[Completion]:
+    def _run_batch(self, messages: list[list[dict[str, Any]]], params: SamplingParams,
+                   seeds: list[int | None]) -> list[Completion]:
         """Send all chats at once through a pool of `spec.concurrency` threads, keeping order.
 
-        With a seed, request i gets seed + i: a batch is reproducible, yet K copies of the same
+        Each chat with its seed (`request_seeds`): a batch is reproducible, yet K copies of the same
         prompt (GRPO rollouts) still sample differently.
         """
         with self._lock:
@@ -287,7 +288,6 @@ class _OpenAIBackend:
         if not messages:
             return []
         workers = max(1, min(int(self.spec.concurrency), len(messages)))
-        seeds = [None if params.seed is None else params.seed + i for i in range(len(messages))]
         stop = threading.Event()
 
         def one(m: list[dict[str, Any]], s: int | None) -> Completion:
@@ -320,7 +320,7 @@ class OpenAIChatModel(_OpenAIBackend):
     """A ChatModel served over HTTP. No token ids; log-probs only if the server returns them."""
 
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
-        return self._run_batch([list(r.messages) for r in requests], params)
+        return self._run_batch([list(r.messages) for r in requests], params, request_seeds(requests, params))
 
 
 def encode_jpeg(frame: np.ndarray, quality: int = 90) -> str:
@@ -361,4 +361,4 @@ class OpenAIVisionModel(_OpenAIBackend):
     """A VisionModel served over HTTP: frames go as base64 JPEG data URLs."""
 
     def describe(self, requests: list[VisionRequest], params: SamplingParams) -> list[Completion]:
-        return self._run_batch([vision_messages(r) for r in requests], params)
+        return self._run_batch([vision_messages(r) for r in requests], params, request_seeds(requests, params))

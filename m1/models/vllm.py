@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from m1.config import ModelSpec
-from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams
+from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, request_seeds
 
 
 @dataclass
@@ -150,16 +150,16 @@ class VLLMChatModel:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
-        """One batched engine call; with a seed, request i samples with seed + i."""
+        """One batched engine call; each request with its seed (`request_seeds`)."""
         self.calls += 1
         if not requests:
             return []
         ids = [self.prompt_ids(r) for r in requests]
         prompts = [{"prompt_token_ids": p} for p in ids]
-        if params.seed is None:
+        if params.seed is None and all(r.seed is None for r in requests):
             sampling: Any = self._sampling(params, None)
         else:
-            sampling = [self._sampling(params, params.seed + i) for i in range(len(requests))]
+            sampling = [self._sampling(params, s) for s in request_seeds(requests, params)]
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self._lora)
         if len(outputs) != len(requests):
             raise ModelError(f"vllm model {self.name!r}: {len(requests)} prompts but "
