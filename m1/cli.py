@@ -46,6 +46,17 @@ def _run_guarded(run, out: Path, debug: bool = False):
         raise typer.Exit(exc.exit_status)
 
 
+def _check_team_models(cfg) -> None:
+    """Every model the team loads is built from its config (no weights) before any loads: a model that cannot be
+    built stops the command with one `error:` line naming it (m1/models/preflight.py)."""
+    from m1.models.preflight import PreflightError, check_models, require, team_models
+
+    try:
+        require(check_models(team_models(cfg)))
+    except PreflightError as exc:
+        fail(str(exc))
+
+
 @app.command()
 def infer(
     video_dir: Path = typer.Argument(..., help="Folder of videos (or one video file)."),
@@ -80,6 +91,7 @@ def infer(
         typer.secho(f"skipped: {msg}", fg=typer.colors.YELLOW, err=True)
     if not qs:
         fail(f"{questions}: no usable questions ({len(issues)} skipped); nothing to answer")
+    _check_team_models(cfg)
     summary = _run_guarded(lambda: run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit, shard=split,
                                                  stop_on_signals=True, keep_errors=keep_errors), out, debug)
     typer.echo(summary.describe())
@@ -120,6 +132,7 @@ def eval_(
         typer.secho(f"skipped: {issue}", fg=typer.colors.YELLOW, err=True)
     if not qs:
         fail(f"{annotations}: no usable questions ({len(issues)} skipped)")
+    _check_team_models(cfg)
     out.mkdir(parents=True, exist_ok=True)
     preds_path = out / "predictions.jsonl"
     summary = _run_guarded(lambda: run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit, shard=split,
@@ -180,18 +193,24 @@ def demo(
 
 
 def _print_plan(kind: str, config: str, overrides: list[str], gpus: Optional[int], gpu_mem: Optional[float]) -> None:
-    """`--plan`: print where every model would go and its memory estimate; exit 2 when it does not fit. Reads
-    config files and model shapes only; no model loads."""
+    """`--plan`: print where every model would go and its memory estimate; exit 2 when it does not fit or a model
+    cannot be built. Reads config files, model shapes and each model's config and tokenizer/processor; no weights."""
     from m1.config import ConfigError
     from m1.marl.cluster import PlanError, make_plan
     from m1.marl.config import load_sft_config, load_train_config
 
+    from m1.marl.preflight import check_run
+    from m1.models.preflight import PreflightError, require, summary
+
     try:
         cfg = (load_train_config if kind == "marl" else load_sft_config)(config, overrides)
+        checks = require(check_run(cfg))  # a model that cannot be built is named before the plan
         plan = make_plan(cfg, gpus=gpus, gpu_mem_gb=gpu_mem)
-    except (ConfigError, PlanError) as exc:
+    except (ConfigError, PlanError, PreflightError) as exc:
         fail(str(exc))
     typer.echo(plan.render())
+    for line in summary(checks):
+        typer.echo(line)
     if not plan.fits:
         fail("the plan does not fit:\n" + "\n".join(f"  - {p}" for p in plan.problems))
 

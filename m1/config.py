@@ -43,7 +43,8 @@ class ModelSpec(Strict):
     """Where a model comes from and how to run it. One instance is shared by all its users."""
 
     kind: Literal["chat", "vision", "clip"]
-    backend: Literal["hf", "vllm", "openai", "open_clip", "synth"] = "hf"
+    # eagle: Eagle2.5 through its own remote code (m1/models/eagle.py), a vision tool only
+    backend: Literal["hf", "vllm", "openai", "open_clip", "synth", "eagle"] = "hf"
     path: str | None = None  # local folder or hub id (hf, vllm); model name (openai)
     tiny: TinySpec | None = None  # build a tiny random model instead of loading `path`
     # a peft LoRA adapter folder applied on top of `path`/`tiny` (chat, hf or vllm): what `m1 train` with
@@ -77,6 +78,12 @@ class ModelSpec(Strict):
     def _source(self) -> ModelSpec:
         if self.backend in ("hf", "vllm", "openai") and not (self.path or self.tiny):
             raise ValueError("needs `path` (a local folder or hub id) or `tiny`")
+        if self.backend == "eagle":
+            if self.kind != "vision" or not self.path or self.tiny is not None:
+                raise ValueError("backend eagle loads a vision model from `path` (a hub id such as nvidia/Eagle2.5-8B "
+                                 "or its folder); kind must be vision and `tiny` unset")
+            if not self.trust_remote_code:
+                raise ValueError("backend eagle runs the model's own code from its folder; set trust_remote_code: true")
         if self.backend == "open_clip" and not (self.clip_name or self.tiny):
             raise ValueError("needs `clip_name` (e.g. ViT-B-16) or `tiny`")
         if self.attn_implementation == "flash_attention_2" and self.dtype not in ("bfloat16", "float16"):

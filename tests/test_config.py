@@ -104,18 +104,18 @@ def test_adapter_only_on_local_chat_backends(spec):
 
 
 def test_remote_code_and_flash_attention_settings_reach_the_loader():
-    """trust_remote_code passes to from_pretrained (the paper's Eagle2.5 and InternVL3.5 entries set it);
-    flash_attention_2 needs bf16/fp16 weights; on a GPU the weights load straight onto it."""
+    """trust_remote_code passes to from_pretrained (the paper's InternVL3.5 entry sets it, as does Eagle2.5's with
+    backend eagle); flash_attention_2 needs bf16/fp16 weights; on a GPU the weights load straight onto it."""
     from m1.config import ConfigError, ModelSpec, load_team
     from m1.models.hf import _model_kwargs
 
     team = load_team("videochat_m1")
-    assert team.models["grounding"].trust_remote_code and team.models["space"].trust_remote_code
+    assert team.models["space"].trust_remote_code and not team.models["grounding"].trust_remote_code
     assert not team.models["qwen3_8b"].trust_remote_code
     assert "trust_remote_code" not in team.models["qwen3_8b"].model_dump()  # off: left out of signatures
-    kw = _model_kwargs(team.models["grounding"], "cuda:0", local_only=True)
+    kw = _model_kwargs(team.models["space"], "cuda:0", local_only=True)
     assert kw["trust_remote_code"] is True and kw["device_map"] == {"": "cuda:0"}
-    assert "device_map" not in _model_kwargs(team.models["grounding"], "cpu", local_only=True)
+    assert "device_map" not in _model_kwargs(team.models["space"], "cpu", local_only=True)
     with pytest.raises(ValueError, match="flash_attention_2 runs only on bfloat16/float16"):
         ModelSpec(kind="chat", path="x", attn_implementation="flash_attention_2")
     ModelSpec(kind="chat", path="x", attn_implementation="flash_attention_2", dtype="bfloat16")

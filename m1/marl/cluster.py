@@ -86,7 +86,7 @@ def model_parameters(spec: ModelSpec) -> int:
 
 def needs_gpu(spec: ModelSpec) -> bool:
     """API models (openai) and M1-Synth's pixel reader run without a GPU; so does anything pinned to the CPU."""
-    return spec.backend in ("hf", "vllm", "open_clip") and not spec.device.startswith("cpu")
+    return spec.backend in ("hf", "vllm", "open_clip", "eagle") and not spec.device.startswith("cpu")
 
 
 def weight_bytes(spec: ModelSpec, default: int = 2) -> int:
@@ -437,7 +437,7 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
     api = []
     for key, spec in drivers.items():
         if not needs_gpu(spec):
-            if spec.backend in ("hf", "vllm", "open_clip"):
+            if spec.backend in ("hf", "vllm", "open_clip", "eagle"):
                 on_cpu.append(f"driver {key}")
             elif spec.backend == "openai":
                 api.append(f"{key} ({spec.path})")

@@ -1,8 +1,8 @@
 """ModelHub: one loaded instance per model key, shared by every agent and tool that names it.
 
 Loading is lazy (first use) and guarded by a lock so two threads asking for the same key still
-load it once. Backends whose modules are optional (openai, vllm, synth) are imported only when a
-spec asks for them.
+load it once. Backends whose modules are optional (openai, vllm, synth, eagle) are imported only when
+a spec asks for them.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from m1.models.base import ChatModel, ClipModel, ModelError, VisionModel
 BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
     ("hf", "chat"): ("m1.models.hf", "HFChatModel"),
     ("hf", "vision"): ("m1.models.hf", "HFVisionModel"),
+    ("eagle", "vision"): ("m1.models.eagle", "EagleVisionModel"),
     ("open_clip", "clip"): ("m1.models.clip", "OpenClipModel"),
     ("openai", "chat"): ("m1.models.openai", "OpenAIChatModel"),
     ("openai", "vision"): ("m1.models.openai", "OpenAIVisionModel"),
