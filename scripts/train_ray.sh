@@ -9,6 +9,11 @@
 #   head node:    scripts/train_ray.sh configs/marl/videochat_m1_lora.yaml [key.path=value ...]
 #   other nodes:  ray start --address=<head-ip>:6379 --num-gpus=<gpus on that node>
 #
+# The paper's recipe is SFT, then MARL, in this order (the MARL config's `init_from` names the SFT run's out_dir and
+# starts from its weights; a missing or unfinished SFT run is refused before anything loads):
+#   M1_CMD=sft scripts/train_ray.sh configs/sft/videochat_m1_lora.yaml     # -> runs/sft/videochat_m1_lora
+#   scripts/train_ray.sh configs/marl/videochat_m1_lora.yaml               # init_from: runs/sft/videochat_m1_lora
+#
 # The script starts a Ray head here when none is running (NUM_GPUS defaults to the GPUs nvidia-smi lists), then
 # runs the trainer with placement=ray against it. Rerunning the same command resumes from the newest checkpoint
 # in the config's out_dir. Set PYTHON to choose the interpreter (default: python).

@@ -138,6 +138,8 @@ def train_overrides(exp: Experiment, run: StageRun, seat: list[str] | None = Non
     spec = getattr(exp, run.stage)
     sets = list(spec.overrides) + list(getattr(exp.arm(run.arm), run.stage))
     sets += [f"seed={run.seed}", f"out_dir={run.folder}"]
+    if run.stage == "marl":  # the runner chains the stages itself: a config's own init_from never applies
+        sets.append("init_from=null")
     if seat:
         sets.append("team_overrides=" + json.dumps(list(base_team_overrides or []) + list(seat)))
     return sets
@@ -189,35 +191,9 @@ def _seat_of(cfg, folder: Path) -> tuple[list[str], str]:
 MERGED_DIR = "merged"
 
 
-def merge_adapters(cfg, seat: list[str], out: Path, progress: Callable[[str], None]) -> list[str]:
-    """A model holds one adapter, so a LoRA stage followed by another training stage hands on whole models: each
-    trained agent's base with its adapter merged in, written to out/<agent> (kept across reruns once complete).
-    Returns the seat pointing at them (source replaced, adapter cleared)."""
-    from m1.config import load_team
-    from m1.models.hf import HFChatModel
-
-    team = cfg.team_config()
-    seated = load_team(cfg.team, seat) if isinstance(cfg.team, str) else None
-    if seated is None:
-        raise ExperimentError(f"{cfg.name}: an inline team cannot be seated for the next stage; name a team config")
-    sets = list(seat)
-    for agent in cfg.train_agents or [a.name for a in team.agents]:
-        key = next(a.model for a in team.agents if a.name == agent)
-        folder = out / agent
-        if not (folder / "config.json").is_file():
-            progress(f"  merging {agent}'s adapter into its base -> {folder}")
-            chat = HFChatModel(seated.models[key], key)
-            tmp = out / f".{agent}.tmp"
-            chat.model.save_pretrained(tmp)
-            chat.tokenizer.save_pretrained(tmp)
-            os.replace(tmp, folder)
-        sets += [f"models.{key}.tiny=null", f"models.{key}.path={folder}", f"models.{key}.adapter=null"]
-    return sets
-
-
 # ------------------------------------------------------------------------------------------------ stages
 def _run_train(exp: Experiment, run: StageRun, seat: list[str], progress: Callable[[str], None]) -> dict:
-    from m1.marl.launch import train_main
+    from m1.marl.launch import merge_adapters, train_main
     from m1.marl.sft import sft_main
 
     cfg, sets = load_stage_config(exp, run, seat)
@@ -229,7 +205,11 @@ def _run_train(exp: Experiment, run: StageRun, seat: list[str], progress: Callab
     later = [st for a in exp.arms if exp.owner(a, run.stage) == run.arm if run.stage in exp.arm_stages(a)
              for st in exp.arm_stages(a) if st in after and st != "eval"]
     if later and cfg.learner.finetune == "lora":
-        new_seat = merge_adapters(cfg, new_seat, run.folder / MERGED_DIR, progress)
+        if not isinstance(cfg.team, str):
+            raise ExperimentError(f"{cfg.name}: an inline team cannot be seated for the next stage; name a team "
+                                  "config")
+        agents = list(cfg.train_agents or [a.name for a in cfg.team_config().agents])
+        new_seat = merge_adapters(cfg.team, new_seat, agents, run.folder / MERGED_DIR, progress)
     return {"config": spec.config, "overrides": sets, "resolved": cfg.model_dump(mode="json"),
             "results": {"metrics": str(run.folder / "metrics.jsonl"), "checkpoint": root,
                         "plots": str(run.folder / "plots")},

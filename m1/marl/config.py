@@ -91,7 +91,9 @@ class LearnerConfig(Strict):
     # after warm-up: keep lr ("constant"), or decay it to 0 at the last step ("linear", TRL's default; "cosine")
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     micro_batch_size: int = Field(8, ge=1)  # samples per forward/backward; gradients accumulate over a step
-    max_prompt_tokens: int = Field(1024, ge=1)  # longer prompts keep their last tokens
+    # a longer prompt is an error, never cut; the team's limits.max_prompt_tokens may not exceed it (training sets the
+    # team's budget to it when the team has none, m1/team/budget.py)
+    max_prompt_tokens: int = Field(1024, ge=1)
     max_completion_tokens: int = Field(1024, ge=1)  # longer completions are cut (the rest is not trained)
     # auto: bf16 autocast on CUDA, fp32 on CPU. Master weights stay fp32 (a 1e-7 step vanishes in bf16).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -133,6 +135,11 @@ class RolloutConfig(Strict):
 
     num_generations: int = Field(4, ge=1)  # K
     questions_per_step: int = Field(8, ge=1)  # the paper's batch size
+    # Episodes the team runs at once in rollout.engine hf (each learner generates for all of them in one batch).
+    # auto: as many of the step's episodes as the KV cache fits in the memory the placement plan leaves on each
+    # learner GPU (m1/marl/cluster.py `rollout_batch`); a number: that many; None: the team's limits.batch_episodes.
+    # Left out of dumps when None, so earlier runs' recorded settings still match
+    batch_episodes: PositiveInt | Literal["auto"] | None = Field(None, exclude_if=lambda v: v is None)
     # Where the trained agents' rollouts are generated. hf: by each learner's own policy (Hugging Face generate).
     # vllm: by a vLLM server per trained agent (m1/models/engine.py), weights synced after every update: M1 launches
     # `engine_command` (default `vllm serve ...`) on the GPUs the plan gives each engine, or uses the servers the
@@ -261,6 +268,15 @@ class ClusterConfig(Strict):
         return self.learner_gpus.get(agent, learner.gpus)
 
 
+def _budget_check(team: TeamConfig, learner: LearnerConfig) -> None:
+    """The team's prompt budget must fit the learner's cap: the learner never cuts a prompt (m1/team/budget.py)."""
+    budget = team.limits.max_prompt_tokens
+    if budget is not None and budget > learner.max_prompt_tokens:
+        raise ValueError(f"team {team.name!r}: limits.max_prompt_tokens={budget} exceeds learner.max_prompt_tokens="
+                         f"{learner.max_prompt_tokens}; the learner never cuts a prompt, so the team's budget must be "
+                         "at most the learner's")
+
+
 def _team(team: str | TeamConfig, overrides: list[str]) -> TeamConfig:
     return team if isinstance(team, TeamConfig) else load_team(team, overrides)
 
@@ -271,6 +287,9 @@ class TrainConfig(Strict):
     name: str = "marl"
     team: str | TeamConfig  # a configs/team name, a YAML path, or the team inline
     team_overrides: list[str] = Field(default_factory=list)  # dotted overrides applied to a named team
+    # the SFT run (its out_dir) whose trained agents this run starts from: the paper's recipe is SFT, then MARL.
+    # Its averaged weights when it has them, else its newest checkpoint (m1/marl/launch.py `seat_init`).
+    init_from: str | None = None
     train_agents: list[str] | None = None  # None: every agent learns; others still act, frozen
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -316,6 +335,9 @@ class TrainConfig(Strict):
         trained = list(self.train_agents or names)
         if r.engine == "hf" and (r.engine_url or r.engine_command):
             raise ValueError("rollout.engine_url / engine_command are for rollout.engine: vllm (it is 'hf')")
+        if r.engine == "vllm" and r.batch_episodes is not None:
+            raise ValueError(f"rollout.batch_episodes ({r.batch_episodes!r}) is for rollout.engine: hf; a vLLM engine "
+                             "gets all of a step's episodes at once and batches them itself")
         if isinstance(r.engine_url, str) and len(trained) > 1:
             raise ValueError(f"rollout.engine_url: one URL for {len(trained)} trained agents {trained}; give one "
                              "per agent: {agent: URL}")
@@ -324,6 +346,7 @@ class TrainConfig(Strict):
                              f"{sorted(r.engine_url)}")
         if self.grpo.loss_type == "dr_grpo" and self.learner.max_completion_tokens < 1:
             raise ValueError("grpo.loss_type dr_grpo needs learner.max_completion_tokens")
+        _budget_check(team, self.learner)
         kind = seed_kind(team)
         if kind is None:
             if "act" in r.train_phases:
@@ -417,6 +440,7 @@ class SFTConfig(Strict):
         elif "act" in d.phases:
             raise ValueError("data.phases: 'act' is a seed-kind phase; the teacher is a CPP team")
         student = self.team_config()
+        _budget_check(student, self.learner)
         if seed_kind(student) is not None:
             _seed_policy_checks(student, list(self.train_agents or names), "train_agents")
         return self

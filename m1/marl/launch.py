@@ -5,7 +5,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-from m1.config import TeamConfig
+from m1.config import ConfigError, TeamConfig
 from m1.marl.checkpoint import find_latest_checkpoint, stop_on_signals, stopped
 from m1.marl.config import load_train_config
 from m1.marl.trainer import Trainer
@@ -30,6 +30,96 @@ def trained_agent_overrides(team: TeamConfig, agents: list[str], root: Path,
     return sets, notes
 
 
+def run_weights(run_dir: Path) -> Path:
+    """The weights a finished training run hands on: its averaged folder when it wrote one, else its newest
+    checkpoint. A ConfigError (naming `init_from`) when there are none."""
+    from m1.marl.average import AVERAGE_DIR
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"init_from: {run_dir} is not a folder; run the SFT stage first (`m1 sft --config ...` "
+                          "with this out_dir), or set init_from: null to train from the team's own weights")
+    if (run_dir / AVERAGE_DIR / "average.json").is_file():
+        return run_dir / AVERAGE_DIR
+    root = find_latest_checkpoint(run_dir)
+    if root is None:
+        raise ConfigError(f"init_from: {run_dir} holds no finished checkpoint (is its SFT run still going, or did "
+                          "it stop before its first checkpoint?); finish it first, or set init_from: null")
+    return root
+
+
+def seated_agents(team: TeamConfig, root: Path) -> tuple[list[str], dict[str, str]]:
+    """(overrides, finetune per agent) seating every agent `root` holds weights for (`agents/<agent>/adapter` or
+    `agents/<agent>/model`), whichever way it was trained."""
+    names = [a.name for a in team.agents]
+    found = sorted(p.name for p in (Path(root) / "agents").iterdir() if p.is_dir()) \
+        if (Path(root) / "agents").is_dir() else []
+    unknown = [a for a in found if a not in names]
+    if unknown or not found:
+        raise ConfigError(f"init_from: {root} holds weights for {found or 'no agent'}, but team {team.name!r} has "
+                          f"agents {names}; point init_from at an SFT run of this team")
+    kinds = {a: ("lora" if (Path(root) / "agents" / a / "adapter").is_dir() else "full") for a in found}
+    sets: list[str] = []
+    for kind in ("lora", "full"):
+        agents = [a for a in found if kinds[a] == kind]
+        if agents:
+            more, notes = trained_agent_overrides(team, agents, root, kind)
+            if notes:  # an agent left unseated would silently start from untrained weights
+                raise ConfigError(f"init_from: cannot seat every trained agent of {root}: " + "; ".join(notes))
+            sets += more
+    return sets, kinds
+
+
+def merge_adapters(team_ref: str, seat: list[str], agents: list[str], out: Path,
+                   progress: Callable[[str], None]) -> list[str]:
+    """A model holds one adapter, so weights trained as a LoRA adapter are handed to a later training stage as
+    whole models: each agent's base with its adapter merged in, written to out/<agent> (kept once complete, so a
+    rerun or a resumed run reuses it). Returns `seat` plus the overrides pointing at them (adapter cleared)."""
+    import os
+
+    from m1.config import load_team
+    from m1.models.hf import HFChatModel
+
+    seated = load_team(team_ref, seat)
+    sets = list(seat)
+    for agent in agents:
+        key = next(a.model for a in seated.agents if a.name == agent)
+        folder = Path(out) / agent
+        if not (folder / "config.json").is_file():
+            progress(f"  merging {agent}'s adapter into its base -> {folder}")
+            chat = HFChatModel(seated.models[key], key)
+            tmp = Path(out) / f".{agent}.tmp"
+            chat.model.save_pretrained(tmp)
+            chat.tokenizer.save_pretrained(tmp)
+            os.replace(tmp, folder)
+        sets += [f"models.{key}.tiny=null", f"models.{key}.path={folder}", f"models.{key}.adapter=null"]
+    return sets
+
+
+INIT_DIR = "init"  # <out_dir>/init/<agent>: the SFT adapters of `init_from` merged into their bases
+
+
+def seat_init(cfg, progress: Callable[[str], None] | None = None, merge: bool = True):
+    """`cfg` with the agents of its `init_from` run seated (team_overrides extended); `cfg` itself without one.
+
+    merge=False (the placement plan, which loads no weights) seats LoRA adapters on their bases as they are;
+    training merges them into <out_dir>/init first, so the MARL adapter and the printed `m1 infer` call sit on
+    the SFT weights."""
+    if not getattr(cfg, "init_from", None):
+        return cfg
+    if not isinstance(cfg.team, str):
+        raise ConfigError("init_from needs a named team (a configs/team name or a YAML path), not an inline team")
+    root = run_weights(Path(cfg.init_from))
+    sets, kinds = seated_agents(cfg.team_config(), root)
+    lora = [a for a, k in kinds.items() if k == "lora"]
+    if merge and lora:
+        sets = merge_adapters(cfg.team, list(cfg.team_overrides) + sets, lora, Path(cfg.out_dir) / INIT_DIR,
+                              progress or (lambda msg: None))[len(cfg.team_overrides):]
+    if progress is not None:
+        progress(f"starting from the agents trained in {root} ({', '.join(f'{a}: {k}' for a, k in kinds.items())})")
+    return cfg.model_copy(update={"team_overrides": list(cfg.team_overrides) + sets, "init_from": None})
+
+
 def infer_command(cfg, agents: list[str], root: Path) -> str:
     """The `m1 infer` call that answers with the trained agents of `root` (printed when training ends): the run's
     team with its `team_overrides` (the weights training started from) and the trained agents seated."""
@@ -46,7 +136,10 @@ def run_training(cfg, make_trainer, total_steps: Callable[[Any], int], announce:
     """One `m1 train` / `m1 sft` run: its out_dir held against a second run, a first SIGTERM/SIGINT turned into a
     checkpointed stop (TrainingStopped), the trainer closed whatever happens; returns (trainer, rows)."""
     from m1.locks import hold_dir
+    from m1.marl.preflight import check_run
+    from m1.models.preflight import require
 
+    require(check_run(cfg))  # a model that cannot be built is named before any loads or GPUs are reserved
     with hold_dir(Path(cfg.out_dir), "training output folder"), stop_on_signals() as stop:
         trainer = make_trainer(cfg)
         announce(trainer)
@@ -70,12 +163,16 @@ def train_main(config_path: str | Path, overrides: list[str] | None = None,
     from m1.plots import plot_finished_run
 
     cfg = load_train_config(config_path, overrides)
+    seat_init(cfg, merge=False)  # a missing or unfinished SFT run is named before anything loads
 
     def announce(trainer) -> None:
         if trainer.step:
             progress(f"resuming {cfg.name} from step {trainer.step} in {cfg.out_dir}")
 
-    trainer, rows = run_training(cfg, Trainer, lambda tr: cfg.steps, announce, progress)
+    # the SFT adapters are merged inside the run (its out_dir held), and the trainer's config carries the seat
+    trainer, rows = run_training(cfg, lambda c: Trainer(seat_init(c, progress)), lambda tr: cfg.steps, announce,
+                                 progress)
+    cfg = trainer.cfg
     start = trainer.step - len(rows)
     if rows:
         progress(f"{cfg.name}: {len(rows)} steps, last loss {rows[-1]['loss']:.5f}, "
