@@ -1,6 +1,7 @@
-"""The model check before anything loads (m1/models/preflight.py): `m1 train --plan`, `m1 sft --plan` and `m1 infer`
-build every model's class from its config on the meta device and load its tokenizer/processor, and a model that
-cannot be built stops the command with one `error:` line naming it, before any weights load."""
+"""The model check before anything loads (m1/models/preflight.py): `m1 train --plan`, `m1 sft --plan`, `m1 infer` and
+the start of `m1 train` / `m1 sft` build every model's class from its config on the meta device and load its
+tokenizer/processor, and a model that cannot be built stops the command with one `error:` line naming it, before any
+weights load or a training run takes its output folder."""
 import json
 import shutil
 
@@ -117,13 +118,17 @@ def test_each_command_refuses_a_model_that_cannot_be_built_in_one_line(case, fol
                              "--set", f"team={team}", "--set", "team_overrides=[]"),
             "sft --plan": ("sft", "--config", "mini", "--plan", "--gpus", "1", "--gpu-mem", "80",
                            "--set", f"team={team}", "--set", "data.teacher=null"),
-            "infer": ("infer", tmp_path, "-q", "What happens?", "--team", team, "--out", tmp_path / "r.jsonl")}
+            "infer": ("infer", tmp_path, "-q", "What happens?", "--team", team, "--out", tmp_path / "r.jsonl"),
+            "train": ("train", "--config", "mini", "--set", f"team={team}", "--set", "team_overrides=[]",
+                      "--set", f"out_dir={tmp_path / 'run'}"),
+            "sft": ("sft", "--config", "mini", "--set", f"team={team}", "--set", "data.teacher=null",
+                    "--set", f"out_dir={tmp_path / 'run'}")}
     for name, args in runs.items():
         code, out = _cli(*args)
         errors = [line for line in out.splitlines() if line.startswith("error:")]
         assert code == 2 and len(errors) == 1 and len(out.strip().splitlines()) == 1, (name, out)
         assert f"model {key!r}" in errors[0] and why in errors[0], (name, out)
-    assert not (tmp_path / "r.jsonl").exists()
+    assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "run").exists()
 
 
 def test_eagle_through_automodel_for_image_text_to_text_is_refused_without_its_files(empty_hf_cache):

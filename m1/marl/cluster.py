@@ -93,14 +93,23 @@ def weight_bytes(spec: ModelSpec, default: int = 2) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}.get(spec.dtype, default)
 
 
+def trained_weight_bytes(learner: LearnerConfig, zero: bool = True) -> int:
+    """Bytes of each weight as a learner holds and saves it (m1/marl/learner.py `weights_dtype`): bf16 (precision
+    bf16, or auto on a GPU) for LoRA's frozen base and adapter under ZeRO, and for a full fine-tune under ZeRO (its
+    fp32 master lives in the optimizer); fp32 otherwise (a plain-torch full fine-tune keeps fp32 weights, since a
+    1e-7 step would round away in bf16)."""
+    bf16 = learner.precision != "fp32"
+    return 2 if bf16 and (zero or learner.finetune == "lora") else 4
+
+
 def learner_memory(shape: TextShape, learner: LearnerConfig, gpus: int, reference: bool, kv_sequences: int,
                    reserve_gb: float, zero: bool = True) -> MemoryEstimate:
     """Peak memory of each GPU of one agent's learner: a ZeRO-2 group of `gpus` ranks.
 
-    P parameters, w = 2 bytes (bf16 training) or 4 (fp32):
+    P parameters, w = `trained_weight_bytes` (2: bf16, 4: fp32):
       full:  weights w*P on every rank (ZeRO-2 does not shard weights); optimizer: fp32 master copy + Adam m, v =
              12P (8P when the weights are fp32 already), sharded /gpus; gradients accumulate in fp32: 4P/gpus;
-             reference (GRPO beta > 0) w*P on every rank.
+             reference (GRPO beta > 0) on every rank: 2P under bf16, 4P in fp32 (none at beta = 0).
       lora:  base weights w*P; the adapter's L parameters in fp32 with gradient and Adam m, v = 16L; no reference
              (the base with the adapter off is the reference).
     Activations of one micro-batch of T = micro_batch_size * (max_prompt_tokens + max_completion_tokens) tokens,
@@ -112,12 +121,12 @@ def learner_memory(shape: TextShape, learner: LearnerConfig, gpus: int, referenc
     """
     n = gpus if zero else 1
     p = shape.parameters()
-    w = 4 if learner.precision == "fp32" else 2
+    w = trained_weight_bytes(learner, zero)
     mem = MemoryEstimate(weights=_gb(w * p), reserve=reserve_gb)
     if learner.finetune == "full":
         mem.optimizer = _gb((8 if w == 4 else 12) * p / n)
         mem.grads = _gb(4 * p / n)
-        mem.reference = _gb(w * p) if reference else 0.0
+        mem.reference = _gb(reference_bytes(shape, learner)) if reference else 0.0
     else:
         mem.optimizer = _gb(16 * shape.lora_parameters(learner.lora.r, learner.lora.target_modules))
     seq = learner.max_prompt_tokens + learner.max_completion_tokens
@@ -129,20 +138,95 @@ def learner_memory(shape: TextShape, learner: LearnerConfig, gpus: int, referenc
         act = ACT_PER_LAYER * tokens * h * layers
     act += learner.micro_batch_size * learner.max_completion_tokens * shape.vocab_size * LOGIT_BYTES
     mem.activations = _gb(act)
-    mem.kv = _gb(kv_sequences * seq * shape.kv_bytes_per_token(w))
+    mem.kv = _gb(kv_sequences * seq * kv_token_bytes(shape, learner))
     return mem
 
 
-def checkpoint_bytes(shape: TextShape, learner: LearnerConfig) -> int:
-    """One agent's share of a checkpoint: trainable weights as trained + optimizer state (ZeRO shards in all).
+def kv_token_bytes(shape: TextShape, learner: LearnerConfig) -> int:
+    """KV cache of one token while a learner generates: bf16 under bf16 autocast (precision bf16 or auto on a GPU),
+    fp32 in an fp32 run."""
+    return shape.kv_bytes_per_token(4 if learner.precision == "fp32" else 2)
 
-    full: w*P weights + fp32 master and Adam m, v (12P; 8P when the weights are fp32). lora: the fp32 adapter 4L +
-    Adam m, v 8L.
+
+def reference_bytes(shape: TextShape, learner: LearnerConfig) -> int:
+    """The frozen reference copy of a full fine-tune (GRPO beta > 0), on every rank: bf16 when training in bf16 (it
+    only runs forward), else fp32. LoRA has none (the base with the adapter off is the reference)."""
+    if learner.finetune != "full":
+        return 0
+    return (2 if learner.precision != "fp32" else 4) * shape.parameters()
+
+
+def checkpoint_bytes(shape: TextShape, learner: LearnerConfig) -> int:
+    """One agent's share of a checkpoint, as m1/marl/learner.py `save` writes it: the trained weights in the dtype
+    they are held in (`trained_weight_bytes`: model/ or adapter/ safetensors, written once) + the optimizer state.
+
+    Optimizer: under ZeRO (learner.deepspeed) the ranks' shards hold the fp32 master and Adam m, v: 12 bytes per
+    trained parameter in all; in plain torch the weights are the fp32 master, and optimizer.pt holds m, v: 8. So a
+    bf16 full fine-tune under ZeRO-2 writes 2 + 12 = 14 bytes per parameter, an fp32 one without ZeRO 4 + 8 = 12,
+    and LoRA the same per adapter parameter. Tokenizer, config and RNG files add a few MB per agent, left out.
     """
-    if learner.finetune == "lora":
-        return 12 * shape.lora_parameters(learner.lora.r, learner.lora.target_modules)
-    p = shape.parameters()
-    return (4 + 8) * p if learner.precision == "fp32" else (2 + 12) * p
+    zero = learner.deepspeed is not None
+    n = (shape.lora_parameters(learner.lora.r, learner.lora.target_modules) if learner.finetune == "lora"
+         else shape.parameters())
+    return (trained_weight_bytes(learner, zero) + (12 if zero else 8)) * n
+
+
+@dataclass
+class RolloutBatch:
+    """How many of a step's episodes the team runs at once when the learners generate (rollout.engine hf)."""
+
+    episodes: int  # what the run uses
+    setting: str  # where the number comes from: "rollout.batch_episodes: auto", "rollout.batch_episodes", ...
+    step: int  # episodes of one step (questions_per_step * num_generations)
+    fits: int | None  # most episodes whose KV cache fits every learner GPU; None: unknown (no GPU size, CPU run)
+    kv_tokens: int | None = None  # the KV token budget of the tightest learner GPU (fits: its sequences * tokens)
+
+
+def kv_fit(bases: list[tuple[MemoryEstimate, int, int]], usable_gb: float) -> int:
+    """Episodes whose KV cache fits one GPU (or one group of GPUs) shared by `bases`: (its memory without the cache,
+    KV bytes of one sequence of max_prompt + max_completion tokens, GPUs its requests are split over).
+
+    The cache gets what is left of `usable_gb` after every weight, optimizer, gradient, reference and reserve on the
+    GPU and the largest training activations (cache and activations are not held together, but the allocator's
+    blocks of one are not always free for the other). Each episode sends every learner one sequence per phase call;
+    a learner group of n GPUs splits a call's requests over its ranks, ceil(B / n) each.
+    """
+    if not bases:
+        return 0
+    resident = sum(m.weights + m.optimizer + m.grads + m.reference for m, _, _ in bases)
+    free = (usable_gb - resident - max(m.activations for m, _, _ in bases) - max(m.reserve for m, _, _ in bases)) * GiB
+    if free <= 0:
+        return 0
+    if len(bases) == 1:
+        _, per_seq, n = bases[0]
+        return int(free // per_seq) * n
+    return int(free // sum(per_seq for _, per_seq, _ in bases))
+
+
+def resolve_rollout_batch(cfg: TrainConfig, fits: int | None, kv_tokens: int | None = None) -> RolloutBatch:
+    """The episodes a MARL run's HF rollouts run at once: rollout.batch_episodes (auto: the step's episodes, or as
+    many as `fits` when fewer fit), else the team's limits.batch_episodes."""
+    r = cfg.rollout
+    step = r.questions_per_step * r.num_generations
+    if r.batch_episodes == "auto":
+        n = step if fits is None else max(1, min(fits, step))
+        return RolloutBatch(n, "rollout.batch_episodes: auto", step, fits, kv_tokens)
+    if r.batch_episodes is not None:
+        return RolloutBatch(r.batch_episodes, "rollout.batch_episodes", step, fits, kv_tokens)
+    return RolloutBatch(cfg.team_config().limits.batch_episodes, "limits.batch_episodes", step, fits, kv_tokens)
+
+
+def rollout_batch(cfg: TrainConfig, plan: PlacementPlan | None = None) -> int:
+    """Episodes the trainer runs at once (rollout.engine hf): the plan's number. Without a plan (placement local):
+    the plan of this machine's GPUs, whose learners sit on the devices their model specs name."""
+    if plan is None or plan.rollout is None:
+        if cfg.rollout.batch_episodes != "auto":
+            return resolve_rollout_batch(cfg, None).episodes
+        info = local_cluster()
+        plan = make_plan(cfg, nodes=info.gpus_per_node, gpu_mem_gb=cfg.cluster.gpu_mem_gb or info.gpu_mem_gb)
+    if plan.rollout is None:
+        raise PlanError("rollout_batch: the plan has no rollout batch (rollout.engine is not hf)")
+    return plan.rollout.episodes
 
 
 # ================================================================================================ the plan
@@ -199,6 +283,12 @@ class PlacementPlan:
     problems: list[str]
     notes: list[str] = field(default_factory=list)
     cpus_per_gpu: int = 4
+    checkpoint_agents_gb: dict[str, float] = field(default_factory=dict)  # one checkpoint of each trained agent
+    checkpoint_bytes_per_param: int | None = None  # what `checkpoint_bytes` counts per trained parameter
+    # the frozen reference copy of each full fine-tuned agent, per GPU of its learner, at the configured beta
+    reference_gb: dict[str, float] = field(default_factory=dict)
+    beta: float | None = None  # grpo.beta (None: SFT)
+    rollout: RolloutBatch | None = None  # HF rollouts: episodes at once; None: SFT or vLLM engines
 
     @property
     def fits(self) -> bool:
@@ -285,6 +375,26 @@ class PlacementPlan:
             lines.append(f"  not placed: {u.role} {u.name} ({u.model}), {u.gpus} GPU(s), {peak}")
         lines.append("(peak = weights + optimizer + grads + reference + max(activations, kv) + reserve)")
         lines.append(f"checkpoint: {self.checkpoint_one_gb:.1f} GB each, {self.checkpoint_gb:.1f} GB kept on disk")
+        if self.checkpoint_agents_gb:
+            per = ", ".join(f"{a} {gb:.1f}" for a, gb in self.checkpoint_agents_gb.items())
+            lines.append(f"  per agent (GB): {per}; {self.checkpoint_bytes_per_param} bytes per trained parameter "
+                         "(weights as trained + fp32 master and Adam m, v)")
+        if self.reference_gb:
+            per = ", ".join(f"{a} {gb:.1f}" for a, gb in self.reference_gb.items())
+            total = sum(gb * u.gpus for u in self.units if u.role == "learner" for a, gb in self.reference_gb.items()
+                        if a == u.name)
+            if self.beta:
+                lines.append(f"reference copy (grpo.beta {self.beta:g}), GB per GPU: {per}; {total:.1f} GB in all "
+                             "(none at beta = 0: grpo.beta: 0 frees it)")
+            else:
+                lines.append(f"reference copy: none at beta = 0 (a beta > 0 would add, GB per GPU: {per}; "
+                             f"{total:.1f} GB in all)")
+        if self.rollout is not None:
+            r = self.rollout
+            fit = ("fits: unknown (no GPU size or learners on the CPU)" if r.fits is None else
+                   f"the KV cache of {r.fits} fits the learners' free memory"
+                   + (f", {r.kv_tokens} tokens on the tightest GPU" if r.kv_tokens else ""))
+            lines.append(f"rollouts: {r.episodes} of the step's {r.step} episodes at once ({r.setting}; {fit})")
         lines += [f"note: {n}" for n in self.notes]
         if self.fits:
             lines.append("fits: yes")
@@ -382,7 +492,6 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
     # rollouts from vLLM servers: no KV cache in the learners; engines M1 launches get GPUs of their own
     on_engines = not sft and cfg.rollout.engine == "vllm"
     launched = on_engines and not cfg.rollout.engine_url
-    kv_seqs = 0 if sft or on_engines else team.limits.batch_episodes
     reference = (not sft) and cfg.grpo.beta > 0 and learner.finetune == "full"
     shapes: dict[str, TextShape] = {}
     for agent in trained:
@@ -402,7 +511,32 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
             problems.append(f"agent {agent}: a learner of {n} GPUs needs learner.deepspeed (a ZeRO-2 JSON such as "
                             "configs/deepspeed/zero2.json) to shard its optimizer and gradients")
         units.append(Unit("learner", agent, spec.path or "tiny", n,
-                          learner_memory(shape, learner, n, reference, kv_seqs, cc.reserve_gb, zero)))
+                          learner_memory(shape, learner, n, reference, 0, cc.reserve_gb, zero)))
+
+    # HF rollouts: the learners generate for `kv_seqs` episodes at once, their KV cache in what the GPU has left
+    rollout, kv_seqs = None, 0
+    if not sft and not on_engines:
+        seq = learner.max_prompt_tokens + learner.max_completion_tokens
+        per_seq = {a: seq * kv_token_bytes(shape, learner) for a, shape in shapes.items()}
+        gpu_learners = [u for u in units if u.role == "learner" and u.memory is not None]
+        fits = tokens = None
+        if gpu_learners and mem_gb is not None and len(gpu_learners) == len(shapes):
+            usable_kv = mem_gb * (1 - cc.headroom)
+            if cfg.placement == "local":  # one process: learners naming the same device share its memory
+                device = {u.name: team.models[key_of[u.name]].device.replace("auto", "cuda") for u in gpu_learners}
+                device = {a: "cuda:0" if d == "cuda" else d for a, d in device.items()}
+                groups = [[u for u in gpu_learners if device[u.name] == d] for d in sorted(set(device.values()))]
+            else:
+                groups = [[u] for u in gpu_learners]
+            fit_of = [(kv_fit([(u.memory, per_seq[u.name], u.gpus if len(g) == 1 else 1) for u in g], usable_kv), g)
+                      for g in groups]
+            fits, tight = min(fit_of, key=lambda x: x[0])
+            tokens = seq * -(-fits // tight[0].gpus) if len(tight) == 1 else seq * fits
+        rollout = resolve_rollout_batch(cfg, fits, tokens)
+        kv_seqs = rollout.episodes
+        for u in units:
+            if u.role == "learner" and u.memory is not None:
+                u.memory.kv = _gb(-(-kv_seqs // u.gpus) * per_seq[u.name])
 
     if launched:
         for agent in trained:
@@ -502,26 +636,34 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
         problems.append(f"needs {need} GPUs ({by_role}), the cluster has {have} (short {need - have}); "
                         f"not placed: {what}")
 
-    one = 0  # every trained agent writes a checkpoint, on a GPU or not
+    per_agent: dict[str, float] = {}  # every trained agent writes a checkpoint, on a GPU or not
     for agent in trained:
         try:
-            one += checkpoint_bytes(shapes.get(agent) or chat_shape(team.models[key_of[agent]]), learner)
+            per_agent[agent] = _gb(checkpoint_bytes(shapes.get(agent) or chat_shape(team.models[key_of[agent]]),
+                                                    learner))
         except ShapeError:  # a CPU model whose folder is not there yet: a learner problem names GPU ones
             pass
+    one = sum(per_agent.values())
+    zero = learner.deepspeed is not None
+    ref_gb = ({a: _gb(reference_bytes(shape, learner)) for a, shape in shapes.items()}
+              if not sft and learner.finetune == "full" else {})
     return PlacementPlan(name=cfg.name, nodes=list(nodes), gpu_mem_gb=mem_gb, usable_gb=usable, units=units,
-                         checkpoint_one_gb=_gb(one), checkpoint_gb=_gb(one * cfg.checkpoint.keep_last),
-                         problems=problems, notes=notes, cpus_per_gpu=cc.cpus_per_gpu)
+                         checkpoint_one_gb=one, checkpoint_gb=one * cfg.checkpoint.keep_last,
+                         problems=problems, notes=notes, cpus_per_gpu=cc.cpus_per_gpu,
+                         checkpoint_agents_gb=per_agent,
+                         checkpoint_bytes_per_param=trained_weight_bytes(learner, zero) + (12 if zero else 8),
+                         reference_gb=ref_gb, beta=None if sft else cfg.grpo.beta, rollout=rollout)
 
 
 def _learner_fix(agent: str, shape: TextShape, learner: LearnerConfig, reference: bool, kv_seqs: int,
                  cc: ClusterConfig, usable: float, limit: int = 64) -> str:
     """What would make a learner fit: the smallest GPU count, or, when none does, what else to change."""
     if learner.deepspeed is not None:
-        for n in range(1, limit + 1):
-            if learner_memory(shape, learner, n, reference, kv_seqs, cc.reserve_gb).peak <= usable:
+        for n in range(1, limit + 1):  # a group of n splits the rollout requests over its ranks
+            if learner_memory(shape, learner, n, reference, -(-kv_seqs // n), cc.reserve_gb).peak <= usable:
                 return f"give it learner.gpus >= {n} (or cluster.learner_gpus.{agent}: {n})"
     else:
-        zero = learner_memory(shape, learner, 8, reference, kv_seqs, cc.reserve_gb)
+        zero = learner_memory(shape, learner, 8, reference, -(-kv_seqs // 8), cc.reserve_gb)
         if zero.peak <= usable:
             return "set learner.deepspeed (ZeRO-2) and give it more GPUs (learner.gpus)"
     return ("no GPU count fits it (the per-GPU weights, reference and activations alone are too large): use "
@@ -601,5 +743,13 @@ def plan_summary(plan: PlacementPlan) -> dict[str, Any]:
     units = [{"role": u.role, "name": u.name, "model": u.model, "gpus": u.gpus,
               "slots": [[s.node, s.gpu] for s in u.slots],
               "peak_gb": None if u.memory is None else round(u.memory.peak, 2)} for u in plan.units]
+    r = plan.rollout
     return {"name": plan.name, "nodes": plan.nodes, "gpu_mem_gb": plan.gpu_mem_gb, "fits": plan.fits,
-            "problems": plan.problems, "checkpoint_gb": round(plan.checkpoint_gb, 2), "units": units}
+            "problems": plan.problems, "checkpoint_gb": round(plan.checkpoint_gb, 2),
+            "checkpoint_one_gb": round(plan.checkpoint_one_gb, 2),
+            "checkpoint_agents_gb": {a: round(v, 2) for a, v in plan.checkpoint_agents_gb.items()},
+            "checkpoint_bytes_per_param": plan.checkpoint_bytes_per_param,
+            "reference_gb": {a: round(v, 2) for a, v in plan.reference_gb.items()}, "beta": plan.beta,
+            "rollout": None if r is None else {"episodes": r.episodes, "setting": r.setting, "step": r.step,
+                                               "fits": r.fits, "kv_tokens": r.kv_tokens},
+            "units": units}

@@ -42,6 +42,7 @@ def derive_seed(*parts: Any) -> int:
 
 
 VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")  # vision-language models the learner feeds pixel_values/image_grid_thw
+ZERO_SHARD = "zero-rank{rank}.pt"  # one rank's ZeRO-2 optimizer state in a learner's checkpoint folder
 
 
 # ================================================================================================ one agent's learner
@@ -530,13 +531,19 @@ class AgentLearner:
             weights = folder / ("adapter" if self.cfg.finetune == "lora" else "model")
             self.policy.save_pretrained(weights)
             self._processor().save_pretrained(weights)
-        if self.engine is not None:  # collective: each rank writes its optimizer shard
-            self.engine.save_checkpoint(str(folder / "deepspeed"), tag="state", exclude_frozen_parameters=True)
+        if self.engine is not None:
+            # each rank its own ZeRO shard (fp32 master and Adam moments of its partition), straight from the ZeRO
+            # optimizer: DeepSpeed's save_checkpoint would also write the whole bf16 weights again (2 bytes per
+            # parameter more), and its load reads every rank's shard on every rank
+            torch.save(self.optimizer.state_dict(), folder / ZERO_SHARD.format(rank=self.rank))
         else:
             torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
         if self.rank == 0:
             state: dict[str, Any] = {"agent": self.agent, "model_key": self.name, "updates": self.updates,
                                      "finetune": self.cfg.finetune, "world": self.world}
+            if self.engine is not None:  # the engine's own counters (not in the shards)
+                state["engine_steps"] = [self.engine.global_steps, self.engine.global_samples,
+                                         self.engine.skipped_steps]
             (folder / "learner.json").write_text(json.dumps(state, indent=2))
         if include_rng:
             torch.save(_rng_state(), folder / self._rng_file())
@@ -574,12 +581,32 @@ class AgentLearner:
         else:
             _load_full(self.policy, read_safetensors(folder / "model", "model"), folder / "model")
         if self.engine is not None:
-            self.engine.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False)
+            self._load_zero_shard(folder, state)
         else:
             self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
         self.updates = int(state["updates"])
         if include_rng:
             _set_rng_state(torch.load(folder / self._rng_file(), weights_only=False))
+
+    def _load_zero_shard(self, folder: Path, state: dict[str, Any]) -> None:
+        """This rank's ZeRO shard into the ZeRO optimizer: Adam moments and the fp32 master of its partition (the
+        bf16 weights were read from model/ or adapter/ already, once). A checkpoint written by DeepSpeed's own
+        save_checkpoint (before the shards) still loads, through DeepSpeed."""
+        import torch
+
+        shard = folder / ZERO_SHARD.format(rank=self.rank)
+        if not shard.is_file() and (folder / "deepspeed").is_dir():
+            self.engine.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False)
+            return
+        if not shard.is_file():
+            raise FileNotFoundError(f"{folder}: no ZeRO optimizer shard {shard.name} for rank {self.rank}")
+        mine = torch.load(shard, map_location="cpu", weights_only=False)
+        listed: list[Any] = [None] * self.world  # the ZeRO optimizer picks its own rank's entry
+        listed[self.rank] = mine
+        self.optimizer.load_state_dict(listed, load_optimizer_states=True, load_from_fp32_weights=True)
+        steps = state.get("engine_steps")
+        if steps:
+            self.engine.global_steps, self.engine.global_samples, self.engine.skipped_steps = steps
 
 
 def _sum_over_ranks(loss: float, totals: dict[str, float],

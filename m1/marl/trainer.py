@@ -103,6 +103,14 @@ class Trainer:
         # on GPUs (placement ray): the plan's GPUs reserved before anything loads; learners and the driver's models
         # each in the bundles the plan gave them
         self.placement = reserve_placement(cfg) if cfg.placement == "ray" else None
+        if cfg.rollout.engine == "hf" and cfg.rollout.batch_episodes is not None:
+            # episodes at once: the configured number, or (auto) as many as the plan fits in the learners' memory
+            from m1.marl.cluster import rollout_batch
+
+            n = rollout_batch(cfg, self.placement.plan if self.placement is not None else None)
+            log.info("rollouts: %d episodes at once (rollout.batch_episodes: %s)", n, cfg.rollout.batch_episodes)
+            self.team_cfg = self.team_cfg.model_copy(update={"limits": self.team_cfg.limits.model_copy(
+                update={"batch_episodes": n})})
         hosted = host_driver_models(self.placement, {**self.team_cfg.models, **(
             {"judge": cfg.judge.model} if cfg.judge.model is not None else {})}) if self.placement else {}
         self.learners = build_learners(specs, cfg.learner, cfg.grpo, cfg.seed, cfg.placement, cfg.ray, cfg.out_dir,
