@@ -1,0 +1,253 @@
+"""Faults a user can cause, on purpose, against every command (issue #41): each ends in exit 2 with one `error:` line
+naming the culprit and no traceback (or, for a bad line or a bad video, a named skip or an error row), the output
+files stay intact (every id once, no torn line, every checkpoint verifiable), and the rerun after the fix finishes.
+
+The corpus is tests/fixtures/faults/: questions and benchmark lines that are not UTF-8, an empty questions file, a
+questions file whose videos are missing or not videos, team and experiment YAMLs with bad bytes or bad YAML. The
+videos are generated small. Read-only and full file systems are tmpfs mounts (root only; skipped with the reason
+otherwise: root ignores chmod, so a chmod-ed folder would prove nothing for it)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from conftest import make_video
+
+pytestmark = pytest.mark.slow
+
+CORPUS = Path(__file__).parent / "fixtures" / "faults"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def one_error(r, *words) -> str:
+    """Exit 2, exactly one `error:` line holding every word, and no traceback; returns the line."""
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    assert "Traceback" not in r.output, r.output
+    errs = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(errs) == 1, r.stderr
+    for w in words:
+        assert str(w) in errs[0], (w, errs[0])
+    return errs[0]
+
+
+def intact(path: Path) -> list[dict]:
+    """The rows of a results file that has no torn line and lists each id once (none when it was never created)."""
+    data = path.read_bytes() if path.exists() else b""
+    assert not data or data.endswith(b"\n"), f"torn last line in {path}"
+    rows = [json.loads(x) for x in data.decode().splitlines()]
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), f"{path} lists an id twice: {ids}"
+    return rows
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A folder with the corpus and two small videos beside it."""
+    d = tmp_path_factory.mktemp("faults")
+    for f in CORPUS.iterdir():
+        shutil.copy(f, d / f.name)
+    for i in range(2):
+        make_video(d / f"clip{i}.mp4", seconds=4, fps=2, size=64)
+    return d
+
+
+def invoke(*args):
+    from m1.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_every_command_over_bad_inputs(work, tmp_path, m1_cache):
+    w, out = work, tmp_path / "res.jsonl"
+    # a questions line that is not UTF-8 is skipped by file:line; the others are answered
+    r = invoke("infer", w, "--questions", w / "questions_bad_bytes.jsonl", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert f"skipped: {w / 'questions_bad_bytes.jsonl'}:2: malformed question (not UTF-8: byte 0xe9" in r.stderr
+    assert [x["id"] for x in intact(out)] == ["q0", "q2"]
+    # an empty questions file, a folder for a file, bad team YAMLs, bad overrides: one line, nothing written
+    before = out.read_bytes()
+    one_error(invoke("infer", w, "--questions", w / "questions_empty.jsonl", "--out", out),
+              w / "questions_empty.jsonl", "no usable questions")
+    one_error(invoke("infer", w, "--questions", w, "--out", out), w, "is a folder")
+    one_error(invoke("infer", w, "--questions", w / "questions_bad_bytes.jsonl", "--out", w), w, "is a folder")
+    one_error(invoke("infer", w, "-q", "Which?", "--team", w / "team_bad_bytes.yaml", "--out", out),
+              f"{w / 'team_bad_bytes.yaml'}:1: not UTF-8 text (byte 0xe9)")
+    one_error(invoke("infer", w, "-q", "Which?", "--team", w / "team_bad_yaml.yaml", "--out", out),
+              w / "team_bad_yaml.yaml", "not valid YAML")
+    one_error(invoke("infer", w, "-q", "Which?", "--set", "limits.max_turnz=2", "--out", out),
+              "override 'limits.max_turnz=2': unknown key 'limits.max_turnz'")
+    one_error(invoke("infer", w, "-q", "Which?", "--set", "limits.max_turns=many", "--out", out),
+              "override 'limits.max_turns=many'", "limits.max_turns")
+    one_error(invoke("infer", w, "-q", "Which?", "--set", "novalue", "--out", out), "key.path=value")
+    one_error(invoke("infer", w, "-q", "Which?", "--shard", "3/2", "--out", out), "--shard '3/2'")
+    assert out.read_bytes() == before
+
+    # m1 eval: a benchmark line that is not UTF-8 is skipped by file and line; a folder for the file is one line
+    ev = tmp_path / "eval"
+    r = invoke("eval", "-b", "jsonl", "--annotations", w / "benchmark_bad_bytes.jsonl", "--videos", w, "--out", ev)
+    assert r.exit_code == 0, r.output
+    assert f"skipped: {w / 'benchmark_bad_bytes.jsonl'}: line 2: line 2: not UTF-8 text (byte 0xf6" in r.stderr
+    assert [x["id"] for x in intact(ev / "predictions.jsonl")] == ["b0", "b2"]
+    assert json.loads((ev / "metrics.json").read_text())["n_questions"] == 2
+    one_error(invoke("eval", "-b", "jsonl", "--annotations", w, "--videos", w, "--out", ev), w, "is a folder")
+    one_error(invoke("eval", "-b", "jsonl", "--annotations", w / "benchmark_bad_bytes.jsonl", "--videos", w,
+                     "--out", w / "clip0.mp4"), w / "clip0.mp4")
+
+    # missing and undecodable videos are error rows; once the video is back, the rerun retries them in place
+    mv, vids = tmp_path / "missing.jsonl", tmp_path / "vids"
+    shutil.copytree(w, vids)
+    r = invoke("infer", vids, "--questions", vids / "questions_missing_videos.jsonl", "--out", mv)
+    assert r.exit_code == 0 and "1 answered, 0 already done, 2 errors" in r.stdout, r.output
+    rows = intact(mv)
+    assert [x["id"] for x in rows] == ["m0", "m1", "m2"] and [bool(x["error"]) for x in rows] == [False, True, True]
+    assert "missing.mp4" in rows[1]["error"] and "not_a_video.mp4" in rows[2]["error"]
+    shutil.copy(vids / "clip1.mp4", vids / "missing.mp4")
+    r = invoke("infer", vids, "--questions", vids / "questions_missing_videos.jsonl", "--out", mv, "--keep-errors")
+    assert r.exit_code == 0 and "2 earlier errors kept as they are (--keep-errors)" in r.stdout, r.output
+    r = invoke("infer", vids, "--questions", vids / "questions_missing_videos.jsonl", "--out", mv)
+    assert r.exit_code == 0 and "retried 2 earlier errors: 1 now answered, 1 still errors" in r.stdout, r.output
+    rows = intact(mv)
+    assert [x["id"] for x in rows] == ["m0", "m1", "m2"] and [bool(x["error"]) for x in rows] == [False, False, True]
+
+    # m1 merge: a missing part names its ids
+    sh = tmp_path / "sh.jsonl"
+    assert invoke("infer", w, "--questions", w / "questions_bad_bytes.jsonl", "--out", sh,
+                  "--shard", "0/2").exit_code == 0
+    one_error(invoke("merge", sh), "sh.jsonl.part-1-of-2.jsonl (ids 'q2')", "--shard 1/2")
+    assert not sh.exists()
+
+    # m1 experiment: bad bytes in its YAML, an unknown override
+    one_error(invoke("experiment", "run", w / "experiment_bad_bytes.yaml"),
+              f"{w / 'experiment_bad_bytes.yaml'}:2: not UTF-8 text")
+    exp = _eval_experiment(w, tmp_path)
+    one_error(invoke("experiment", "run", exp, "--set", "eval.nope=1"), "override 'eval.nope=1'", "unknown key")
+    # m1 train / sft / plot / view / synth: a config that is not UTF-8, folders that are not runs
+    one_error(invoke("train", "--config", w / "team_bad_bytes.yaml"), w / "team_bad_bytes.yaml", "not UTF-8")
+    one_error(invoke("sft", "--config", w / "team_bad_yaml.yaml"), w / "team_bad_yaml.yaml", "not valid YAML")
+    one_error(invoke("plot", w), w)
+    one_error(invoke("view", w / "nowhere"), "nowhere")
+    one_error(invoke("synth", "make", w / "clip0.mp4", "--videos", "1", "--duration", "30"), w / "clip0.mp4")
+    # --debug keeps the traceback
+    r = invoke("infer", w, "--questions", w / "questions_bad_bytes.jsonl", "--out", w, "--debug")
+    assert r.exit_code == 2 and "Traceback" in r.stderr and r.stderr.strip().splitlines()[-1].startswith("error:")
+
+
+def _eval_experiment(w: Path, tmp_path: Path, world: bool = False) -> Path:
+    """An experiment of one eval stage (tiny team) over the corpus's good questions; with `world`, a data stage
+    that renders a small M1-Synth world first."""
+    spec = {"name": "faults", "out_dir": str(tmp_path / "exp"), "seeds": [0],
+            "eval": {"team": "tiny", "questions": str(w / "questions_bad_bytes.jsonl"), "video_dir": str(w)},
+            "arms": {"base": None}}
+    if world:
+        spec["data"] = {"worlds": [{"out": str(tmp_path / "world"), "videos": 1, "seed": 5, "duration": 30,
+                                    "questions_per_video": 2}]}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ file systems
+@pytest.fixture
+def mount(tmp_path):
+    """mount(name, size, ro=False) -> a tmpfs folder; unmounted at the end. Root only."""
+    if os.geteuid() != 0:
+        pytest.skip("read-only and full file systems are tmpfs mounts, which need root (as in CI); chmod would not "
+                    "stop root, so no weaker stand-in is tried")
+    made = []
+
+    def _mount(name, size, ro=False):
+        d = tmp_path / name
+        d.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
+        made.append(d)
+        return d
+
+    yield _mount
+    for d in reversed(made):
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_read_only_and_full_file_systems(work, tmp_path, mount, m1_cache):
+    w = work
+    ro = mount("ro", "1m", ro=True)
+    q = w / "questions_bad_bytes.jsonl"
+    one_error(invoke("infer", w, "--questions", q, "--out", ro / "res.jsonl"), ro, "read-only file system")
+    one_error(invoke("infer", w, "--questions", q, "--out", tmp_path / "r.jsonl", "--trace-dir", ro / "traces"),
+              ro / "traces", "read-only file system")
+    assert intact(tmp_path / "r.jsonl") == []  # a question whose trace cannot be written gets no line
+    one_error(invoke("eval", "-b", "jsonl", "--annotations", w / "benchmark_bad_bytes.jsonl", "--videos", w,
+                     "--out", ro / "eval"), ro / "eval", "read-only file system")
+    one_error(invoke("synth", "make", ro / "world", "--videos", "1", "--duration", "30"), ro / "world",
+              "read-only file system")
+
+    # a full disk mid-run: no torn line or trace; the rerun after space is freed finishes with every id once
+    full = mount("full", "24k")
+    out, traces = full / "res.jsonl", full / "traces"
+    r = invoke("infer", w, "--questions", q, "--out", out, "--trace-dir", traces)
+    one_error(r, "disk full while writing", full)
+    intact(out)
+    assert not [p for p in traces.glob(".*.tmp")], "a temporary trace was left behind"
+    for p in traces.glob("*.json"):
+        json.loads(p.read_text())  # whole traces only
+    subprocess.run(["mount", "-o", "remount,size=8m", str(full)], check=True)
+    r = invoke("infer", w, "--questions", q, "--out", out, "--trace-dir", traces)
+    assert r.exit_code == 0, r.output
+    assert [x["id"] for x in intact(out)] == ["q0", "q2"]
+
+    # a training checkpoint on a full disk: torch's own writer fails; the checkpoints on disk stay verifiable
+    from m1.marl.checkpoint import checkpoint_history, checkpoint_problem
+    from test_checkpoint_safety import write_config
+
+    run = mount("train", "256m")
+    config = write_config(tmp_path, str(w / "clip0.mp4"), run / "run", steps=1)
+    assert invoke("train", "--config", config).exit_code == 0
+    ckpt = sum(f.stat().st_size for f in (run / "run" / "checkpoints").rglob("*") if f.is_file())
+    room = shutil.disk_usage(run).used + ckpt // 2  # step 2's checkpoint cannot fit
+    subprocess.run(["mount", "-o", f"remount,size={room}", str(run)], check=True)
+    r = invoke("train", "--config", config, "--set", "steps=2")
+    one_error(r, "disk full while writing", run / "run" / "checkpoints" / "step-000002")
+    assert [p.name for p in checkpoint_history(run / "run")] == ["step-000001"]
+    assert checkpoint_problem(run / "run" / "checkpoints" / "step-000001") is None
+    assert not list((run / "run" / "checkpoints").glob(".*.tmp"))
+    subprocess.run(["mount", "-o", "remount,size=256m", str(run)], check=True)
+    r = invoke("train", "--config", config, "--set", "steps=2")
+    assert r.exit_code == 0, r.output
+    history = checkpoint_history(run / "run")
+    assert history and history[0].name == "step-000002" and all(checkpoint_problem(p) is None for p in history)
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+def test_two_experiment_runs_at_once(work, tmp_path, m1_cache):
+    """The second `m1 experiment run` is refused naming the first; the world and the stage records of the first are
+    whole; a rerun afterwards finds everything done."""
+    exp = _eval_experiment(work, tmp_path, world=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "m1", "experiment", "run", str(exp)]
+    runs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]  # started together: the loser starts well before the winner's render and eval end
+    ends = [p.communicate(timeout=600) for p in runs]
+    assert sorted(p.returncode for p in runs) == [0, 2], ends
+    won, lost = (0, 1) if runs[0].returncode == 0 else (1, 0)
+    assert "Traceback" not in ends[lost][1], ends[lost][1]
+    [line] = [x for x in ends[lost][1].splitlines() if x.startswith("error:")]
+    assert f"experiment folder {tmp_path / 'exp'} is being written by pid {runs[won].pid}" in line
+    assert "rendering world" in ends[won][0] and "rendering world" not in ends[lost][0]
+    lock = tmp_path / "exp" / ".lock"
+    world = tmp_path / "world"
+    qs = [json.loads(x) for x in (world / "questions.jsonl").read_text().splitlines()]
+    assert len({q["id"] for q in qs}) == len(qs) > 0 and all((world / q["video"]).is_file() for q in qs)
+    assert not list(tmp_path.glob(".world.*.tmp")) and not lock.exists()
+    stage = json.loads((tmp_path / "exp" / "base" / "seed0" / "eval" / "stage.json").read_text())
+    assert stage["answered"] == 2 and [x["id"] for x in intact(Path(stage["results"]["results"]))] == ["q0", "q2"]
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "done before" in again.stdout, again.stderr
