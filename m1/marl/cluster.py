@@ -23,6 +23,7 @@ from m1.models.shapes import ShapeError, TextShape, text_shape, vision_parameter
 GiB = float(2**30)
 ACT_PER_LAYER = 34  # bytes per token per hidden unit of one transformer layer's activations (bf16, fused attention)
 LOGIT_BYTES = 8  # per kept logit: the fp32 log-softmax and its gradient
+RAY_NODE_ID_LABEL = "ray.io/node-id"  # the label Ray puts on every node: its node id
 
 
 class PlanError(ValueError):
@@ -258,12 +259,15 @@ class RayBundles:
     `index[(role, name, rank)]` is the bundle of rank `rank` of a unit, e.g. `index[("learner", "qwen3_8b", 0)]`,
     for `PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=...)`. `nodes[i]` is the plan's node of
     bundle i: with `node_ips` given, each bundle also asks for a sliver of that node's `node:<ip>` resource so Ray
-    puts it where the plan did.
+    puts it where the plan did. An address does not tell apart two Ray nodes of one machine (or two raylets behind
+    one NAT); with `node_ids` given, `labels[i]` selects bundle i's node by its Ray node id (the `ray.io/node-id`
+    label every node carries), for `placement_group(..., bundle_label_selector=labels)`.
     """
 
     bundles: list[dict[str, float]]
     index: dict[tuple[str, str, int], int]
     nodes: list[int]
+    labels: list[dict[str, str]] | None = None
 
     def of(self, role: str, name: str) -> list[int]:
         """Bundle indices of every rank of one unit, rank order."""
@@ -328,10 +332,13 @@ class PlacementPlan:
     def peak_gb(self) -> dict[GpuSlot, float]:
         return {s: (u.memory.peak if u.memory else float("nan")) for s, (u, _) in self.by_gpu().items()}
 
-    def ray_bundles(self, cpus_per_gpu: int | None = None, node_ips: list[str] | None = None) -> RayBundles:
+    def ray_bundles(self, cpus_per_gpu: int | None = None, node_ips: list[str] | None = None,
+                    node_ids: list[str] | None = None) -> RayBundles:
         cpus = self.cpus_per_gpu if cpus_per_gpu is None else cpus_per_gpu
         if node_ips is not None and len(node_ips) < len(self.nodes):
             raise PlanError(f"ray_bundles: {len(node_ips)} node addresses for a plan of {len(self.nodes)} nodes")
+        if node_ids is not None and len(node_ids) < len(self.nodes):
+            raise PlanError(f"ray_bundles: {len(node_ids)} node ids for a plan of {len(self.nodes)} nodes")
         bundles, index, nodes = [], {}, []
         for slot, (u, rank) in sorted(self.by_gpu().items()):
             b: dict[str, float] = {"GPU": 1, **({"CPU": cpus} if cpus else {})}
@@ -340,7 +347,8 @@ class PlacementPlan:
             index[(u.role, u.name, rank)] = len(bundles)
             bundles.append(b)
             nodes.append(slot.node)
-        return RayBundles(bundles, index, nodes)
+        labels = None if node_ids is None else [{RAY_NODE_ID_LABEL: node_ids[n]} for n in nodes]
+        return RayBundles(bundles, index, nodes, labels)
 
     def render(self) -> str:
         """A table of every GPU (node, gpu, what runs there, estimated GB by kind), then totals and problems."""
@@ -676,6 +684,7 @@ class ClusterInfo:
     gpus_per_node: list[int]  # GPUs of each node that has any
     gpu_mem_gb: float | None  # None: not known (Ray does not report GPU memory)
     node_ips: list[str] | None = None
+    node_ids: list[str] | None = None  # Ray node ids (hex), same order: what tells two nodes of one machine apart
 
 
 def cluster_gpus_from_ray(address: str | None = "auto") -> ClusterInfo:
@@ -698,9 +707,11 @@ def cluster_gpus_from_ray(address: str | None = "auto") -> ClusterInfo:
     finally:
         if joined:  # leave Ray as it was found
             ray.shutdown()
-    with_gpus = [(n.get("NodeManagerAddress", "?"), int(n.get("Resources", {}).get("GPU", 0))) for n in alive]
-    with_gpus = [(ip, g) for ip, g in with_gpus if g > 0]
-    return ClusterInfo([g for _, g in with_gpus], local_gpu_memory_gb(), [ip for ip, _ in with_gpus])
+    with_gpus = [(n.get("NodeManagerAddress", "?"), n.get("NodeID"), int(n.get("Resources", {}).get("GPU", 0)))
+                 for n in alive]
+    with_gpus = [(ip, nid, g) for ip, nid, g in with_gpus if g > 0]
+    return ClusterInfo([g for _, _, g in with_gpus], local_gpu_memory_gb(), [ip for ip, _, _ in with_gpus],
+                       [nid for _, nid, _ in with_gpus])
 
 
 def local_gpu_memory_gb() -> float | None:
