@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from m1.config import ModelSpec, TinySpec, load_team
-from m1.models.preflight import AGENT, BROWSE, VLM_POLICY, check_model, check_models, require, team_models, \
+from m1.models.preflight import AGENT, BROWSE, CLIP, VLM_POLICY, check_model, check_models, require, team_models, \
     PreflightError
 
 
@@ -172,3 +172,31 @@ def test_roles_decide_what_a_processor_must_have(folders, empty_hf_cache):
     assert unknown.status == "unchecked" and "not in the Hugging Face cache" in unknown.why
     bad_tiny = check_model("t", ModelSpec(kind="vision", tiny={"arch": "qwen2"}), {BROWSE})
     assert bad_tiny.status == "refused" and "tiny arch 'qwen2' is not a vision model" in bad_tiny.why
+
+
+def test_a_cached_hub_id_is_checked_from_its_files_and_missing_tokenizer_files_are_named(folders, empty_hf_cache,
+                                                                                          tmp_path):
+    """A hub id whose files are in the HF cache is checked like a folder (offline, nothing downloaded); without its
+    tokenizer files it is checked by class only (the run fetches them), while a folder without them is refused
+    (transformers 5 would build a one-token tokenizer from it, without an error)."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hf_cache" / "models--someone--tiny-chat"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(folders["chat"], snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert huggingface_hub.constants.HF_HUB_CACHE == str(tmp_path / "hf_cache")
+    spec = ModelSpec(kind="chat", path="someone/tiny-chat")
+    ok = check_model("x", spec, {AGENT})
+    assert ok.status == "ok" and "Qwen2ForCausalLM from its config; tokenizer with a chat template" in ok.why
+    for f in snapshot.glob("tokenizer*"):
+        f.unlink()
+    partial = check_model("x", spec, {AGENT})
+    assert partial.status == "class" and "no tokenizer files" in partial.why and "the run fetches them" in partial.why
+    bare = tmp_path / "bare"
+    shutil.copytree(folders["chat"], bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    refused = check_model("x", ModelSpec(kind="chat", path=str(bare)), {AGENT})
+    assert refused.status == "refused" and "its tokenizer has 1 token(s)" in refused.why
+    wrong = check_model("c", ModelSpec(kind="clip", backend="hf", path=str(bare)), {CLIP})
+    assert (wrong.status, wrong.why) == ("refused", "backend 'hf' has no clip models")

@@ -12,6 +12,9 @@ AutoProcessor (trust_remote_code, which the spec must set) and speaks its proces
 - its `generate` embeds the prompt and returns the new tokens only; `_EchoPrompt` puts the prompt back in front so
   the shared decoding of m1/models/hf.py (cut at the prompt width, stop at eos) reads it like any HF model's.
 
+`max_pixels` does not apply: Eagle's processor reads each video frame as one 448x448 tile (its videos_kwargs
+default, max_dynamic_tiles 1), i.e. 200,704 pixels, the cap the shipped team gives its Qwen2.5-VL tools.
+
 Not run on the machines M1 is tested on: there is no GPU, no copy of the weights or of the remote code, and that code
 targets transformers 4.x while 5 is installed; it may need a transformers 4.x environment. tests/test_eagle.py checks
 the requests this adapter builds against a fake processor and model that follow the card's interface. The shipped

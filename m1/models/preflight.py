@@ -25,6 +25,7 @@ from typing import Literal
 
 from m1.config import ModelSpec, TeamConfig
 from m1.models.base import ModelError
+from m1.models.hub import BACKENDS
 from m1.models.shapes import _read_config
 
 # What a run asks of a model.
@@ -53,6 +54,8 @@ KNOWN_HUB_CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "OpenGVLab/InternVL3_5-8B": ("internvl_chat", ("AutoConfig", "AutoModel", "AutoModelForCausalLM")),
     "nvidia/Eagle2.5-8B": ("eagle_2_5_vl", ("AutoConfig", "AutoModel")),
 }
+
+MIN_VOCABULARY = 16  # fewer tokens than this: a tokenizer built without its files
 
 Status = Literal["ok", "class", "unchecked", "skipped", "refused"]
 
@@ -140,6 +143,8 @@ def check_model(key: str, spec: ModelSpec, roles: set[str]) -> ModelCheck:
         return result("skipped", "M1-Synth's own model")
     if spec.backend == "open_clip":
         return result("skipped", "open_clip builds it by name at load")
+    if (spec.backend, spec.kind) not in BACKENDS:
+        return result("refused", f"backend {spec.backend!r} has no {spec.kind} models")
     if spec.backend == "eagle" and roles - {BROWSE}:
         return result("refused", f"backend eagle serves the browse tools only, not a {' or '.join(sorted(roles))}")
     if spec.tiny is not None:
@@ -222,6 +227,15 @@ def _needs(spec: ModelSpec, roles: set[str]) -> list[str]:
     return needs + (["image_processor"] if VLM_POLICY in roles else [])
 
 
+def _no_vocabulary(tok, source: str, hub: bool, result) -> ModelCheck | None:
+    """None when the tokenizer has a vocabulary. transformers 5 builds a tokenizer of one token, without an error,
+    when a folder has no tokenizer files; for a cached hub id the run would fetch them."""
+    if len(tok) >= MIN_VOCABULARY:
+        return None
+    why = f"its tokenizer has {len(tok)} token(s): no tokenizer files (tokenizer.json, vocab.json) in {source}"
+    return result("class", why + "; the run fetches them") if hub else result("refused", why)
+
+
 def _check_files(spec: ModelSpec, roles: set[str], source: str, result, hub: bool) -> ModelCheck:
     """Config, class (built on the meta device) and tokenizer/processor from a folder or the HF cache."""
     import torch
@@ -252,6 +266,9 @@ def _check_files(spec: ModelSpec, roles: set[str], source: str, result, hub: boo
     try:
         if spec.kind == "chat":
             tok = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True, **trust)
+            empty = _no_vocabulary(tok, source, hub, result)
+            if empty:
+                return empty
             if getattr(tok, "chat_template", None) is None:
                 return result("refused", f"its tokenizer ({type(tok).__name__}) has no chat template; an agent's "
                                          "prompts are chats")
@@ -269,6 +286,9 @@ def _check_files(spec: ModelSpec, roles: set[str], source: str, result, hub: boo
         return result("refused", f"AutoProcessor gives a bare {type(proc).__name__}, no processor (no "
                                  f"preprocessor_config.json / processor_config.json in {source}); a "
                                  f"{' + '.join(sorted(roles))} reads frames")
+    empty = _no_vocabulary(tok, source, hub, result)
+    if empty:
+        return empty
     missing = [part for part in _needs(spec, roles) if getattr(proc, part, None) is None]
     if missing:
         return result("refused", f"its processor {type(proc).__name__} has no {' or '.join(missing)}, which a "
