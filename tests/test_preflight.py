@@ -41,8 +41,9 @@ def folders(tmp_path_factory):
                 vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "num_hidden_layers": 1,
                                "num_attention_heads": 2, "intermediate_size": 64, "image_size": 28, "patch_size": 14},
                 image_token_index=tok.convert_tokens_to_ids("<image>")).save_pretrained(out["llava"])
-    LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
-                   tokenizer=tok, patch_size=14, chat_template=tok.chat_template).save_pretrained(out["llava"])
+    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14,
+                   chat_template=tok.chat_template).save_pretrained(out["llava"])
     for folder in out.values():
         assert not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin"))
     return out
