@@ -134,8 +134,9 @@ def test_trainer_resume_hashes_each_checkpoint_file_once(tmp_path, video, m1_cac
 
 # ------------------------------------------------------------------------------------------------ reference copy
 def test_plan_shows_what_beta_zero_saves():
-    with_ref = make_plan(load_train_config("videochat_m1_full"), gpus=24, gpu_mem_gb=80)
-    no_ref = make_plan(load_train_config("videochat_m1_full", ["grpo.beta=0"]), gpus=24, gpu_mem_gb=80)
+    fixed = ["rollout.batch_episodes=8"]  # the same KV cache in both plans
+    with_ref = make_plan(load_train_config("videochat_m1_full", fixed), gpus=24, gpu_mem_gb=80)
+    no_ref = make_plan(load_train_config("videochat_m1_full", ["grpo.beta=0", *fixed]), gpus=24, gpu_mem_gb=80)
     p8 = 8_190_735_360  # Qwen3-8B
     assert with_ref.reference_gb["qwen3_8b"] * GiB == pytest.approx(2 * p8)  # bf16 copy on every rank
     assert with_ref.unit("learner", "qwen3_8b").memory.reference * GiB == pytest.approx(2 * p8)
@@ -145,6 +146,10 @@ def test_plan_shows_what_beta_zero_saves():
     total = sum(with_ref.reference_gb[u.name] * u.gpus for u in with_ref.units if u.role == "learner")
     assert f"{total:.1f} GB in all (none at beta = 0" in with_ref.render()
     assert "reference copy: none at beta = 0" in no_ref.render()
+    # the memory it frees holds more rollouts: what no_ref fits is what with_ref says beta = 0 would fit
+    assert with_ref.rollout.fits < with_ref.rollout.fits_without_reference == no_ref.rollout.fits
+    assert (f"KV cache would hold {no_ref.rollout.fits} rollout episodes instead of {with_ref.rollout.fits}"
+            in with_ref.render())
     assert plan_summary(no_ref)["reference_gb"]["qwen3_8b"] == pytest.approx(with_ref.reference_gb["qwen3_8b"],
                                                                              abs=0.01)
     lora = make_plan(load_train_config("videochat_m1_lora"), gpus=24, gpu_mem_gb=80)
@@ -152,34 +157,44 @@ def test_plan_shows_what_beta_zero_saves():
 
 
 # ------------------------------------------------------------------------------------------------ rollout batch
-TOKENS = ["learner.max_prompt_tokens=1024", "learner.max_completion_tokens=1024"]  # 2048-token sequences
-
-
 def test_auto_rollout_batch_grows_with_free_memory_up_to_the_step():
-    cfg = load_train_config("videochat_m1_full", ["rollout.batch_episodes=auto", *TOKENS])
-    fits = {mem: make_plan(cfg, gpus=24, gpu_mem_gb=mem).rollout for mem in (80, 96, 141)}
+    cfg = load_train_config("videochat_m1_full", ["rollout.batch_episodes=auto"])
+    plans = {mem: make_plan(cfg, gpus=24, gpu_mem_gb=mem) for mem in (80, 96, 141)}
+    fits = {mem: plan.rollout for mem, plan in plans.items()}
     assert fits[80].fits < fits[96].fits < fits[141].fits
-    # 80 GB: Qwen3-8B on 4 ranks has 72 - 64.1 (weights, Adam, gradients, reference, reserve) - 4.0 (activations)
-    # GB left; a 2048-token sequence caches 2 * 36 layers * 8 kv heads * 128 * 2 bytes per token: 14 per rank
-    assert fits[80].fits == 56 and fits[80].kv_tokens == 14 * 2048
-    assert all(r.episodes == r.step == 32 for r in fits.values())  # never more than the step has
-    small = load_train_config("videochat_m1_full", ["rollout.batch_episodes=auto", "rollout.questions_per_step=64",
-                                                    *TOKENS])
-    big = make_plan(small, gpus=24, gpu_mem_gb=80).rollout
-    assert big.step == 256 and big.episodes == big.fits == 56  # the memory decides
-    plan = make_plan(small, gpus=24, gpu_mem_gb=80)
-    assert plan.fits  # the learners' peaks with that KV cache still fit
-    assert "rollouts: 56 of the step's 256 episodes at once (rollout.batch_episodes: auto" in plan.render()
+    # by hand: each learner GPU keeps 90% of its memory, less weights, Adam, gradients, reference, reserve and the
+    # training activations, for sequences of max_prompt + max_completion tokens of 2 (k, v) * layers * kv heads *
+    # head dim * 2 bytes (bf16); a group of n ranks splits the requests, so it holds n times its rank's count
+    seq = cfg.learner.max_prompt_tokens + cfg.learner.max_completion_tokens
+    shapes = {"qwen3_8b": (36, 8, 128), "qwen3_4b": (36, 8, 128), "qwen25_7b": (28, 4, 128), "qwen25_3b": (36, 2, 128)}
+    for mem, plan in plans.items():
+        per_agent = {}
+        for agent, (layers, kv_heads, head_dim) in shapes.items():
+            m, n = plan.unit("learner", agent).memory, plan.unit("learner", agent).gpus
+            free = (0.9 * mem - m.weights - m.optimizer - m.grads - m.reference - m.activations - m.reserve) * GiB
+            per_agent[agent] = int(free // (seq * 2 * layers * kv_heads * head_dim * 2)) * n
+        assert fits[mem].fits == min(per_agent.values())
+        assert plan.fits  # the learners' peaks with that KV cache still fit
+    # never more than the step has; the memory decides when the step has more than fit
+    assert all(r.episodes == min(r.step, r.fits) for r in fits.values())
+    big = load_train_config("videochat_m1_full", ["rollout.batch_episodes=auto", "rollout.questions_per_step=64"])
+    plan = make_plan(big, gpus=24, gpu_mem_gb=141)
+    assert plan.rollout.step == 256 and plan.rollout.episodes == plan.rollout.fits < 256
+    assert (f"rollouts: {plan.rollout.fits} of the step's 256 episodes at once (rollout.batch_episodes: auto"
+            in plan.render())
     explicit = make_plan(load_train_config("videochat_m1_full", ["rollout.batch_episodes=12"]), gpus=24,
                          gpu_mem_gb=80).rollout
     assert explicit.episodes == 12 and explicit.setting == "rollout.batch_episodes"
-    unset = make_plan(load_train_config("videochat_m1_full"), gpus=24, gpu_mem_gb=80).rollout
+    unset = make_plan(load_train_config("videochat_m1_full", ["rollout.batch_episodes=null"]), gpus=24,
+                      gpu_mem_gb=80).rollout
     assert unset.episodes == 8 and unset.setting == "limits.batch_episodes"
 
 
-def test_vllm_rollouts_refuse_a_batch_setting():
-    with pytest.raises(ValueError, match="rollout.batch_episodes .* is for rollout.engine: hf"):
-        load_train_config("videochat_m1_full", ["rollout.engine=vllm", "rollout.batch_episodes=auto"])
+def test_vllm_rollouts_refuse_a_batch_number_and_plan_no_learner_batch():
+    with pytest.raises(ValueError, match=r"rollout.batch_episodes \(12\) is for rollout.engine: hf"):
+        load_train_config("videochat_m1_full", ["rollout.engine=vllm", "rollout.batch_episodes=12"])
+    cfg = load_train_config("videochat_m1_full", ["rollout.engine=vllm"])  # auto (the config's) is accepted
+    assert cfg.rollout.batch_episodes == "auto" and make_plan(cfg, gpus=24, gpu_mem_gb=80).rollout is None
 
 
 def test_trainer_runs_the_plans_rollout_batch(tmp_path, video, m1_cache, monkeypatch):

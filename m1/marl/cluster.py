@@ -12,7 +12,7 @@ Units: "GB" in every number and message means GiB (2**30 bytes), the unit torch 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -181,6 +181,7 @@ class RolloutBatch:
     step: int  # episodes of one step (questions_per_step * num_generations)
     fits: int | None  # most episodes whose KV cache fits every learner GPU; None: unknown (no GPU size, CPU run)
     kv_tokens: int | None = None  # the KV token budget of the tightest learner GPU (fits: its sequences * tokens)
+    fits_without_reference: int | None = None  # what `fits` would be at grpo.beta = 0 (no reference copy)
 
 
 def kv_fit(bases: list[tuple[MemoryEstimate, int, int]], usable_gb: float) -> int:
@@ -392,8 +393,11 @@ class PlacementPlan:
             total = sum(gb * u.gpus for u in self.units if u.role == "learner" for a, gb in self.reference_gb.items()
                         if a == u.name)
             if self.beta:
+                more = (f", and the learners' KV cache would hold {self.rollout.fits_without_reference} rollout "
+                        f"episodes instead of {self.rollout.fits}" if self.rollout is not None
+                        and self.rollout.fits_without_reference is not None else "")
                 lines.append(f"reference copy (grpo.beta {self.beta:g}), GB per GPU: {per}; {total:.1f} GB in all "
-                             "(none at beta = 0: grpo.beta: 0 frees it)")
+                             f"(none at beta = 0: grpo.beta: 0 frees it{more})")
             else:
                 lines.append(f"reference copy: none at beta = 0 (a beta > 0 would add, GB per GPU: {per}; "
                              f"{total:.1f} GB in all)")
@@ -527,7 +531,7 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
         seq = learner.max_prompt_tokens + learner.max_completion_tokens
         per_seq = {a: seq * kv_token_bytes(shape, learner) for a, shape in shapes.items()}
         gpu_learners = [u for u in units if u.role == "learner" and u.memory is not None]
-        fits = tokens = None
+        fits = tokens = fits0 = None
         if gpu_learners and mem_gb is not None and len(gpu_learners) == len(shapes):
             usable_kv = mem_gb * (1 - cc.headroom)
             if cfg.placement == "local":  # one process: learners naming the same device share its memory
@@ -540,7 +544,11 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
                       for g in groups]
             fits, tight = min(fit_of, key=lambda x: x[0])
             tokens = seq * -(-fits // tight[0].gpus) if len(tight) == 1 else seq * fits
+            if reference:  # what the memory of the reference copy would hold instead
+                fits0 = min(kv_fit([(replace(u.memory, reference=0.0), per_seq[u.name], u.gpus if len(g) == 1 else 1)
+                                    for u in g], usable_kv) for g in groups)
         rollout = resolve_rollout_batch(cfg, fits, tokens)
+        rollout.fits_without_reference = fits0
         kv_seqs = rollout.episodes
         for u in units:
             if u.role == "learner" and u.memory is not None:
@@ -762,5 +770,6 @@ def plan_summary(plan: PlacementPlan) -> dict[str, Any]:
             "checkpoint_bytes_per_param": plan.checkpoint_bytes_per_param,
             "reference_gb": {a: round(v, 2) for a, v in plan.reference_gb.items()}, "beta": plan.beta,
             "rollout": None if r is None else {"episodes": r.episodes, "setting": r.setting, "step": r.step,
-                                               "fits": r.fits, "kv_tokens": r.kv_tokens},
+                                               "fits": r.fits, "kv_tokens": r.kv_tokens,
+                                               "fits_without_reference": r.fits_without_reference},
             "units": units}

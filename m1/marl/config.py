@@ -138,6 +138,7 @@ class RolloutConfig(Strict):
     # Episodes the team runs at once in rollout.engine hf (each learner generates for all of them in one batch).
     # auto: as many of the step's episodes as the KV cache fits in the memory the placement plan leaves on each
     # learner GPU (m1/marl/cluster.py `rollout_batch`); a number: that many; None: the team's limits.batch_episodes.
+    # With rollout.engine vllm the engine gets the whole step at once: auto is accepted there, a number is not.
     # Left out of dumps when None, so earlier runs' recorded settings still match
     batch_episodes: PositiveInt | Literal["auto"] | None = Field(None, exclude_if=lambda v: v is None)
     # Where the trained agents' rollouts are generated. hf: by each learner's own policy (Hugging Face generate).
@@ -335,9 +336,9 @@ class TrainConfig(Strict):
         trained = list(self.train_agents or names)
         if r.engine == "hf" and (r.engine_url or r.engine_command):
             raise ValueError("rollout.engine_url / engine_command are for rollout.engine: vllm (it is 'hf')")
-        if r.engine == "vllm" and r.batch_episodes is not None:
-            raise ValueError(f"rollout.batch_episodes ({r.batch_episodes!r}) is for rollout.engine: hf; a vLLM engine "
-                             "gets all of a step's episodes at once and batches them itself")
+        if r.engine == "vllm" and isinstance(r.batch_episodes, int):  # auto: what a vLLM engine does anyway
+            raise ValueError(f"rollout.batch_episodes ({r.batch_episodes}) is for rollout.engine: hf; a vLLM engine "
+                             "gets all of a step's episodes at once and batches them itself (leave it at auto)")
         if isinstance(r.engine_url, str) and len(trained) > 1:
             raise ValueError(f"rollout.engine_url: one URL for {len(trained)} trained agents {trained}; give one "
                              "per agent: {agent: URL}")
