@@ -142,8 +142,12 @@ def test_eagle_through_automodel_for_image_text_to_text_is_refused_without_its_f
     assert out.startswith("error: model 'grounding' (nvidia/Eagle2.5-8B, browse tool): AutoModelForImageTextToText "
                           "cannot build it: model_type 'eagle_2_5_vl'") and "backend: eagle" in out
     assert len(out.strip().splitlines()) == 1
-    eagle = load_team("videochat_m1", ["models.grounding.backend=eagle", "models.grounding.path=nvidia/Eagle2.5-8B",
-                                       "models.grounding.trust_remote_code=true"])
+    sets = ["models.grounding.backend=eagle", "models.grounding.path=nvidia/Eagle2.5-8B",
+            "models.grounding.trust_remote_code=true"]
+    code, out = _cli("train", "--config", "videochat_m1_full", "--plan", "--gpus", "24", "--gpu-mem", "80",
+                     "--set", f"team_overrides=[{','.join(sets)}]")
+    assert code == 0 and "driver  grounding" in out and "fits: yes" in out, out  # backend eagle: a GPU of its own
+    eagle = load_team("videochat_m1", sets)
     checks = {c.key: c for c in check_models(team_models(eagle))}
     assert checks["grounding"].status == "class" and "AutoModel builds model_type 'eagle_2_5_vl'" in \
         checks["grounding"].why
