@@ -183,6 +183,12 @@ class LimitsConfig(Strict):
     summary_tokens: int = 256
     batch_episodes: int = Field(8, ge=1)
     frame_cache_mb: int = Field(4096, ge=16)  # decoded frames shared by all agents/episodes (LRU)
+    # the prompt budget of every agent call, in the agent's own tokens (m1/team/budget.py): over it, the peers' notes
+    # are trimmed oldest first; a prompt that still does not fit is an error, or with `over_budget: drop` ends that
+    # question's episode. None: no budget (training then uses learner.max_prompt_tokens). Both are left out of dumps
+    # at their defaults, so the signatures of teams recorded before they existed still match
+    max_prompt_tokens: int | None = Field(None, ge=1, exclude_if=lambda v: v is None)
+    over_budget: Literal["error", "drop"] = Field("error", exclude_if=lambda v: v == "error")
 
 
 class SamplingConfig(Strict):

@@ -77,6 +77,9 @@ class Generation(Record):
     parse_error: str | None = None
     # training with a rollout engine: the version of the weights that sampled it (left out of traces when unknown)
     weight_version: int | None = Field(None, exclude_if=lambda v: v is None)
+    # entries of the peers' notes left out of the prompt to fit limits.max_prompt_tokens (m1/team/budget.py); left
+    # out of traces when none were
+    trimmed: int = Field(0, ge=0, exclude_if=lambda v: v == 0)
 
 
 class AgentAnswer(Record):

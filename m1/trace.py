@@ -514,6 +514,10 @@ def result_row(ep: Episode) -> dict:
     }
     if ep.frame_counts:  # seed kinds: frames the policy saw / tools read, turns, tool calls
         row["frame_counts"] = dict(ep.frame_counts)
+    trimmed = [g for g in ep.generations if g.trimmed]
+    if trimmed:  # prompts whose peers' notes were trimmed to fit limits.max_prompt_tokens (m1/team/budget.py)
+        row["prompts_trimmed"] = {"prompts": len(trimmed), "of": len(ep.generations),
+                                  "entries_left_out": sum(g.trimmed for g in trimmed)}
     if ep.question.answer is not None:
         row["truth"] = ep.question.answer
         row["correct"] = is_correct(ep.question, ep.final_answer)

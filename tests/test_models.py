@@ -139,16 +139,17 @@ def test_logprobs_can_be_switched_off(hub):
     assert out[0].logprobs is None and len(out[0].completion_ids) >= 1
 
 
-def test_overlong_prompt_is_truncated_from_the_left(hub, monkeypatch):
+def test_prompt_budget_overlong_prompt_is_refused_not_cut(hub, monkeypatch):
+    """A prompt that does not fit the context is an error naming the model, never cut from the front (which lost the
+    system prompt and the question); the team's limits.max_prompt_tokens trims before it gets here."""
     model = hub.chat("q2")
     monkeypatch.setattr(model, "context_length", 40)
     long = ChatRequest([{"role": "user", "content": "a red square moves left " * 30}])
-    short, cut = model.generate([CHATS[0], long], SamplingParams(max_new_tokens=8))
-    assert cut.meta["truncated"] is True and cut.meta["dropped_prompt_tokens"] > 0
-    assert len(cut.prompt_ids) == 40 - 8
-    full = model.tokenizer(model.render(long), add_special_tokens=False)["input_ids"]
-    assert cut.prompt_ids == full[-32:]  # the end of the prompt (the assistant turn) survives
-    assert "truncated" not in short.meta
+    with pytest.raises(ModelError, match=r"model 'q2': a prompt of \d+ tokens and 8 new tokens do not fit its context "
+                                         r"of 40 tokens; prompts are never cut"):
+        model.generate([CHATS[0], long], SamplingParams(max_new_tokens=8))
+    short = model.generate([CHATS[0]], SamplingParams(max_new_tokens=8))[0]
+    assert short.prompt_ids == model.tokenizer(model.render(CHATS[0]), add_special_tokens=False)["input_ids"]
 
 
 def test_ensure_tiny_is_idempotent_and_keyed_by_spec(cache_dir, monkeypatch):

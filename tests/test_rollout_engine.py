@@ -21,13 +21,14 @@ from m1.models.engine import EngineChat, EngineError, EngineServer, vllm_command
 STANDIN = str(Path(__file__).with_name("engine_standin.py"))
 SPEC = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
     "arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}})
-MAX_PROMPT, MAX_COMPLETION = 40, 8
+MAX_PROMPT, MAX_COMPLETION = 64, 8
 CHATS = [
     ChatRequest([{"role": "system", "content": "You are an agent in a team that answers questions about a video."},
                  {"role": "user", "content": "Question: What colour is the shape that appears first in the video?"}]),
-    ChatRequest([{"role": "user", "content": "Options: (A) red (B) green (C) blue (D) yellow " * 6}]),  # truncated
+    ChatRequest([{"role": "user", "content": "Options: (A) red (B) green"}]),
     ChatRequest([{"role": "user", "content": "##tool call: continue()"}]),
 ]
+LONG = ChatRequest([{"role": "user", "content": "Options: (A) red (B) green (C) blue (D) yellow " * 6}])  # > MAX_PROMPT
 
 
 def _standin(folder: str, log: Path, **kw) -> EngineServer:
@@ -125,11 +126,15 @@ def test_generate_matches_the_learner(server, learner):
     chat = _chat(server, learner)
     assert chat.health() and chat.models() == ["base"] and chat.remote
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+    # a prompt over MAX_PROMPT is refused by both, never cut from the front (the team trims to its budget first)
+    with pytest.raises(EngineError, match=rf"a prompt of \d+ tokens is over learner.max_prompt_tokens={MAX_PROMPT}"):
+        chat.generate([CHATS[0], LONG], params)
+    with pytest.raises(ValueError, match=rf"over learner.max_prompt_tokens={MAX_PROMPT}"):
+        learner.generate([CHATS[0], LONG], params)
     outs = chat.generate(CHATS, params)
-    # the prompts the learner itself would sample from (HFChatModel rendering, last MAX_PROMPT tokens)
+    # the prompts the learner itself would sample from (HFChatModel rendering, whole)
     expected = [c.prompt_ids for c in learner.generate(CHATS, params)]
-    assert [o.prompt_ids for o in outs] == expected
-    assert len(expected[1]) == MAX_PROMPT and outs[1].meta["truncated"] and outs[1].meta["dropped_prompt_tokens"] > 0
+    assert [o.prompt_ids for o in outs] == expected and all("truncated" not in o.meta for o in outs)
     eos = set(learner.chat.eos_ids)
     for o in outs:
         assert 1 <= len(o.completion_ids) <= MAX_COMPLETION and len(o.logprobs) == len(o.completion_ids)

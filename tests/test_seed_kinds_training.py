@@ -123,7 +123,7 @@ def train_cfg(out, finetune="full", steps=1, **over):
     data = {"team": weaver_team(), "rollout": {"num_generations": 2, "questions_per_step": 2},
             "grpo": {"beta": 0.05},
             "learner": {"finetune": finetune, "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16,
-                        "max_prompt_tokens": 256},
+                        "max_prompt_tokens": 2048},  # prompts are never cut: the whole weaver chat
             "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 3},
             "log": {"progress": False, "tensorboard": False}}
     for k, v in over.items():
@@ -340,7 +340,7 @@ def test_sft_on_the_rule_weavers_trajectories_lowers_the_loss(world, tmp_path, m
     assert later and all(e.messages[-1]["role"] == "user" for e in later)  # observation turns are prompt
     cfg = SFTConfig.model_validate({
         "team": weaver_team(), "data": {"examples": str(tmp_path / "examples.jsonl")},
-        "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 8, "max_prompt_tokens": 256,
+        "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 8, "max_prompt_tokens": 4096,
                     "max_completion_tokens": 64, "max_grad_norm": None},
         "batch_size": 8, "max_steps": 8, "out_dir": str(tmp_path / "sft"), "checkpoint": {"every": 8},
         "log": {"progress": False, "tensorboard": False}})

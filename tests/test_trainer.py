@@ -78,12 +78,14 @@ def make_trainer(cfg, video, reward_fn=varied_reward):
 def test_full_step_changes_every_trainable_parameter(tmp_path, video, m1_cache):
     import torch
 
-    # a short prompt cap: rollouts must be generated from the same truncated context the update scores
-    tr = make_trainer(train_cfg(tmp_path / "run", learner={"max_prompt_tokens": 48}), video)
+    # a prompt cap under the longest prompts (~770 tokens, plans ~600): the team trims the peers' notes to it (its budget is the
+    # learner's), and the update scores exactly the trimmed context the rollouts were generated from
+    tr = make_trainer(train_cfg(tmp_path / "run", learner={"max_prompt_tokens": 700}), video)
     before = {a: tr.learners.parameters(a) for a in AGENTS}
     ref_before = {n: p.clone() for n, p in tr.learners.learners["alpha"].ref.named_parameters()}
     rows = tr.train()
     assert [r["step"] for r in rows] == [1]
+    assert 0 <= rows[0]["prompts/trimmed"] < 1 and rows[0]["prompts/dropped"] == 0  # trimmed when peers are visible
     for a in AGENTS:
         after = tr.learners.parameters(a)
         assert set(after) == set(before[a]) and len(after) >= 10
@@ -103,7 +105,7 @@ def test_full_step_changes_every_trainable_parameter(tmp_path, video, m1_cache):
         assert (ckpt / "agents" / a / "model" / "config.json").is_file()
         assert (ckpt / "agents" / a / "optimizer.pt").is_file()
     # a new trainer on the same out_dir resumes: full weights (tied embeddings) and Adam state load exactly
-    back = make_trainer(train_cfg(tmp_path / "run", learner={"max_prompt_tokens": 48}), video)
+    back = make_trainer(train_cfg(tmp_path / "run", learner={"max_prompt_tokens": 700}), video)
     assert back.step == 1
     for a in AGENTS:
         trained, loaded = tr.learners.parameters(a), back.learners.parameters(a)

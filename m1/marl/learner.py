@@ -133,13 +133,21 @@ class AgentLearner:
     def generate(self, requests, params):
         """Sample with the current weights, under the same length caps the update uses.
 
-        Prompts keep their last `max_prompt_tokens` tokens and completions stop at `max_completion_tokens` (the
-        chat model truncates prompts to fit its context length), so the token ids a sample carries are exactly
-        the context and the tokens that get trained: sampler and learner score the same conditional.
+        Completions stop at `max_completion_tokens`; a prompt over `max_prompt_tokens` is an error, never cut (the
+        team trims to its `limits.max_prompt_tokens`, which may not exceed this cap, m1/team/budget.py), so the token
+        ids a sample carries are exactly the context and the tokens that get trained: sampler and learner score the
+        same conditional.
         """
         from dataclasses import replace
 
         self.policy.eval()  # no dropout while sampling
+        if not self.vl:  # a vision-language prompt's length is checked where its image tokens are known (_rows)
+            for i, r in enumerate(requests):
+                n = len(self.tokenizer(self.chat.render(r), add_special_tokens=False)["input_ids"])
+                if n > self.cfg.max_prompt_tokens:
+                    raise ValueError(f"agent {self.agent!r}: prompt {i} of this call is {n} tokens, over "
+                                     f"learner.max_prompt_tokens={self.cfg.max_prompt_tokens}; prompts are never cut: "
+                                     "set the team's limits.max_prompt_tokens at or below it so the team trims them")
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.cfg.max_completion_tokens))
         cap = self.cfg.max_prompt_tokens + params.max_new_tokens
         self.chat.context_length = cap if self._context_length is None else min(self._context_length, cap)
@@ -227,18 +235,18 @@ class AgentLearner:
 
     # -------------------------------------------------------------- scoring
     def _rows(self, samples: list[Sample]) -> list[tuple[list[int], list[int]]]:
-        """(prompt, completion) ids cut to the configured lengths: prompts keep their end, completions their start.
+        """(prompt, completion) ids; completions cut to `learner.max_completion_tokens` (the rest is not trained).
 
-        A vision-language prompt is never cut (its image tokens must stay whole): one longer than
-        `learner.max_prompt_tokens` is an error."""
+        A prompt is never cut (a cut loses its head: the system prompt, the question and its options): one longer
+        than `learner.max_prompt_tokens` is an error naming the agent, question and phase (the team's prompt budget,
+        m1/team/budget.py, keeps rollouts within it)."""
         p_max, c_max = self.cfg.max_prompt_tokens, self.cfg.max_completion_tokens
-        if self.vl:
-            for s in samples:
-                if len(s.prompt_ids) > p_max:
-                    raise ValueError(f"agent {self.agent!r}: a prompt of {len(s.prompt_ids)} tokens (question "
-                                     f"{s.question_id!r}, {s.phase}) exceeds learner.max_prompt_tokens={p_max}; "
-                                     "vision-language prompts cannot be cut, raise it")
-        return [(s.prompt_ids[-p_max:], s.completion_ids[:c_max]) for s in samples]
+        for s in samples:
+            if len(s.prompt_ids) > p_max:
+                raise ValueError(f"agent {self.agent!r}: a prompt of {len(s.prompt_ids)} tokens (question "
+                                 f"{s.question_id!r}, {s.phase}) exceeds learner.max_prompt_tokens={p_max}; prompts "
+                                 "are never cut: raise it, or keep the team's limits.max_prompt_tokens within it")
+        return [(s.prompt_ids, s.completion_ids[:c_max]) for s in samples]
 
     def completion_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float,
                             vision: dict[str, Any] | None = None):

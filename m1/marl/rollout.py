@@ -18,8 +18,8 @@ With `answer_samples: M` (ours), each answer prompt is also sampled M more times
 extra ones read the same notes, so their group advantage (over w_res * R_res + w_format * strict parse of each
 answer) credits only how the agent read its notes; the extra answers become samples too.
 
-Episodes that failed (unreadable video) have no generations and a NaN reward, which `group_advantages` treats as a
-missing sample.
+Episodes that failed (unreadable video, or dropped over the team's prompt budget) have a NaN reward, which
+`group_advantages` treats as a missing sample, and give no samples.
 """
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def resample_answers(batch: RolloutBatch, agents: Sequence[str], chat_for: Calla
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
             for i, gen in enumerate(ep.generations):
-                if gen.phase == "answer" and gen.agent in agents and gen.completion_ids:
+                if gen.phase == "answer" and gen.agent in agents and gen.completion_ids and ep.error is None:
                     groups.append(AnswerGroup(agent=gen.agent, group=g, rollout=k, index=i, extra=[]))
     for n, agent in enumerate(agents):
         mine = [x for x in groups if x.agent == agent]
@@ -257,6 +257,8 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
     resampled = {(x.agent, x.group, x.rollout, x.index): x for x in answer_groups}
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
+            if ep.error is not None:  # e.g. dropped over the prompt budget: its reward is missing, nothing to learn
+                continue
             for i, gen in enumerate(ep.generations):
                 if gen.agent not in out or (phases is not None and gen.phase not in phases):
                     continue

@@ -83,6 +83,9 @@ class Trainer:
         resume = resume_point(self.out, cfg.checkpoint.resume_from) if cfg.checkpoint.resume else None
         seed_everything(cfg.seed)
         self.team_cfg = training_team_config(cfg.team_config(), cfg.rollout.temperature)
+        if self.team_cfg.limits.max_prompt_tokens is None:  # the team trims to what the learner takes whole
+            self.team_cfg = self.team_cfg.model_copy(update={"limits": self.team_cfg.limits.model_copy(
+                update={"max_prompt_tokens": cfg.learner.max_prompt_tokens})})
         if cfg.rollout.engine == "vllm":  # an engine batches on its own: all of a step's episodes in one call each
             limits = self.team_cfg.limits
             step_episodes = cfg.rollout.questions_per_step * cfg.rollout.num_generations
@@ -319,6 +322,9 @@ class Trainer:
         row["topology/active"] = len(topology.active)
         row["topology/edges"] = len(topology.edges)
         row["episodes/failed"] = sum(e.error is not None for e in batch.flat)
+        gens = [g for e in batch.flat for g in e.generations]  # the prompt budget: share of prompts trimmed to fit it
+        row["prompts/trimmed"] = sum(g.trimmed > 0 for g in gens) / len(gens) if gens else 0.0
+        row["prompts/dropped"] = sum((e.error or "").startswith("dropped:") for e in batch.flat)
         row.update({f"time/{k}": v for k, v in seconds.items()})
         return row
 

@@ -56,9 +56,30 @@ class SharedMemory:
     def render(self, agent: str) -> str:
         return render_record(agent, self.records[agent])
 
-    def view(self, agent: str, visible: list[str]) -> str:
-        """What `agent` may read of its peers: only the records named in `visible`."""
-        return "\n".join(render_record(p, self.records[p]) for p in visible if p != agent and p in self.records)
+    def view(self, agent: str, visible: list[str], leave_out: int = 0) -> str:
+        """What `agent` may read of its peers: only the records named in `visible`.
+
+        `leave_out` (a prompt budget, m1/team/budget.py): the peers' oldest tool turns are left out, that many, oldest
+        step first (peers in `visible` order within a step), and one line says so; past `peer_turns`, the peers'
+        notes are left out whole."""
+        peers = [p for p in visible if p != agent and p in self.records]
+        if leave_out <= 0:
+            return "\n".join(render_record(p, self.records[p]) for p in peers)
+        if leave_out > self.peer_turns(agent, visible) or not peers:
+            return f"(all notes of the {len(peers)} other agent(s) left out to fit the prompt budget)" if peers else ""
+        by_age = sorted(((t.step, i, p, j) for i, p in enumerate(peers)
+                         for j, t in enumerate(self.records[p].turns)))
+        dropped = {(p, j) for _, _, p, j in by_age[:leave_out]}
+        lines = [f"({leave_out} oldest tool output(s) of other agents left out to fit the prompt budget)"]
+        for p in peers:
+            rec = self.records[p]
+            kept = [t for j, t in enumerate(rec.turns) if (p, j) not in dropped]
+            lines.append(render_record(p, rec.model_copy(update={"turns": kept})))
+        return "\n".join(lines)
+
+    def peer_turns(self, agent: str, visible: list[str]) -> int:
+        """How many tool turns of its peers `agent` reads (what `view(leave_out=...)` can trim one by one)."""
+        return sum(len(self.records[p].turns) for p in visible if p != agent and p in self.records)
 
     def to_dict(self) -> dict[str, AgentRecord]:
         return {k: v.model_copy(deep=True) for k, v in self.records.items()}

@@ -8,7 +8,9 @@ shared VideoPool, CLIP embeddings from one ClipIndex per CLIP model, so nothing 
 embedded twice.
 
 Errors: a bad video ends that episode with `error` set; a failing tool becomes an error turn in
-memory; an unreadable reply is a format failure with a fallback. A model that cannot be called
+memory; an unreadable reply is a format failure with a fallback. Every prompt fits `limits.max_prompt_tokens`
+(m1/team/budget.py): the peers' notes are trimmed oldest first, and a prompt that still does not fit is a
+PromptBudgetError, or with `limits.over_budget: drop` ends its episode with `error` set. A model that cannot be called
 (ModelError) stops the run: retrying belongs to the backend, and a resumed run picks up there.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from m1.config import TeamConfig
 from m1.memory import SharedMemory
 from m1.models.base import ChatRequest, SamplingParams, VisionRequest
 from m1.schema import AgentAnswer, Decision, Episode, Generation, Phase, Question, Topology, Turn
-from m1.team import aggregate, topology as topo
+from m1.team import aggregate, budget, topology as topo
 from m1.tools import TOOL_NAMES
 from m1.tools.base import Focus, ToolContext, ToolError
 from m1.video import VideoError, VideoPool
@@ -68,6 +70,7 @@ class _Call:
     messages: list[dict]
     max_tokens: int
     step: int = 0
+    trimmed: int = 0  # entries of the peers' notes left out to fit the prompt budget
 
 
 class Team:
@@ -89,6 +92,7 @@ class Team:
         self._clip_index = None
         self._calls = 0
         self._seed = cfg.sampling.seed
+        self._counters: dict[str, Callable[[list[dict]], int]] = {}
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling seed sequence (exact resume of training rollouts)."""
@@ -119,12 +123,15 @@ class Team:
         if live:
             self._timed(live, "plan", self._plan_phase)
             for turn in range(self.cfg.limits.max_turns):
+                live = [e for e in live if e.error is None]  # an episode dropped over the prompt budget stops
                 acted = self._timed(live, "execute", self._execute_phase)
                 if not acted:
                     break
                 if turn + 1 < self.cfg.limits.max_turns:
                     self._timed(live, "communicate", self._communicate_phase)
+            live = [e for e in live if e.error is None]
             self._timed(live, "answer", self._answer_phase)
+            live = [e for e in live if e.error is None]
             self._timed(live, "aggregate", self._aggregate_phase)
         wall = time.perf_counter() - t0
         for e in eps:
@@ -144,7 +151,8 @@ class Team:
         return ep
 
     def _plan_phase(self, eps: list[_Episode]) -> None:
-        calls = [_Call(e, a, "plan", a.plan_messages(e.question), self.cfg.limits.plan_tokens)
+        calls = [self._budgeted(_Call(e, a, "plan", [], self.cfg.limits.plan_tokens),
+                                lambda _k, e=e, a=a: a.plan_messages(e.question), -1)
                  for e in eps for a in self.agents]
         for call, gen in self._generate(calls):
             parsed = call.agent.read_plan(gen.completion, call.ep.question)
@@ -233,10 +241,13 @@ class Team:
                 if not st.acted or st.tool_calls >= self.cfg.limits.max_tool_calls:
                     continue
                 visible = ep.topology.visible_to(a.name)
-                msgs = a.communicate_messages(ep.question, ep.memory.render(a.name),
-                                              ep.memory.view(a.name, visible), list(st.queue),
-                                              st.queue[0] if st.queue else None)
-                calls.append(_Call(ep, a, "communicate", msgs, self.cfg.limits.comm_tokens, st.step))
+                own, queue, nxt = ep.memory.render(a.name), list(st.queue), st.queue[0] if st.queue else None
+
+                def build(k, ep=ep, a=a, visible=visible, own=own, queue=queue, nxt=nxt):
+                    return a.communicate_messages(ep.question, own, ep.memory.view(a.name, visible, k), queue, nxt)
+
+                calls.append(self._budgeted(_Call(ep, a, "communicate", [], self.cfg.limits.comm_tokens, st.step),
+                                            build, self._trimmable(ep, a.name, visible)))
         for call, gen in self._generate(calls):
             parsed = call.agent.read_decision(gen.completion)
             gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
@@ -252,10 +263,14 @@ class Team:
         calls = []
         for ep in eps:
             for a in self.agents:
-                memory = "\n".join(x for x in (ep.memory.render(a.name),
-                                               ep.memory.view(a.name, ep.topology.visible_to(a.name))) if x)
-                calls.append(_Call(ep, a, "answer", a.answer_messages(ep.question, memory),
-                                   self.cfg.limits.answer_tokens, ep.agents[a.name].step))
+                visible = ep.topology.visible_to(a.name)
+
+                def build(k, ep=ep, a=a, visible=visible):
+                    memory = "\n".join(x for x in (ep.memory.render(a.name), ep.memory.view(a.name, visible, k)) if x)
+                    return a.answer_messages(ep.question, memory)
+
+                calls.append(self._budgeted(_Call(ep, a, "answer", [], self.cfg.limits.answer_tokens,
+                                                  ep.agents[a.name].step), build, self._trimmable(ep, a.name, visible)))
         for call, gen in self._generate(calls):
             parsed = call.agent.read_answer(gen.completion, call.ep.question)
             gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
@@ -288,9 +303,11 @@ class Team:
         if not need_summary:
             return
         summarizer = self.by_name[self.cfg.summarizer]
-        calls = [_Call(ep, summarizer, "summary",
-                       summarizer.summary_messages(ep.question, [(a.agent, a.answer, a.reason) for a in ep.answers]),
-                       self.cfg.limits.summary_tokens, ep.agents[summarizer.name].step) for ep in need_summary]
+        calls = [self._budgeted(
+            _Call(ep, summarizer, "summary", [], self.cfg.limits.summary_tokens, ep.agents[summarizer.name].step),
+            lambda _k, ep=ep: summarizer.summary_messages(ep.question, [(a.agent, a.answer, a.reason)
+                                                                        for a in ep.answers]), -1)
+            for ep in need_summary]
         for call, gen in self._generate(calls):
             parsed = call.agent.read_summary(gen.completion, call.ep.question)
             gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
@@ -303,12 +320,39 @@ class Team:
                 ep.aggregation += " (summary unreadable: fallback)"
 
     # ------------------------------------------------------------------ helpers
+    def _budgeted(self, call: _Call, build: Callable[[int], list[dict]], trimmable: int) -> _Call:
+        """`call` with the prompt `build(k)` that fits limits.max_prompt_tokens with the fewest peers' entries k left
+        out (m1/team/budget.py). Over budget even then: PromptBudgetError, or with `over_budget: drop` the episode
+        ends (its error says why) and `_generate` skips the call."""
+        lim = self.cfg.limits
+        key = call.agent.model
+        if key not in self._counters and lim.max_prompt_tokens is not None:
+            self._counters[key] = budget.token_counter(self.hub.chat(key))
+        call.messages, call.trimmed, tokens = budget.fit(build, trimmable, self._counters.get(key),
+                                                         lim.max_prompt_tokens)
+        if lim.max_prompt_tokens is not None and tokens > lim.max_prompt_tokens and call.ep.error is None:
+            why = budget.over_budget_message(call.agent.name, call.phase, call.ep.question.id, tokens,
+                                             lim.max_prompt_tokens, trimmable >= 0)
+            if lim.over_budget != "drop":
+                raise budget.PromptBudgetError(why)
+            call.ep.error = f"dropped: {why}"
+        return call
+
+    @staticmethod
+    def _trimmable(ep: _Episode, agent: str, visible: list[str]) -> int:
+        """How many entries of the peers' notes a prompt can leave out one by one (-1: it shows no peers)."""
+        if not any(p != agent for p in visible):
+            return -1
+        return ep.memory.peer_turns(agent, visible)
+
     def _generate(self, calls: list[_Call]) -> list[tuple[_Call, Generation]]:
-        """One generate call per (model, temperature) for all `calls`, returned in call order.
+        """One generate call per (model, temperature) for all `calls`, returned in call order; calls of an episode
+        dropped over the prompt budget are left out.
 
         Calls to different remote models (OpenAI-compatible servers) of one phase overlap in
         threads, so a team whose agents are served separately waits for the slowest, not the sum;
         local models run one after another (they share the CPU/GPU anyway)."""
+        calls = [c for c in calls if c.ep.error is None]
         groups: dict[tuple[str, float], list[_Call]] = defaultdict(list)
         for c in calls:
             temp = c.agent.temperature if c.agent.temperature is not None else self.cfg.sampling.temperature
@@ -333,7 +377,8 @@ class Team:
                 c.ep.timings["llm"] += dt
                 gen = Generation(agent=c.agent.name, phase=c.phase, step=c.step, prompt=c.messages,
                                  completion=o.text, prompt_ids=o.prompt_ids, completion_ids=o.completion_ids,
-                                 logprobs=o.logprobs, weight_version=o.meta.get("weight_version"))
+                                 logprobs=o.logprobs, weight_version=o.meta.get("weight_version"),
+                                 trimmed=c.trimmed)
                 c.ep.generations.append(gen)
                 done[id(c)] = gen
         return [(c, done[id(c)]) for c in calls]

@@ -117,6 +117,30 @@ class SingleAgentTeam:
         return [self._finish(r) for r in runs]
 
     # ------------------------------------------------------------------ steps
+    def _within_budget(self, runs: list[_Run], model, images: bool) -> list[_Run]:
+        """The runs whose chat so far fits limits.max_prompt_tokens (m1/team/budget.py). A multi-turn chat has nothing
+        to trim (its observations are the history the policy acts on): over budget is a PromptBudgetError, or with
+        `over_budget: drop` the end of that episode. Chats with images are counted where their image tokens are
+        known (the learner); here only text chats are."""
+        from m1.team import budget
+
+        lim = self.cfg.limits
+        if lim.max_prompt_tokens is None or images:
+            return runs
+        count = budget.token_counter(model)
+        kept = []
+        for r in runs:
+            n = count(text_only(r.messages))
+            if n <= lim.max_prompt_tokens:
+                kept.append(r)
+                continue
+            why = budget.over_budget_message(self.agent.name, f"turn {len(r.generations)}", r.question.id, n,
+                                             lim.max_prompt_tokens, False)
+            if lim.over_budget != "drop":
+                raise budget.PromptBudgetError(why)
+            r.error = f"dropped: {why}"
+        return kept
+
     def _start(self, q: Question, t: Topology) -> _Run:
         r = _Run(question=q, topology=t)
         t0 = time.perf_counter()
@@ -145,6 +169,9 @@ class SingleAgentTeam:
         self._calls += 1
         params = SamplingParams(max_new_tokens=self.settings.reply_tokens, temperature=temp,
                                 top_p=self.cfg.sampling.top_p, seed=self._seed + self._calls)
+        runs = self._within_budget(runs, model, images)
+        if not runs:
+            return
         requests = []
         for r in runs:
             d0 = r.video.decode_seconds
