@@ -209,6 +209,11 @@ class JudgeConfig(Strict):
     model: ModelSpec | None = None  # llm: e.g. {kind: chat, backend: openai, path: gpt-4o}
     cache_dir: str | None = None  # llm: verdict cache (default <out_dir>/judge_cache)
     rate_per_minute: float | None = Field(None, gt=0.0)
+    # How plans and tool choices are judged (m1/marl/judge.py): cues (the tools must fit cues of the question, the
+    # rule-based teacher's preferences), outcome (ours: any tools, judged on a well-formed plan that ran and produced
+    # notes the answer follows) or none (ours: the plan's content is not judged). Both judges follow it. Left out of
+    # dumps at cues, so earlier runs' recorded settings still match
+    plan_rubric: Literal["cues", "outcome", "none"] = Field("cues", exclude_if=lambda v: v == "cues")
 
     @model_validator(mode="after")
     def _model_for_llm(self) -> JudgeConfig:

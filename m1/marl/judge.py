@@ -14,6 +14,18 @@ question, are the steps well managed. Two implementations share one protocol:
   appears in every verdict and log line it produces, so its scores are never mistaken for an
   LLM judge's.
 
+Both take `plan_rubric` (`judge.plan_rubric` of a MARL config), how plans and tool choices are judged:
+- `cues` (default, the paper's judge as we read it): the tools must fit cues of the question (a stated time
+  -> Time Stamp Retrieval, spatial words -> Space Tool, counting -> Global Sampling, grounding -> Grounding
+  Tool). These are the rule-based teacher's own preferences, so a different plan that answers right fails.
+- `outcome` (ours, issue #39): no tool is required for any cue. A plan passes when it is well-formed (strict
+  format, known tools, selection first, a browser, no tool named twice), ran (every planned tool was called,
+  unless the agent stopped or reached the call limit) and its calls produced notes the answer follows (a
+  browsing call returned a description; when the agent's own tools suggested answers, its answer is one of them).
+- `none` (ours): the plan's content is not judged at all; only that the agent wrote it in the required format
+  (a plan the parser repaired is still not credited). Tool calls and step management are judged as before.
+Every mode keeps the non-plan rules: key info drawn from the question, no failed calls, step management.
+
 The prompts are written in our own words.
 """
 from __future__ import annotations
@@ -32,9 +44,10 @@ from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from m1.data.metrics import normalize_answer
+from m1.data.metrics import is_correct, normalize_answer
 from m1.models.base import ChatModel, ChatRequest, ModelError, SamplingParams
 from m1.schema import AgentRecord, Episode, Question
+from m1.text import format_span
 from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
 
 log = logging.getLogger(__name__)
@@ -42,6 +55,8 @@ log = logging.getLogger(__name__)
 RUBRIC_JUDGE_NAME = "offline-rubric-judge"
 # Bump when a prompt text changes: it is part of every cache key, so old verdicts stop matching.
 PROMPT_VERSION = "m1-judge-v2"
+PlanRubric = Literal["cues", "outcome", "none"]
+PLAN_RUBRICS: tuple[str, ...] = ("cues", "outcome", "none")
 MAX_OUTPUT_CHARS = 800  # per tool output in the rendered trajectory
 MAX_REPLY_CHARS = 4_000  # judge replies longer than this are cut before parsing
 
@@ -49,7 +64,7 @@ __all__ = [
     "RUBRIC_JUDGE_NAME", "PROMPT_VERSION", "Verdict", "JudgeItem", "CorrectItem", "Judge",
     "LLMJudge", "RubricJudge", "RateLimiter", "parse_verdict", "render_trajectory",
     "collaboration_messages", "correctness_messages", "question_cues",
-    "key_info_problem", "judge_items",
+    "key_info_problem", "judge_items", "PLAN_RUBRICS", "PlanRubric",
 ]
 
 
@@ -195,6 +210,36 @@ _COLLAB_TASK = (
     "##Reason: one short sentence"
 )
 
+# The first two criteria of the prompt under each plan rubric; criterion 3 and the reply format are shared.
+# `cues` is the original text (its prompts, hence its cache keys, are unchanged).
+_COLLAB_CRITERIA = {
+    "cues": _COLLAB_TASK.split("3. Sound step management")[0],
+    "outcome": (
+        "Decide whether this trajectory is sound. Give 1 only if all three hold:\n"
+        "1. Workable plan - frames are selected before they are browsed, no tool is planned twice, and the "
+        "planned tools were actually called (unless the agent stopped early or ran out of calls). Any selection "
+        "and browsing tools may serve a question: do not prefer or require particular tools for particular "
+        "questions (a stated time, a spatial relation, a count or an event may each be found in many ways). A "
+        "plan the agent did not write in the required format is not workable.\n"
+        "2. Results used - at least one browsing call returned a description, what each call looks for is taken "
+        "from the question (the objects, times and events it names, not others), failed calls were not ignored, "
+        "and the final answer follows from what the agent's tools reported.\n"),
+    "none": (
+        "Decide whether this trajectory is sound. Give 1 only if all three hold:\n"
+        "1. Own plan - the agent wrote its plan in the required format. Do not judge which tools it planned or "
+        "called: any tools may serve a question.\n"
+        "2. Sound calls - at least one tool was called, what each call looks for is taken from the question (the "
+        "objects, times and events it names, not others), and failed calls were not ignored.\n"),
+}
+_COLLAB_REST = "3. Sound step management" + _COLLAB_TASK.split("3. Sound step management")[1]
+
+
+def _plan_rubric(value: str, who: str) -> str:
+    if value not in PLAN_RUBRICS:
+        raise ValueError(f"{who}: plan_rubric must be one of {list(PLAN_RUBRICS)}, got {value!r}")
+    return value
+
+
 _CORRECT_SYSTEM = (
     "You check answers to questions about videos against a reference answer. Accept a candidate "
     "when it states the same fact as the reference, even in other words; reject it when it "
@@ -210,9 +255,11 @@ _CORRECT_TASK = (
 
 
 def collaboration_messages(item: JudgeItem, tool_call_limit: int = 5,
-                           max_output_chars: int = MAX_OUTPUT_CHARS) -> list[dict[str, str]]:
+                           max_output_chars: int = MAX_OUTPUT_CHARS,
+                           plan_rubric: PlanRubric = "cues") -> list[dict[str, str]]:
+    task = _COLLAB_CRITERIA[_plan_rubric(plan_rubric, "collaboration_messages")] + _COLLAB_REST
     user = ("Trajectory:\n" + render_trajectory(item, max_output_chars) + "\n\n"
-            + _COLLAB_TASK.format(limit=tool_call_limit))
+            + task.format(limit=tool_call_limit))
     return [{"role": "system", "content": _COLLAB_SYSTEM}, {"role": "user", "content": user}]
 
 
@@ -318,7 +365,7 @@ class LLMJudge:
                  rate_per_minute: float | None = None, *, tool_call_limit: int = 5,
                  max_new_tokens: int = 96, max_batch: int | None = None,
                  max_output_chars: int = MAX_OUTPUT_CHARS,
-                 on_model_error: Literal["raise", "zero"] = "raise",
+                 on_model_error: Literal["raise", "zero"] = "raise", plan_rubric: PlanRubric = "cues",
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
         if not isinstance(model, ChatModel):
             raise TypeError(f"LLMJudge: model {model!r} does not implement ChatModel (name, generate)")
@@ -336,6 +383,7 @@ class LLMJudge:
         self.max_batch = max_batch
         self.max_output_chars = max_output_chars
         self.on_model_error = on_model_error
+        self.plan_rubric = _plan_rubric(plan_rubric, "LLMJudge")
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, logprobs=False)
         self.calls = 0  # generate calls made
         self.requests = 0  # prompts sent
@@ -343,7 +391,8 @@ class LLMJudge:
 
     # -- public API
     def judge(self, items: list[JudgeItem]) -> list[Verdict]:
-        msgs = [collaboration_messages(it, self.tool_call_limit, self.max_output_chars) for it in items]
+        msgs = [collaboration_messages(it, self.tool_call_limit, self.max_output_chars, self.plan_rubric)
+                for it in items]
         return self._run("collab", msgs)
 
     def correct(self, items: list[CorrectItem]) -> list[Verdict]:
@@ -517,15 +566,20 @@ class RubricJudge:
       question (`key_info_problem`: a search for another object or time misleads the tools).
     - steps_managed: at most `tool_call_limit` calls; no two calls of the same tool with the same
       key info; no `add tool` decision once a tool had already suggested an answer.
+    That is `plan_rubric="cues"`. With `outcome` no cue asks for a tool; plan_feasible also asks that no tool is
+    planned twice and every planned tool ran (`_plan_ran`), and tools_appropriate that a browsing call returned
+    notes and the answer follows the agent's own tools' suggestions (`_notes_used`). With `none` plan_feasible
+    only asks for the strict format and no cue asks for a tool. The three criteria keep their names in every mode.
     `correct` is a normalised exact match against the reference answer.
     """
 
     name = RUBRIC_JUDGE_NAME
 
-    def __init__(self, tool_call_limit: int = 5):
+    def __init__(self, tool_call_limit: int = 5, plan_rubric: PlanRubric = "cues"):
         if tool_call_limit < 1:
             raise ValueError(f"RubricJudge: tool_call_limit must be >= 1, got {tool_call_limit}")
         self.tool_call_limit = tool_call_limit
+        self.plan_rubric = _plan_rubric(plan_rubric, "RubricJudge")
 
     def judge(self, items: list[JudgeItem]) -> list[Verdict]:
         out = []
@@ -559,7 +613,9 @@ class RubricJudge:
         if item.unreadable_plan is not None:
             plan_problems.append("the plan reply was not in the required format (the plan run was repaired or "
                                  "filled in by the parser)")
-        if not rec.plan:
+        if self.plan_rubric == "none":
+            pass  # the plan's content is not judged
+        elif not rec.plan:
             plan_problems.append("no plan")
         else:
             if unknown:
@@ -570,6 +626,11 @@ class RubricJudge:
                 plan_problems.append("plan has no browsing tool")
             if rec.plan[0] not in SELECT_TOOLS:
                 plan_problems.append(f"plan starts with {rec.plan[0]!r}, not a selection tool")
+            if self.plan_rubric == "outcome":
+                twice = sorted({t for t in rec.plan if rec.plan.count(t) > 1})
+                if twice:
+                    plan_problems.append(f"plan names {twice} more than once")
+                plan_problems += self._plan_ran(rec)
         problems += plan_problems
 
         # 2. appropriate tools
@@ -577,10 +638,13 @@ class RubricJudge:
         used = {t.tool for t in rec.turns}
         if not rec.turns:
             tool_problems.append("no tool was called")
-        for cue, present in question_cues(item.question).items():
-            fits, why = _CUE_TOOLS[cue]
-            if present and not used.intersection(fits):
-                tool_problems.append(why)
+        if self.plan_rubric == "cues":
+            for cue, present in question_cues(item.question).items():
+                fits, why = _CUE_TOOLS[cue]
+                if present and not used.intersection(fits):
+                    tool_problems.append(why)
+        elif self.plan_rubric == "outcome" and rec.turns:
+            tool_problems += _notes_used(item.question, rec)
         for ki in dict.fromkeys(t.key_info for t in rec.turns):
             why = key_info_problem(item.question, ki)
             if why:
@@ -611,6 +675,50 @@ class RubricJudge:
         criteria = {"plan_feasible": not plan_problems, "tools_appropriate": not tool_problems,
                     "steps_managed": not step_problems}
         return criteria, problems
+
+    def _plan_ran(self, rec: AgentRecord) -> list[str]:
+        """`outcome`: the planned tools that never ran, unless the agent chose to stop or used up its calls (a
+        plan that cannot run within the budget is not executable)."""
+        called = {t.tool for t in rec.turns}
+        missing = [t for t in dict.fromkeys(rec.plan) if t not in called]
+        stopped = any(t.decision is not None and t.decision.action == "stop" for t in rec.turns)
+        if not missing or stopped or len(rec.turns) >= self.tool_call_limit:
+            return []
+        return [f"planned tools {missing} never ran"]
+
+
+# what a browsing tool writes when its model said nothing (m1/tools/browse.py `finish`)
+_EMPTY_BROWSE = "(the browser returned nothing)"
+
+
+def _agrees(question: Question, suggestion: str, answer: str | None) -> bool:
+    """Whether `answer` would be scored right if the tool's suggestion were the truth (m1.data.metrics: MCQ letter,
+    grounding IoU >= 0.5, numeric value, open normalised text); a suggestion that is no valid answer agrees with
+    nothing."""
+    try:
+        return is_correct(question.model_copy(update={"answer": suggestion}), answer)
+    except ValueError:
+        return False
+
+
+def _notes_used(question: Question, rec: AgentRecord) -> list[str]:
+    """`outcome`: a browsing call returned a description, the agent answered, and when its own tools suggested
+    answers (or spans) its answer agrees with one of them. Which tools produced them does not matter."""
+    out = []
+    notes = [t for t in rec.turns if t.tool in BROWSE_TOOLS and not t.error
+             and t.output.strip() and not t.output.strip().startswith(_EMPTY_BROWSE)]
+    if not notes:
+        out.append("no browsing call returned a description")
+    answer = rec.answer if rec.answer is not None and str(rec.answer).strip() else None
+    if answer is None:
+        out.append("no final answer")
+    if question.task == "grounding":  # a span is the grounding answer; an answer line without one is prose
+        suggested = [format_span(t.span) for t in rec.turns if not t.error and t.span is not None]
+    else:
+        suggested = [t.answer for t in rec.turns if not t.error and t.answer and t.answer.strip()]
+    if answer is not None and suggested and not any(_agrees(question, s, answer) for s in suggested):
+        out.append(f"the answer {answer!r} follows none of its tools' suggestions {suggested}")
+    return out
 
 
 def judge_items(episode: Episode, agents: Sequence[str] | None = None) -> list[JudgeItem]:

@@ -58,14 +58,14 @@ def build_judge(cfg: TrainConfig, model=None):
     if j.kind == "none":
         return None
     if j.kind == "rubric":
-        return RubricJudge(tool_call_limit=cfg.rewards.tool_call_limit)
+        return RubricJudge(tool_call_limit=cfg.rewards.tool_call_limit, plan_rubric=j.plan_rubric)
     if model is None:
         from m1.models.hub import ModelHub
 
         model = ModelHub({"judge": j.model}).chat("judge")
     cache = j.cache_dir or str(Path(cfg.out_dir) / "judge_cache")
     return LLMJudge(model, cache_dir=cache, rate_per_minute=j.rate_per_minute,
-                    tool_call_limit=cfg.rewards.tool_call_limit)
+                    tool_call_limit=cfg.rewards.tool_call_limit, plan_rubric=j.plan_rubric)
 
 
 # ================================================================================================ the trainer
