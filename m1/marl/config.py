@@ -158,8 +158,11 @@ class RolloutConfig(Strict):
     # episode (paper): every generation of an agent carries the advantage of its total reward. phase (ours): its
     # answers and summaries carry the advantage of the outcome (w_res * R_res + w_format * answer parsed +
     # w_team * team_res) alone, so the plan's judged quality and the other generations' format do not decide which
-    # answer is reinforced.
-    credit: Literal["episode", "phase"] = "episode"
+    # answer is reinforced. agent (ours, per-agent credit): question i of the run focuses trained agent i mod n; its
+    # K episodes have that agent sampling and every teammate greedy, and only the focus agent's generations are
+    # trained on, credited within those K (m1/marl/rollout.py). Same episodes per step as episode credit; each agent
+    # gets 1/n of the step's questions, so raise questions_per_step to keep its samples per step.
+    credit: Literal["episode", "phase", "agent"] = "episode"
     # ours: sample each answer prompt M more times; answers are then credited within their prompt's M + 1 answers
     # (by w_res * R_res + w_format * strict parse), which isolates how the agent read its notes. 0: off.
     answer_samples: int = Field(0, ge=0)

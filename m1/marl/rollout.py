@@ -18,6 +18,12 @@ With `answer_samples: M` (ours), each answer prompt is also sampled M more times
 extra ones read the same notes, so their group advantage (over w_res * R_res + w_format * strict parse of each
 answer) credits only how the agent read its notes; the extra answers become samples too.
 
+With `credit: agent` (ours, per-agent credit), question i of the run has one focus agent (trained agent i mod n):
+its K episodes are run with that agent sampling and every teammate decoding greedily, so they differ only through
+the focus agent's draws and what follows from them. Only the focus agent's generations become samples, and its
+advantages are normalised within those K episodes: the group is (question, focus agent), and a teammate's random
+draw never decides the focus agent's credit.
+
 Episodes that failed (unreadable video, or dropped over the team's prompt budget) have a NaN reward, which
 `group_advantages` treats as a missing sample, and give no samples.
 """
@@ -87,6 +93,7 @@ class RolloutBatch:
     rewards: dict[str, list[list[float]]] = field(default_factory=dict)  # agent -> [G][K]
     outcomes: dict[str, list[list[float]]] = field(default_factory=dict)  # agent -> [G][K], when rewards have one
     breakdowns: list[dict[str, Any]] = field(default_factory=list)  # flat, episode order
+    focus: list[str] | None = None  # credit agent: the one agent sampling in each question's episodes; None: all
 
     @property
     def flat(self) -> list[Episode]:
@@ -149,20 +156,46 @@ def rotate_options(question: Question, shift: int) -> Question:
 
 
 def run_rollouts(team, questions: Sequence[Question], k: int, topology: Topology,
-                 rotate: bool = False) -> RolloutBatch:
+                 rotate: bool = False, focus: Sequence[str] | None = None) -> RolloutBatch:
     """Run each question K times over `topology`; returns episodes grouped [question][rollout].
 
     `rotate` (ours, `rollout.rotate_options`): rollout k of an MCQ question sees its options rotated by k places,
     so its K rollouts put the true answer under different letters and a letter reinforced for its own sake (not
-    for what the notes say) gains as often as it loses within the group."""
+    for what the notes say) gains as often as it loses within the group.
+    `focus` (`credit: agent`): one agent per question; in that question's episodes every other agent decodes
+    greedily (temperature 0), so only the focus agent's draws differ between its K rollouts."""
     if k < 1:
         raise RolloutError(f"num_generations must be >= 1, got {k}")
     repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(k)]
-    flat = team.run(repeated, topologies=[topology] * len(repeated))
+    extra = {}
+    if focus is not None:
+        names = [a.name for a in team.cfg.agents]
+        if len(focus) != len(questions) or any(f not in names for f in focus):
+            raise RolloutError(f"focus: needs one agent of {names} per question ({len(questions)}), got {list(focus)}")
+        extra["temperatures"] = [{a: 0.0 for a in names if a != f} for f in focus for _ in range(k)]
+    flat = team.run(repeated, topologies=[topology] * len(repeated), **extra)
     if len(flat) != len(repeated):
         raise RolloutError(f"team returned {len(flat)} episodes for {len(repeated)} requests")
     groups = [flat[i * k:(i + 1) * k] for i in range(len(questions))]
-    return RolloutBatch(questions=list(questions), episodes=groups, topology=topology)
+    return RolloutBatch(questions=list(questions), episodes=groups, topology=topology,
+                        focus=list(focus) if focus is not None else None)
+
+
+def focus_agents(trained: Sequence[str], first: int, n: int) -> list[str]:
+    """`credit: agent`: the focus agent of each of `n` questions whose first is question number `first` of the run
+    (question i focuses trained agent i mod len(trained)), so a step costs K episodes per question as in episode
+    credit, and across steps every trained agent is focused equally often, whatever questions_per_step is."""
+    if not trained:
+        raise RolloutError("credit 'agent' needs at least one trained agent")
+    return [trained[(first + i) % len(trained)] for i in range(n)]
+
+
+def focus_only(rewards: dict[str, list[list[float]]], focus: Sequence[str]) -> dict[str, list[list[float]]]:
+    """`rewards` with NaN wherever the agent was not its question's focus: those episodes give it no advantage
+    (a missing sample to `group_advantages`), so each agent is credited only within its own focus groups."""
+    nan = float("nan")
+    return {a: [list(row) if focus[g] == a else [nan] * len(row) for g, row in enumerate(rows)]
+            for a, rows in rewards.items()}
 
 
 def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> dict[str, list[list[float]]]:
@@ -250,7 +283,8 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
     """Per-agent samples: every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with
     `answer_advantages` (credit: phase), its answers and summaries get answer_advantages[agent][g, k] instead; an
     answer with an `AnswerGroup` gets its group's advantage and is followed by the group's extra answers.
-    With `phases` (`rollout.train_phases`), generations of other phases are left out."""
+    With `phases` (`rollout.train_phases`), generations of other phases are left out; with `batch.focus`
+    (`credit: agent`), so are the generations of every agent but its question's focus agent (greedy teammates)."""
     from m1.models.base import image_frames
 
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
@@ -261,6 +295,8 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                 continue
             for i, gen in enumerate(ep.generations):
                 if gen.agent not in out or (phases is not None and gen.phase not in phases):
+                    continue
+                if batch.focus is not None and gen.agent != batch.focus[g]:
                     continue
                 if gen.prompt_ids is None or gen.completion_ids is None:
                     raise RolloutError(

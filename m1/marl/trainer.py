@@ -43,8 +43,9 @@ from m1.marl.distributed import DistributedError
 from m1.marl.groups import build_learners, host_driver_models, lost_ranks, reserve_placement
 from m1.marl.learner import derive_seed, seed_everything
 from m1.marl.rewards import answer_rewards
-from m1.marl.rollout import (RewardFn, RolloutError, advantages_for, agent_temperature, build_samples,
-                             resample_answers, run_rollouts, sample_topology, score, training_team_config)
+from m1.marl.rollout import (RewardFn, RolloutError, advantages_for, agent_temperature, build_samples, focus_agents,
+                             focus_only, resample_answers, run_rollouts, sample_topology, score,
+                             training_team_config)
 from m1.marl.stream import MetricsLog, QuestionStream, load_questions
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,11 @@ class Trainer:
         synced = self.engines.sync(step) if self.engines is not None else {}
         t_sync = time.perf_counter()
         team = self._team(step)
-        batch = run_rollouts(team, questions, cfg.rollout.num_generations, topology, cfg.rollout.rotate_options)
+        focus = None  # credit agent: one sampling agent per question, its teammates greedy
+        if cfg.rollout.credit == "agent":
+            focus = focus_agents(self.trained, step * cfg.rollout.questions_per_step, len(questions))
+        batch = run_rollouts(team, questions, cfg.rollout.num_generations, topology, cfg.rollout.rotate_options,
+                             focus)
         greedy = None  # grpo.baseline greedy: each question once more, greedily, as the baseline (not trained on)
         if cfg.grpo.baseline == "greedy":
             greedy = run_rollouts(self._team(step, greedy=True), questions, 1, topology)
@@ -220,7 +225,8 @@ class Trainer:
         # 4. rewards -> per-agent group advantages -> one sample per generation
         rewards = score(batch, self.trained, self.reward_fn)
         base = score(greedy, self.trained, self.reward_fn) if greedy is not None else None
-        advantages = advantages_for(rewards, cfg.grpo.scale_rewards, base)
+        # credit agent: an agent is credited only in the questions it was the focus of
+        advantages = advantages_for(focus_only(rewards, focus) if focus else rewards, cfg.grpo.scale_rewards, base)
         answer_adv = None
         if cfg.rollout.credit == "phase":  # answers: the advantage of their own outcome only
             if not batch.outcomes:

@@ -58,6 +58,8 @@ class _Episode:
     aggregation: str = ""
     error: str | None = None
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # agent -> the temperature it decodes with in this episode, over its own (per-agent credit: teammates at 0)
+    temperatures: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,9 +102,13 @@ class Team:
 
     # ------------------------------------------------------------------ entry point
     def run(self, questions: list[Question], topologies: list[Topology] | None = None,
-            rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+            rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None,
+            temperatures: list[dict[str, float]] | None = None) -> list[Episode]:
         """Run every question; episodes are produced in `limits.batch_episodes` chunks and
-        handed to `on_episode` as soon as their chunk ends."""
+        handed to `on_episode` as soon as their chunk ends. `temperatures`: one {agent: temperature} per question
+        that overrides those agents' temperatures in its episode (an agent left out keeps its own)."""
+        if temperatures is not None and len(temperatures) != len(questions):
+            raise ValueError(f"temperatures: {len(temperatures)} entries for {len(questions)} questions")
         rng = rng or random.Random(self.cfg.topology.seed)
         out: list[Episode] = []
         n = self.cfg.limits.batch_episodes
@@ -110,15 +116,21 @@ class Team:
             chunk = questions[start:start + n]
             tops = topologies[start:start + n] if topologies else [
                 topo.sample(self.order, self.cfg.topology, rng) for _ in chunk]
-            for ep in self.run_batch(chunk, tops):
+            for ep in self.run_batch(chunk, tops, temperatures[start:start + n] if temperatures else None):
                 out.append(ep)
                 if on_episode:
                     on_episode(ep)
         return out
 
-    def run_batch(self, questions: list[Question], topologies: list[Topology]) -> list[Episode]:
+    def run_batch(self, questions: list[Question], topologies: list[Topology],
+                  temperatures: list[dict[str, float]] | None = None) -> list[Episode]:
         t0 = time.perf_counter()
         eps = [self._start(q, t) for q, t in zip(questions, topologies)]
+        for ep, temps in zip(eps, temperatures or []):
+            unknown = sorted(set(temps) - set(self.order))
+            if unknown:
+                raise ValueError(f"temperatures: no agents {unknown} in team {self.cfg.name!r} (agents: {self.order})")
+            ep.temperatures = dict(temps)
         live = [e for e in eps if e.error is None]
         if live:
             self._timed(live, "plan", self._plan_phase)
@@ -347,7 +359,8 @@ class Team:
 
     def _generate(self, calls: list[_Call]) -> list[tuple[_Call, Generation]]:
         """One generate call per (model, temperature) for all `calls`, returned in call order; calls of an episode
-        dropped over the prompt budget are left out.
+        dropped over the prompt budget are left out. An episode's own temperature for an agent (`run(temperatures=)`)
+        wins over the agent's.
 
         Calls to different remote models (OpenAI-compatible servers) of one phase overlap in
         threads, so a team whose agents are served separately waits for the slowest, not the sum;
@@ -356,6 +369,7 @@ class Team:
         groups: dict[tuple[str, float], list[_Call]] = defaultdict(list)
         for c in calls:
             temp = c.agent.temperature if c.agent.temperature is not None else self.cfg.sampling.temperature
+            temp = c.ep.temperatures.get(c.agent.name, temp)
             groups[(c.agent.model, temp)].append(c)
         jobs = []
         for (model_key, temp), group in groups.items():
