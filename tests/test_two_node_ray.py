@@ -149,3 +149,32 @@ def test_two_node_ray_bundles_name_each_node_by_its_id():
     assert plan.ray_bundles().labels is None  # no ids known: no selector
     with pytest.raises(PlanError, match="1 node ids for a plan of 2 nodes"):
         plan.ray_bundles(node_ids=["aa" * 28])
+
+
+def test_two_node_ray_lost_ranks_names_the_node_or_the_dead_rank(monkeypatch):
+    """The message logic of `RayLearners.lost_ranks` against Ray's table of nodes (ray.nodes stands in for a
+    cluster): a dead node names its id, address and every rank it held; a rank whose process died on a live node
+    names that rank; a Ray error with every node up, or an error that is not Ray's, is left as it is (None)."""
+    ray = pytest.importorskip("ray")
+    from m1.marl.groups import RayLearners, lost_ranks
+
+    a, b = "aa" * 28, "bb" * 28
+    group = object.__new__(RayLearners)  # the state a built group holds, without starting actors
+    group.worlds = {"alpha": 2, "beta": 2}
+    group.where = {("alpha", 0): {"node_id": a, "ip": "10.0.0.1", "actor_id": "a0"},
+                   ("alpha", 1): {"node_id": b, "ip": "10.0.0.2", "actor_id": "a1"},
+                   ("beta", 0): {"node_id": b, "ip": "10.0.0.2", "actor_id": "b0"},
+                   ("beta", 1): {"node_id": b, "ip": "10.0.0.2", "actor_id": "b1"}}
+    alive = {a: True, b: False}
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": n, "Alive": up} for n, up in alive.items()])
+    died = ray.exceptions.RayActorError(actor_id="a1")
+    assert lost_ranks(group, died) == (f"Ray node {b} (address 10.0.0.2) died: it held agent alpha rank 1 of 2, "
+                                       "agent beta ranks 0, 1 of 2")
+    alive[b] = True
+    assert group.lost_ranks(died, wait_s=0) == (f"agent alpha rank 1 of 2 died on Ray node {b} (address 10.0.0.2), "
+                                                "which is still up: its process was killed (out of host memory? see "
+                                                "the node's raylet.out and dmesg)")
+    assert group.lost_ranks(ray.exceptions.WorkerCrashedError(), wait_s=0) is None
+    assert group.lost_ranks(ray.exceptions.RayActorError(actor_id="not ours"), wait_s=0) is None
+    assert lost_ranks(group, ValueError("a learner's own error")) is None
+    assert lost_ranks(object(), died) is None  # learners in this process
