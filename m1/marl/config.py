@@ -175,12 +175,34 @@ class RolloutConfig(Strict):
     # list means every turn, and a list of its own may name only act and answer
     train_phases: list[Literal["plan", "communicate", "answer", "summary", "act"]] = Field(
         default_factory=lambda: list(CPP_PHASES), min_length=1)
+    # Issue #39 candidates (m1/marl/recipe.py), each left out of dumps at its default (today's behaviour) so earlier
+    # runs' recorded settings still match.
+    # Dynamic sampling (DAPO): a group (an agent's K rollouts of a question) whose rewards all tie carries no GRPO
+    # signal and is dropped; a question with no informative group left is replaced by the next questions of the data
+    # cursor, for at most `max_refill` extra rounds per step (the step trains on fewer groups when they run out).
+    dynamic_sampling: bool = Field(False, exclude_if=lambda v: v is False)
+    max_refill: int = Field(2, ge=0, exclude_if=lambda v: v == 2)
+    # Train on the team that is evaluated (topology random only): each step runs on the complete graph with
+    # probability `complete_share`; `anneal_share` s > 0 scales dropout and the missing-edge probability
+    # (1 - edge_prob) down linearly to 0 at step s * steps, so the rest of the run trains on the complete graph.
+    # Both are drawn from (seed, step) alone, so a resumed run repeats them.
+    complete_share: float = Field(0.0, ge=0.0, le=1.0, exclude_if=lambda v: v == 0.0)
+    anneal_share: float = Field(0.0, ge=0.0, le=1.0, exclude_if=lambda v: v == 0.0)
+    # Plan exploration (CPP teams): the plan phase samples at this temperature instead of the agent's (its samples
+    # are scored at it too); None: the agent's temperature
+    plan_temperature: float | None = Field(None, gt=0.0, exclude_if=lambda v: v is None)
 
     @model_validator(mode="after")
     def _one_answer_credit(self):
         if self.answer_samples and self.credit != "episode":
             raise ValueError(f"rollout.answer_samples ({self.answer_samples}) sets the answers' credit itself; "
                              f"leave rollout.credit at 'episode' (got {self.credit!r})")
+        if self.topology == "complete" and (self.complete_share or self.anneal_share):
+            raise ValueError("rollout.complete_share / anneal_share schedule a random topology toward the complete "
+                             "graph; rollout.topology is already 'complete'")
+        if self.dynamic_sampling and self.answer_samples:
+            raise ValueError(f"rollout.dynamic_sampling drops groups whose episode rewards tie, but the resampled "
+                             f"answers (answer_samples={self.answer_samples}) carry signal of their own; use one")
         return self
 
 
@@ -336,6 +358,9 @@ class TrainConfig(Strict):
             raise ValueError("average.include_start is set but average.checkpoints is 0 (averaging is off)")
         if self.judge.kind == "none" and self.rewards.w_col != 0:
             raise ValueError(f"judge.kind is 'none' but rewards.w_col={self.rewards.w_col}; set w_col: 0")
+        if self.grpo.baseline == "greedy" and self.rollout.dynamic_sampling:
+            raise ValueError("rollout.dynamic_sampling drops groups whose K rewards tie, but under grpo.baseline "
+                             "'greedy' such a group still has signal (rewards minus the greedy run's); use one")
         if self.grpo.baseline == "greedy" and (self.grpo.scale_rewards or self.rollout.answer_samples):
             raise ValueError("grpo.baseline 'greedy' takes rewards minus the greedy run's, unscaled and for every "
                              f"generation: set grpo.scale_rewards: false (got {self.grpo.scale_rewards}) and "
@@ -362,6 +387,9 @@ class TrainConfig(Strict):
                 raise ValueError(f"rollout.train_phases: 'act' is a seed-kind phase; team {team.name!r} is CPP")
         else:
             seed_phases(r.train_phases, "rollout.train_phases", kind, CPP_PHASES)
+            if r.plan_temperature is not None:
+                raise ValueError(f"rollout.plan_temperature: a {kind} agent writes no plan (its turns are "
+                                 f"{list(SEED_PHASES)})")
             if r.answer_samples or r.credit != "episode":
                 raise ValueError(f"rollout.answer_samples / rollout.credit: a {kind} episode has one reward for "
                                  f"all its turns; leave them at 0 / episode (got {r.answer_samples}, {r.credit!r})")

@@ -128,28 +128,34 @@ def get_advantage_fn(name: str) -> Callable[..., "torch.Tensor"]:
 # --------------------------------------------------------------------------------------------- log-probs
 
 
-def token_logprobs(logits: "torch.Tensor", tokens: "torch.Tensor", temperature: float = 1.0) -> "torch.Tensor":
+def token_logprobs(logits: "torch.Tensor", tokens: "torch.Tensor",
+                   temperature: float | Sequence[float] = 1.0) -> "torch.Tensor":
     """``log_softmax(logits / temperature)`` gathered at ``tokens``, in float32.
 
     ``logits`` is ``[B, T, V]`` already aligned with ``tokens`` ``[B, T]`` (logits at position t score token t).
     Computed as ``x_tok - logsumexp(x)`` one sequence at a time so only a ``[T, V]`` float32 copy exists at once.
-    Temperature must equal the sampling temperature for old/new/ref log-probs to be comparable.
+    Temperature must equal the sampling temperature for old/new/ref log-probs to be comparable; a sequence gives
+    each row its own (plans sampled at `rollout.plan_temperature` beside other phases).
     """
     import torch
 
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"token_logprobs: temperature must be a positive finite number, got {temperature}")
+    temps = [temperature] * tokens.shape[0] if isinstance(temperature, (int, float)) else list(temperature)
+    bad = [t for t in temps if not (t > 0 and math.isfinite(t))]
+    if bad:
+        raise ValueError(f"token_logprobs: temperature must be a positive finite number, got {bad[0]}")
     if logits.dim() != 3 or tokens.dim() != 2 or logits.shape[:2] != tokens.shape:
         raise ValueError(
             f"token_logprobs: expected logits [B, T, V] and tokens [B, T], got {tuple(logits.shape)} and "
             f"{tuple(tokens.shape)}"
         )
+    if len(temps) != tokens.shape[0]:
+        raise ValueError(f"token_logprobs: {len(temps)} temperatures for {tokens.shape[0]} rows")
     index = tokens.long().unsqueeze(-1)
     rows = []
-    for row_logits, row_index in zip(logits, index, strict=True):
+    for row_logits, row_index, t in zip(logits, index, temps, strict=True):
         x = row_logits.float()
-        if temperature != 1.0:
-            x = x / temperature
+        if t != 1.0:
+            x = x / t
         rows.append(torch.gather(x, -1, row_index).squeeze(-1) - torch.logsumexp(x, dim=-1))
     if not rows:
         return logits.new_zeros(tokens.shape, dtype=torch.float32)

@@ -248,7 +248,7 @@ class AgentLearner:
                                  "are never cut: raise it, or keep the team's limits.max_prompt_tokens within it")
         return [(s.prompt_ids, s.completion_ids[:c_max]) for s in samples]
 
-    def completion_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float,
+    def completion_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float | list[float],
                             vision: dict[str, Any] | None = None):
         """Log-probs [B, C] of each completion token given its prompt, and the mask [B, C] of real tokens.
 
@@ -267,7 +267,7 @@ class AgentLearner:
             return self._shared_prompt_logprobs(model, rows, [list(p) for p in prompts], temperature)
         return self._joint_logprobs(model, rows, temperature)
 
-    def _joint_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float,
+    def _joint_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float | list[float],
                         vision: dict[str, Any] | None = None):
         """One forward over prompt + completion for every row (no sharing). A vision-language model is given no
         position ids: it derives its multimodal rotary positions from the ids, the image grids and the mask, as
@@ -331,7 +331,7 @@ class AgentLearner:
         return not getattr(config, "use_sliding_window", False)
 
     def _shared_prompt_logprobs(self, model, rows: list[tuple[list[int], list[int]]], prompts: list[list[int]],
-                                temperature: float):
+                                temperature: float | list[float]):
         """`_joint_logprobs` computed with one forward per distinct prompt and one over the completions.
 
         Pass 1 runs the U distinct prompts (left-padded) with a cache, under the caller's grad mode, so gradient
@@ -407,10 +407,6 @@ class AgentLearner:
         self._set_lr(lr)
         if not samples:
             return {"samples": 0.0, "lr": lr}
-        temps = {s.temperature for s in samples}
-        if len(temps) != 1:
-            raise ValueError(f"agent {self.agent!r}: samples of one step mix temperatures {sorted(temps)}")
-        temperature = temps.pop()
         self.policy.train()
         rows = self._rows(samples)
         n_samples = len(samples)
@@ -428,6 +424,9 @@ class AgentLearner:
 
         for micro, micro_rows, weight in self._micro_batches(samples, rows):
             vision = self.vision_inputs(micro)  # the same images for policy, reference and (sampler) old log-probs
+            # each sample is scored at the temperature it was sampled with (rollout.plan_temperature: plans differ)
+            temps = [s.temperature for s in micro]
+            temperature = temps[0] if len(set(temps)) == 1 else temps
             with self._autocast():
                 logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
             tokens = float(mask.sum())

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import shutil
 import time
 from pathlib import Path
@@ -43,9 +42,9 @@ from m1.marl.distributed import DistributedError
 from m1.marl.groups import build_learners, host_driver_models, lost_ranks, reserve_placement
 from m1.marl.learner import derive_seed, seed_everything
 from m1.marl.rewards import answer_rewards
+from m1.marl.recipe import informative_groups, merge_batches, plan_entropy, step_topology
 from m1.marl.rollout import (RewardFn, RolloutError, advantages_for, agent_temperature, build_samples, focus_agents,
-                             focus_only, resample_answers, run_rollouts, sample_topology, score,
-                             training_team_config)
+                             focus_only, resample_answers, run_rollouts, score, training_team_config)
 from m1.marl.stream import MetricsLog, QuestionStream, load_questions
 
 log = logging.getLogger(__name__)
@@ -202,28 +201,33 @@ class Trainer:
         cfg, step = self.cfg, self.step
         t0 = time.perf_counter()
 
-        # 1-2. this step's questions and its communication DAG (agent dropout)
+        # 1-2. this step's questions and its communication DAG (agent dropout; rollout.complete_share /
+        # anneal_share schedule it toward the complete graph evaluation uses)
+        first = self.data.cursor  # the run's number of the step's first question
         questions = self.data.take(cfg.rollout.questions_per_step)
-        topology = sample_topology(self.agents, "complete" if self.seed_kind else cfg.rollout.topology,
-                                   cfg.rollout.edge_prob, cfg.rollout.dropout,
-                                   random.Random(derive_seed(cfg.seed, step, "topology")))
+        topology = step_topology(self.agents, cfg.rollout, cfg.seed, step, cfg.steps, complete=bool(self.seed_kind))
 
         # 3. K episodes per question, generated with the current weights (rollout engines get them first)
         synced = self.engines.sync(step) if self.engines is not None else {}
         t_sync = time.perf_counter()
         team = self._team(step)
-        focus = None  # credit agent: one sampling agent per question, its teammates greedy
-        if cfg.rollout.credit == "agent":
-            focus = focus_agents(self.trained, step * cfg.rollout.questions_per_step, len(questions))
-        batch = run_rollouts(team, questions, cfg.rollout.num_generations, topology, cfg.rollout.rotate_options,
-                             focus)
+        if cfg.rollout.dynamic_sampling:  # rounds of rollouts until the step has enough informative groups
+            batch, rounds, live, dropped = self._dynamic_rollouts(team, questions, first, topology)
+            focus = batch.focus
+        else:
+            focus = None  # credit agent: one sampling agent per question, its teammates greedy
+            if cfg.rollout.credit == "agent":
+                focus = focus_agents(self.trained, first, len(questions))
+            batch = run_rollouts(team, questions, cfg.rollout.num_generations, topology, cfg.rollout.rotate_options,
+                                 focus)
+            rounds, live = [batch], None
         greedy = None  # grpo.baseline greedy: each question once more, greedily, as the baseline (not trained on)
         if cfg.grpo.baseline == "greedy":
             greedy = run_rollouts(self._team(step, greedy=True), questions, 1, topology)
         t_rollout = time.perf_counter()
 
         # 4. rewards -> per-agent group advantages -> one sample per generation
-        rewards = score(batch, self.trained, self.reward_fn)
+        rewards = batch.rewards if live is not None else score(batch, self.trained, self.reward_fn)
         base = score(greedy, self.trained, self.reward_fn) if greedy is not None else None
         # credit agent: an agent is credited only in the questions it was the focus of
         advantages = advantages_for(focus_only(rewards, focus) if focus else rewards, cfg.grpo.scale_rewards, base)
@@ -244,6 +248,13 @@ class Trainer:
         if self.seed_kind is not None:  # the default: every turn (act and answer)
             phases = seed_phases(phases, "rollout.train_phases", self.seed_kind, CPP_PHASES)
         samples = build_samples(batch, advantages, self.temperatures, answer_adv, answer_groups, phases)
+        if live is not None:  # dynamic sampling: a kept question's tied groups are dropped too
+            samples = {a: [s for s in rows if live[a][s.group]] for a, rows in samples.items()}
+        if cfg.rollout.plan_temperature is not None and not self.seed_kind:  # plans were sampled at their own
+            for rows in samples.values():
+                for s in rows:
+                    if s.phase == "plan":
+                        s.temperature = cfg.rollout.plan_temperature
         if self.engines is not None:
             self.engines.check_versions(samples, step)
         t_reward = time.perf_counter()
@@ -259,6 +270,12 @@ class Trainer:
                              "update": t_end - t_reward, "step": t_end - t0})
         for agent, seconds in synced.items():
             row[f"{agent}/sync_seconds"] = seconds
+        if not self.seed_kind:  # how much the plan phase still explores, per question family
+            row.update(plan_entropy(rounds, self.trained, self.team_cfg.tools.enabled))
+        if live is not None:
+            row["groups/dropped_share"] = dropped
+            row["groups/refill_rounds"] = len(rounds) - 1
+            row["groups/kept"] = len(batch.questions)
         if greedy is not None:  # the greedy team on this step's questions: what evaluation measures
             flat = [r for a in base for g in base[a] for r in g if not math.isnan(r)]
             row["greedy/reward"] = sum(flat) / len(flat) if flat else float("nan")
@@ -268,6 +285,35 @@ class Trainer:
                 row.update({f"greedy/{k.split('/', 1)[1]}": v for k, v in summarize(greedy.breakdowns).items()
                             if k in ("reward/res", "reward/team_res")})
         return row
+
+    def _dynamic_rollouts(self, team, questions, first: int, topology):
+        """`rollout.dynamic_sampling`: run `questions`, score them, keep each question where some agent's group
+        has reward spread, and run the next questions of the data cursor in place of the others, for at most
+        `max_refill` more rounds. Returns the kept questions' merged batch (scored), every round's batch, which
+        (agent, kept question) groups carry signal, and the share of all groups that tied."""
+        cfg = self.cfg
+        r = cfg.rollout
+        parts, rounds, flags = [], [], {a: [] for a in self.trained}
+        groups = tied = 0
+        while True:
+            focus = focus_agents(self.trained, first, len(questions)) if r.credit == "agent" else None
+            batch = run_rollouts(team, questions, r.num_generations, topology, r.rotate_options, focus)
+            rewards = score(batch, self.trained, self.reward_fn)
+            credited = focus_only(rewards, focus) if focus else rewards
+            live = informative_groups(credited, batch.outcomes if r.credit == "phase" else None)
+            keep = [g for g in range(len(questions)) if any(live[a][g] for a in self.trained)]
+            for a in self.trained:
+                groups += sum(f is not None for f in live[a])
+                tied += sum(f is False for f in live[a])
+                flags[a] += [bool(live[a][g]) for g in keep]
+            rounds.append(batch)
+            parts.append((batch, keep))
+            need = r.questions_per_step - sum(len(k) for _, k in parts)
+            if need == 0 or len(rounds) > r.max_refill:
+                break
+            first = self.data.cursor
+            questions = self.data.take(need)
+        return merge_batches(parts), rounds, flags, tied / groups if groups else 0.0
 
     def _stop_on_lost_ranks(self, exc: Exception, during: str) -> None:
         """A learner rank lost with its Ray node (or its process) mid-step: one error naming the node, its address
@@ -290,6 +336,8 @@ class Trainer:
         if getattr(self, name, None) is None:
             cfg = self.team_cfg.greedy() if greedy else self.team_cfg
             setattr(self, name, make_team(cfg, hub=self.hub, pool=self.pool))
+            if not greedy and self.cfg.rollout.plan_temperature is not None and not self.seed_kind:
+                getattr(self, name).phase_temperatures["plan"] = self.cfg.rollout.plan_temperature
         team = getattr(self, name)
         team.reseed(derive_seed(self.cfg.seed, step, "greedy" if greedy else "sampling"))
         return team

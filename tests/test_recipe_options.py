@@ -1,0 +1,286 @@
+"""Trainer options of issue #39 (m1/marl/recipe.py): dynamic sampling, the topology schedule, plan exploration.
+
+Each option defaults to the old behaviour and is left out of dumps there. The tests check what each one changes:
+tied groups leave the step and the data cursor refills it (and a killed run resumes to the same losses); the
+topology schedule reaches the complete graph when and as often as configured, from (seed, step) alone; plans are
+sampled, and scored by the learner, at the plan temperature; plan entropy per family is the entropy of the parsed
+tool sequences.
+"""
+import math
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import make_video
+from fakes import FakeVision, scripted_reply
+from m1.config import TeamConfig
+from m1.marl.config import TrainConfig
+from m1.marl.recipe import entropy, informative_groups, merge_batches, plan_entropy, step_topology
+from m1.marl.rollout import RolloutBatch, sample_topology, training_team_config
+from m1.models.base import Completion
+from m1.schema import Question
+from m1.team import topology as topo
+from test_trainer import AGENTS, COMPARED, make_trainer, team_dict, train_cfg
+
+NEW = ("dynamic_sampling", "max_refill", "complete_share", "anneal_share", "plan_temperature")
+
+
+@pytest.fixture(scope="module")
+def video(tmp_path_factory):
+    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
+
+
+# ------------------------------------------------------------------------------------------------ config
+def test_new_rollout_options_are_left_out_of_dumps_at_their_defaults(tmp_path):
+    dumped = train_cfg(tmp_path).model_dump(mode="json")["rollout"]
+    assert not set(NEW) & set(dumped)  # earlier runs' recorded settings still match
+    on = train_cfg(tmp_path, rollout={"dynamic_sampling": True, "max_refill": 1, "complete_share": 0.25,
+                                      "anneal_share": 0.5, "plan_temperature": 1.3}).model_dump(mode="json")
+    assert {k: on["rollout"][k] for k in NEW} == {"dynamic_sampling": True, "max_refill": 1, "complete_share": 0.25,
+                                                 "anneal_share": 0.5, "plan_temperature": 1.3}
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"rollout": {"dynamic_sampling": True}, "grpo": {"baseline": "greedy", "scale_rewards": False}}, "greedy"),
+    ({"rollout": {"dynamic_sampling": True, "answer_samples": 2}}, "answer_samples"),
+    ({"rollout": {"topology": "complete", "complete_share": 0.5}}, "already 'complete'"),
+    ({"rollout": {"plan_temperature": 0.0}}, "plan_temperature"),
+])
+def test_conflicting_recipe_options_are_refused_with_the_reason(tmp_path, over, words):
+    with pytest.raises(ValueError, match=words):
+        train_cfg(tmp_path, **over)
+
+
+# ------------------------------------------------------------------------------------------------ topology
+def rollout(**kw):
+    return TrainConfig.model_validate({"team": team_dict(), "rollout": kw}).rollout
+
+
+def test_topology_schedule_is_the_old_draw_by_default_and_anneals_to_the_complete_graph():
+    names = ["a", "b", "c", "d"]
+    plain = rollout(edge_prob=0.3, dropout=0.4)
+    from m1.marl.learner import derive_seed
+
+    for step in range(20):  # defaults: exactly the DAG the trainer always drew from (seed, step)
+        old = sample_topology(names, "random", 0.3, 0.4, random.Random(derive_seed(3, step, "topology")))
+        assert step_topology(names, plain, 3, step, 20) == old
+    annealed = rollout(edge_prob=0.3, dropout=0.4, anneal_share=0.5)
+    full = topo.complete(names)
+    tops = [step_topology(names, annealed, 3, step, 20) for step in range(20)]
+    assert all(t == full for t in tops[10:])  # from step 0.5 * 20 on: the graph evaluation runs
+    assert tops[0] == sample_topology(names, "random", 0.3, 0.4, random.Random(derive_seed(3, 0, "topology")))
+    # on the way there, fewer agents drop and more edges survive (averaged over many seeds)
+    early = [step_topology(names, annealed, s, 1, 20) for s in range(300)]
+    late = [step_topology(names, annealed, s, 8, 20) for s in range(300)]
+    assert sum(len(t.active) for t in late) > sum(len(t.active) for t in early)
+    assert sum(len(t.edges) for t in late) > sum(len(t.edges) for t in early)
+    assert step_topology(names, plain, 3, 5, 20, complete=True) == full  # a seed-kind team of one
+
+
+def test_complete_share_picks_the_complete_graph_that_often_and_repeats_per_step():
+    names = ["a", "b", "c"]
+    cfg = rollout(complete_share=0.3)
+    full = topo.complete(names)
+    tops = [step_topology(names, cfg, 7, step, 2000) for step in range(2000)]
+    share = sum(t == full for t in tops) / len(tops)
+    assert share == pytest.approx(0.3, abs=0.04)  # a random DAG is never the two-way complete graph
+    assert [step_topology(names, cfg, 7, step, 2000) for step in range(50)] == tops[:50]  # resume repeats it
+    assert all(step_topology(names, rollout(complete_share=1.0), 7, s, 10) == full for s in range(10))
+
+
+# ------------------------------------------------------------------------------------------------ plan entropy
+def test_plan_entropy_per_family_is_the_entropy_of_the_parsed_tool_sequences():
+    def ep(family, *plans):
+        q = Question(id="q", video="v.mp4", text="?", task="open", meta={"family": family} if family else {})
+        gens = [SimpleNamespace(phase="plan", agent=a, completion=f"##key info: x ##tool use: <Global Sampling>, "
+                                                                  f"<{tool}>") for a, tool in plans]
+        gens.append(SimpleNamespace(phase="answer", agent="alpha", completion="##Answer: A"))
+        return SimpleNamespace(question=q, generations=gens)
+
+    tools = ["Global Sampling", "Rough Browser", "Space Tool", "Fine Browser"]
+    batch = SimpleNamespace(flat=[ep("count", ("alpha", "Rough Browser"), ("beta", "Space Tool")),
+                                  ep("count", ("alpha", "Rough Browser"), ("beta", "Fine Browser")),
+                                  ep("order", ("alpha", "Space Tool"), ("beta", "Space Tool")),
+                                  ep(None, ("alpha", "Space Tool"), ("gamma", "Rough Browser"))])
+    row = plan_entropy([batch], ["alpha", "beta"], tools)  # gamma is not trained: its plans are not counted
+    counted = entropy(Counter({"rb": 2, "st": 1, "fb": 1}))
+    assert row["plans/entropy/count"] == pytest.approx(counted) == pytest.approx(1.5 * math.log(2))
+    assert row["plans/entropy/order"] == 0.0  # every plan the same
+    assert row["plans/entropy/open"] == 0.0  # no synth family: the task names it
+    assert row["plans/entropy"] == pytest.approx(counted / 3)
+
+
+# ------------------------------------------------------------------------------------------------ plan temperature
+class RecordingChat:
+    """Scripted replies; records each generate call's temperature and whether it was the plan call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, requests, params):
+        texts = [scripted_reply(r.messages) for r in requests]
+        self.calls.append((params.temperature, all(t.startswith("##key info") for t in texts)))
+        return [Completion(text=t, prompt_ids=[1], completion_ids=[2], logprobs=[-0.1]) for t in texts]
+
+
+def test_team_samples_plans_at_the_phase_temperature_and_an_episode_override_still_wins(video):
+    from m1.models.hub import ModelHub
+    from m1.team.cpp import Team
+
+    cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "models": {
+        "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
+        "vlm": {"kind": "vision", "path": "fake/v"}}}), 0.9)
+    hub = ModelHub(cfg.models)
+    chats = {"alpha": RecordingChat(), "beta": RecordingChat()}
+    hub.register("qa", chats["alpha"])
+    hub.register("qb", chats["beta"])
+    hub.register("vlm", FakeVision(reply=lambda req: "the square is white"))
+    team = Team(cfg, hub=hub)
+    team.phase_temperatures["plan"] = 1.4
+    q = Question(id="q", video=video, text="What colour?", options=["white", "red"], task="mcq", answer="A")
+    team.run([q, q], topologies=[topo.complete(AGENTS)] * 2, temperatures=[{}, {"beta": 0.0}])
+    for agent, chat in chats.items():
+        plans = [t for t, is_plan in chat.calls if is_plan]
+        others = {t for t, is_plan in chat.calls if not is_plan}
+        assert 1.4 in plans and others <= {0.9, 0.0} and 0.9 in others
+    assert sorted(t for t, p in chats["beta"].calls if p) == [0.0, 1.4]  # the greedy override wins in episode 2
+    assert [t for t, p in chats["alpha"].calls if p] == [1.4]
+
+
+def test_training_step_scores_plans_at_the_plan_temperature(tmp_path, video, m1_cache):
+    tr = make_trainer(train_cfg(tmp_path / "run", rollout={"plan_temperature": 0.5}), video)
+    seen = []
+    update = tr.learners.update
+    tr.learners.update = lambda samples, lr, objective: seen.append(samples) or update(samples, lr, objective)
+    row = tr.train()[0]
+    temps = {(s.phase, s.temperature) for rows in seen[0].values() for s in rows}
+    assert ("plan", 0.5) in temps and ("answer", 1.0) in temps
+    assert not {t for p, t in temps if p != "plan"} - {1.0}
+    for a in AGENTS:  # the learner recomputes each sample's log-probs at the temperature it was sampled with
+        assert row[f"{a}/samples"] > 0 and row[f"{a}/logp_gap"] < 1e-4
+    assert "plans/entropy" in row and "plans/entropy/mcq" in row
+
+
+# ------------------------------------------------------------------------------------------------ dynamic sampling
+def test_informative_groups_and_merge_keep_the_chosen_questions_in_order():
+    nan = float("nan")
+    rewards = {"a": [[1.0, 1.0], [0.0, 1.0], [nan, nan], [2.0, nan]],
+               "b": [[0.5, 0.5], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]}
+    assert informative_groups(rewards) == {"a": [False, True, None, False], "b": [False] * 4}
+    outcomes = {"a": [[0.0, 1.0]] * 4, "b": [[0.0, 0.0]] * 4}
+    assert informative_groups(rewards, outcomes)["a"] == [True, True, None, True]  # credit phase: outcomes count
+
+    def batch(tag, g):
+        qs = [Question(id=f"{tag}{i}", video="v", text="?") for i in range(g)]
+        return RolloutBatch(questions=qs, episodes=[[f"{tag}{i}/0", f"{tag}{i}/1"] for i in range(g)],
+                            topology=topo.complete(["a"]), rewards={"a": [[i, -i] for i in range(g)]},
+                            breakdowns=[f"{tag}{i}/{k}" for i in range(g) for k in range(2)], focus=["a"] * g)
+
+    merged = merge_batches([(batch("x", 3), [0, 2]), (batch("y", 2), [1])])
+    assert [q.id for q in merged.questions] == ["x0", "x2", "y1"]
+    assert merged.episodes == [["x0/0", "x0/1"], ["x2/0", "x2/1"], ["y1/0", "y1/1"]]
+    assert merged.breakdowns == [e for row in merged.episodes for e in row]
+    assert merged.rewards == {"a": [[0, 0], [2, -2], [1, -1]]} and merged.focus == ["a"] * 3
+
+
+def tie_some(episodes):
+    """Rewards that differ between rollouts (the episode's index in the call), except that every agent ties on q1
+    and alpha alone ties on q0."""
+    out = []
+    for i, e in enumerate(episodes):
+        qid = e.question.id
+        out.append({"alpha": 0.0 if qid in ("q0", "q1") else float(i), "beta": 0.0 if qid == "q1" else float(i)})
+    return out
+
+
+def spy(tr):
+    seen = []
+    update = tr.learners.update
+    tr.learners.update = lambda samples, lr, objective: seen.append(samples) or update(samples, lr, objective)
+    return seen
+
+
+def test_dynamic_sampling_drops_tied_groups_and_refills_from_the_data_cursor(tmp_path, video, m1_cache):
+    rounds = []  # the questions of each round of rollouts, as the reward function saw them (K=2 episodes each)
+
+    def reward(episodes):
+        rounds.append([e.question.id for e in episodes[::2]])
+        return tie_some(episodes)
+
+    tr = make_trainer(train_cfg(tmp_path / "run", steps=3, rollout={"dynamic_sampling": True}), video,
+                      reward_fn=reward)
+    seen = spy(tr)
+    rows = tr.train()
+    assert tr.data.cursor == sum(len(r) for r in rounds) > 6  # q1 was drawn (3 questions, 6+ handed out): refilled
+    tied = {"q0": 1, "q1": 2, "q2": 0}  # groups that tie per question, of its 2 (one per agent)
+    left = list(rounds)
+    for row, samples in zip(rows, seen):
+        n = row["groups/refill_rounds"] + 1
+        mine, left = left[:n], left[n:]
+        assert mine[0] and all(len(r) <= 2 for r in mine)
+        drawn = [q for r in mine for q in r]
+        assert row["groups/dropped_share"] == pytest.approx(sum(tied[q] for q in drawn) / (2 * len(drawn)))
+        assert row["groups/kept"] == 2 == sum(q != "q1" for q in drawn)  # refilled to questions_per_step
+        ids = {a: [s.question_id for s in samples[a] if s.phase == "answer"] for a in AGENTS}
+        assert "q1" not in ids["alpha"] + ids["beta"]  # every group tied: the question left the step
+        assert "q0" not in ids["alpha"]  # alpha alone tied on q0: only its group left
+        assert sorted(set(ids["beta"])) == sorted({q for q in drawn if q != "q1"})
+    assert not left
+
+
+def test_dynamic_sampling_stops_after_max_refill_when_every_group_ties(tmp_path, video, m1_cache):
+    import torch
+
+    tr = make_trainer(train_cfg(tmp_path / "run", rollout={"dynamic_sampling": True, "max_refill": 1}), video,
+                      reward_fn=lambda eps: [{a: 1.0 for a in AGENTS} for _ in eps])
+    before = {a: tr.learners.parameters(a) for a in AGENTS}
+    row = tr.train()[0]
+    assert row["groups/refill_rounds"] == 1 and row["groups/kept"] == 0 and row["groups/dropped_share"] == 1.0
+    assert tr.data.cursor == 4  # 2 questions, then 2 more in the one refill round
+    for a in AGENTS:
+        assert row[f"{a}/samples"] == 0
+        after = tr.learners.parameters(a)
+        assert all(torch.equal(after[n], before[a][n]) for n in after)  # nothing to learn from: no update
+
+
+def test_dynamic_sampling_resumes_to_the_uninterrupted_losses(tmp_path, video, m1_cache):
+    kw = dict(finetune="lora", steps=3, checkpoint={"every": 1}, rollout={"dynamic_sampling": True})
+    full = make_trainer(train_cfg(tmp_path / "a", **kw), video, reward_fn=tie_some).train()
+    killed = make_trainer(train_cfg(tmp_path / "b", **kw), video, reward_fn=tie_some)
+    first = killed.train(stop_after=2)
+    cursor = killed.data.cursor
+    del killed
+    resumed = make_trainer(train_cfg(tmp_path / "b", **kw), video, reward_fn=tie_some)
+    assert resumed.step == 2 and resumed.data.cursor == cursor  # the refills' questions are in the checkpoint
+    second = resumed.train()
+    keys = COMPARED + ["groups/dropped_share", "groups/refill_rounds", "groups/kept"]
+    for want, got in zip(full, first + second):
+        for key in keys:
+            assert got[key] == want[key], f"step {want['step']} {key}: {got[key]!r} != {want[key]!r}"
+    assert sum(r["groups/refill_rounds"] for r in full) >= 1  # the resumed step ran a refill too
+
+
+# ------------------------------------------------------------------------------------------------ dev split
+def test_recipe_experiments_choose_on_a_dev_world_and_report_on_the_held_out_one():
+    from m1.experiment.config import load_experiment
+    from m1.marl.config import load_train_config
+
+    final, dev = load_experiment("mini_recipe"), load_experiment("mini_recipe_dev")
+    worlds = {w.out: w for w in dev.data.worlds}
+    assert final.data.worlds == dev.data.worlds
+    assert final.eval.video_dir == "runs/mini/test" and worlds["runs/mini/test"].seed == 1001
+    assert dev.eval.video_dir == "runs/mini/dev" and dev.eval.questions == "runs/mini/dev/questions.jsonl"
+    d = worlds["runs/mini/dev"]
+    assert d.videos * d.questions_per_video >= 300 and d.seed not in (1, 5, 1001)
+    trained_on = " ".join(dev.marl.overrides) + " runs/mini/train"  # the SFT stage's world (configs/sft/mini.yaml)
+    assert "runs/mini/dev" not in trained_on and "runs/mini/test" not in trained_on
+    assert dev.seeds == final.seeds == [0, 1, 2, 3, 4, 5] and dev.base_arm == final.base_arm == "sft"
+    for arm in dev.arms:  # every candidate arm's MARL config is valid
+        if "marl" in dev.arm_stages(arm):
+            cfg = load_train_config(dev.marl.config, dev.marl.overrides + dev.arm(arm).marl)
+            assert cfg.name == "mini_recipe_marl"
+    opts = {arm: dev.arm(arm).marl for arm in dev.arms}
+    assert any("rollout.dynamic_sampling=true" in o for o in opts.values())
+    assert any("rollout.plan_temperature" in x for o in opts.values() for x in o)
