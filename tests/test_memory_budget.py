@@ -209,9 +209,9 @@ def test_trainer_runs_the_plans_rollout_batch(tmp_path, video, m1_cache, monkeyp
 
     real = Team.run_batch
 
-    def recording(self, questions, topologies):
+    def recording(self, questions, topologies, *rest, **kw):
         sizes.append(len(questions))
-        return real(self, questions, topologies)
+        return real(self, questions, topologies, *rest, **kw)
 
     monkeypatch.setattr(Team, "run_batch", recording)
     trainer.train()
