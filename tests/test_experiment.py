@@ -567,3 +567,42 @@ def test_experiment_lock_and_a_resumed_eval_stage_counts_every_attempt(tmp_path,
     assert (rec["answered"], rec["graded"], rec["correct"], rec["errors"]) == (4, 4, 2, [])  # truths A, B, A, B; the team says A
     assert rec["wall_s"] >= spent and not (folder / ".wall_s").exists()
     assert read_stage(folder)["answered"] == 4 and not list(folder.glob(".stage.json*"))
+
+
+def test_two_eval_folders_share_the_trained_stages_and_seeds_run_on_fixed_threads(tmp_path, monkeypatch):
+    """Two experiment files with one out_dir and `eval.folder`s of their own answer their own questions into their
+    own folders (a dev split to choose on, the held-out set once); every seed runs on `threads_per_seed` torch
+    threads whatever --jobs is, so the thread count (and the float sums with it) never depends on --jobs."""
+    import torch
+
+    from m1.experiment import runner as exp_runner
+    from m1.experiment.runner import read_stage, run_experiment
+    from test_run_safety import ScriptedTeam
+
+    spec = yaml.safe_load(tiny_experiment(tmp_path).read_text())
+    del spec["sft"], spec["marl"]
+    spec["arms"] = {"base": None}
+    rows = (tmp_path / "questions.jsonl").read_text().splitlines()
+    (tmp_path / "dev.jsonl").write_text("\n".join(rows[:3]) + "\n")
+    held_out = load_experiment(_write(tmp_path / "held_out.yaml", spec))
+    spec["eval"] = {**spec["eval"], "questions": str(tmp_path / "dev.jsonl"), "folder": "eval_dev"}
+    spec["threads_per_seed"] = 2 if torch.get_num_threads() == 1 else 1
+    dev = load_experiment(_write(tmp_path / "dev.yaml", spec))
+    monkeypatch.setattr("m1.team.cpp.Team", ScriptedTeam)
+    seen, real_chains = [], exp_runner.run_chains
+
+    def chains(exp, progress):
+        seen.append(torch.get_num_threads())
+        return real_chains(exp, progress)
+
+    monkeypatch.setattr(exp_runner, "run_chains", chains)
+    before = torch.get_num_threads()
+    [dev_rec] = run_experiment(dev, progress=lambda _: None)
+    assert seen == [spec["threads_per_seed"]] and torch.get_num_threads() == before
+    [held_rec] = run_experiment(held_out, progress=lambda _: None)
+    assert seen[-1] == 1  # the default
+    seed_dir = tmp_path / "exp" / "base" / "seed0"
+    assert (dev_rec["answered"], held_rec["answered"]) == (3, 4)
+    assert read_stage(seed_dir / "eval_dev")["answered"] == 3 and read_stage(seed_dir / "eval")["answered"] == 4
+    with pytest.raises(ConfigError, match="folder"):
+        load_experiment(tmp_path / "dev.yaml", ["eval.folder=../elsewhere"])

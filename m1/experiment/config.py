@@ -43,6 +43,11 @@ class EvalStage(Strict):
     benchmarks: list[Benchmark] = Field(default_factory=list)  # instead of `questions`: one family per benchmark
     video_dir: Optional[str] = None  # relative `video` fields are resolved against it
     overrides: list[str] = Field(default_factory=list)
+    # the eval stage's folder in each <arm>/seed<k>/: two experiment files that share an out_dir (the same trained
+    # stages) and differ in `folder` evaluate those weights on two question sets, e.g. a dev split to choose
+    # settings on and the held-out set answered once per finished candidate
+    folder: str = Field("eval", pattern=r"^eval[A-Za-z0-9_-]*$")
+
     @model_validator(mode="after")
     def _source(self) -> EvalStage:
         if (self.questions is None) == (not self.benchmarks):
@@ -113,6 +118,9 @@ class Experiment(Strict):
     # + k * init_seed_stride, so seeds differ in their initial weights too, not only in data order and sampling; an
     # arm that trains nothing gets the same shift on its eval team (and on rule-based synth chat models' error draws)
     init_seed_stride: int = Field(1000, ge=0)
+    # torch threads of every seed, whatever --jobs is: float sums (and so a chaotic training run) differ with the
+    # thread count, and a seed scored 50.0% in a 3-job run, 46.2% alone, when the jobs split the cores between them
+    threads_per_seed: int = Field(1, ge=1)
     data: Optional[DataStage] = None
     sft: Optional[TrainStage] = None
     marl: Optional[TrainStage] = None
@@ -186,7 +194,8 @@ class Experiment(Strict):
         return next(a for a in self.arms if stage in self.arm_stages(a) and self._identity(a, stage) == mine)
 
     def stage_dir(self, arm: str, seed: int, stage: str) -> Path:
-        return Path(self.out_dir) / self.owner(arm, stage) / f"seed{seed}" / stage
+        name = self.eval.folder if stage == "eval" and self.eval is not None else stage
+        return Path(self.out_dir) / self.owner(arm, stage) / f"seed{seed}" / name
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Experiment:

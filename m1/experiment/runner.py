@@ -361,7 +361,8 @@ def run_chains(exp: Experiment, progress: Callable[[str], None] = print) -> list
 
 def run_experiment(exp: Experiment, progress: Callable[[str], None] = print, jobs: int = 1) -> list[dict[str, Any]]:
     """The data stage, then every arm and seed (`run_chains`); with `jobs` > 1, that many seeds at once, each in a
-    worker process on its share of the CPU threads (their training bars in <out_dir>/logs/seed<k>.log).
+    worker process (their training bars in <out_dir>/logs/seed<k>.log). Every seed runs on `threads_per_seed` torch
+    threads either way, so its result does not depend on --jobs.
 
     One run of an experiment at a time: it holds `<out_dir>/.lock` from start to end (a second run is refused naming
     the holder; the lock of a killed run is taken over with a warning), so two runs never render the same worlds or
@@ -375,17 +376,27 @@ def run_experiment(exp: Experiment, progress: Callable[[str], None] = print, job
 def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int) -> list[dict[str, Any]]:
     if exp.data is not None:
         run_data(exp, progress)
+    threads = exp.threads_per_seed
     if jobs <= 1 or len(exp.seeds) == 1:
-        return run_chains(exp, progress)
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return run_chains(exp, progress)
+        finally:
+            torch.set_num_threads(before)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     workers = min(jobs, len(exp.seeds))
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    if workers * threads > (os.cpu_count() or 1):
+        progress(f"warning: {workers} seeds x {threads} torch thread(s) (threads_per_seed) on {os.cpu_count()} "
+                 "cores: they share them (results do not change, wall time does)")
     logs = Path(exp.out_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    progress(f"{len(exp.seeds)} seeds in {workers} worker processes, {threads} torch thread(s) each; "
-             f"their logs in {logs}")
+    progress(f"{len(exp.seeds)} seeds in {workers} worker processes, {threads} torch thread(s) each "
+             f"(threads_per_seed, whatever --jobs is); their logs in {logs}")
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
         futures = [ex.submit(_seed_worker, exp.model_copy(update={"seeds": [seed]}), threads,
                              str(logs / f"seed{seed}.log")) for seed in exp.seeds]
