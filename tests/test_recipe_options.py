@@ -281,6 +281,10 @@ def test_recipe_experiments_choose_on_a_dev_world_and_report_on_the_held_out_one
         if "marl" in dev.arm_stages(arm):
             cfg = load_train_config(dev.marl.config, dev.marl.overrides + dev.arm(arm).marl)
             assert cfg.name == "mini_recipe_marl"
-    opts = {arm: dev.arm(arm).marl for arm in dev.arms}
-    assert any("rollout.dynamic_sampling=true" in o for o in opts.values())
-    assert any("rollout.plan_temperature" in x for o in opts.values() for x in o)
+    # one set of trained stages: dev answers into eval_dev, the held-out file into eval, with the same arms' stages
+    assert dev.out_dir == final.out_dir and (dev.eval.folder, final.eval.folder) == ("eval_dev", "eval")
+    for arm in final.arms:
+        assert arm in dev.arms and final.arm(arm).marl == dev.arm(arm).marl
+        assert dev.stage_dir(arm, 0, "eval") != final.stage_dir(arm, 0, "eval")
+        if "marl" in final.arm_stages(arm):
+            assert dev.stage_dir(arm, 0, "marl") == final.stage_dir(arm, 0, "marl")
