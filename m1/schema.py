@@ -80,6 +80,9 @@ class Generation(Record):
     # entries of the peers' notes left out of the prompt to fit limits.max_prompt_tokens (m1/team/budget.py); left
     # out of traces when none were
     trimmed: int = Field(0, ge=0, exclude_if=lambda v: v == 0)
+    # training (a step's sample pages, m1/marl/samples.py): the reward and advantage this generation was credited
+    # with and whether it was trained on; left out of other traces
+    credit: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class AgentAnswer(Record):

@@ -306,6 +306,7 @@ pre{white-space:pre-wrap;word-break:break-word;background:#f6f6f6;padding:6px;ma
 .turn{border-left:3px solid #ccc;padding-left:8px;margin:8px 0}
 .top{display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start}
 details>summary{cursor:pointer;color:#1a5fb4}
+.credit{font-weight:bold;color:#333}.advantage.pos{color:#1a7f37}.advantage.neg{color:#b00020}
 """
 
 
@@ -467,12 +468,34 @@ def _agent_html(ep: Episode, name: str, rec: AgentRecord, thumbs: Thumbnails, sh
                          for m in g.prompt)
         status = ("<span class='ok'>read</span>" if g.parse_ok else
                   f"<span class='err'>unreadable: {_e(g.parse_error)}</span>")
-        items.append(f"<details class='gen'><summary>{_e(g.phase)} · step {g.step} · {status}</summary>"
+        items.append(f"<details class='gen'><summary>{_e(g.phase)} · step {g.step} · "
+                     f"{status}{_credit_html(g.credit)}</summary>"
                      f"<b>prompt</b>{prompt}<b>completion</b>"
                      f"<pre class='completion'>{_e(g.completion)}</pre></details>")
-    p.append(f"<details class='gens'><summary>{len(gens)} model calls, {bad} unreadable</summary>"
+    p.append(f"<details class='gens'{' open' if any(g.credit for g in gens) else ''}><summary>{len(gens)} model "
+             f"calls, {bad} unreadable</summary>"
              + "".join(items) + "</details></section>")
     return "".join(p)
+
+
+def _credit_html(credit: dict | None) -> str:
+    """A training sample's reward and advantage beside its generation (nothing on an inference trace)."""
+    if not credit:
+        return ""
+    adv = credit.get("advantage")
+    sign = "" if adv is None or (isinstance(adv, float) and math.isnan(adv)) else ("pos" if adv > 0 else
+                                                                                 "neg" if adv < 0 else "zero")
+    parts = [f" · <span class='credit reward'>reward {_num(credit.get('reward'))}</span>",
+             f" · <span class='credit advantage {sign}'>advantage {_num(adv, signed=True)}</span>"]
+    if not credit.get("trained", True):
+        parts.append(" · <span class='muted not-trained'>not trained on</span>")
+    return "".join(parts)
+
+
+def _num(x, signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:+.3f}" if signed else f"{x:.3f}"
 
 
 def _content(content) -> str:

@@ -249,9 +249,56 @@ class JudgeConfig(Strict):
         return self
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")  # log.backends (m1/marl/trackers.py)
+
+
+class MlflowSettings(Strict):
+    """`log.mlflow`: where the mlflow run goes."""
+
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else the file store <out_dir>/mlruns
+    experiment: str | None = None  # None: the run's name
+
+
+class WandbSettings(Strict):
+    """`log.wandb`: offline by default (these machines reach no server); `wandb sync` uploads the run later."""
+
+    project: str | None = None  # None: the run's name
+    entity: str | None = None
+    mode: Literal["offline", "online"] = "offline"
+
+
 class LogConfig(Strict):
-    tensorboard: bool = True  # written when the tensorboard package is installed
+    """Where a run's metrics go besides metrics.jsonl, and how often a step's episodes are written out.
+
+    `tensorboard: true|false`, the key of earlier configs, still reads: it adds or removes tensorboard from
+    `backends`."""
+
+    backends: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=lambda: ["tensorboard"])
     progress: bool = True  # tqdm bar
+    # every this many steps, the step's episodes (prompts, completions, reward parts, advantages) and their trace
+    # pages go to <out_dir>/samples/step-NNNNNN/ (m1/marl/samples.py); 0 or None: never
+    samples_every: int | None = Field(None, ge=0)
+    mlflow: MlflowSettings = Field(default_factory=MlflowSettings)
+    wandb: WandbSettings = Field(default_factory=WandbSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_tensorboard_key(cls, data):
+        if isinstance(data, dict) and "tensorboard" in data:
+            data = dict(data)
+            on = data.pop("tensorboard")
+            if not isinstance(on, bool):
+                raise ValueError(f"log.tensorboard: true or false, got {on!r} (or list it in log.backends)")
+            names = [b for b in data.get("backends", ["tensorboard"]) if b != "tensorboard"]
+            data["backends"] = (["tensorboard"] if on else []) + names
+        return data
+
+    @model_validator(mode="after")
+    def _once_each(self) -> LogConfig:
+        doubled = sorted({b for b in self.backends if self.backends.count(b) > 1})
+        if doubled:
+            raise ValueError(f"log.backends: {doubled} named more than once")
+        return self
 
 
 class CheckpointConfig(Strict):

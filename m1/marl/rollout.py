@@ -276,27 +276,61 @@ def resample_answers(batch: RolloutBatch, agents: Sequence[str], chat_for: Calla
 OUTCOME_PHASES = ("answer", "summary")  # what `credit: phase` trains on the outcome: the generations that decide it
 
 
+@dataclass
+class Credit:
+    """What one generation was credited with: its reward and advantage, and whether it became a sample."""
+
+    reward: float
+    advantage: float
+    trained: bool
+    extra: AnswerGroup | None = None  # its answer group (`rollout.answer_samples`), whose extra answers follow it
+
+
+def generation_credit(batch: RolloutBatch, advantages: dict[str, Any],
+                      answer_advantages: dict[str, Any] | None = None,
+                      answer_groups: Sequence[AnswerGroup] = (),
+                      phases: Collection[str] | None = None) -> dict[tuple[int, int, int], Credit]:
+    """(g, k, i) -> the Credit of generation i of rollout (g, k), for every generation of an agent in `advantages`.
+
+    Every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with `answer_advantages`
+    (credit: phase), its answers and summaries get answer_advantages[agent][g, k] instead; an answer with an
+    `AnswerGroup` gets its group's reward and advantage. It is trained on unless its episode failed, its phase is
+    not in `phases` (`rollout.train_phases`), or another agent is its question's focus (`credit: agent`). The
+    samples of a step (`build_samples`) and the record of what it trained on (m1/marl/samples.py) both read this."""
+    out: dict[tuple[int, int, int], Credit] = {}
+    resampled = {(x.agent, x.group, x.rollout, x.index): x for x in answer_groups}
+    for g, group in enumerate(batch.episodes):
+        for k, ep in enumerate(group):
+            for i, gen in enumerate(ep.generations):
+                if gen.agent not in advantages:
+                    continue
+                outcome_credit = answer_advantages is not None and gen.phase in OUTCOME_PHASES
+                table = answer_advantages if outcome_credit else advantages
+                extra = resampled.get((gen.agent, g, k, i))
+                trained = (ep.error is None and (phases is None or gen.phase in phases)
+                           and (batch.focus is None or gen.agent == batch.focus[g]))
+                out[(g, k, i)] = Credit(
+                    reward=batch.rewards[gen.agent][g][k] if extra is None else extra.rewards[0],
+                    advantage=float(table[gen.agent][g, k]) if extra is None else extra.advantages[0],
+                    trained=trained, extra=extra)
+    return out
+
+
 def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float],
                   answer_advantages: dict[str, Any] | None = None,
                   answer_groups: Sequence[AnswerGroup] = (),
                   phases: Collection[str] | None = None) -> dict[str, list[Sample]]:
-    """Per-agent samples: every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with
-    `answer_advantages` (credit: phase), its answers and summaries get answer_advantages[agent][g, k] instead; an
-    answer with an `AnswerGroup` gets its group's advantage and is followed by the group's extra answers.
-    With `phases` (`rollout.train_phases`), generations of other phases are left out; with `batch.focus`
-    (`credit: agent`), so are the generations of every agent but its question's focus agent (greedy teammates)."""
+    """Per-agent samples: one per generation that `generation_credit` marks trained, carrying its reward and
+    advantage; an answer with an `AnswerGroup` is followed by the group's extra answers."""
     from m1.models.base import image_frames
 
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
-    resampled = {(x.agent, x.group, x.rollout, x.index): x for x in answer_groups}
+    credit = generation_credit(batch, advantages, answer_advantages, answer_groups, phases)
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
-            if ep.error is not None:  # e.g. dropped over the prompt budget: its reward is missing, nothing to learn
-                continue
             for i, gen in enumerate(ep.generations):
-                if gen.agent not in out or (phases is not None and gen.phase not in phases):
-                    continue
-                if batch.focus is not None and gen.agent != batch.focus[g]:
+                c = credit.get((g, k, i))
+                if c is None or not c.trained:  # a failed episode (e.g. dropped over the prompt budget): nothing
                     continue
                 if gen.prompt_ids is None or gen.completion_ids is None:
                     raise RolloutError(
@@ -304,21 +338,17 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                         "ids; training needs a backend that reports them (hf, vllm)")
                 if not gen.completion_ids:
                     continue  # nothing was generated: nothing to train on
-                outcome_credit = answer_advantages is not None and gen.phase in OUTCOME_PHASES
-                table = answer_advantages if outcome_credit else advantages
-                extra = resampled.get((gen.agent, g, k, i))
                 frames = image_frames(gen.prompt) or None
                 out[gen.agent].append(Sample(
                     agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase=gen.phase,
                     prompt_ids=list(gen.prompt_ids), completion_ids=list(gen.completion_ids),
                     logprobs=list(gen.logprobs) if gen.logprobs is not None else None,
-                    reward=batch.rewards[gen.agent][g][k] if extra is None else extra.rewards[0],
-                    advantage=float(table[gen.agent][g, k]) if extra is None else extra.advantages[0],
+                    reward=c.reward, advantage=c.advantage,
                     temperature=temperatures[gen.agent], weight_version=gen.weight_version,
                     video=ep.question.video if frames else None, frames=frames))
-                if extra is None:
+                if c.extra is None:
                     continue
-                for o, r, a in zip(extra.extra, extra.rewards[1:], extra.advantages[1:]):
+                for o, r, a in zip(c.extra.extra, c.extra.rewards[1:], c.extra.advantages[1:]):
                     if o.completion_ids:
                         out[gen.agent].append(Sample(
                             agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase="answer",

@@ -332,8 +332,11 @@ class SFTTrainer:
         from m1.marl.learner import seed_everything
         from m1.marl.stream import QuestionStream
 
+        from m1.marl.trackers import require_trackers
+
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
+        require_trackers(cfg.log.backends)  # a tracker that is not installed is named before any model loads
         # the checkpoint to resume from, checked against its manifest before any model loads
         resume = resume_point(self.out, cfg.checkpoint.resume_from) if cfg.checkpoint.resume else None
         seed_everything(cfg.seed)
@@ -356,6 +359,7 @@ class SFTTrainer:
         self.step = 0
         self.checkpointed = 0  # the step of the newest checkpoint on disk
         self.history: list[dict[str, Any]] = []
+        self.tracker_ids: dict[str, str] = {}  # the tracker runs this run logs to (kept in its checkpoints)
         if resume is not None:
             from m1.marl.checkpoint import load_checkpoint
 
@@ -366,6 +370,7 @@ class SFTTrainer:
                 raise
             self.step = self.checkpointed = int(state["step"])
             self.stream.cursor = int(state["cursor"])
+            self.tracker_ids = dict(state.get("trackers") or {})
 
     def _load_or_build(self, teacher_hub) -> list[SFTExample]:
         if teacher_hub is None and self.placement is not None and not examples_path(self.cfg).is_file():
@@ -389,14 +394,18 @@ class SFTTrainer:
         step with a checkpoint of it."""
         from m1.marl.checkpoint import naming_full_disk
         from m1.marl.stream import MetricsLog
+        from m1.marl.trackers import open_trackers
 
         cfg = self.cfg
         last = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
         if stop is not None:
             stop.reclaim()  # a Ray started while the models loaded took SIGTERM over
         with naming_full_disk(self.out / "metrics.jsonl"):  # it drops the lines after the resumed step
-            logger = MetricsLog(self.out, self.total_steps, self.step, cfg.log.tensorboard, cfg.log.progress)
+            logger = MetricsLog(self.out, self.total_steps, self.step, cfg.log.progress)
+        failed = True
         try:
+            logger.trackers = open_trackers(cfg, self.placement, self.tracker_ids)
+            self.tracker_ids = logger.trackers.run_ids()
             while self.step < last and not stop:
                 t0 = time.perf_counter()
                 batch = self.stream.take(cfg.batch_size)
@@ -417,8 +426,9 @@ class SFTTrainer:
                     self.save_checkpoint()
             if stop and self.step != self.checkpointed:
                 self.save_checkpoint(interim=True)
+            failed = False
         finally:
-            logger.close()
+            logger.close(failed)
         return self.history
 
     def save_checkpoint(self, interim: bool = False) -> Path:
@@ -427,7 +437,8 @@ class SFTTrainer:
         cfg = self.cfg
         folder = save_checkpoint(self.out, self.step, self.learners,
                                  {"step": self.step, "cursor": self.stream.cursor, "seed": cfg.seed,
-                                  "agents": self.trained, "name": cfg.name, "config": cfg.model_dump(mode="json")},
+                                  "agents": self.trained, "name": cfg.name, "config": cfg.model_dump(mode="json"),
+                                  "trackers": self.tracker_ids},
                                  cfg.checkpoint.keep_last, interim)
         self.checkpointed = self.step
         return folder

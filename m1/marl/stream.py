@@ -12,9 +12,9 @@ log = logging.getLogger(__name__)
 
 # ================================================================================================ metrics
 class MetricsLog:
-    """metrics.jsonl (one line per step), TensorBoard scalars when available, and a tqdm bar."""
+    """metrics.jsonl (one line per step), the trackers `log.backends` names (m1/marl/trackers.py), and a tqdm bar."""
 
-    def __init__(self, out_dir: Path, total: int, start: int, tensorboard: bool, progress: bool):
+    def __init__(self, out_dir: Path, total: int, start: int, progress: bool, trackers=None):
         self.path = out_dir / "metrics.jsonl"
         out_dir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():  # keep only steps up to the checkpoint we resume from (drop a killed run's tail)
@@ -30,14 +30,7 @@ class MetricsLog:
                 if step <= start:
                     kept.append(line)
             self.path.write_text("".join(line + "\n" for line in kept))
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(out_dir / "tensorboard"))
-            except ImportError:
-                log.warning("tensorboard is not installed: metrics go to %s only", self.path)
+        self.trackers = trackers
         self.bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -48,19 +41,16 @@ class MetricsLog:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
-        if self.writer is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
-                    self.writer.add_scalar(k, v, row["step"])
-            self.writer.flush()
+        if self.trackers is not None:
+            self.trackers.log(row)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
                                  reward=f"{row.get('reward/mean', float('nan')):.3f}")
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+    def close(self, failed: bool = False) -> None:
+        if self.trackers is not None:
+            self.trackers.close(failed)
         if self.bar is not None:
             self.bar.close()
 

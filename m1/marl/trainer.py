@@ -10,7 +10,8 @@ One training step, top to bottom (`Trainer.train_step`):
    rollouts of a question (GRPO advantages), and turn every generation into a sample (m1/marl/rollout.py);
 5. update each agent's learner: recompute the log-probs of its completions, add the clipped GRPO surrogate and
    beta * k3 KL to the reference (m1/marl/grpo.py), accumulate gradients over micro-batches, clip, AdamW step;
-6. log metrics (JSONL, TensorBoard, progress bar) and checkpoint every `checkpoint.every` steps.
+6. log metrics (JSONL, the trackers of `log.backends`, progress bar), every `log.samples_every` steps the step's
+   episodes with their rewards and advantages (m1/marl/samples.py), and checkpoint every `checkpoint.every` steps.
 
 A seed-kind team (weaver / zoomer / sage, m1/team/single.py) trains through the same loop: its one agent on the
 complete topology, its kind's reward (m1.marl.rewards.seed_rewards), and every policy turn a sample whose prompt is
@@ -44,7 +45,9 @@ from m1.marl.learner import derive_seed, seed_everything
 from m1.marl.rewards import answer_rewards
 from m1.marl.recipe import informative_groups, merge_batches, plan_entropy, step_topology
 from m1.marl.rollout import (RewardFn, RolloutError, advantages_for, agent_temperature, build_samples, focus_agents,
-                             focus_only, resample_answers, run_rollouts, score, training_team_config)
+                             focus_only, generation_credit, resample_answers, run_rollouts, score,
+                             training_team_config)
+from m1.marl.samples import due
 from m1.marl.stream import MetricsLog, QuestionStream, load_questions
 
 log = logging.getLogger(__name__)
@@ -77,8 +80,11 @@ class Trainer:
         from m1.models.hub import ModelHub
         from m1.video import VideoPool
 
+        from m1.marl.trackers import require_trackers
+
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
+        require_trackers(cfg.log.backends)  # a tracker that is not installed is named before any model loads
         # the checkpoint to resume from, verified before anything loads: a damaged one is reported in seconds
         resume = resume_point(self.out, cfg.checkpoint.resume_from) if cfg.checkpoint.resume else None
         seed_everything(cfg.seed)
@@ -151,6 +157,8 @@ class Trainer:
         self.step = 0
         self.checkpointed = 0  # the step of the newest checkpoint on disk (a stop writes one unless it is current)
         self.history: list[dict[str, Any]] = []
+        self.tracker_ids: dict[str, str] = {}  # the tracker runs this run logs to (kept in its checkpoints)
+        self.trackers = None  # open while train() runs
         try:
             if resume is not None:
                 self.load_checkpoint(resume, verified=True)
@@ -172,8 +180,13 @@ class Trainer:
         if stop is not None:
             stop.reclaim()  # a Ray started while the models loaded took SIGTERM over
         with naming_full_disk(self.out / "metrics.jsonl"):  # it drops the lines after the resumed step
-            logger = MetricsLog(self.out, cfg.steps, self.step, cfg.log.tensorboard, cfg.log.progress)
+            logger = MetricsLog(self.out, cfg.steps, self.step, cfg.log.progress)
+        failed = True
         try:
+            from m1.marl.trackers import open_trackers
+
+            self.trackers = logger.trackers = open_trackers(cfg, self.placement, self.tracker_ids)
+            self.tracker_ids = self.trackers.run_ids()
             while self.step < last and not stop:
                 try:
                     row = self.train_step()
@@ -191,8 +204,10 @@ class Trainer:
                         raise
             if stop and self.step != self.checkpointed:
                 self.save_checkpoint(interim=True)
+            failed = False
         finally:
-            logger.close()
+            self.trackers = None
+            logger.close(failed)
         if self.step == cfg.steps and cfg.average.checkpoints:
             self.write_average()
         return self.history
@@ -263,11 +278,15 @@ class Trainer:
         stats = self.learners.update(samples, self.lr_at(step), "grpo")
         self.step += 1
         t_end = time.perf_counter()
+        seconds = {"sync": t_sync - t0, "rollout": t_rollout - t_sync, "reward": t_reward - t_rollout,
+                   "update": t_end - t_reward, "step": t_end - t0}
+        if due(cfg.log.samples_every, self.step):  # what this step trained on, for a person to read
+            credit = generation_credit(batch, advantages, answer_adv, answer_groups, phases)
+            self.write_samples(batch, credit, live)
+            seconds["samples"] = time.perf_counter() - t_end
 
         # 6. metrics
-        row = self._metrics(batch, rewards, advantages, stats, topology, answer_groups,
-                            {"sync": t_sync - t0, "rollout": t_rollout - t_sync, "reward": t_reward - t_rollout,
-                             "update": t_end - t_reward, "step": t_end - t0})
+        row = self._metrics(batch, rewards, advantages, stats, topology, answer_groups, seconds)
         for agent, seconds in synced.items():
             row[f"{agent}/sync_seconds"] = seconds
         if not self.seed_kind:  # how much the plan phase still explores, per question family
@@ -285,6 +304,16 @@ class Trainer:
                 row.update({f"greedy/{k.split('/', 1)[1]}": v for k, v in summarize(greedy.breakdowns).items()
                             if k in ("reward/res", "reward/team_res")})
         return row
+
+    def write_samples(self, batch, credit, live=None) -> Path:
+        """<out_dir>/samples/step-NNNNNN/ (samples.jsonl and trace pages) and the trackers' samples table."""
+        from m1.marl.samples import TABLE_COLUMNS, table_rows, write_step_samples
+
+        with naming_full_disk(self.out / "samples"):
+            folder, rows = write_step_samples(self.out, self.step, batch, credit, live, self.pool)
+        if self.trackers is not None:
+            self.trackers.table("samples", TABLE_COLUMNS, table_rows(rows), self.step)
+        return folder
 
     def _dynamic_rollouts(self, team, questions, first: int, topology):
         """`rollout.dynamic_sampling`: run `questions`, score them, keep each question where some agent's group
@@ -423,11 +452,12 @@ class Trainer:
 
     def _state(self) -> dict[str, Any]:
         return {"step": self.step, "cursor": self.data.cursor, "seed": self.cfg.seed, "agents": self.trained,
-                "name": self.cfg.name, "config": self.cfg.model_dump(mode="json")}
+                "name": self.cfg.name, "config": self.cfg.model_dump(mode="json"), "trackers": self.tracker_ids}
 
     def load_checkpoint(self, folder: Path, verified: bool = False) -> None:
         state = load_checkpoint(folder, self.learners, self.trained, self.cfg.seed, verified)
         self.step, self.data.cursor = int(state["step"]), int(state["cursor"])
+        self.tracker_ids = dict(state.get("trackers") or {})
         self.checkpointed = self.step
         log.info("resumed from %s (step %d)", folder, self.step)
 
