@@ -348,6 +348,9 @@ def _mount_subapps() -> None:
     from m1.data.cli import app as data_app
 
     app.add_typer(data_app, name="data", help="Training data: question files split by video; teacher SFT examples.")
+    from m1.serve import serve_command
+
+    app.command("serve")(serve_command)
 
 
 _mount_subapps()

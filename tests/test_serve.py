@@ -1,0 +1,293 @@
+"""`m1 serve` (m1/serve.py): the official openai client gets m1 infer's answers, requests are batched, and bad
+requests get one JSON error each (never a 500, never a path outside the allowed roots)."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_synth_world
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from m1.config import load_team  # noqa: E402
+from m1.run import run_questions  # noqa: E402
+from m1.serve import Limits, create_app, split_options  # noqa: E402
+from m1.team.cpp import make_team  # noqa: E402
+
+NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
+LETTERS = "ABCDEFGHIJ"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, m1_cache):
+    return make_synth_world(tmp_path_factory.mktemp("synth"), videos=2, seed=7, duration=40, questions_per_video=3)
+
+
+@pytest.fixture(scope="module")
+def cfg(m1_cache):
+    return load_team("synth_teacher", NO_CLIP)
+
+
+@pytest.fixture(scope="module")
+def team(cfg):
+    return make_team(cfg)
+
+
+def _text(q) -> str:
+    return q.text + "".join(f"\n{LETTERS[i]}. {o}" for i, o in enumerate(q.options)) + \
+        ("\nAnswer with the option's letter from the given choices directly." if q.options else "")
+
+
+def _body(q, url=None, **extra) -> dict:
+    url = url or Path(q.video).resolve().as_uri()
+    return {"model": "synth_teacher", "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": _text(q)}]}],
+        "max_tokens": 16, "temperature": 0.0, "media_io_kwargs": {"video": {"num_frames": 10}}, **extra}
+
+
+def _extra(q) -> dict:
+    """The question as structured fields, for tasks whose text has no lettered options (open, numeric, grounding)."""
+    return {"m1": {"question": q.text, "options": q.options, "task": q.task}} if not q.options else {}
+
+
+class _Server:
+    """uvicorn on a free port in a thread: the openai client needs a real socket."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("uvicorn did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def test_split_options_reads_lettered_lines_and_drops_the_instruction():
+    q, opts = split_options("What is red?\nA. a circle\nB) a square\nC. a star\nAnswer with the option's letter.")
+    assert (q, opts) == ("What is red?", ["a circle", "a square", "a star"])
+    assert split_options("I. am a sentence.\nNothing else") == ("I. am a sentence.\nNothing else", [])
+
+
+def test_openai_client_with_video_url_and_image_frames_gets_m1_infers_answers(world, cfg, team, tmp_path):
+    import av
+    import numpy as np
+    from openai import OpenAI
+    from PIL import Image
+
+    folder, path, qs = world
+    summary = run_questions(cfg, qs, tmp_path / "r.jsonl", team=team, progress=False)
+    assert not summary.errors
+    rows = {json.loads(x)["id"]: json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()}
+    app = create_app(team, Limits(allowed_roots=[Path(folder).resolve()], gather_s=0.2))
+    with _Server(app) as srv:
+        client = OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["synth_teacher"]
+        got: dict[str, object] = {}
+
+        def ask(q):
+            b = _body(q, **_extra(q))
+            got[q.id] = client.chat.completions.create(
+                model=b["model"], messages=b["messages"], max_tokens=16, temperature=0.0,
+                extra_body={"media_io_kwargs": b["media_io_kwargs"], **_extra(q)})
+
+        threads = [threading.Thread(target=ask, args=(q,)) for q in qs]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        for q in qs:
+            r = got[q.id]
+            assert r.choices[0].message.content == rows[q.id]["answer"], q.id
+            m1 = r.model_extra["m1"]
+            assert {a: v["answer"] for a, v in m1["agents"].items()} == \
+                {a: v["answer"] for a, v in rows[q.id]["agents"].items()}
+            assert m1["frames_used"] == rows[q.id]["frames_used"] and r.usage.total_tokens > 0
+        assert max(app.state.batcher.batches) > 1  # concurrent requests ran together
+        page = __import__("httpx").get(got[qs[0].id].model_extra["m1"]["trace_url"])
+        assert page.status_code == 200 and qs[0].text[:20] in page.text
+
+        # the same video as image_url frames (every frame, at the video's own rate)
+        q = qs[0]
+        with av.open(q.video) as c:
+            fps = float(c.streams.video[0].average_rate)
+            frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+
+        def png(a):
+            buf = io.BytesIO()
+            Image.fromarray(np.asarray(a)).save(buf, format="PNG")
+            return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+        parts = [{"type": "image_url", "image_url": {"url": png(f)}} for f in frames]
+        r = client.chat.completions.create(
+            model="synth_teacher", messages=[{"role": "user", "content": parts + [{"type": "text", "text": _text(q)}]}],
+            extra_body={"media_io_kwargs": {"video": {"fps": fps}}, **_extra(q)})
+        assert r.choices[0].message.content == rows[q.id]["answer"]
+
+        # a data: URL of the mp4 itself
+        data = "data:video/mp4;base64," + base64.b64encode(Path(q.video).read_bytes()).decode()
+        r = client.chat.completions.create(model="synth_teacher", messages=_body(q, url=data)["messages"],
+                                           extra_body=_extra(q))
+        assert r.choices[0].message.content == rows[q.id]["answer"]
+
+
+def _client(team, **limits) -> TestClient:
+    return TestClient(create_app(team, Limits(**limits)), raise_server_exceptions=False)
+
+
+def test_path_escapes_are_refused(world, team, tmp_path):
+    folder, _, qs = world
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "link.mp4").symlink_to(Path(qs[0].video).resolve())  # a link out of the root
+    inside = root / "v.mp4"
+    inside.write_bytes(Path(qs[0].video).read_bytes())
+    q = qs[0]
+    with _client(team, allowed_roots=[root.resolve()]) as c:
+        for url in [f"file://{root}/../{Path(q.video).name}", f"file://{root}/%2e%2e/x.mp4",
+                    f"file://{root}/%252e%252e/x.mp4", f"file://{root}/link.mp4", Path(q.video).resolve().as_uri(),
+                    "file://otherhost/etc/passwd", "file:///etc/passwd", "v.mp4", f"file://{root}/nope.mp4",
+                    f"{root}/..%2fv.mp4", "http://example.com/v.mp4"]:
+            r = c.post("/v1/chat/completions", json=_body(q, url=url, **_extra(q)))
+            assert r.status_code == 400, (url, r.text)
+            assert "Traceback" not in r.text and r.json()["error"]["message"]
+        ok = c.post("/v1/chat/completions", json=_body(q, url=inside.as_uri(), **_extra(q)))
+        assert ok.status_code == 200, ok.text
+    with _client(team) as c:  # no roots: no local files at all
+        r = c.post("/v1/chat/completions", json=_body(q, url=inside.as_uri(), **_extra(q)))
+        assert r.status_code == 400 and "--allowed-media-root" in r.json()["error"]["message"]
+
+
+def test_api_key_body_size_stream_and_unreadable_video(world, team, tmp_path, capfd):
+    folder, _, qs = world
+    q = qs[0]
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(b"not a video at all")
+    app = create_app(team, Limits(allowed_roots=[Path(folder).resolve(), tmp_path.resolve()], max_body_bytes=4096),
+                     api_key="s3cret-key")
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert c.post("/v1/chat/completions", json=_body(q)).status_code == 401
+        assert c.post("/v1/chat/completions", json=_body(q), headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert c.get("/v1/models").status_code == 401
+        auth = {"Authorization": "Bearer s3cret-key"}
+        assert c.post("/v1/chat/completions", json=_body(q, **_extra(q)), headers=auth).status_code == 200
+        big = _body(q, url="data:video/mp4;base64," + "A" * 8000)
+        r = c.post("/v1/chat/completions", json=big, headers=auth)
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413
+        r = c.post("/v1/chat/completions", json=_body(q, stream=True), headers=auth)
+        assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json=_body(q, url=bad.as_uri()), headers=auth)
+        assert r.status_code == 400 and "unreadable video" in r.json()["error"]["message"]
+    out = capfd.readouterr()
+    assert "s3cret-key" not in out.out + out.err
+
+
+class _GatedTeam:
+    """The real team behind a gate: the test decides when a batch may run (queue and timeout tests)."""
+
+    def __init__(self, team):
+        self.team, self.cfg, self.gate = team, team.cfg, threading.Event()
+
+    def run(self, questions):
+        self.gate.wait(30)
+        return self.team.run(questions)
+
+
+def test_full_queue_is_429_with_retry_after_and_a_slow_answer_is_504(world, team):
+    folder, _, qs = world
+    q = qs[0]
+    gated = _GatedTeam(team)
+    lim = Limits(allowed_roots=[Path(folder).resolve()], max_queue=2, timeout_s=1.0, gather_s=0.0)
+    with TestClient(create_app(gated, lim), raise_server_exceptions=False) as c:
+        codes = []
+        threads = [threading.Thread(target=lambda: codes.append(
+            c.post("/v1/chat/completions", json=_body(q, **_extra(q))).status_code)) for _ in range(2)]
+        [t.start() for t in threads]
+        time.sleep(0.5)
+        r = c.post("/v1/chat/completions", json=_body(q, **_extra(q)))
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        [t.join() for t in threads]
+        assert codes == [504, 504]
+        gated.gate.set()
+        time.sleep(0.2)
+        ok = c.post("/v1/chat/completions", json=_body(q, **_extra(q)))
+        assert ok.status_code == 200
+
+
+def _malformed(rng: random.Random, q) -> object:
+    """One bad body: a wrong type, a missing or odd field, a broken URL, or random bytes."""
+    good = _body(q, url="file:///nonexistent/x.mp4")
+    junk = [None, 0, -1, 1.5, True, "", "x" * 50, [], {}, [1, 2], {"a": 1}, "\x00", "💥", 10 ** 30, ["text"]]
+    kind = rng.randrange(8)
+    if kind == 0:
+        return rng.choice(junk)
+    if kind == 1:
+        b = json.loads(json.dumps(good))
+        b[rng.choice(list(b) + ["messages", "model", "stream", "n", "m1", "extra"])] = rng.choice(junk)
+        return b
+    if kind == 2:
+        b = json.loads(json.dumps(good))
+        b["messages"][0][rng.choice(["role", "content", "name"])] = rng.choice(junk)
+        return b
+    if kind == 3:
+        b = json.loads(json.dumps(good))
+        part = rng.choice(b["messages"][0]["content"])
+        part[rng.choice(["type", "video_url", "text", "image_url"])] = rng.choice(junk)
+        return b
+    if kind == 4:
+        b = json.loads(json.dumps(good))
+        b["messages"][0]["content"][0]["video_url"]["url"] = rng.choice(
+            ["data:video/mp4;base64,%%%", "data:image/png;base64,AAAA", "data:video/mp4,abc", "data:", "file://",
+             "file:///", "ftp://x/y.mp4", "\\\\server\\share", "file:///%00", "/" * 300, "file:///proc/self/environ"])
+        return b
+    if kind == 5:
+        b = json.loads(json.dumps(good))
+        b["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": rng.choice(
+            ["data:image/png;base64,AAAA", "data:image/png;base64,", "data:text/plain;base64,aGk="])}},
+            {"type": "text", "text": "What?\nA. x\nB. y"}]
+        return b
+    if kind == 6:
+        b = json.loads(json.dumps(good))
+        b["m1"] = {rng.choice(["question", "options", "task", "id"]): rng.choice(junk)}
+        return b
+    return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+
+
+def test_fuzz_a_thousand_malformed_bodies_never_give_a_500(world, team):
+    folder, _, qs = world
+    rng = random.Random(0)
+    with _client(team, allowed_roots=[Path(folder).resolve()]) as c:
+        statuses = {}
+        for i in range(1200):
+            body = _malformed(rng, qs[0])
+            if isinstance(body, bytes):
+                r = c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            else:
+                r = c.post("/v1/chat/completions", content=json.dumps(body).encode(),
+                           headers={"content-type": "application/json"})
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (body if not isinstance(body, bytes) else "bytes", r.text)
+            err = r.json()["error"]
+            assert err["message"] and "Traceback" not in r.text
+        assert c.get("/health").json()["status"] == "ok"
+    assert sum(statuses.values()) == 1200 and statuses.get(400, 0) > 1000
