@@ -291,3 +291,51 @@ def test_fuzz_a_thousand_malformed_bodies_never_give_a_500(world, team):
             assert err["message"] and "Traceback" not in r.text
         assert c.get("/health").json()["status"] == "ok"
     assert sum(statuses.values()) == 1200 and statuses.get(400, 0) > 1000
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_request_in_flight_then_exits_and_the_key_is_never_logged(world, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    folder, _, qs = world
+    q = qs[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, M1_TEST_KEY="k3y-never-logged")
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "m1", "serve", "--team", "synth_teacher", "--port", str(port),
+                                 "--allowed-media-root", str(folder), "--api-key-env", "M1_TEST_KEY",
+                                 "--gather-ms", "1500", *sum((["--set", o] for o in NO_CLIP), [])],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        auth = {"Authorization": "Bearer k3y-never-logged"}
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError(log.read_text())
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("r", httpx.post(
+            f"{url}/v1/chat/completions", json=_body(q, **_extra(q)), headers=auth, timeout=60)))
+        t.start()
+        time.sleep(0.5)  # the request waits in the gather window
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert got["r"].status_code == 200, got["r"].text
+        assert proc.wait(60) in (-signal.SIGTERM, 143)  # uvicorn re-raises the signal once drained: $? = 143
+        with pytest.raises(httpx.TransportError):
+            httpx.post(f"{url}/v1/chat/completions", json=_body(q), headers=auth, timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "k3y-never-logged" not in log.read_text()
