@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from m1.errors import GuardedGroup, describe, fail, train_guarded
+from m1.errors import GuardedGroup, describe, fail
+from m1.marl.guard import train_guarded
 
 app = typer.Typer(cls=GuardedGroup, add_completion=False, no_args_is_help=True,
                   help="M1: multi-agent collaborative policy planning for video understanding.")
@@ -290,21 +291,29 @@ def plot(
 
 @app.command()
 def view(
-    run_dir: Path = typer.Argument(..., help="A run folder holding traces/ (as `m1 demo` writes), or a trace folder."),
+    run_dir: Path = typer.Argument(..., help="A run folder holding traces/ (as `m1 demo` writes), a trace folder, "
+                                   "or the out_dir of an `m1 train` / `m1 sft` run."),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="Port on 127.0.0.1 (default: a free one)."),
     open_browser: bool = typer.Option(False, "--open", help="Also open the index in a web browser."),
 ) -> None:
     """Serve a run's trace pages on this machine and print the index's URL; Ctrl-C stops.
 
     The index (RUN_DIR/traces/index.html or RUN_DIR/index.html) is built first when it is missing or
-    older than a trace. Only 127.0.0.1 is served: traces hold questions and model output."""
+    older than a trace. A training run gets RUN_DIR/index.html: its plots and the steps whose episodes were kept
+    (log.samples_every), each linking to that step's trace pages. Only 127.0.0.1 is served: traces hold questions
+    and model output."""
     from m1.files import WriteError
+    from m1.marl.view import build_run_index, is_training_run
     from m1.trace import INDEX_NAME, build_index, find_trace_dir, index_is_stale, serve
 
     try:
-        folder = find_trace_dir(run_dir)
-        if index_is_stale(folder):
-            typer.echo(f"built {build_index(folder)}")
+        if is_training_run(run_dir):
+            folder = run_dir
+            typer.echo(f"built {build_run_index(folder)}")
+        else:
+            folder = find_trace_dir(run_dir)
+            if index_is_stale(folder):
+                typer.echo(f"built {build_index(folder)}")
     except (FileNotFoundError, WriteError) as exc:
         fail(str(exc))
     try:

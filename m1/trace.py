@@ -485,7 +485,9 @@ def _credit_html(credit: dict | None) -> str:
     adv = credit.get("advantage")
     sign = "" if adv is None or (isinstance(adv, float) and math.isnan(adv)) else ("pos" if adv > 0 else
                                                                                  "neg" if adv < 0 else "zero")
-    parts = [f" · <span class='credit reward'>reward {_num(credit.get('reward'))}</span>",
+    named = " · ".join(f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in (credit.get("parts") or {}).items()
+                       if k != "agent")
+    parts = [f" · <span class='credit reward' title='{_e(named)}'>reward {_num(credit.get('reward'))}</span>",
              f" · <span class='credit advantage {sign}'>advantage {_num(adv, signed=True)}</span>"]
     if not credit.get("trained", True):
         parts.append(" · <span class='muted not-trained'>not trained on</span>")

@@ -79,11 +79,12 @@ def write_step_samples(out_dir: str | Path, step: int, batch, credit: dict, live
                     continue
                 trained = c.trained and (live is None or bool(live[gen.agent][g]))
                 info = {"reward": _num(c.reward), "advantage": _num(c.advantage), "trained": trained}
-                gens.append(gen.model_copy(update={"credit": info}))
+                reward_parts = _parts(parts.get(gen.agent))
+                gens.append(gen.model_copy(update={"credit": {**info, "parts": reward_parts}}))
                 row = {"step": step, "episode": name, "question_id": ep.question.id, "group": g, "rollout": k,
                        "agent": gen.agent, "phase": gen.phase, "turn": gen.step,
                        "prompt": _prompt_text(gen.prompt), "completion": gen.completion, "parse_ok": gen.parse_ok,
-                       **info, "reward_parts": _parts(parts.get(gen.agent)), "error": ep.error}
+                       **info, "reward_parts": reward_parts, "error": ep.error}
                 rows.append(row)
                 if c.extra is not None:  # rollout.answer_samples: the extra answers drawn from the same prompt
                     for j, (o, r, a) in enumerate(zip(c.extra.extra, c.extra.rewards[1:], c.extra.advantages[1:])):
