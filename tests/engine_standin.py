@@ -5,13 +5,19 @@ client, the launcher and weight sync are tested without a GPU:
   GET /health, GET /v1/models, POST /v1/completions (token-id prompts, seeded sampling, logprobs,
   prompt_logprobs, echo, return_token_ids / return_tokens_as_token_ids), POST /v1/load_lora_adapter,
   POST /v1/unload_lora_adapter, and in dev mode (VLLM_SERVER_DEV_MODE=1) POST /collective_rpc with
-  update_config + reload_weights and POST /reset_prefix_cache.
+  reload_weights and POST /reset_prefix_cache.
+
+Weight reloads behave as vLLM 0.32's do (tests/test_vllm_real.py checks the real one): `reload_weights` reads the
+folder the server was started from again, and `update_config` (pointing it at another folder) fails with the
+HTTP 500 vLLM 0.32 answers. `--stale-reload` makes `reload_weights` succeed without loading anything, the silent
+failure the client's reload check must catch. /v1/models gives the model folder as the base model's `root`.
 
 Sampled tokens' log-probs are log_softmax(logits / T) in float32 (the learner's quantity); prompt
 log-probs are at temperature 1, as vLLM computes them. One lock serialises model use, so
 concurrent requests are handled one at a time, each with its own seeded torch Generator.
 
     python tests/engine_standin.py --model FOLDER --port P [--host 127.0.0.1] [--served-model-name NAME]
+                                   [--stale-reload]
 """
 from __future__ import annotations
 
@@ -35,17 +41,18 @@ def _error(status: int, message: str, kind: str):
 class Engine:
     """The base model, LoRA-adapted copies of it by name, and the sampling loop."""
 
-    def __init__(self, folder: str, served_name: str) -> None:
+    def __init__(self, folder: str, served_name: str, stale_reload: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
         self.served_name = served_name
+        self.folder = str(Path(folder).absolute())
+        self.stale_reload = stale_reload
         self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         self.base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
         self.eos = self._eos_ids(self.base)
         self.loras: dict[str, tuple[str, Any]] = {}  # name -> (adapter folder, model with the adapter)
-        self.pending_model: str | None = None
         self.lock = threading.Lock()
 
     def _eos_ids(self, model) -> set[int]:
@@ -74,13 +81,13 @@ class Engine:
             self.loras[name] = (folder, self._with_adapter(folder))
 
     def reload(self) -> None:
-        """Full weights from the folder named by update_config; adapters stay applied on top, as in vLLM."""
+        """Full weights from the folder the server was started from; adapters stay applied on top, as in vLLM."""
         from transformers import AutoModelForCausalLM
 
-        if self.pending_model is None:
-            raise ValueError("reload_weights before update_config: no model folder to load")
+        if self.stale_reload:
+            return
         with self.lock:
-            fresh = AutoModelForCausalLM.from_pretrained(self.pending_model, dtype=self.torch.float32,
+            fresh = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.torch.float32,
                                                          local_files_only=True).eval()
             self.base.load_state_dict(fresh.state_dict())
             self.loras = {n: (f, self._with_adapter(f)) for n, (f, _) in self.loras.items()}
@@ -152,7 +159,7 @@ def build_app(engine: Engine, dev_mode: bool):
 
     @app.get("/v1/models")
     def models():
-        data = [{"id": engine.served_name, "object": "model", "root": engine.served_name, "parent": None}]
+        data = [{"id": engine.served_name, "object": "model", "root": engine.folder, "parent": None}]
         data += [{"id": n, "object": "model", "root": f, "parent": engine.served_name}
                  for n, (f, _) in engine.loras.items()]
         return {"object": "list", "data": data}
@@ -235,13 +242,8 @@ def build_app(engine: Engine, dev_mode: bool):
         @app.post("/collective_rpc")
         def collective_rpc(body: dict[str, Any]):
             method, args = body.get("method"), body.get("args") or []
-            if method == "update_config":
-                overrides = args[0] if args else {}
-                folder = (overrides.get("model_config") or {}).get("model")
-                if not folder:
-                    return _error(400, "update_config: expected {'model_config': {'model': FOLDER}}",
-                                  "BadRequestError")
-                engine.pending_model = folder
+            if method == "update_config":  # vLLM 0.32's answer to {"model_config": {"model": FOLDER}}
+                return _error(500, "Field '_hf_config_revision' not found in ModelConfig", "InternalServerError")
             elif method == "reload_weights":
                 try:
                     engine.reload()
@@ -264,13 +266,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--stale-reload", action="store_true",
+                        help="reload_weights answers success and loads nothing (vLLM 0.32's silent stale reload)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import uvicorn
 
     torch.set_num_threads(1)
-    engine = Engine(args.model, args.served_model_name or args.model)  # loaded before the port opens
+    engine = Engine(args.model, args.served_model_name or args.model, args.stale_reload)  # loaded before the port opens
     dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "") in ("1", "true", "True")
     uvicorn.run(build_app(engine, dev_mode), host=args.host, port=args.port, log_level="warning")
 

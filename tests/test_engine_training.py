@@ -21,10 +21,11 @@ def video(tmp_path_factory):
     return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
 
 
-def engine_cfg(out, steps=2, engine="vllm", **grpo):
+def engine_cfg(out, steps=2, engine="vllm", learner=None, **grpo):
     data = {"team": team_dict(), "rollout": {"num_generations": 2, "questions_per_step": 2},
             "grpo": {"beta": 0.05, "old_logprobs": "sampler", **grpo}, "judge": {"kind": "rubric"},
-            "learner": {"finetune": "lora", "lr": 5e-2, "micro_batch_size": 4, "max_completion_tokens": 16},
+            "learner": {"finetune": "lora", "lr": 5e-2, "micro_batch_size": 4, "max_completion_tokens": 16,
+                        **(learner or {})},
             "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 3},
             "log": {"progress": False, "tensorboard": False}}
     if engine == "vllm":
@@ -143,3 +144,35 @@ def test_engine_killed_mid_step_is_a_clear_error_and_the_resumed_run_repeats_the
     for got, ref in zip(first + rest, want):
         assert got["loss"] == pytest.approx(ref["loss"], abs=1e-7)
         assert got["alpha/grad_norm"] == pytest.approx(ref["alpha/grad_norm"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_full_finetune_engine_serves_its_own_copy_and_every_reload_is_checked(tmp_path, video, m1_cache):
+    """Full fine-tuning: each launched engine serves a copy of the model that M1 owns (the sync overwrites its
+    weight files, never the model's own folder), the stand-in answers update_config with vLLM 0.32's HTTP 500 and
+    the sync does not use it, and after every sync the engine scores as the learner does (checked by the sync's own
+    probe too)."""
+    import hashlib
+
+    from m1.models.tiny import ensure_tiny
+
+    tr = make(engine_cfg(tmp_path / "full", steps=2, learner={"finetune": "full", "lr": 1e-3}), video)
+    originals = {a: ensure_tiny(tr.team_cfg.models[k].tiny) for a, k in (("alpha", "qa"), ("beta", "qb"))}
+    digest = {a: hashlib.sha256((f / "model.safetensors").read_bytes()).hexdigest() for a, f in originals.items()}
+    try:
+        for agent in AGENTS:
+            assert tr.engines.chats[agent].engine_folder() == (tmp_path / "full" / "engines" / f"model-{agent}")
+        for step in range(2):
+            row = tr.train_step()
+            if step == 0:  # later steps' weights were synced by the check below, before their step began
+                assert all(row[f"{a}/sync_seconds"] > 0 for a in AGENTS)
+            tr.engines.sync(tr.step)
+            for agent in AGENTS:
+                prompt, completion = [11, 12, 13, 14, 15, 16], [20, 21, 22, 23]
+                engine = tr.engines.chats[agent].score(prompt, completion)
+                assert engine == pytest.approx(_logprobs(tr.learners.learners[agent], prompt, completion), abs=1e-4)
+                assert tr.engines.chats[agent].weight_version == tr.step
+    finally:
+        tr.close()
+    for agent, f in originals.items():  # the model's own folder was never written
+        assert hashlib.sha256((f / "model.safetensors").read_bytes()).hexdigest() == digest[agent]

