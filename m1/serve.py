@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,7 @@ OPTION_LINE = re.compile(r"^\s*\(?([A-Z])[.):]\s+(.+?)\s*$")
 INSTRUCTION = re.compile(r"^\s*(answer with|please answer|respond with|select the best|best option)", re.I)
 TASKS = ("mcq", "open", "grounding", "numeric")
 DEFAULT_FRAME_FPS = 1.0
+GATHER_ROUNDS = 20  # a batch waits at most this many gather windows for a burst to arrive
 
 
 class ApiError(Exception):
@@ -321,7 +322,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._busy = 0
         self._stop = False
-        self.batches: list[int] = []  # sizes of the batches run (tests and the benchmark read them)
+        self.batches: deque[int] = deque(maxlen=1000)  # sizes of the last batches run (tests, the benchmark)
         self._thread = threading.Thread(target=self._loop, name="m1-serve-team", daemon=True)
         self._thread.start()
 
@@ -353,7 +354,7 @@ class Batcher:
                     self._cv.wait()
                 if not self._queue and self._stop:
                     return
-            time.sleep(self.limits.gather_s)  # let requests that arrive together join this batch
+            self._gather()
             with self._cv:
                 jobs, self._queue = self._queue[:self.batch], self._queue[self.batch:]
                 self._busy = len(jobs)
@@ -376,6 +377,19 @@ class Batcher:
                 with self._cv:
                     self._busy = 0
                     self._cv.notify_all()
+
+    def _gather(self) -> None:
+        """Let requests that arrive together join one batch: wait `gather_s`, and again while more keep arriving
+        (clients of a burst are parsed one after another, so on a busy machine a burst spreads out), at most
+        GATHER_ROUNDS times and never once the batch is full."""
+        seen = -1
+        for _ in range(GATHER_ROUNDS):
+            with self._cv:
+                n = len(self._queue)
+            if n >= self.batch or n == seen:
+                return
+            seen = n
+            time.sleep(self.limits.gather_s)
 
     def drain(self, timeout: float | None = None) -> None:
         """Refuse new requests, finish those queued and running, then stop the thread."""
@@ -514,13 +528,13 @@ def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: in
             size = request.headers.get("content-length")
             if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
                 raise ApiError(413, f"body of {int(size)} bytes: at most {limits.max_body_bytes}")
-            raw = b""
-            async for chunk in request.stream():
+            raw = bytearray()
+            async for chunk in request.stream():  # read up to the limit only, whatever Content-Length claimed
                 raw += chunk
                 if len(raw) > limits.max_body_bytes:
                     raise ApiError(413, f"body over {limits.max_body_bytes} bytes")
             try:
-                body = json.loads(raw)
+                body = json.loads(bytes(raw))
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                 raise _bad("the body is not valid JSON") from None
             tmp = Path(tempfile.mkdtemp(prefix="m1-serve-"))

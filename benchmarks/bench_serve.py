@@ -1,0 +1,142 @@
+"""`m1 serve` under load vs `m1 infer` on the same questions, in one process run.
+
+16 client threads (the official openai client, one request at a time each) share 64 M1-Synth questions and send
+them to a served `mini_trained` team (uvicorn in this process, each question a `video_url` part plus its lettered
+options); the baseline answers the same 64 questions with `run_questions`, the code path of `m1 infer`, on the same
+loaded team. Reported: p50/p95 request latency, errors, how many answers equal m1 infer's, the batch sizes the
+server formed, and throughput served / infer (goal >= 0.8).
+
+By default the team's CLIP is a tiny random one (the world's CLIP trains for ~4 CPU minutes on first use; it
+changes what Image Retrieval returns, not the serving path); `--synth-clip` uses the shipped config unchanged.
+
+    python benchmarks/bench_serve.py [--clients 16] [--questions 64] [--synth-clip] [--json out.json]
+"""
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from _common import Figure, Result, bench_dir, cli, finish
+
+TINY_CLIP = ("models.clip={kind: clip, backend: open_clip, device: cpu, "
+             "tiny: {arch: open_clip, hidden_size: 64, layers: 2, image_size: 64, seed: 6}}")
+
+
+def world(n: int):
+    """The first n questions of a cached M1-Synth world (up to 4 per 40-second video)."""
+    from m1.run import read_questions
+    from m1.synth.make import make_dataset
+
+    videos = n // 4 + 4  # a video may get fewer than 4 questions; the spare videos make up for it
+    folder = bench_dir() / f"serve_world_{videos}"
+    path = folder / "questions.jsonl"
+    if not path.is_file():
+        make_dataset(folder, videos=videos, seed=42, duration=40, questions_per_video=4, progress=False)
+    qs, issues = read_questions(path, folder)
+    assert not issues and len(qs) >= n, (issues, len(qs))
+    return folder, qs[:n]
+
+
+def text_of(q) -> str:
+    return q.text + "".join(f"\n{chr(65 + i)}. {o}" for i, o in enumerate(q.options)) + \
+        ("\nAnswer with the option's letter from the given choices directly." if q.options else "")
+
+
+def main() -> None:
+    p = cli(__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--questions", type=int, default=64)
+    p.add_argument("--synth-clip", action="store_true", help="the team's own CLIP (trained on first use)")
+    args = p.parse_args()
+
+    import uvicorn
+    from openai import OpenAI
+
+    from m1.config import load_team
+    from m1.run import run_questions
+    from m1.serve import Limits, create_app
+    from m1.team.cpp import make_team
+
+    folder, qs = world(args.questions)
+    cfg = load_team("mini_trained", [] if args.synth_clip else [TINY_CLIP])
+    team = make_team(cfg)
+    team.run(qs[:2])  # loads the models and warms the caches for both sides alike
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        summary = run_questions(cfg, qs, Path(tmp) / "r.jsonl", team=team, progress=False)
+        infer_s = time.perf_counter() - t0
+        rows = {json.loads(x)["id"]: json.loads(x) for x in (Path(tmp) / "r.jsonl").read_text().splitlines()}
+
+    app = create_app(team, Limits(allowed_roots=[folder.resolve()], max_queue=4 * args.clients, timeout_s=600))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.05)
+
+    todo: queue.Queue = queue.Queue()
+    for q in qs:
+        todo.put(q)
+    latencies, errors, same = [], [], [0]
+    lock = threading.Lock()
+
+    def client():
+        c = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        while True:
+            try:
+                q = todo.get_nowait()
+            except queue.Empty:
+                return
+            extra = {} if q.options else {"m1": {"question": q.text, "options": q.options, "task": q.task}}
+            t = time.perf_counter()
+            try:
+                r = c.chat.completions.create(model=cfg.name, messages=[{"role": "user", "content": [
+                    {"type": "video_url", "video_url": {"url": Path(q.video).resolve().as_uri()}},
+                    {"type": "text", "text": text_of(q)}]}], max_tokens=16, temperature=0.0, extra_body=extra)
+                with lock:
+                    latencies.append(time.perf_counter() - t)
+                    same[0] += int(r.choices[0].message.content == rows[q.id]["answer"])
+            except Exception as exc:  # counted and reported: the benchmark's error figure
+                with lock:
+                    errors.append(f"{q.id}: {type(exc).__name__}: {exc}")
+
+    t0 = time.perf_counter()
+    clients = [threading.Thread(target=client) for _ in range(args.clients)]
+    [c.start() for c in clients]
+    [c.join() for c in clients]
+    serve_s = time.perf_counter() - t0
+    server.should_exit = True
+    th.join(30)
+
+    lat = sorted(latencies)
+    p50 = statistics.median(lat) if lat else float("nan")
+    p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else float("nan")
+    ratio = infer_s / serve_s  # throughput served / throughput of m1 infer, same questions
+    res = Result("bench_serve.py")
+    res.add("questions, clients", f"{len(qs)}, {args.clients}")
+    res.add("m1 infer (run_questions) wall", f"{infer_s:.2f} s ({len(qs) / infer_s:.2f} q/s, {len(summary.errors)} errors)")
+    res.add("m1 serve wall", f"{serve_s:.2f} s ({len(qs) / serve_s:.2f} q/s)")
+    res.add("latency p50 / p95", f"{p50:.2f} s / {p95:.2f} s")
+    res.add("errors", str(len(errors)) + (f" (first: {errors[0]})" if errors else ""))
+    res.add("answers equal to m1 infer's", f"{same[0]}/{len(qs)}")
+    res.add("batches formed by the server", str(list(app.state.batcher.batches)))
+    res.add("CLIP", "the team's own" if args.synth_clip else "tiny random (see --synth-clip)")
+    res.figures.append(Figure(
+        f"m1 serve, {args.clients} clients x {len(qs)} questions on mini_trained vs m1 infer", f"{infer_s:.2f} s",
+        f"{serve_s:.2f} s", ratio, "throughput served / infer", ">= 0.8", ratio >= 0.8 and not errors,
+        note=f"p50 {p50:.2f} s, p95 {p95:.2f} s, errors {len(errors)}"))
+    finish(res, args.json)
+
+
+if __name__ == "__main__":
+    main()
