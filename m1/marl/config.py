@@ -222,7 +222,9 @@ class GRPOSettings(Strict):
     # rollout: old = the sampler's log-probs (use when generation may lag the weights);
     # sampler: old = logp.detach(), and each token's policy term is weighted by min(exp(logp - logp_sampler),
     # is_cap): the truncated importance weight correcting for an engine (vLLM) whose numerics differ from the
-    # trainer's (TRL's vLLM correction). Logs <agent>/is/ratio_mean, is/ratio_max and is/truncated (token share)
+    # trainer's (TRL's vLLM correction). Logs <agent>/is/ratio_mean, is/ratio_max and is/truncated (token share).
+    # Left out: sampler with rollout.engine vllm (the engine/trainer gap is exactly what it corrects), else policy;
+    # policy with engine vllm is refused, since it would silently train on the trainer's numbers as if on-policy
     old_logprobs: Literal["policy", "rollout", "sampler"] = "policy"
     is_cap: float = Field(2.0, gt=0.0)
 
@@ -416,6 +418,13 @@ class TrainConfig(Strict):
         trained = list(self.train_agents or names)
         if r.engine == "hf" and (r.engine_url or r.engine_command):
             raise ValueError("rollout.engine_url / engine_command are for rollout.engine: vllm (it is 'hf')")
+        if r.engine == "vllm" and self.grpo.old_logprobs == "policy":
+            if "old_logprobs" in self.grpo.model_fields_set:
+                raise ValueError("grpo.old_logprobs: 'policy' with rollout.engine: 'vllm' never corrects for the "
+                                 "engine's numerics differing from the trainer's; use grpo.old_logprobs: sampler "
+                                 "(the default with engine vllm) or rollout")
+            self.grpo.old_logprobs = "sampler"
+            self.grpo.model_fields_set.discard("old_logprobs")  # still a default: dumps match the resolved run
         if r.engine == "vllm" and isinstance(r.batch_episodes, int):  # auto: what a vLLM engine does anyway
             raise ValueError(f"rollout.batch_episodes ({r.batch_episodes}) is for rollout.engine: hf; a vLLM engine "
                              "gets all of a step's episodes at once and batches them itself (leave it at auto)")

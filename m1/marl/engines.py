@@ -98,13 +98,16 @@ class RolloutEngines:
         logs.mkdir(parents=True, exist_ok=True)
         # All engines start at once: a vLLM server spends minutes loading and compiling, and one after another
         # that wait grows with the team. Every launch is awaited before any failure is raised, so close() then
-        # stops each engine that did start, and the error names every agent whose engine did not.
+        # stops each engine that did start, and the error names every agent whose engine did not. The folders are
+        # resolved first, in this thread: building a tiny model or merging an adapter imports transformers, whose
+        # lazy imports are not safe from several threads at once.
+        models = {agent: self._seated_path(agent, spec, key, logs) for agent, (key, spec) in specs.items()}
         urls: dict[str, str] = {}
         failed: dict[str, BaseException] = {}
         try:
             with ThreadPoolExecutor(max_workers=max(1, len(specs)), thread_name_prefix="engine-start") as pool:
-                started = {agent: pool.submit(self._start, agent, key, spec, logs, placement)
-                           for agent, (key, spec) in specs.items()}
+                started = {agent: pool.submit(self._launch, agent, model, logs, placement)
+                           for agent, model in models.items()}
                 for agent, future in started.items():
                     try:
                         urls[agent] = future.result()
@@ -120,9 +123,6 @@ class RolloutEngines:
             raise EngineError(f"{len(failed)} of {len(specs)} rollout engines failed to start (the others were "
                               "stopped): " + "; ".join(lines)) from next(iter(failed.values()))
         return urls
-
-    def _start(self, agent: str, key: str, spec: ModelSpec, logs: Path, placement) -> str:
-        return self._launch(agent, self._seated_path(agent, spec, key, logs), logs, placement)
 
     def _seated_path(self, agent: str, spec: ModelSpec, key: str, logs: Path) -> str:
         """The weights the agent is seated with, as a folder an engine can serve. The learner merges a model's SFT
