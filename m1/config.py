@@ -11,6 +11,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from m1.registry import DEFAULTS, SAGE_UNAVAILABLE, TOOL_NAMES
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/ (a link), or the wheel's copy
 
 
@@ -141,7 +143,7 @@ class ToolsConfig(Strict):
 
 class SeedSystemConfig(Strict):
     """The tool loop of a weaver / zoomer / sage agent. Unset fields take the kind's paper settings
-    (m1/seeds/__init__.py): glance 128 / 64 / 128 frames, 10 / 5 / 11 turns, tool clips at 1 fps."""
+    (m1/registry.py): glance 128 / 64 / 128 frames, 10 / 5 / 11 turns, tool clips at 1 fps."""
 
     tools: list[str] | None = None  # the kind's tools the policy may call (None: all; []: answer from the glance)
     glance_frames: int | None = Field(None, ge=1)  # uniform frames in the first user turn
@@ -235,8 +237,6 @@ class TeamConfig(Strict):
             ref = getattr(self.aggregation, key)
             if ref is not None and ref not in names:
                 raise ValueError(f"aggregation.{key}: no agent named {ref!r} (agents: {names})")
-        from m1.tools import TOOL_NAMES  # late: keeps this module light
-
         for t in self.tools.enabled:
             if t not in TOOL_NAMES:
                 raise ValueError(f"tools.enabled: unknown tool {t!r} (known: {list(TOOL_NAMES)})")
@@ -258,8 +258,6 @@ class TeamConfig(Strict):
             i, a = seeded[0]
             raise ValueError(f"agents.{i}.kind: a {a.kind!r} agent runs alone (a team of one), but the team has "
                              f"{len(self.agents)} agents")
-        from m1.seeds import DEFAULTS, SAGE_UNAVAILABLE  # late: keeps this module light
-
         kind = seeded[0][1].kind
         known = DEFAULTS[kind].tools
         for t in (self.seed_system.tools or []) if self.seed_system else []:

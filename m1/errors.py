@@ -1,6 +1,7 @@
-"""How the commands end when a user meets a problem: one `error:` line naming the thing and what to do (exit 2), a
-stop by a signal reported with 128 + the signal, and the traceback only with --debug or M1_DEBUG=1. Shared by
-m1/cli.py and the sub-commands (m1/experiment/cli.py)."""
+"""How the commands end when a user meets a problem: one `error:` line naming the thing and what to do (exit 2), and
+the traceback only with --debug or M1_DEBUG=1. Shared by m1/cli.py and the sub-commands (m1/experiment/cli.py, ...).
+It sits at the bottom of the package, naming no error class above m1/files.py and m1/locks.py; how training ends (a
+stop by a signal reported with 128 + the signal, the errors of m1/marl) is m1/marl/guard.py's."""
 from __future__ import annotations
 
 import os
@@ -9,32 +10,6 @@ from typing import NoReturn
 
 import typer
 from typer.core import TyperGroup
-
-
-def training_errors() -> tuple[type[Exception], ...]:
-    """What a user of `m1 train` / `m1 sft` can cause or meet, printed as one `error:` line: a config, a model or
-    engine that cannot load or answer (a missing folder, a damaged weights file, a dead server), a cluster that cannot
-    hold the plan, a rollout that cannot be trained on, a damaged checkpoint, a file that cannot be read or written
-    (a full disk), a run already using the output folder, a Ray worker that died. Anything else is a bug: traceback."""
-    from safetensors import SafetensorError
-
-    from m1.config import ConfigError
-    from m1.marl.checkpoint import CheckpointError
-    from m1.marl.cluster import PlanError
-    from m1.marl.distributed import DistributedError
-    from m1.marl.rollout import RolloutError
-    from m1.models.base import ModelError
-
-    errors: tuple[type[Exception], ...] = (ConfigError, ModelError, DistributedError, PlanError, RolloutError,
-                                           CheckpointError, OSError, ValueError, SafetensorError)
-    from m1.locks import LockError
-
-    errors += (LockError,)
-    if "ray" in sys.modules:  # only a run that started Ray can meet its errors; importing it costs seconds
-        from ray.exceptions import RayError
-
-        errors += (RayError,)
-    return errors
 
 
 def debug_requested(flag: bool = False) -> bool:
@@ -104,21 +79,3 @@ class GuardedGroup(TyperGroup):
             fail(str(exc), exc, debug)
         except (OSError, UnicodeError) as exc:
             fail(describe(exc), exc, debug)
-
-
-def train_guarded(run, debug: bool) -> None:
-    """Run `m1 train` / `m1 sft`: a stop by a signal prints the stop report and exits with 128 + the signal (143
-    SIGTERM, 130 SIGINT); what a user can meet is one `error:` line (status 2)."""
-    from m1.marl.checkpoint import StoppedAtOnce, TrainingStopped
-
-    try:
-        run()
-    except (TrainingStopped, StoppedAtOnce) as exc:
-        if isinstance(exc, StoppedAtOnce) and debug_requested(debug):
-            import traceback
-
-            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-        typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)
-        raise typer.Exit(exc.exit_status)
-    except training_errors() as exc:
-        fail(describe(exc), exc, debug)

@@ -1,9 +1,35 @@
 """The package's imports point one way (DESIGN: a module never imports one listed above it): no cycles between
-modules, counting imports inside functions, and the models never import the synthetic world or the run layer."""
+modules, counting imports inside functions; every package imports only its own layer and those below it (LAYERS,
+written out in docs/layout.md); and the models never import the synthetic world or the run layer."""
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "m1"
+LAYOUT = PKG.parent / "docs" / "layout.md"
+
+# The package's layers, lowest first: a module may import from its own layer and the layers before it, never from a
+# later one. A unit is a top-level module or package of m1/ ("m1" is m1/__init__.py); "cli" is the command layer:
+# m1/cli.py and each package's cli.py that it mounts (m1/data/cli.py, m1/experiment/cli.py, m1/synth/cli.py), which
+# may reach any layer. Units on one line are peers (they may import each other, never in a cycle).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("m1", "schema", "text", "files", "locks", "video", "plots", "registry", "errors"),
+    ("config",),
+    ("models",),
+    ("agents", "memory"),
+    ("tools",),
+    ("seeds",),
+    ("team",),
+    ("data",),
+    ("trace",),
+    ("run",),
+    ("marl", "synth"),
+    ("experiment",),
+    ("serve", "demo"),
+    ("cli", "__main__"),
+)
+# (importing module, imported module) -> why this upward import stays. Empty: every one found was moved (issue 43).
+UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _module(path: Path) -> str:
@@ -76,3 +102,50 @@ def test_models_do_not_import_the_world_or_the_run_layer():
     bad = {m: sorted(d for d in deps if d.startswith(("m1.synth", "m1.run", "m1.marl", "m1.team")))
            for m, deps in graph.items() if m.startswith("m1.models")}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def unit(module: str) -> str:
+    """The layer unit of an m1 module: its top-level package or module; a package's cli.py is the command layer."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "m1"
+    if len(parts) > 2 and parts[-1] == "cli":
+        return "cli"
+    return parts[1]
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[tuple[str, str]]:
+    """Every (module, imported module) whose import runs to a later layer than the module's own."""
+    rank = {u: i for i, line in enumerate(layers) for u in line}
+    return sorted((m, d) for m, deps in graph.items() for d in deps if rank[unit(d)] > rank[unit(m)])
+
+
+def test_every_package_has_a_layer():
+    placed = {u for line in LAYERS for u in line}
+    assert sorted({unit(m) for m in import_graph()} - placed) == [], "add the new package to LAYERS and docs/layout.md"
+    assert len(placed) == sum(len(line) for line in LAYERS), "a unit named on two layers"
+
+
+def test_no_import_runs_upward():
+    """Issue 43: no import from a package to one above it, counting imports inside functions."""
+    found = upward_imports(import_graph())
+    assert [f for f in found if f not in UPWARD_ALLOWED] == []
+    assert sorted(set(UPWARD_ALLOWED) - set(found)) == [], "an allowed upward import is gone: drop it from the list"
+
+
+def test_the_checker_finds_an_upward_import():
+    graph = {"m1.config": {"m1.tools"}, "m1.tools.browse": {"m1.config", "m1.tools"}, "m1.tools": set(),
+             "m1.data.cli": {"m1.marl.sft"}, "m1.data.prepare": {"m1.marl.sft", "m1.data.loaders"},
+             "m1.marl.sft": {"m1.data"}, "m1.data": set(), "m1.data.loaders": set()}
+    layers = (("config",), ("tools",), ("data",), ("marl",), ("cli",))
+    assert upward_imports(graph, layers) == [("m1.config", "m1.tools"), ("m1.data.prepare", "m1.marl.sft")]
+
+
+def test_the_layers_are_written_in_the_layout_doc():
+    """docs/layout.md's layer block ("N  unit unit ...  | what") names the same layers in the same order."""
+    text = LAYOUT.read_text()
+    block = text.split("## Layers", 1)[1].split("```")[1]
+    lines = [line.split("|")[0].split() for line in block.strip().splitlines()]
+    assert [int(line[0]) for line in lines] == list(range(len(LAYERS)))
+    names = [tuple(re.sub(r"\.py$|/$", "", u).replace("__init__", "m1") for u in line[1:]) for line in lines]
+    assert names == list(LAYERS)

@@ -14,9 +14,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from m1.registry import BROWSE_TOOLS, SELECT_TOOLS
 from m1.schema import LETTERS, Decision, Plan, Question
 from m1.text import STRICT_SPAN, clean_reply, format_number, format_span, format_time, parse_span, parse_timestamp
-from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
 
 ALL_TOOLS: tuple[str, ...] = tuple(SELECT_TOOLS) + tuple(BROWSE_TOOLS)
 DEFAULT_SELECT = "Global Sampling"

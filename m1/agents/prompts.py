@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from m1.agents.parsers import (
     MAX_PLAN_TOOLS, format_span, format_time, normalize_number, normalize_option, parse_span,
 )
+from m1.registry import BROWSE_TOOLS, SELECT_TOOLS
 from m1.schema import LETTERS, Question
-from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
 
 __all__ = ["TOOL_BLURBS", "render_question", "plan_messages", "communicate_messages",
            "answer_messages", "summary_messages", "browser_prompt", "BROWSER_KINDS"]

@@ -1,9 +1,10 @@
 """`m1 data prepare` (mounted by m1/cli.py): a training set -> M1's SFT / MARL / dev question files, and the teacher's
-SFT examples. Heavy imports stay inside the command."""
+SFT examples. Heavy imports stay inside the command. This module is the command layer's (docs/layout.md): the teacher
+step runs m1/marl, which sits above m1/data, so it lives here rather than in m1/data/prepare.py."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -35,7 +36,7 @@ def prepare(
     optionally build the SFT examples from a teacher team (e.g. GPT-4o agents behind an OpenAI-compatible endpoint,
     configs/sft/videochat_m1_lora.yaml) with the paper's keep rule."""
     from m1.config import ConfigError
-    from m1.data.prepare import PrepareError, parse_split, prepare as run_prepare, teacher_examples
+    from m1.data.prepare import PrepareError, parse_split, prepare as run_prepare
     from m1.errors import fail
 
     try:
@@ -49,3 +50,31 @@ def prepare(
     except (PrepareError, ConfigError, FileNotFoundError, ValueError) as exc:
         fail(str(exc))
     typer.echo(f"use: data.questions={out}/<split>.jsonl data.video_dir={videos}")
+
+
+def teacher_examples(out: Path, videos: Path, sft_config: str, overrides: list[str],
+                     split: str = "sft", progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the SFT config's teacher over OUT/<split>.jsonl and keep its generations by the config's keep rule into
+    OUT/sft_examples.jsonl (m1/marl/sft.py: the paper's keep rule, with that config's data settings; reused when it
+    was built with the same settings); recorded in OUT/prepare.json under `sft_examples`."""
+    import json
+
+    from m1.data.prepare import PrepareError
+    from m1.files import write_whole
+    from m1.marl.config import load_sft_config
+    from m1.marl.sft import prepare_examples
+
+    questions = out / f"{split}.jsonl"
+    if not questions.is_file():
+        raise PrepareError(f"{questions}: no such split file (the --split names the files)")
+    cfg = load_sft_config(sft_config, list(overrides) + [
+        f"data.questions={questions}", f"data.video_dir={videos}", f"data.examples={out / 'sft_examples.jsonl'}"])
+    if cfg.data.teacher is None:
+        raise PrepareError(f"{sft_config}: data.teacher is not set; name the team that writes the examples")
+    examples, stats = prepare_examples(cfg, progress=progress)
+    record = {"sft_config": sft_config, "overrides": list(overrides), "examples": len(examples),
+              "file": str(out / "sft_examples.jsonl"), "stats": {k: v for k, v in stats.items() if k != "data"}}
+    done = json.loads((out / "prepare.json").read_text()) if (out / "prepare.json").is_file() else {}
+    done["sft_examples"] = record
+    write_whole(out / "prepare.json", json.dumps(done, indent=1).encode())
+    return record

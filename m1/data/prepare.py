@@ -7,9 +7,9 @@ the split sizes follow the fractions in questions, not in videos. The same input
 
 Written into OUT: `<split>.jsonl` (one `m1.schema.Question` per line, `video` relative to the videos folder: pass
 `data.video_dir=<videos>` with `data.questions=OUT/<split>.jsonl`), `skipped.txt` (the records the loader refused,
-with why), and `prepare.json` (sources, seed, counts) written last. With an SFT config, the teacher it names then
-answers the `sft` split and its kept generations go to `OUT/sft_examples.jsonl` (m1/marl/sft.py: the paper's keep
-rule, with that config's data settings).
+with why), and `prepare.json` (sources, seed, counts) written last. The teacher step that may follow (an SFT config's
+teacher answering the `sft` split) belongs to the command, m1/data/cli.py: it runs m1/marl, which sits above this
+package.
 """
 from __future__ import annotations
 
@@ -106,25 +106,3 @@ def prepare(fmt: str, annotations: Path, videos: Path, out: Path, split: dict[st
     write_whole(out / "prepare.json", json.dumps(record, indent=1).encode())
     return record
 
-
-def teacher_examples(out: Path, videos: Path, sft_config: str, overrides: list[str],
-                     split: str = "sft", progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the SFT config's teacher over OUT/<split>.jsonl and keep its generations by the config's keep rule into
-    OUT/sft_examples.jsonl (reused when it was built with the same settings)."""
-    from m1.marl.config import load_sft_config
-    from m1.marl.sft import prepare_examples
-
-    questions = out / f"{split}.jsonl"
-    if not questions.is_file():
-        raise PrepareError(f"{questions}: no such split file (the --split names the files)")
-    cfg = load_sft_config(sft_config, list(overrides) + [
-        f"data.questions={questions}", f"data.video_dir={videos}", f"data.examples={out / 'sft_examples.jsonl'}"])
-    if cfg.data.teacher is None:
-        raise PrepareError(f"{sft_config}: data.teacher is not set; name the team that writes the examples")
-    examples, stats = prepare_examples(cfg, progress=progress)
-    record = {"sft_config": sft_config, "overrides": list(overrides), "examples": len(examples),
-              "file": str(out / "sft_examples.jsonl"), "stats": {k: v for k, v in stats.items() if k != "data"}}
-    done = json.loads((out / "prepare.json").read_text()) if (out / "prepare.json").is_file() else {}
-    done["sft_examples"] = record
-    write_whole(out / "prepare.json", json.dumps(done, indent=1).encode())
-    return record

@@ -41,7 +41,8 @@ def run(
 
     A stage is finished once its folder holds stage.json; rerunning skips finished stages and resumes the one
     that was under way. Exit status as for `m1 train` (2: an error; 130/143: stopped by a signal, rerun to resume)."""
-    from m1.errors import describe, fail, train_guarded
+    from m1.errors import describe, fail
+    from m1.marl.guard import train_guarded
 
     exp = _load(experiment, overrides)
     if plan:

@@ -1,7 +1,8 @@
 """The seed systems as agent kinds: Weaver, VideoZoomer and SAGE, single VLM policies in a tool loop.
 
 An agent of `kind: weaver | zoomer | sage` is a team of one run by `m1.team.single` (the CPP engine keeps
-`kind: cpp`). This module stays import-light (configs validate against it); the pieces live beside it:
+`kind: cpp`). This module stays import-light; the kinds' tools and paper settings are m1/registry.py's
+(configs validate against them there), re-exported here; the pieces live beside it:
 `prompts` (system prompts and observation turns), `parsers` (each kind's syntax, strict then lenient),
 `tools` (each kind's tools over the video, the vision model and CLIP). The rule-based policies that make the
 kinds meaningful offline are M1-Synth's, in `m1/synth/seed_rules.py`.
@@ -15,30 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("weaver", "zoomer", "sage")
-
-
-@dataclass(frozen=True)
-class KindDefaults:
-    tools: tuple[str, ...]  # every tool the kind knows, in the order its prompt lists them
-    glance_frames: int  # uniform frames of the first user turn
-    max_turns: int  # policy turns, the answer turn included
-    tool_fps: float  # frames per second inside the clips tools return (Weaver: 1 fps; SAGE extract: ours)
-
-
-WEAVER_TOOLS = ("temporal_grounding", "frame_selection", "temporal_count", "trim", "spatial_tracking",
-                "spatial_grounding")
-ZOOMER_TOOLS = ("video_zoom",)
-# SAGE's transcribe-speech, web-search and parse-website need audio or the web, which M1's videos and machines
-# do not have; they are left out (a policy that names them gets an error observation).
-SAGE_TOOLS = ("ground-event", "extract-video-parts", "analyze")
-SAGE_UNAVAILABLE = ("transcribe-speech", "web-search", "parse-website")
-
-DEFAULTS: dict[str, KindDefaults] = {
-    "weaver": KindDefaults(WEAVER_TOOLS, glance_frames=128, max_turns=10, tool_fps=1.0),
-    "zoomer": KindDefaults(ZOOMER_TOOLS, glance_frames=64, max_turns=5, tool_fps=1.0),
-    "sage": KindDefaults(SAGE_TOOLS, glance_frames=128, max_turns=11, tool_fps=1.0),
-}
+from m1.registry import (  # noqa: F401 (re-exported)
+    DEFAULTS, KINDS, SAGE_TOOLS, SAGE_UNAVAILABLE, WEAVER_TOOLS, ZOOMER_TOOLS, KindDefaults,
+)
 
 
 @dataclass(frozen=True)
