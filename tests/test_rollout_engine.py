@@ -213,7 +213,8 @@ def test_runtime_lora_sync(server, learner, tmp_path):
         chat.score(prompt, completion, model="alpha-v1")
 
 
-def _perturbed(folder, out, seed):
+def _perturbed(folder, out, seed, scale=0.2):
+    """A copy of the model at `folder` with seeded Gaussian noise on every weight, saved to `out`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -221,7 +222,7 @@ def _perturbed(folder, out, seed):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
     model.save_pretrained(out)
     return model
 

@@ -23,6 +23,7 @@ from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.models.base import ChatRequest, SamplingParams
 from m1.models.engine import EngineChat, EngineError, EngineServer, free_port, vllm_command
+from test_rollout_engine import _perturbed as _noisy_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = os.environ.get("M1_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
@@ -174,16 +175,7 @@ def test_lora_adapter_loaded_and_unloaded_every_step(server, learner, tmp_path):
 
 
 def _perturbed(folder, out, seed):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    model.save_pretrained(out)
-    return model
+    return _noisy_copy(folder, out, seed, scale=0.05)
 
 
 def _hf_logprobs(model, prompt, completion):
