@@ -21,8 +21,9 @@ import pytest
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.models.base import ChatRequest, SamplingParams
+from m1.models.base import SamplingParams
 from m1.models.engine import EngineChat, EngineError, EngineServer, free_port, vllm_command
+from test_rollout_engine import CHATS, MAX_COMPLETION, MAX_PROMPT
 from test_rollout_engine import _perturbed as _noisy_copy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,13 +42,6 @@ pytestmark = [
 
 TINY = {"arch": "qwen3", "hidden_size": 128, "layers": 2, "heads": 4, "kv_heads": 2, "seed": 1}  # head_dim 32
 SPEC = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": TINY})
-MAX_PROMPT, MAX_COMPLETION = 64, 8
-CHATS = [
-    ChatRequest([{"role": "system", "content": "You are an agent in a team that answers questions about a video."},
-                 {"role": "user", "content": "Question: What colour is the shape that appears first in the video?"}]),
-    ChatRequest([{"role": "user", "content": "Options: (A) red (B) green"}]),
-    ChatRequest([{"role": "user", "content": "##tool call: continue()"}]),
-]
 TOL = 1e-4
 DIFFS: dict[str, float] = {}  # the largest engine-learner log-prob difference of each check (printed at the end)
 
