@@ -235,3 +235,36 @@ def test_uniform_teacher_plans_any_valid_pair_and_keeps_its_key_info():
         same += list(pair) == rule_tools
         assert uniform.reply(msgs) == plan  # deterministic per prompt
     assert len(seen) == 16 and 2 <= same <= 30  # about 1 in 16 is the rules' own pair
+
+
+def test_sft_names_a_lost_ray_node_and_where_the_rerun_resumes(tmp_path, m1_cache, monkeypatch):
+    """A learner node lost mid-SFT gives the same one-line error as GRPO does (node, ranks, resume step), not Ray's
+    bare actor error; any other error passes through unchanged."""
+    import m1.marl.groups as groups
+    from m1.marl.distributed import DistributedError
+    from m1.marl.sft import SFTTrainer
+
+    class ActorDied(RuntimeError):
+        pass
+
+    monkeypatch.setattr(groups, "lost_ranks", lambda learners, exc: (
+        "Ray node n2 (address 10.0.0.2) died: it held agent beta rank 1 of 2" if isinstance(exc, ActorDied) else None))
+    tr = SFTTrainer(sft_cfg(tmp_path), examples=EXAMPLES)
+    update = tr.learners.update
+    failures = {4: ActorDied("actor died"), 2: ValueError("a learner's own error")}
+
+    def update_failing(samples, lr, objective):
+        if tr.step + 1 in failures:
+            raise failures.pop(tr.step + 1)
+        return update(samples, lr, objective)
+
+    tr.learners.update = update_failing
+    with pytest.raises(ValueError, match="a learner's own error"):
+        tr.train()
+    assert tr.step == 1 and tr.checkpointed == 0
+    with pytest.raises(DistributedError) as err:
+        tr.train()
+    assert str(err.value) == ("Ray node n2 (address 10.0.0.2) died: it held agent beta rank 1 of 2, during SFT step 4 "
+                              "of 6; the run stopped. Start the node again (or give the run other GPUs) and rerun the "
+                              "same command: it resumes from the checkpoint of step 3")
+    assert isinstance(err.value.__cause__, ActorDied)

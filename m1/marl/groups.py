@@ -405,6 +405,19 @@ def lost_ranks(learners, exc: BaseException) -> str | None:
     return learners.lost_ranks(exc) if isinstance(learners, RayLearners) else None
 
 
+def stop_on_lost_ranks(learners, exc: BaseException, during: str, checkpointed: int) -> None:
+    """A learner rank lost with its Ray node (or its process) mid-step: raise one error naming the node, its address
+    and the ranks it held, and where a rerun resumes (Ray's own error says only that some actor died). Returns for
+    any other error, which the caller re-raises as it is. Shared by the SFT and GRPO trainers."""
+    lost = lost_ranks(learners, exc)
+    if lost is None:
+        return
+    resume = (f"it resumes from the checkpoint of step {checkpointed}" if checkpointed
+              else "no checkpoint was written yet, so it starts again from step 0")
+    raise DistributedError(f"{lost}, during {during}; the run stopped. Start the node again (or give the run other "
+                           f"GPUs) and rerun the same command: {resume}") from exc
+
+
 def _marker_writer(actor) -> Callable[[str, str, str], str]:
     def write(folder: str, name: str, token: str) -> str:
         import ray

@@ -393,6 +393,7 @@ class SFTTrainer:
         """Train to the last step (or `stop_after` more). `stop` (a StopFlag set by a signal): end after the current
         step with a checkpoint of it."""
         from m1.marl.checkpoint import naming_full_disk
+        from m1.marl.groups import stop_on_lost_ranks
         from m1.marl.stream import MetricsLog
         from m1.marl.trackers import open_trackers
 
@@ -409,9 +410,14 @@ class SFTTrainer:
             while self.step < last and not stop:
                 t0 = time.perf_counter()
                 batch = self.stream.take(cfg.batch_size)
-                samples = {a: self.learners.sft_samples(a, self._assigned(batch, a)) for a in self.trained}
-                lr = cfg.learner.lr_at(self.step, self.total_steps)
-                stats = self.learners.update(samples, lr, "sft")
+                try:
+                    samples = {a: self.learners.sft_samples(a, self._assigned(batch, a)) for a in self.trained}
+                    lr = cfg.learner.lr_at(self.step, self.total_steps)
+                    stats = self.learners.update(samples, lr, "sft")
+                except Exception as exc:
+                    stop_on_lost_ranks(self.learners, exc, f"SFT step {self.step + 1} of {self.total_steps}",
+                                       self.checkpointed)
+                    raise
                 self.step += 1
                 row: dict[str, Any] = {"step": self.step, "epoch": self.stream.epoch, "lr": lr}
                 for agent, st in stats.items():
@@ -423,7 +429,12 @@ class SFTTrainer:
                     logger.write(row)
                 self.history.append(row)
                 if self.step % cfg.checkpoint.every == 0 or self.step == self.total_steps:
-                    self.save_checkpoint()
+                    try:
+                        self.save_checkpoint()
+                    except Exception as exc:
+                        stop_on_lost_ranks(self.learners, exc, f"the checkpoint of SFT step {self.step}",
+                                           self.checkpointed)
+                        raise
             if stop and self.step != self.checkpointed:
                 self.save_checkpoint(interim=True)
             failed = False

@@ -39,8 +39,7 @@ from typing import Any
 from m1.marl.checkpoint import (CHECKPOINT_DIR, StopFlag, finished_checkpoints, load_checkpoint, naming_full_disk,
                                  resume_point, save_checkpoint)
 from m1.marl.config import CPP_PHASES, TrainConfig, seed_kind, seed_phases
-from m1.marl.distributed import DistributedError
-from m1.marl.groups import build_learners, host_driver_models, lost_ranks, reserve_placement
+from m1.marl.groups import build_learners, host_driver_models, reserve_placement, stop_on_lost_ranks
 from m1.marl.learner import derive_seed, seed_everything
 from m1.marl.rewards import answer_rewards
 from m1.marl.recipe import informative_groups, merge_batches, plan_entropy, step_topology
@@ -191,7 +190,7 @@ class Trainer:
                 try:
                     row = self.train_step()
                 except Exception as exc:
-                    self._stop_on_lost_ranks(exc, f"step {self.step + 1} of {cfg.steps}")
+                    stop_on_lost_ranks(self.learners, exc, f"step {self.step + 1} of {cfg.steps}", self.checkpointed)
                     raise
                 with naming_full_disk(logger.path):
                     logger.write(row)
@@ -200,7 +199,7 @@ class Trainer:
                     try:
                         self.save_checkpoint()
                     except Exception as exc:
-                        self._stop_on_lost_ranks(exc, f"the checkpoint of step {self.step}")
+                        stop_on_lost_ranks(self.learners, exc, f"the checkpoint of step {self.step}", self.checkpointed)
                         raise
             if stop and self.step != self.checkpointed:
                 self.save_checkpoint(interim=True)
@@ -343,18 +342,6 @@ class Trainer:
             first = self.data.cursor
             questions = self.data.take(need)
         return merge_batches(parts), rounds, flags, tied / groups if groups else 0.0
-
-    def _stop_on_lost_ranks(self, exc: Exception, during: str) -> None:
-        """A learner rank lost with its Ray node (or its process) mid-step: one error naming the node, its address
-        and the ranks it held, and where a rerun resumes (Ray's own error says only that some actor died)."""
-        lost = lost_ranks(self.learners, exc)
-        if lost is None:
-            return
-        resume = (f"it resumes from the checkpoint of step {self.checkpointed}" if self.checkpointed
-                  else "no checkpoint was written yet, so it starts again from step 0")
-        raise DistributedError(f"{lost}, during {during}; the run stopped. Start the "
-                               f"node again (or give the run other GPUs) and rerun the same command: {resume}") \
-            from exc
 
     def _team(self, step: int, greedy: bool = False):
         """One team for the whole run (so CLIP embeddings and decoded frames are reused), reseeded
