@@ -60,3 +60,11 @@ def pytest_configure(config):
         torch.set_num_threads(1)
     except ImportError:
         pass
+
+
+@pytest.fixture
+def empty_hf_cache(monkeypatch, tmp_path):
+    """No hub model in the Hugging Face cache, whatever this machine holds (the check reads it, never downloads)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))

@@ -3,6 +3,7 @@ report's numbers against the eval results files, `--plan` on the paper's experim
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -606,3 +607,19 @@ def test_two_eval_folders_share_the_trained_stages_and_seeds_run_on_fixed_thread
     assert read_stage(seed_dir / "eval_dev")["answered"] == 3 and read_stage(seed_dir / "eval")["answered"] == 4
     with pytest.raises(ConfigError, match="folder"):
         load_experiment(tmp_path / "dev.yaml", ["eval.folder=../elsewhere"])
+
+
+def test_plan_runs_the_model_preflight_of_every_training_stage(tmp_path, monkeypatch, empty_hf_cache):
+    """`m1 train --plan` names a model that cannot be built; `m1 experiment run --plan` did not (it printed
+    `fits: yes` for an arm whose grounding model no class can build). Now each arm's stages are checked too."""
+    monkeypatch.chdir(tmp_path)
+    eagle = ["models.grounding.path=nvidia/Eagle2.5-8B", "models.grounding.trust_remote_code=true"]
+    exp = yaml.safe_load(open(Path(__file__).parents[1] / "configs" / "experiments" / "lora_vs_full.yaml"))
+    exp["arms"]["eagle"] = {"marl": [f"team_overrides=[{','.join(eagle)}]"]}
+    path = _write(tmp_path / "eagle.yaml", exp)
+    res = runner.invoke(app, ["experiment", "run", str(path), "--plan", "--gpus", "24", "--gpu-mem", "80"])
+    assert res.exit_code == 2, res.output
+    refused = [line for line in res.output.splitlines() if line.startswith("model refused:")]
+    assert len(refused) == 1 and "model 'grounding' (nvidia/Eagle2.5-8B, browse tool)" in refused[0], res.output
+    assert "models checked by class only" in res.output  # the other arms' hub models, not cached here
+    assert "one of its models cannot be built" in res.output

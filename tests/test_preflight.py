@@ -71,14 +71,6 @@ def _cli(*args):
 
 
 @pytest.fixture
-def empty_hf_cache(monkeypatch, tmp_path):
-    """No hub model in the Hugging Face cache, whatever this machine holds (the check reads it, never downloads)."""
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
-
-
-@pytest.fixture
 def no_loading(monkeypatch):
     """Any model load (a ModelHub build or a from_pretrained of a model class) fails the test."""
     import transformers

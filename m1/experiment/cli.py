@@ -56,7 +56,8 @@ def run(
             fail(str(exc))
         typer.echo(text)
         if not fits:
-            fail("a training stage's plan does not fit (see `fits: NO` above)")
+            fail("a training stage's plan does not fit or one of its models cannot be built (see `fits: NO` and "
+                 "`model refused:` above)")
         return
     from m1.experiment.runner import run_experiment
     from m1.files import WriteError

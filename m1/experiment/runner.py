@@ -601,8 +601,11 @@ def _steps(cfg, stage: str) -> int | None:
 
 def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tuple[str, bool]:
     """(text, fits): the stages x arms x seeds, and per training stage and arm its placement plan, GPU count and,
-    where a step time was measured in this experiment's folders, estimated GPU-hours. Loads no model."""
+    where a step time was measured in this experiment's folders, estimated GPU-hours, and the preflight of its models
+    (a model that cannot be built makes `fits` false, as a plan that does not fit does). Loads no weights."""
     from m1.marl.cluster import make_plan
+    from m1.marl.preflight import check_run
+    from m1.models.preflight import summary
 
     runs = stage_runs(exp)
     lines = [f"experiment {exp.name}: stages {' -> '.join(exp.stages)}; arms {list(exp.arms)}; seeds {exp.seeds}; "
@@ -633,6 +636,10 @@ def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tu
             if stage == "marl" and "sft" in exp.arm_stages(arm):
                 lines.append("(starts from this arm's SFT weights: same shapes as planned here)")
             lines.append(plan.render())
+            checks = check_run(cfg)
+            refused = [c for c in checks if c.status == "refused"]
+            fits = fits and not refused
+            lines += summary(checks) + [f"model refused: {c.line()}" for c in refused]
             steps, step_s = _steps(cfg, stage), _measured_step_s(exp, arm, stage)
             n = len(exp.seeds)
             if steps is not None and step_s is not None:
