@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from m1.registry import DEFAULTS, SAGE_UNAVAILABLE, TOOL_NAMES
 
@@ -61,6 +61,10 @@ class ModelSpec(Strict):
     # Left out of dumps when off, like `adapter`
     trust_remote_code: bool = Field(False, exclude_if=lambda v: v is False)
     max_pixels: int | None = None  # vision: cap on pixels per frame given to the processor
+    # hf / eagle vision: most requests in one `generate` call; a longer list is answered in batches of this many, in
+    # order. auto: the placement plan's number (what fits the model's GPU after its weights) when the run has a plan
+    # that placed it, else DEFAULT_VISION_BATCH (m1/models/hf.py). Left out of dumps at auto
+    max_batch_requests: PositiveInt | Literal["auto"] = Field("auto", exclude_if=lambda v: v == "auto")
     clip_name: str | None = None  # open_clip architecture, e.g. ViT-B-16
     pretrained: str | None = None  # open_clip pretrained tag or checkpoint path
     base_url: str | None = None  # openai
@@ -75,6 +79,14 @@ class ModelSpec(Strict):
     # the question): a teacher that answers well but plans at random, the weak-plan SFT start of docs/weak_plan.md
     plans: Literal["rules", "uniform"] = Field("rules", exclude_if=lambda v: v == "rules")
     seed: int = 0  # synth teacher: seeds its error draws
+    # openai vision: how a clip reaches the server. `frames`: one JPEG image_url part per frame, its time in a text
+    # part (any server). `video_url`: the clip as one mp4 video_url part at its own frame rate, timing kept (vLLM,
+    # SGLang). For video_url, `video_transport: data` inlines the mp4 as a base64 data URL; `file` writes it under
+    # `video_root` (a folder the server reads, e.g. vLLM's --allowed-local-media-path) and sends a file:// URL, the
+    # file removed once the batch is answered. Left out of dumps at their defaults (old signatures still match)
+    video_input: Literal["frames", "video_url"] = Field("frames", exclude_if=lambda v: v == "frames")
+    video_transport: Literal["data", "file"] = Field("data", exclude_if=lambda v: v == "data")
+    video_root: str | None = Field(None, exclude_if=lambda v: v is None)
 
     @model_validator(mode="after")
     def _source(self) -> ModelSpec:
@@ -91,10 +103,30 @@ class ModelSpec(Strict):
         if self.attn_implementation == "flash_attention_2" and self.dtype not in ("bfloat16", "float16"):
             raise ValueError(f"attn_implementation flash_attention_2 runs only on bfloat16/float16 weights; set "
                              f"dtype: bfloat16 (got dtype {self.dtype!r})")
+        if self.max_batch_requests != "auto" and (self.kind != "vision" or self.backend not in ("hf", "eagle")):
+            raise ValueError(f"`max_batch_requests` applies to vision models of backend hf or eagle, not a {self.kind} "
+                             f"model of backend {self.backend!r}")
         if self.adapter is not None and (self.kind != "chat" or self.backend not in ("hf", "vllm")):
             raise ValueError(f"`adapter` applies to chat models of backend hf or vllm, not a {self.kind} model "
                              f"of backend {self.backend!r}")
+        self._check_video()
         return self
+
+    def _check_video(self) -> None:
+        """video_url settings apply only to an openai vision model, and file transport needs its folder."""
+        if self.video_input == "video_url" and (self.kind != "vision" or self.backend != "openai"):
+            raise ValueError(f"video_input: video_url applies to a vision model of backend openai, not a {self.kind} "
+                             f"model of backend {self.backend!r}")
+        if self.video_input == "frames":
+            for key, default in (("video_transport", "data"), ("video_root", None)):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{key}: applies only with video_input: video_url (video_input is frames)")
+        if self.video_transport == "file" and not self.video_root:
+            raise ValueError("video_transport: file writes each clip under `video_root`, which is not set; set "
+                             "video_root to a folder the server may read (vLLM: --allowed-local-media-path), or use "
+                             "video_transport: data")
+        if self.video_transport == "data" and self.video_root is not None:
+            raise ValueError("video_root: is used only with video_transport: file (video_transport is data)")
 
 
 AgentKind = Literal["cpp", "weaver", "zoomer", "sage"]
@@ -392,13 +424,14 @@ def load_config(model: type[BaseModel], path: str | Path, overrides: list[str] |
 
 
 def load_team(path: str | Path, overrides: list[str] | None = None) -> TeamConfig:
-    """A team config; a model `path` or `adapter` written as `./x` or `../x` is taken relative to the YAML file's
-    folder (so a config can name weights shipped beside it wherever the command runs), any other path as given."""
+    """A team config; a model `path`, `adapter` or `video_root` written as `./x` or `../x` is taken relative to the
+    YAML file's folder (so a config can name weights shipped beside it wherever the command runs), any other path as
+    given."""
     cfg = load_config(TeamConfig, path, overrides, "team")
     folder = resolve_config_path(path, "team").parent
     models = {}
     for key, spec in cfg.models.items():
-        for field in ("path", "adapter"):
+        for field in ("path", "adapter", "video_root"):
             value = getattr(spec, field)
             if value and value.startswith(("./", "../")):
                 spec = spec.model_copy(update={field: str((folder / value).resolve())})

@@ -31,14 +31,22 @@ SECRET = "sk-test-0123456789abcdef-SECRET"
 # ---------------------------------------------------------------------------------------------
 # A scripted /v1/chat/completions server
 # ---------------------------------------------------------------------------------------------
+class _BadMedia(Exception):
+    """A video_url the stand-in refuses, answered with HTTP 400 as vLLM does."""
+
+
 class FakeServer:
     """Answers chat completions; `script` gives per-attempt behaviour before normal answers.
 
     A script step is ("hang",), or (status, headers, message). `per_request` (optional) maps the
     JSON body to such a step, for behaviour that depends on the request instead of its order.
+    `video_url` parts are decoded like vLLM does: a `data:video/mp4;base64,` URL, or a `file://` path
+    only under `media_root` (vLLM's --allowed-local-media-path); anything else is a 400.
     """
 
-    def __init__(self, script=(), delay: float = 0.0, per_request=None, logprobs=True):
+    def __init__(self, script=(), delay: float = 0.0, per_request=None, logprobs=True, media_root=None):
+        self.media_root = Path(media_root).resolve() if media_root is not None else None
+        self.videos: list[dict] = []  # what each decoded video_url part held
         self.script = list(script)
         self.delay = delay
         self.per_request = per_request
@@ -76,7 +84,12 @@ class FakeServer:
                                    headers)
                         return
                     time.sleep(fake.delay)
-                    self._send(200, fake.answer(body), {})
+                    try:
+                        payload = fake.answer(body)
+                    except _BadMedia as exc:
+                        self._send(400, {"error": {"message": str(exc), "type": "BadRequestError"}}, {})
+                        return
+                    self._send(200, payload, {})
                 finally:
                     with fake.lock:
                         fake.active -= 1
@@ -101,6 +114,9 @@ class FakeServer:
         last = body["messages"][-1]["content"]
         if isinstance(last, str):
             reply = f"echo:{last}"
+        elif any(p["type"] == "video_url" for p in last):
+            reply = json.dumps([self.read_video(p["video_url"]["url"])
+                                for p in last if p["type"] == "video_url"])
         else:
             n_img = sum(1 for p in last if p["type"] == "image_url")
             reply = f"images:{n_img}"
@@ -113,6 +129,34 @@ class FakeServer:
         return {"id": "cmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
                 "choices": [choice],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+
+    def read_video(self, url: str) -> dict:
+        """Decode one video_url: frame count, declared rate, each frame's time and mean RGB."""
+        import av
+
+        if url.startswith("data:video/mp4;base64,"):
+            source = io.BytesIO(base64.b64decode(url.split(",", 1)[1]))
+        elif url.startswith("file://"):
+            path = Path(urllib.request.url2pathname(url[len("file://"):])).resolve()
+            if self.media_root is None or not path.is_relative_to(self.media_root):
+                raise _BadMedia(f"Cannot load local files without --allowed-local-media-path "
+                                f"covering {path}")
+            if not path.is_file():
+                raise _BadMedia(f"no such file: {path}")
+            source = str(path)
+        else:
+            raise _BadMedia(f"unsupported video URL: {url[:40]}")
+        with av.open(source) as container:
+            stream = container.streams.video[0]
+            frames = list(container.decode(stream))
+            info = {"frames": len(frames), "fps": str(stream.guessed_rate),  # what OpenCV reads
+                    "times": [round(float(f.time), 4) for f in frames],
+                    "size": [stream.height, stream.width],
+                    "means": [f.to_ndarray(format="rgb24").reshape(-1, 3).mean(0).round(1).tolist()
+                              for f in frames]}
+        with self.lock:
+            self.videos.append({"url": url[:40], **info})
+        return info
 
     def close(self):
         self.release.set()
@@ -227,6 +271,121 @@ def test_vision_frames_as_jpeg_data_urls(servers, key_env):
     with pytest.raises(ModelError, match="3 frames but 2 timestamps"):
         model.describe([VisionRequest(frames=frames, timestamps=[0.0, 1.0], prompt="x")],
                        SamplingParams())
+
+
+def _colour_clip(n: int, h: int = 32, w: int = 48) -> np.ndarray:
+    """Frame i is one flat colour, distinct per frame, so decoded frames can be matched to sent ones."""
+    frames = np.zeros((n, h, w, 3), dtype=np.uint8)
+    for i in range(n):
+        frames[i] = (40 + 50 * i, 200 - 40 * i, 120)
+    return frames
+
+
+def _decoded(out: list[Completion]) -> list[dict]:
+    return [json.loads(c.text)[0] for c in out]
+
+
+def test_video_url_sends_one_mp4_with_its_timing(servers, key_env):
+    srv = servers()
+    model = OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url"), "browser")
+    frames = _colour_clip(4)
+    steady = VisionRequest(frames=frames, timestamps=[4.0, 4.5, 5.0, 5.5], prompt="What changes?",
+                           system="You watch clips.")
+    # sampled from a 10 fps video: steps of 0.6 or 0.7 s land on a 5/3 fps grid
+    sampled = VisionRequest(frames=_colour_clip(5), timestamps=[0.0, 0.6, 1.2, 1.9, 2.5], prompt="q")
+    # two moments of the video: the gap survives as time without frames
+    gappy = VisionRequest(frames=_colour_clip(4), timestamps=[10.0, 10.5, 30.0, 30.5], prompt="q")
+    odd = VisionRequest(frames=_colour_clip(2, h=33, w=47), timestamps=[1.0, 2.0], prompt="q")
+    out = model.describe([steady, sampled, gappy, odd], SamplingParams(max_new_tokens=5))
+
+    msgs = next(b["messages"] for b in srv.bodies if len(b["messages"]) == 2)  # sent concurrently
+    assert msgs[0] == {"role": "system", "content": "You watch clips."}
+    parts = msgs[1]["content"]
+    assert [p["type"] for p in parts] == ["video_url", "text"]  # the question after the video
+    assert parts[0]["video_url"]["url"].startswith("data:video/mp4;base64,")
+    assert parts[1]["text"] == ("The video shows 4 frames from 4.00 s to 5.50 s of the source video.\n"
+                                "What changes?")
+    got = _decoded(out)
+    assert got[0]["frames"] == 4 and got[0]["fps"] == "2" and got[0]["times"] == [0.0, 0.5, 1.0, 1.5]
+    assert got[0]["size"] == [32, 48]
+    sent = frames.reshape(4, -1, 3).mean(1)
+    assert np.abs(np.array(got[0]["means"]) - sent).max() < 6  # each frame arrives in order (lossy codec)
+    assert got[1]["frames"] == 5 and got[1]["fps"] == "5/3"
+    assert got[1]["times"] == [0.0, 0.6, 1.2, 1.8, 2.4]
+    assert got[2]["frames"] == 4 and got[2]["fps"] == "2" and got[2]["times"] == [0.0, 0.5, 20.0, 20.5]
+    assert got[3]["size"] == [34, 48]  # odd sides padded by one repeated row / column for H.264
+    assert model.requests_sent == 4
+
+
+def test_video_url_file_transport_writes_under_the_root_and_cleans_up(servers, key_env, tmp_path):
+    root = tmp_path / "media"
+    root.mkdir()
+    srv = servers(media_root=root)
+    model = OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url", video_transport="file",
+                                   video_root=str(root)), "browser")
+    req = VisionRequest(frames=_colour_clip(3), timestamps=[0.0, 1.0, 2.0], prompt="q")
+    out = model.describe([req, req], SamplingParams(max_new_tokens=5))
+    urls = [b["messages"][-1]["content"][0]["video_url"]["url"] for b in srv.bodies]
+    assert all(u.startswith(f"file://{root}/m1-clip-") and u.endswith(".mp4") for u in urls)
+    assert len(set(urls)) == 2
+    assert [d["frames"] for d in _decoded(out)] == [3, 3] and _decoded(out)[0]["times"] == [0.0, 1.0, 2.0]
+    assert list(root.iterdir()) == []  # each file lives only while its batch is answered
+
+    # a root the server does not allow: its 400 names the file; the file is still removed
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    outside = OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url", video_transport="file",
+                                     video_root=str(other)), "browser")
+    with pytest.raises(ModelError, match=r"'browser'.*HTTP 400.*allowed-local-media-path"):
+        outside.describe([req], SamplingParams(max_new_tokens=5))
+    assert list(other.iterdir()) == []
+
+    missing = tmp_path / "missing"
+    with pytest.raises(ModelError, match=rf"'browser'.*video_root {missing} is not an existing folder"):
+        OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url", video_transport="file",
+                               video_root=str(missing)), "browser")
+
+
+def test_video_url_request_errors(servers, key_env):
+    srv = servers()
+    model = OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url"), "browser")
+    frames = _colour_clip(3)
+    with pytest.raises(ModelError, match="3 frames but 2 timestamps"):
+        model.describe([VisionRequest(frames=frames, timestamps=[0.0, 1.0], prompt="x")], SamplingParams())
+    with pytest.raises(ModelError, match="timestamps must not decrease"):
+        model.describe([VisionRequest(frames=frames, timestamps=[0.0, 2.0, 1.0], prompt="x")], SamplingParams())
+    with pytest.raises(ModelError, match="'browser'.*at least one frame"):
+        model.describe([VisionRequest(frames=frames[:0], timestamps=[], prompt="x")], SamplingParams())
+    assert srv.bodies == []
+
+
+def test_video_settings_are_checked_with_the_config(tmp_path):
+    from m1.config import ConfigError, load_team
+
+    base = spec("http://127.0.0.1:9/v1", kind="vision")
+    assert not {"video_input", "video_transport", "video_root"} & set(base.model_dump())  # old signatures hold
+    with pytest.raises(ValueError, match="video_input: video_url applies to a vision model of backend openai"):
+        spec("http://127.0.0.1:9/v1", kind="chat", video_input="video_url")
+    with pytest.raises(ValueError, match="video_transport: file writes each clip under `video_root`, which is not"):
+        spec("http://127.0.0.1:9/v1", kind="vision", video_input="video_url", video_transport="file")
+    with pytest.raises(ValueError, match="video_root: applies only with video_input: video_url"):
+        spec("http://127.0.0.1:9/v1", kind="vision", video_root="/tmp")
+    with pytest.raises(ValueError, match="video_root: is used only with video_transport: file"):
+        spec("http://127.0.0.1:9/v1", kind="vision", video_input="video_url", video_root="/tmp")
+
+    team = load_team("tiny")
+    data = team.model_dump()
+    data["models"]["served"] = {"kind": "vision", "backend": "openai", "path": "m", "base_url": "http://x/v1",
+                                "video_input": "video_url", "video_transport": "file"}
+    import yaml
+
+    cfg = tmp_path / "team.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"team.yaml: models.served: .*video_transport: file .*video_root"):
+        load_team(cfg)
+    data["models"]["served"]["video_root"] = "./clips"  # relative to the YAML file, like `path`
+    cfg.write_text(yaml.safe_dump(data))
+    assert load_team(cfg).models["served"].video_root == str(tmp_path / "clips")
 
 
 # ---------------------------------------------------------------------------------------------

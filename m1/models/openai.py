@@ -18,7 +18,10 @@ import os
 import random
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
+from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -337,19 +340,29 @@ def encode_jpeg(frame: np.ndarray, quality: int = 90) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def vision_messages(request: VisionRequest) -> list[dict[str, Any]]:
-    """Frames in time order, each preceded by its timestamp, then the question."""
+def _clip_frames(request: VisionRequest) -> np.ndarray:
+    """The request's frames as T x H x W x 3, checked against its timestamps."""
     frames = np.asarray(request.frames)
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ModelError(f"vision request: frames must be T x H x W x 3, got shape {frames.shape}")
     if len(request.timestamps) != frames.shape[0]:
         raise ModelError(f"vision request: {frames.shape[0]} frames but "
                          f"{len(request.timestamps)} timestamps")
+    return frames
+
+
+def vision_messages(request: VisionRequest) -> list[dict[str, Any]]:
+    """Frames in time order, each preceded by its timestamp, then the question."""
+    frames = _clip_frames(request)
     parts: list[dict[str, Any]] = []
     for frame, t in zip(frames, request.timestamps):
         parts.append({"type": "text", "text": f"Frame at {float(t):.2f} s:"})
         parts.append({"type": "image_url", "image_url": {"url": encode_jpeg(frame)}})
     parts.append({"type": "text", "text": request.prompt})
+    return _with_system(request, parts)
+
+
+def _with_system(request: VisionRequest, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if request.system:
         messages.append({"role": "system", "content": request.system})
@@ -357,8 +370,104 @@ def vision_messages(request: VisionRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def clip_grid(timestamps: list[float]) -> tuple[Fraction, list[int]]:
+    """A clip's frame rate and each frame's slot on that rate's grid, so an mp4 keeps the clip's timing.
+
+    The rate is one over the median step between frames (a clip sampled from a video has steps that differ by a
+    source frame); slot k is shown at k / rate. A clip with gaps (frames from separate moments) keeps them as
+    skipped slots. Two frames that would share a slot get consecutive ones.
+    """
+    times = [float(t) for t in timestamps]
+    if any(b < a for a, b in zip(times, times[1:])):
+        raise ModelError(f"vision request: timestamps must not decrease for a video clip, got {times}")
+    steps = sorted(b - a for a, b in zip(times, times[1:]) if b - a > 1e-9)
+    rate = Fraction(1.0 / steps[len(steps) // 2]).limit_denominator(1001) if steps else Fraction(1)
+    slots: list[int] = []
+    for t in times:
+        slot = round((t - times[0]) * rate)
+        slots.append(slot if not slots or slot > slots[-1] else slots[-1] + 1)
+    return rate, slots
+
+
+def encode_mp4(frames: np.ndarray, timestamps: list[float], target: Path | io.BytesIO) -> Fraction:
+    """Write a clip as an H.264 mp4 at its own rate (`clip_grid`) into `target`; returns the rate.
+
+    H.264 in yuv420p needs even sides, so an odd height or width gets its last row or column repeated once.
+    """
+    from m1.video import write_video
+
+    arr = np.asarray(frames)
+    if arr.dtype != np.uint8:
+        arr = np.clip(arr, 0, 255).astype(np.uint8)
+    pad_h, pad_w = arr.shape[1] % 2, arr.shape[2] % 2
+    if pad_h or pad_w:
+        arr = np.pad(arr, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    rate, slots = clip_grid(timestamps)
+    write_video(target, arr, rate, arr.shape[2], arr.shape[1], pts=slots)
+    return rate
+
+
+def video_messages(request: VisionRequest, url: str) -> list[dict[str, Any]]:
+    """The clip as one video_url part, then one text part: where the clip lies in its source, and the question.
+
+    The mp4 starts at 0 s, so the text says which span of the source video it shows.
+    """
+    times = [float(t) for t in request.timestamps]
+    span = (f"The video shows {len(times)} frames from {times[0]:.2f} s to {times[-1]:.2f} s of the source video."
+            if times else "The video has no frames.")
+    parts = [{"type": "video_url", "video_url": {"url": url}},
+             {"type": "text", "text": f"{span}\n{request.prompt}"}]
+    return _with_system(request, parts)
+
+
 class OpenAIVisionModel(_OpenAIBackend):
-    """A VisionModel served over HTTP: frames go as base64 JPEG data URLs."""
+    """A VisionModel served over HTTP: a clip goes as base64 JPEG frames, or (`video_input: video_url`) as one mp4
+    that keeps its timing, inline or as a file the server reads."""
+
+    def __init__(self, spec: ModelSpec, name: str) -> None:
+        super().__init__(spec, name)
+        self.video_root: Path | None = None
+        if spec.video_input == "video_url" and spec.video_transport == "file":
+            root = Path(spec.video_root or "").expanduser().resolve()
+            if not root.is_dir():
+                raise ModelError(f"{self._where()}: video_root {root} is not an existing folder (video_transport: "
+                                 "file writes each clip there for the server to read)")
+            self.video_root = root
 
     def describe(self, requests: list[VisionRequest], params: SamplingParams) -> list[Completion]:
-        return self._run_batch([vision_messages(r) for r in requests], params, request_seeds(requests, params))
+        seeds = request_seeds(requests, params)
+        if self.spec.video_input == "frames":
+            return self._run_batch([vision_messages(r) for r in requests], params, seeds)
+        written: list[Path] = []
+        try:
+            messages = [video_messages(r, self._video_url(r, written)) for r in requests]
+            return self._run_batch(messages, params, seeds)
+        finally:
+            # the server has read every file once its batch is answered (or given up)
+            for path in written:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:
+                    log.warning("%s: could not remove the clip file %s: %s", self._where(), path, exc)
+
+    def _video_url(self, request: VisionRequest, written: list[Path]) -> str:
+        """The request's clip as an mp4 data URL, or written under video_root as a file:// URL."""
+        frames = _clip_frames(request)
+        if frames.shape[0] == 0:
+            raise ModelError(f"{self._where()}: video_input video_url needs at least one frame, got none")
+        path = None
+        if self.video_root is not None:
+            path = self.video_root / f"m1-clip-{os.getpid()}-{uuid.uuid4().hex}.mp4"
+            written.append(path)
+        buf = io.BytesIO()
+        try:
+            encode_mp4(frames, request.timestamps, buf if path is None else path)
+        except ModelError:
+            raise
+        except Exception as exc:  # PyAV's and the file system's errors, each named with the model
+            where = "in memory" if path is None else f"to {path}"
+            raise ModelError(f"{self._where()}: cannot encode the clip as mp4 {where}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        if path is None:
+            return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+        return path.as_uri()
