@@ -622,4 +622,7 @@ def test_plan_runs_the_model_preflight_of_every_training_stage(tmp_path, monkeyp
     refused = [line for line in res.output.splitlines() if line.startswith("model refused:")]
     assert len(refused) == 1 and "model 'grounding' (nvidia/Eagle2.5-8B, browse tool)" in refused[0], res.output
     assert "models checked by class only" in res.output  # the other arms' hub models, not cached here
+    # the agents' models of a MARL stage come from the arm's SFT stage: left to the seating, not refused
+    assert res.output.count("models this arm's SFT stage makes (checked when seated): qwen25_3b, qwen25_7b, "
+                            "qwen3_4b, qwen3_8b") == 3, res.output
     assert "one of its models cannot be built" in res.output

@@ -599,6 +599,16 @@ def _steps(cfg, stage: str) -> int | None:
     return math.ceil(n / cfg.batch_size) * cfg.epochs
 
 
+def _seated_models(exp: Experiment, arm: str, cfg) -> set[str]:
+    """Model keys of a MARL stage that this arm's SFT stage replaces with its trained weights: their configured
+    paths need not exist before the experiment runs, so the plan's preflight leaves them to the seating."""
+    if "sft" not in exp.arm_stages(arm):
+        return set()
+    sft_cfg, _ = load_stage_config(exp, StageRun(arm, exp.seeds[0], "sft", exp.stage_dir(arm, exp.seeds[0], "sft")))
+    trained = set(sft_cfg.train_agents or [a.name for a in sft_cfg.team_config().agents])
+    return {a.model for a in cfg.team_config().agents if a.name in trained}
+
+
 def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tuple[str, bool]:
     """(text, fits): the stages x arms x seeds, and per training stage and arm its placement plan, GPU count and,
     where a step time was measured in this experiment's folders, estimated GPU-hours, and the preflight of its models
@@ -637,9 +647,13 @@ def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tu
                 lines.append("(starts from this arm's SFT weights: same shapes as planned here)")
             lines.append(plan.render())
             checks = check_run(cfg)
-            refused = [c for c in checks if c.status == "refused"]
+            seated = _seated_models(exp, arm, cfg) if stage == "marl" else set()
+            refused = [c for c in checks if c.status == "refused" and c.key not in seated]
             fits = fits and not refused
-            lines += summary(checks) + [f"model refused: {c.line()}" for c in refused]
+            lines += summary([c for c in checks if c.key not in seated])
+            if seated:
+                lines.append(f"models this arm's SFT stage makes (checked when seated): {', '.join(sorted(seated))}")
+            lines += [f"model refused: {c.line()}" for c in refused]
             steps, step_s = _steps(cfg, stage), _measured_step_s(exp, arm, stage)
             n = len(exp.seeds)
             if steps is not None and step_s is not None:
