@@ -18,11 +18,12 @@ from typing import Any, Literal
 
 from m1.config import ModelSpec, TinySpec
 from m1.marl.config import ClusterConfig, LearnerConfig, SFTConfig, TrainConfig
-from m1.models.shapes import ShapeError, TextShape, text_shape, vision_parameters
+from m1.models.shapes import ShapeError, TextShape, VisionShape, text_shape, vision_parameters, vision_shape
 
 GiB = float(2**30)
 ACT_PER_LAYER = 34  # bytes per token per hidden unit of one transformer layer's activations (bf16, fused attention)
 LOGIT_BYTES = 8  # per kept logit: the fp32 log-softmax and its gradient
+VISION_PROMPT_TOKENS = 512  # text of one browse request (instructions, question, options, frame times), a margin
 RAY_NODE_ID_LABEL = "ray.io/node-id"  # the label Ray puts on every node: its node id
 
 
@@ -231,6 +232,76 @@ def rollout_batch(cfg: TrainConfig, plan: PlacementPlan | None = None) -> int:
     return plan.rollout.episodes
 
 
+@dataclass
+class RequestBatch:
+    """How many requests a driver's vision model (hf / eagle) answers in one generate call, and what one costs."""
+
+    requests: int  # what the run uses (written into the model's spec: `with_request_batches`)
+    setting: str  # "max_batch_requests: auto" or "max_batch_requests"
+    most: int  # the longest request list one call of the run can carry (episodes at once x agents)
+    fits: int | None  # most requests whose KV cache and activations fit its GPU after the weights; None: unknown
+    tokens: int  # of one request: frames x visual tokens per frame + prompt + new tokens
+    request_gb: float  # KV cache + activations of one request
+
+
+def driver_vision_shape(spec: ModelSpec) -> VisionShape:
+    """The request-sizing shape of a vision driver model; a tiny one as m1/models/tiny.py builds it."""
+    if spec.tiny is not None:
+        from m1.models.tiny import TINY_VL_SIZE
+
+        return VisionShape(tiny_shape(spec.tiny), max(16, spec.tiny.hidden_size // 2), 4, 28 * 28, 2,
+                           TINY_VL_SIZE["longest_edge"])
+    return vision_shape(spec.path or "")
+
+
+def request_frames(team, key: str) -> int:
+    """Most frames one request to model `key` carries: the frame settings of the tools it serves (the browser also
+    serves Space and Grounding when they name no model of their own; a seed system's clips up to max_tool_frames);
+    a model that is no tool's (a frozen agent's) is sized by the largest of them."""
+    t = team.tools
+    frames = []
+    if key == t.browser:
+        frames += [t.rough_frames, t.fine_frames] + ([t.space_frames] if not t.space else []) \
+            + ([t.grounding_max_frames] if not t.grounding else [])
+    if key == t.space:
+        frames.append(t.space_frames)
+    if key == t.grounding:
+        frames.append(t.grounding_max_frames)
+    seed = getattr(team, "seed_system", None)
+    if seed is not None and frames:
+        frames.append(seed.max_tool_frames)
+    return max(frames or [t.rough_frames, t.fine_frames, t.space_frames, t.grounding_max_frames])
+
+
+def vision_request_bytes(shape: VisionShape, spec: ModelSpec, frames: int, new_tokens: int) -> tuple[int, int, int]:
+    """(tokens, KV bytes, activation bytes) of one request of `frames` frames to a vision model.
+
+    Tokens: frames x visual tokens per frame (`VisionShape.tokens_per_frame` at the spec's max_pixels) +
+    VISION_PROMPT_TOKENS + `new_tokens`. KV: tokens x the language model's KV bytes per token in the weights' dtype.
+    Activations of the prefill, one layer at a time as in inference, counted as the learner counts the layer being
+    recomputed (ACT_PER_LAYER bytes per token per hidden unit): the language model's over every token, and the
+    vision tower's over the ViT patches (visual tokens x patches_per_token) at its width. Cache and activations are
+    held together while a batch is prefilled."""
+    visual = frames * shape.tokens_per_frame(spec.max_pixels)
+    tokens = visual + VISION_PROMPT_TOKENS + new_tokens
+    kv = tokens * shape.text.kv_bytes_per_token(weight_bytes(spec))
+    act = ACT_PER_LAYER * (tokens * shape.text.hidden_size + visual * shape.patches_per_token * shape.vit_width)
+    return tokens, kv, act
+
+
+def with_request_batches(specs: dict[str, ModelSpec], plan: PlacementPlan | None) -> dict[str, ModelSpec]:
+    """`specs` with each `max_batch_requests: auto` the plan sized replaced by the plan's number, so the model built
+    from the spec (on the GPU the plan gave it) answers in calls of that many requests."""
+    if plan is None:
+        return dict(specs)
+    out = dict(specs)
+    for key, batch in plan.requests.items():
+        spec = out.get(key)
+        if spec is not None and spec.max_batch_requests == "auto":
+            out[key] = spec.model_copy(update={"max_batch_requests": batch.requests})
+    return out
+
+
 # ================================================================================================ the plan
 @dataclass(frozen=True, order=True)
 class GpuSlot:
@@ -294,6 +365,7 @@ class PlacementPlan:
     reference_gb: dict[str, float] = field(default_factory=dict)
     beta: float | None = None  # grpo.beta (None: SFT)
     rollout: RolloutBatch | None = None  # HF rollouts: episodes at once; None: SFT or vLLM engines
+    requests: dict[str, RequestBatch] = field(default_factory=dict)  # vision driver models: requests per call
 
     @property
     def fits(self) -> bool:
@@ -407,6 +479,13 @@ class PlacementPlan:
                    f"the KV cache of {r.fits} fits the learners' free memory"
                    + (f", {r.kv_tokens} tokens on the tightest GPU" if r.kv_tokens else ""))
             lines.append(f"rollouts: {r.episodes} of the step's {r.step} episodes at once ({r.setting}; {fit})")
+        if self.requests:
+            lines.append("(a vision driver's act counts its request batch's KV cache and prefill activations, held "
+                         "together)")
+        for key, b in self.requests.items():
+            fit = ("fits: unknown (no GPU size)" if b.fits is None else f"{b.fits} fit its GPU after the weights")
+            lines.append(f"driver {key}: {b.requests} requests per generate call, of up to {b.most} at once "
+                         f"({b.setting}; {fit}; {b.tokens} tokens, {b.request_gb:.2f} GB KV + activations each)")
         lines += [f"note: {n}" for n in self.notes]
         if self.fits:
             lines.append("fits: yes")
@@ -567,14 +646,21 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
                      "its KV cache")
 
     drivers: dict[str, ModelSpec] = {}
+    driver_team, episodes_at_once = team, team.limits.batch_episodes  # whose tools the driver models serve
     if sft:
         build = teacher if teacher is not None else not (cfg.data.examples and Path(cfg.data.examples).is_file())
         teacher_cfg = cfg.teacher_config()
         if build and teacher_cfg is not None:
             drivers = _driver_models(teacher_cfg, [a.name for a in teacher_cfg.agents])
+            driver_team, episodes_at_once = teacher_cfg, teacher_cfg.limits.batch_episodes
             notes.append("the driver models are the teacher's, loaded to build data.examples before training")
     else:
         drivers = _driver_models(team, [a for a in agents if a not in trained])
+        if on_engines:  # the trainer sends a vLLM step's episodes to the team at once (m1/marl/trainer.py)
+            episodes_at_once = max(team.limits.batch_episodes,
+                                   cfg.rollout.questions_per_step * cfg.rollout.num_generations)
+        elif rollout is not None:
+            episodes_at_once = rollout.episodes
         j = cfg.judge
         if j.kind == "llm" and j.model is not None:
             drivers["judge"] = j.model
@@ -585,6 +671,8 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
                             f"(those: {on_gpus})")
     usable = (mem_gb or 0.0) * (1 - cc.headroom)
     api = []
+    requests: dict[str, RequestBatch] = {}
+    sized: set[str] = set()  # driver models whose request batch is already a problem (not reported twice)
     for key, spec in drivers.items():
         if not needs_gpu(spec):
             if spec.backend in ("hf", "vllm", "open_clip", "eagle"):
@@ -610,7 +698,12 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
             n = spec.tensor_parallel_size
         else:  # one GPU unless the model does not fit on one
             n = next((k for k in range(1, cc.gpus_per_node + 1) if driver_mem(k).peak <= usable), 1)
-        units.append(Unit("driver", key, spec.path or spec.clip_name or "tiny", n, driver_mem(n)))
+        mem = driver_mem(n)
+        if spec.kind == "vision" and spec.backend in ("hf", "eagle"):
+            mem = _vision_driver_memory(key, spec, driver_team, len(driver_team.agents) * episodes_at_once,
+                                        _gb(weights / n), cc, usable if mem_gb is not None else None, requests,
+                                        problems, notes, sized) or mem
+        units.append(Unit("driver", key, spec.path or spec.clip_name or "tiny", n, mem))
     if on_cpu:
         notes.append("on the CPU (no GPU planned): " + ", ".join(on_cpu))
     if api:
@@ -623,7 +716,7 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
 
     # memory of each unit against one GPU
     for u in units:
-        if not check_memory or u.memory is None or u.memory.peak <= usable:
+        if not check_memory or u.memory is None or u.memory.peak <= usable or (u.role == "driver" and u.name in sized):
             continue
         short = u.memory.peak - usable
         head = (f"needs {u.memory.peak:.1f} GB per GPU on {u.gpus} GPU(s), the GPUs have {mem_gb:g} GB "
@@ -668,7 +761,53 @@ def make_plan(cfg: TrainConfig | SFTConfig, gpus: int | None = None, gpu_mem_gb:
                          problems=problems, notes=notes, cpus_per_gpu=cc.cpus_per_gpu,
                          checkpoint_agents_gb=per_agent,
                          checkpoint_bytes_per_param=trained_weight_bytes(learner, zero) + (12 if zero else 8),
-                         reference_gb=ref_gb, beta=None if sft else cfg.grpo.beta, rollout=rollout)
+                         reference_gb=ref_gb, beta=None if sft else cfg.grpo.beta, rollout=rollout,
+                         requests=requests)
+
+
+def _vision_driver_memory(key: str, spec: ModelSpec, team, most: int, weights_gb: float, cc: ClusterConfig,
+                          usable: float | None, requests: dict[str, RequestBatch], problems: list[str],
+                          notes: list[str], sized: set[str]) -> MemoryEstimate | None:
+    """The memory of a vision driver model with its request batch: its weights, then as many requests per generate
+    call as fit what the GPU has left (`kv_fit`; auto) or as the spec sets, each counted by `vision_request_bytes`.
+    Records the batch in `requests`; a GPU that cannot hold one request, or a set batch that does not fit, is a
+    problem. None when the model's request size is unknown here (a note says so; the share-of-weights estimate
+    stays)."""
+    from m1.models.hf import DEFAULT_VISION_BATCH
+
+    try:
+        shape = driver_vision_shape(spec)
+    except ShapeError as exc:
+        notes.append(f"driver {key}: its request batch is not counted ({exc})")
+        return None
+    t = team.tools
+    frames = request_frames(team, key)
+    new = max(t.rough_tokens, t.fine_tokens, t.space_tokens, t.grounding_tokens)  # what the tools ask of each call
+    tokens, kv1, act1 = vision_request_bytes(shape, spec, frames, new)
+    per = kv1 + act1
+    base = MemoryEstimate(weights=weights_gb, reserve=cc.reserve_gb)
+    fits = None if usable is None else kv_fit([(base, per, 1)], usable)
+    auto = spec.max_batch_requests == "auto"
+    if auto:
+        n = DEFAULT_VISION_BATCH if fits is None else max(1, min(fits, most))
+    else:
+        n = int(spec.max_batch_requests)
+    one = (f"one request ({frames} frames x {shape.tokens_per_frame(spec.max_pixels)} visual tokens + "
+           f"{VISION_PROMPT_TOKENS} prompt + {new} new = {tokens} tokens) needs {_gb(per):.2f} GB of KV cache and "
+           "activations")
+    if fits is not None and fits < 1:
+        left = usable - weights_gb - cc.reserve_gb
+        problems.append(f"driver model {key}: {one}, and its GPU has {max(left, 0.0):.2f} GB left after the weights "
+                        f"and reserve: no request fits; give it fewer frames (tools.*_frames), a lower max_pixels, "
+                        "or larger GPUs")
+        sized.add(key)
+    elif fits is not None and n > fits:
+        problems.append(f"driver model {key}: max_batch_requests {n} does not fit its GPU: {one}, at most {fits} "
+                        f"fit after the weights; set max_batch_requests to at most {fits}, or auto")
+        sized.add(key)
+    requests[key] = RequestBatch(n, "max_batch_requests: auto" if auto else "max_batch_requests", most, fits, tokens,
+                                 _gb(per))
+    return replace(base, activations=_gb(n * per), kv=_gb(n * kv1))
 
 
 def _learner_fix(agent: str, shape: TextShape, learner: LearnerConfig, reference: bool, kv_seqs: int,
@@ -772,4 +911,7 @@ def plan_summary(plan: PlacementPlan) -> dict[str, Any]:
             "rollout": None if r is None else {"episodes": r.episodes, "setting": r.setting, "step": r.step,
                                                "fits": r.fits, "kv_tokens": r.kv_tokens,
                                                "fits_without_reference": r.fits_without_reference},
+            "requests": {k: {"requests": b.requests, "setting": b.setting, "most": b.most, "fits": b.fits,
+                             "tokens": b.tokens, "request_gb": round(b.request_gb, 3)}
+                         for k, b in plan.requests.items()},
             "units": units}

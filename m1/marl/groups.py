@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from m1.config import ModelSpec
 from m1.models.base import with_seeds
+from m1.marl.cluster import with_request_batches
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.distributed import DistributedError, _require_ray
 from m1.models.engine import free_port
@@ -385,8 +386,10 @@ class RemoteModel:
 
 
 def host_driver_models(placement: RayPlacement, specs: dict[str, ModelSpec]) -> dict[str, RemoteModel]:
-    """Start a `ModelHost` for every driver model the plan put on a GPU; {key: RemoteModel} to register in a hub."""
+    """Start a `ModelHost` for every driver model the plan put on a GPU; {key: RemoteModel} to register in a hub. A
+    vision model at `max_batch_requests: auto` answers in calls of the plan's number of requests (what fits its GPU)."""
     ray = _require_ray()
+    specs = with_request_batches(specs, placement.plan)
     hosts = {}
     for key, slots in placement.plan.driver.items():
         if key not in specs:

@@ -1,7 +1,8 @@
 """transformers backends: a chat model and a Qwen2.5-VL-style video describer.
 
 Both take the whole list of requests of a phase and run one left-padded `model.generate` call,
-because batching every agent of every episode in flight is what makes rollouts fast.
+because batching every agent of every episode in flight is what makes rollouts fast; a vision model splits a list
+longer than its `max_batch_requests` into calls of that many (`vision_batch`), since each request carries frames.
 
 Sampling is exactly what SamplingParams says: greedy at temperature 0, otherwise temperature +
 top_p with top_k and repetition penalty switched off (a checkpoint's generation_config defaults
@@ -217,12 +218,30 @@ def _weights_error(name: str, folder: str, exc: Exception) -> ModelError:
                       f"write it again)")
 
 
+# What a vision model's `max_batch_requests: auto` means when no placement plan sized it (`m1 infer`, placement local,
+# tests): the browse requests of one phase of the paper's team at its limits.batch_episodes of 8 (8 episodes x 4
+# agents). Inference keeps one generate call per phase; a training step whose rollouts run on vLLM engines (32
+# episodes, up to 128 requests in one list) is answered in calls of 32, not in one call that no 80 GB GPU holds.
+DEFAULT_VISION_BATCH = 32
+
+
+def vision_batch(spec: ModelSpec, max_batch: int | None = None) -> int:
+    """Most requests of one generate call of a vision model: `max_batch` when the caller gives one, else the spec's
+    max_batch_requests (auto: DEFAULT_VISION_BATCH; a run with a placement plan writes the plan's number into the
+    spec before the model is built, m1/marl/cluster.py `with_request_batches`)."""
+    if max_batch is not None:
+        return max_batch
+    return DEFAULT_VISION_BATCH if spec.max_batch_requests == "auto" else int(spec.max_batch_requests)
+
+
 def _load_into(obj, spec: ModelSpec, name: str, max_batch: int | None, processor_cls, model_cls) -> str:
     """Shared loading of the chat and vision models: source, device, dtype, eval mode, counters.
-    Sets `obj.processor` (a tokenizer or a processor) and `obj.model`; returns the source."""
+    Sets `obj.processor` (a tokenizer or a processor) and `obj.model`; returns the source. A vision model's
+    `max_batch` is always bounded (`vision_batch`): its requests carry whole frame sets."""
     from safetensors import SafetensorError
 
-    obj.name, obj.spec, obj.max_batch, obj.calls = name, spec, max_batch, 0
+    obj.name, obj.spec, obj.calls = name, spec, 0
+    obj.max_batch = vision_batch(spec, max_batch) if spec.kind == "vision" else max_batch
     obj._lock = threading.Lock()
     source, local_only = resolve_source(spec, name)
     obj.device = resolve_device(spec.device)
@@ -422,8 +441,9 @@ class HFVisionModel:
         return self._in_batches(requests, self._chat_batch, params)
 
     def _in_batches(self, items: list, run: Callable, params: SamplingParams) -> list[Completion]:
-        """`run` over batches of at most `max_batch` items, one model call at a time (the lock); each item keeps
-        the seed of its place in the whole call."""
+        """`run` over batches of at most `max_batch` items (`vision_batch`: what the GPU holds), one model call at a
+        time (the lock), the answers in the requests' order; each item keeps the seed of its place in the whole
+        call, so the split does not change a sample."""
         seeds = request_seeds(items, params)
         step = self.max_batch or len(items)
         results: list[Completion] = []

@@ -93,6 +93,67 @@ VISION_PARAMS: dict[str, int] = {
 }
 
 
+@dataclass(frozen=True)
+class VisionShape:
+    """What one request costs a vision tool model beyond its weights: its language model (KV cache and prefill of the
+    request's tokens), its vision tower (width; ViT patches merged into one visual token) and the visual tokens a frame
+    becomes. Frames are resized to at most `frame_pixels` (the processor's own cap, or the spec's max_pixels where
+    the model honours it), each `token_pixels` of a frame giving one token, `frames_per_token` frames folded into one
+    (Qwen2.5-VL's temporal patch of 2)."""
+
+    text: TextShape
+    vit_width: int
+    patches_per_token: int
+    token_pixels: int
+    frames_per_token: int
+    frame_pixels: int
+    tiles: bool = False  # every frame becomes one fixed tile (InternVL, Eagle): max_pixels does not change it
+
+    def tokens_per_frame(self, max_pixels: int | None = None) -> int:
+        """Visual tokens of one frame (rounded up): the language model's share of a request's tokens."""
+        pixels = self.frame_pixels if max_pixels is None or self.tiles else min(self.frame_pixels, max_pixels)
+        return -(-pixels // (self.token_pixels * self.frames_per_token))
+
+
+# The paper's vision tools: the language model (a TEXT_SHAPES entry) and the vision tower of each. Qwen2.5-VL: a
+# 1280-wide ViT of 14-pixel patches merged 2x2 and 2 frames, frames capped by its video processor at 768 * 28 * 28
+# pixels; InternVL3.5 (InternViT-300M, 1024 wide) and Eagle2.5 (SigLIP-so400m, 1152 wide): a 448-pixel tile per
+# frame, pixel-shuffled to 256 tokens.
+VISION_SHAPES: dict[str, VisionShape] = {
+    "Qwen/Qwen2.5-VL-7B-Instruct": VisionShape(TEXT_SHAPES["Qwen/Qwen2.5-7B-Instruct"], 1280, 4, 28 * 28, 2,
+                                               768 * 28 * 28),
+    "Qwen/Qwen2.5-VL-3B-Instruct": VisionShape(TEXT_SHAPES["Qwen/Qwen2.5-3B-Instruct"], 1280, 4, 28 * 28, 2,
+                                               768 * 28 * 28),
+    "OpenGVLab/InternVL3_5-8B-HF": VisionShape(TEXT_SHAPES["Qwen/Qwen3-8B"], 1024, 4, 28 * 28, 1, 448 * 448, True),
+    "nvidia/Eagle2.5-8B": VisionShape(TEXT_SHAPES["Qwen/Qwen2.5-7B-Instruct"], 1152, 4, 28 * 28, 1, 448 * 448, True),
+}
+VISION_SHAPES["OpenGVLab/InternVL3_5-8B"] = VISION_SHAPES["OpenGVLab/InternVL3_5-8B-HF"]
+
+
+def vision_shape_from_config(cfg: dict, where: str) -> VisionShape:
+    """A VisionShape from a VLM's config.json (Qwen2.5-VL layout: vision_config with hidden_size, patch_size,
+    spatial_merge_size, temporal_patch_size); frames capped as Qwen2.5-VL's video processor caps them."""
+    vis = cfg.get("vision_config")
+    if not isinstance(vis, dict):
+        raise ShapeError(f"{where}: config.json has no vision_config; cannot size its requests")
+    patch, merge = int(vis.get("patch_size", 14)), int(vis.get("spatial_merge_size", 2))
+    return VisionShape(shape_from_config(cfg, where), int(vis.get("hidden_size", vis.get("embed_dim", 1280))),
+                       merge * merge, (patch * merge) ** 2, int(vis.get("temporal_patch_size", 1) or 1),
+                       768 * 28 * 28)
+
+
+def vision_shape(path: str) -> VisionShape:
+    """The request-sizing shape of a vision tool model given by hub id or local folder; a clear error when unknown."""
+    if path in VISION_SHAPES:
+        return VISION_SHAPES[path]
+    cfg = _read_config(path)
+    if cfg is None:
+        raise ShapeError(f"model {path!r}: request size unknown (not in m1.models.shapes.VISION_SHAPES, and no "
+                         "config.json in that folder or in the Hugging Face cache); set the model's "
+                         "max_batch_requests or add its shape")
+    return vision_shape_from_config(cfg, path)
+
+
 def _read_config(path: str) -> dict | None:
     """config.json of a local folder, or of a hub id already in the Hugging Face cache (no download)."""
     folder = Path(path)
