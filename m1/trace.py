@@ -594,9 +594,11 @@ _INDEX_JS = r"""
 """
 
 
-def render_index(rows: list[dict], title: str = "M1 traces", skipped: int = 0) -> str:
+def render_index(rows: list[dict], title: str = "M1 traces", skipped: int = 0,
+                 up: tuple[str, str] | None = None) -> str:
     """The run's index: accuracy per family, one row per question linking its page, and client-side
-    filters (family, right/wrong, text) that also read `#family=..&result=..&q=..` from the URL."""
+    filters (family, right/wrong, text) that also read `#family=..&result=..&q=..` from the URL. `up`: (href, text)
+    of the page this index belongs to (a training step's samples link back to the run's page)."""
     rows = sorted(rows, key=lambda r: r["id"])
     fams: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # right, graded, errors, all
     for r in rows:
@@ -636,7 +638,8 @@ def render_index(rows: list[dict], title: str = "M1 traces", skipped: int = 0) -
             f"<meta name='viewport' content='width=device-width'><style>{_CSS}"
             "tr.q[hidden]{display:none}tr.q td:nth-child(2){white-space:nowrap}"
             ".filters{margin:10px 0}.filters>*{margin-right:8px}</style></head><body>"
-            f"<h1>{_e(title)}</h1><p class='muted'>{len(rows)} questions · written {when}"
+            + (f"<p class='up'><a href='{_e(up[0])}'>↑ {_e(up[1])}</a></p>" if up else "")
+            + f"<h1>{_e(title)}</h1><p class='muted'>{len(rows)} questions · written {when}"
             + (f" · {skipped} unreadable trace files left out" if skipped else "") + "</p>"
             "<h2>Accuracy per family</h2><table class='families'><tr><th>family</th><th>right/graded</th>"
             f"<th>accuracy</th><th>errors</th><th>questions</th></tr>{acc}</table>"
@@ -699,10 +702,11 @@ class TraceIndex:
         rows = [r for _, r in self._rows.values() if r is not None]
         return rows, len(self._rows) - len(rows)
 
-    def html(self, title: str | None = None) -> str:
+    def html(self, title: str | None = None, up: tuple[str, str] | None = None) -> str:
         rows, skipped = self.rows()
         d = self.dir.resolve()
-        return render_index(rows, title or f"M1 traces · {d.parent.name if d.name == 'traces' else d.name}", skipped)
+        return render_index(rows, title or f"M1 traces · {d.parent.name if d.name == 'traces' else d.name}", skipped,
+                            up)
 
     def write(self) -> Path:
         """Write `index.html` whole (temporary file renamed over it); WriteError if it cannot be."""

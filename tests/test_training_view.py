@@ -39,6 +39,8 @@ def test_the_run_index_lists_each_kept_step_with_its_pages_and_the_plots(run):
     for tr in steps:
         href = tr.one("a").attrs["href"]
         assert (run / href).is_file() and href.startswith("samples/step-00000")
+        up = parse((run / href).read_text()).one("p", "up").one("a").attrs["href"]  # the step's page links back
+        assert ((run / href).parent / up).resolve() == (run / "index.html").resolve()
         cells = [td.text() for td in tr.all("td")]
         assert cells[1] == "2" and "trained" in cells[2]  # the step's 2 episodes (K=2, one question)
     imgs = [im.attrs["src"] for im in page.all("img")]

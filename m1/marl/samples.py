@@ -92,7 +92,8 @@ def write_step_samples(out_dir: str | Path, step: int, batch, credit: dict, live
                                      "reward": _num(r), "advantage": _num(a), "reward_parts": {}})
             write_trace(folder, ep.model_copy(update={"id": name, "generations": gens}), pool=pool, index=index)
     write_whole(folder / SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
-    write_whole(folder / INDEX_NAME, index.html(f"M1 training samples · step {step}").encode())
+    up = (f"../../{INDEX_NAME}", "the training run (`m1 view` writes its page)")
+    write_whole(folder / INDEX_NAME, index.html(f"M1 training samples · step {step}", up=up).encode())
     return folder, rows
 
 
