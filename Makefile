@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test test-fast test-vllm clean
+.PHONY: install demo test test-fast test-vllm lmms-eval clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,10 +18,10 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/m1 demo --out runs/demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not vllm" tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not vllm and not lmms" tests
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not vllm" tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not vllm and not lmms" tests
 
 # A real vLLM server for the rollout-engine tests: vLLM's CPU build in a venv of its own (it pins torch 2.13.0+cpu
 # and transformers < 5.20, so it never shares one with M1). The torchvision/torchaudio/torchcodec wheels it pulls
@@ -41,5 +41,21 @@ $(VLLM_STAMP):
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 M1_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -m vllm tests/test_vllm_real.py
 
+# lmms-eval (the field's evaluation harness) as a real client of `m1 serve`: its own venv, because it pins av<16
+# and wandb==0.25.0 next to CUDA torch. filelock<4: with filelock 4 every evaluation fails (filelock._api is gone).
+# The check serves mini_trained, has lmms-eval score a small synth set through the endpoint, and compares with m1 eval.
+LMMS_VENV ?= .venv-lmms
+LMMS_PIN := lmms-eval==0.7.3
+LMMS_STAMP := $(LMMS_VENV)/.installed-lmms-eval-0.7.3
+
+$(LMMS_STAMP):
+	test -x $(LMMS_VENV)/bin/python || $(PY) -m venv $(LMMS_VENV)
+	$(LMMS_VENV)/bin/pip install -q $(LMMS_PIN) "filelock<4"
+	$(LMMS_VENV)/bin/lmms-eval --help > /dev/null
+	rm -f $(LMMS_VENV)/.installed-* && touch $(LMMS_STAMP)
+
+lmms-eval: $(STAMP) $(LMMS_STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python integrations/lmms_eval/run.py --lmms-eval $(LMMS_VENV)/bin/lmms-eval --out runs/lmms-eval
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(LMMS_VENV) runs
