@@ -21,14 +21,6 @@ VL = ModelSpec(kind="vision", tiny=TinySpec(arch="qwen2_5_vl"))
 VLLM = ["rollout.engine=vllm"]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        d = tmp_path_factory.mktemp("m1cache")
-        mp.setenv("M1_CACHE", str(d))
-        yield d
-
-
 def _requests(n: int) -> list[VisionRequest]:
     """n different requests (frames and prompts), so answers out of order would show."""
     rng = np.random.default_rng(0)
@@ -50,7 +42,7 @@ def _spy(model) -> list[int]:
     return sizes
 
 
-def test_128_requests_bounded_to_16_are_8_calls_with_the_unsplit_answers_in_order(cache_dir):
+def test_128_requests_bounded_to_16_are_8_calls_with_the_unsplit_answers_in_order(m1_cache):
     from m1.models.hf import HFVisionModel
 
     model = HFVisionModel(VL.model_copy(update={"max_batch_requests": 16}), "browser")
@@ -69,7 +61,7 @@ def test_128_requests_bounded_to_16_are_8_calls_with_the_unsplit_answers_in_orde
     assert len({tuple(o.completion_ids) for o in whole}) > 1  # the answers differ, so the order is checked
 
 
-def test_auto_without_a_plan_is_the_documented_default(cache_dir):
+def test_auto_without_a_plan_is_the_documented_default(m1_cache):
     from m1.models.hf import DEFAULT_VISION_BATCH, HFVisionModel, vision_batch
 
     assert vision_batch(VL) == DEFAULT_VISION_BATCH == 32
@@ -170,7 +162,7 @@ def test_max_batch_requests_on_a_clip_model_is_a_config_error():
         load_train_config("videochat_m1_full", ["team_overrides=[\"models.clip.max_batch_requests=4\"]"])
 
 
-def test_a_vlm_folder_is_sized_from_its_config_like_the_tiny_spec(cache_dir):
+def test_a_vlm_folder_is_sized_from_its_config_like_the_tiny_spec(m1_cache):
     from m1.models.shapes import vision_shape
     from m1.models.tiny import ensure_tiny
 

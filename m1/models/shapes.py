@@ -144,14 +144,18 @@ def vision_shape_from_config(cfg: dict, where: str) -> VisionShape:
 
 def vision_shape(path: str) -> VisionShape:
     """The request-sizing shape of a vision tool model given by hub id or local folder; a clear error when unknown."""
-    if path in VISION_SHAPES:
-        return VISION_SHAPES[path]
+    return VISION_SHAPES.get(path) or vision_shape_from_config(
+        _required_config(path, "request size unknown", "VISION_SHAPES", "set the model's max_batch_requests or add "
+                         "its shape"), path)
+
+
+def _required_config(path: str, what: str, table: str, fix: str) -> dict:
+    """config.json of a model missing from a table of known shapes; a ShapeError saying how to fix it when absent."""
     cfg = _read_config(path)
     if cfg is None:
-        raise ShapeError(f"model {path!r}: request size unknown (not in m1.models.shapes.VISION_SHAPES, and no "
-                         "config.json in that folder or in the Hugging Face cache); set the model's "
-                         "max_batch_requests or add its shape")
-    return vision_shape_from_config(cfg, path)
+        raise ShapeError(f"model {path!r}: {what} (not in m1.models.shapes.{table}, and no config.json in that "
+                         f"folder or in the Hugging Face cache); {fix}")
+    return cfg
 
 
 def _read_config(path: str) -> dict | None:
@@ -189,13 +193,8 @@ def shape_from_config(cfg: dict, where: str) -> TextShape:
 
 def text_shape(path: str) -> TextShape:
     """The shape of a chat model given by hub id or local folder; a clear error when it is unknown here."""
-    if path in TEXT_SHAPES:
-        return TEXT_SHAPES[path]
-    cfg = _read_config(path)
-    if cfg is None:
-        raise ShapeError(f"model {path!r}: shape unknown (not in m1.models.shapes.TEXT_SHAPES, and no config.json "
-                         "in that folder or in the Hugging Face cache); download it first or add its shape")
-    return shape_from_config(cfg, path)
+    return TEXT_SHAPES.get(path) or shape_from_config(
+        _required_config(path, "shape unknown", "TEXT_SHAPES", "download it first or add its shape"), path)
 
 
 def vision_parameters(path: str) -> int:
