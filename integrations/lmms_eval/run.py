@@ -159,7 +159,7 @@ def run(args) -> int:
     t_all = time.perf_counter()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    lmms = Path(args.lmms_eval)
+    lmms = Path(args.lmms_eval).absolute()  # lmms-eval runs in the output folder
     if not os.access(lmms, os.X_OK):
         raise CheckError(f"--lmms-eval {lmms}: not an executable; `make lmms-eval` creates .venv-lmms with it")
     world = out / "world"
