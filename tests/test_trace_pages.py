@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from contextlib import contextmanager
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -313,33 +314,40 @@ def test_model_and_question_text_is_escaped(demo, tmp_path):
     assert parse(idx).one("tr", "q").all("td")[3].text() == f"Which {evil}?"
 
 
-def test_view_serves_the_index_and_stops_on_ctrl_c(demo, tmp_path):
-    out = tmp_path / "demo"
-    shutil.copytree(demo[0], out)
-    (out / "traces" / "index.html").unlink()  # missing: `m1 view` builds it
+@contextmanager
+def serving_view(folder):
+    """`m1 view FOLDER --port 0` running: yields its two first lines (built ..., serving ... at URL) and the URL.
+    On leaving, Ctrl-C must stop it cleanly (exit 0, "stopped")."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     # a shell's background job starts with SIGINT ignored, and Python then keeps ignoring it: give `m1 view` the
     # terminal's Ctrl-C whatever way this test run was started
-    p = subprocess.Popen([sys.executable, "-m", "m1", "view", str(out), "--port", "0"], cwd=REPO, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "m1", "view", str(folder), "--port", "0"], cwd=REPO, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        first = p.stdout.readline()
-        assert first.startswith("built ") and first.strip().endswith("index.html"), first
-        second = p.stdout.readline()
-        assert second.startswith(f"serving {out / 'traces'} at http://127.0.0.1:"), second
-        url = second.split(" at ", 1)[1].split()[0]
-        with urllib.request.urlopen(url, timeout=10) as r:
-            assert r.status == 200 and "Accuracy per family" in r.read().decode()
-        href = parse((out / "traces" / "index.html").read_text()).all("tr", "q")[0].one("a").attrs["href"]
-        with urllib.request.urlopen(url.rsplit("/", 1)[0] + "/" + href, timeout=10) as r:
-            assert r.status == 200 and "svg class='dag'" in r.read().decode()
+        built, serving = p.stdout.readline().strip(), p.stdout.readline().strip()
+        assert " at http://127.0.0.1:" in serving, (built, serving)
+        yield built, serving, serving.split(" at ", 1)[1].split()[0]
         p.send_signal(signal.SIGINT)
         rest, err = p.communicate(timeout=20)
     finally:
         if p.poll() is None:
             p.kill()
     assert p.returncode == 0 and "stopped" in rest, err
+
+
+def test_view_serves_the_index_and_stops_on_ctrl_c(demo, tmp_path):
+    out = tmp_path / "demo"
+    shutil.copytree(demo[0], out)
+    (out / "traces" / "index.html").unlink()  # missing: `m1 view` builds it
+    with serving_view(out) as (built, serving, url):
+        assert built.startswith("built ") and built.endswith("index.html"), built
+        assert serving.startswith(f"serving {out / 'traces'} at http://127.0.0.1:"), serving
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.status == 200 and "Accuracy per family" in r.read().decode()
+        href = parse((out / "traces" / "index.html").read_text()).all("tr", "q")[0].one("a").attrs["href"]
+        with urllib.request.urlopen(url.rsplit("/", 1)[0] + "/" + href, timeout=10) as r:
+            assert r.status == 200 and "svg class='dag'" in r.read().decode()
 
 
 def test_view_clear_errors(tmp_path):

@@ -2,15 +2,12 @@
 episodes were kept (`log.samples_every`), each linking to that step's trace pages; served like a trace folder and
 checked in a real headless Chromium (skipped where none is installed, like tests/test_trace_pages.py)."""
 import os
-import signal
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from test_trace_pages import _browser, _chromium, parse
+from test_trace_pages import _browser, _chromium, parse, serving_view
 from test_trackers import tiny_cfg, trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,15 +53,9 @@ def test_the_run_index_without_samples_says_how_to_keep_them(tmp_path):
 
 
 def test_m1_view_serves_a_training_run(run):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "m1", "view", str(run), "--port", "0"], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        assert p.stdout.readline().strip() == f"built {run / 'index.html'}"
-        second = p.stdout.readline()
-        assert second.startswith(f"serving {run} at http://127.0.0.1:"), second
-        url = second.split(" at ", 1)[1].split()[0]
+    with serving_view(run) as (built, serving, url):
+        assert built == f"built {run / 'index.html'}"
+        assert serving.startswith(f"serving {run} at http://127.0.0.1:"), serving
         with urllib.request.urlopen(url, timeout=10) as r:
             html = r.read().decode()
         href = parse(html).all("tr", "step")[0].one("a").attrs["href"]
@@ -74,12 +65,6 @@ def test_m1_view_serves_a_training_run(run):
         page = parse(step_index).all("tr", "q")[0].one("a").attrs["href"]
         with urllib.request.urlopen(f"{base}/{href.rsplit('/', 1)[0]}/{page}", timeout=10) as r:
             assert "class='credit advantage" in r.read().decode()
-        p.send_signal(signal.SIGINT)
-        rest, err = p.communicate(timeout=20)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 0 and "stopped" in rest, err
 
 
 def test_training_run_index_screenshot(run, tmp_path):
