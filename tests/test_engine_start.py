@@ -2,6 +2,7 @@
 agents' engines start at once, a failed start names its agent and stops the others, and an agent seated with an SFT
 adapter is served its merged weights, not its base."""
 
+import os
 import sys
 import threading
 from pathlib import Path
@@ -12,7 +13,7 @@ import m1.marl.engines as engines_mod
 from test_trainer import team_dict
 from m1.marl.config import TrainConfig
 from m1.marl.engines import RolloutEngines
-from m1.models.engine import EngineError
+from m1.models.engine import CPU_BIND_ENV, EngineError, cpu_core_shares
 
 STANDIN = str(Path(__file__).resolve().parent / "engine_standin.py")
 COMMAND = [sys.executable, STANDIN, "--model", "{model}", "--port", "{port}", "--host", "{host}"]
@@ -130,5 +131,34 @@ def test_an_agent_seated_with_an_adapter_is_served_the_merged_weights(tmp_path):
         assert served == pytest.approx(merged, abs=1e-4)
         assert max(abs(a - b) for a, b in zip(served, base)) > 1e-2  # the adapter moved them: not the base's
         assert (tmp_path / "run" / "engines" / "seated-alpha" / "config.json").is_file()
+    finally:
+        engines.close()
+
+
+def test_core_shares_are_disjoint_and_take_turns_when_cores_run_short():
+    assert cpu_core_shares(2, range(8)) == ["0,1,2,3", "4,5,6,7"]
+    assert cpu_core_shares(3, [4, 5, 6, 7]) == ["4", "5", "6"]
+    assert cpu_core_shares(4, [0, 1]) == ["0", "1", "0", "1"]
+    with pytest.raises(ValueError, match="no core shares"):
+        cpu_core_shares(2, [])
+
+
+def test_engines_launched_here_get_cores_of_their_own_unless_the_user_binds_them(tmp_path, monkeypatch):
+    """vLLM-CPU's default binds every engine's compute threads to the same cores; M1 gives each engine it launches
+    its own share (round-robin on a small host), and leaves VLLM_CPU_OMP_THREADS_BIND alone when the user set it."""
+    monkeypatch.delenv(CPU_BIND_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    cfg = _cfg(tmp_path / "own")
+    engines = RolloutEngines(cfg, _specs(cfg), learners=None)
+    try:
+        binds = {a: s.env.get(CPU_BIND_ENV) for a, s in engines._servers.items()}
+        assert binds == {"alpha": "0,1", "beta": "2,3"}
+    finally:
+        engines.close()
+    monkeypatch.setenv(CPU_BIND_ENV, "nobind")
+    cfg = _cfg(tmp_path / "user")
+    engines = RolloutEngines(cfg, _specs(cfg), learners=None)
+    try:
+        assert {s.env[CPU_BIND_ENV] for s in engines._servers.values()} == {"nobind"}
     finally:
         engines.close()

@@ -32,7 +32,8 @@ from typing import Any
 from m1.config import ModelSpec
 from m1.marl.config import TrainConfig
 from m1.marl.rollout import RolloutError
-from m1.models.engine import EngineChat, EngineError, EngineServer, vllm_command
+from m1.models.engine import (CPU_BIND_ENV, EngineChat, EngineError, EngineServer, cpu_core_shares,
+                              vllm_command)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class RolloutEngines:
         self.version: int | None = None
         self._loaded: dict[str, tuple[str, Path]] = {}  # agent -> (served name, weights folder) of the version
         self._servers: dict[str, Any] = {}  # agent -> a local EngineServer or a Ray EngineHost actor
+        self._cpu_binds: dict[str, str] = {}  # agent -> cores of the engine launched here (VLLM_CPU_OMP_THREADS_BIND)
         self._model_dirs: dict[str, Path] = {}  # agent -> the model folder its launched engine serves from
         self.chats: dict[str, EngineChat] = {}
         urls = self._urls(specs, placement)
@@ -102,6 +104,7 @@ class RolloutEngines:
         # resolved first, in this thread: building a tiny model or merging an adapter imports transformers, whose
         # lazy imports are not safe from several threads at once.
         models = {agent: self._seated_path(agent, spec, key, logs) for agent, (key, spec) in specs.items()}
+        self._cpu_binds = self._core_shares(list(models), placement)
         urls: dict[str, str] = {}
         failed: dict[str, BaseException] = {}
         try:
@@ -123,6 +126,16 @@ class RolloutEngines:
             raise EngineError(f"{len(failed)} of {len(specs)} rollout engines failed to start (the others were "
                               "stopped): " + "; ".join(lines)) from next(iter(failed.values()))
         return urls
+
+    @staticmethod
+    def _core_shares(agents: list[str], placement) -> dict[str, str]:
+        """Cores for each engine this process launches itself, so that vLLM-CPU engines side by side compute at
+        once rather than all on vLLM's default cores. Left to vLLM for a lone engine, and when the user set
+        VLLM_CPU_OMP_THREADS_BIND (it then applies to every engine)."""
+        local = [a for a in agents if placement is None or ("engine", a, 0) not in placement.bundles.index]
+        if len(local) < 2 or CPU_BIND_ENV in os.environ:
+            return {}
+        return dict(zip(local, cpu_core_shares(len(local))))
 
     def _seated_path(self, agent: str, spec: ModelSpec, key: str, logs: Path) -> str:
         """The weights the agent is seated with, as a folder an engine can serve. The learner merges a model's SFT
@@ -176,8 +189,10 @@ class RolloutEngines:
         from m1.models.engine import free_port
 
         port = free_port()
+        bind = self._cpu_binds.get(agent)
         server = EngineServer(_fill(argv, port=port, host="127.0.0.1"), logs / f"engine-{agent}.log", port=port,
-                              dev_mode=dev_mode, name=f"agent {agent}: rollout engine")
+                              dev_mode=dev_mode, name=f"agent {agent}: rollout engine",
+                              env={CPU_BIND_ENV: bind} if bind else None)
         self._servers[agent] = server
         return server.start()
 

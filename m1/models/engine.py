@@ -75,6 +75,7 @@ _RESUME_HINT = "rerunning the same command resumes from the last checkpoint"
 VLLM_PYTHON_ENV = "M1_VLLM_PYTHON"  # a python whose environment has vLLM: launched as `python -m <module>`
 VLLM_ARGS_ENV = "M1_VLLM_ARGS"  # extra flags for every launched vLLM engine, split as a shell would
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # the cores a vLLM-CPU engine's compute threads are bound to
 # Files of a HF model folder that hold weights: what a full-weight sync writes into the engine's folder.
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 # The probe a reload is checked with: a few tokens of text that every tokenizer splits into several ids.
@@ -466,6 +467,22 @@ def vllm_command(model_path: str, port: int, *, lora_rank: int | None = None,
     if served_model_name is not None:
         argv += ["--served-model-name", served_model_name]
     return argv + [str(x) for x in extra] + shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))
+
+
+def cpu_core_shares(engines: int, cores: Sequence[int] | None = None) -> list[str]:
+    """Disjoint core lists (VLLM_CPU_OMP_THREADS_BIND values) for `engines` vLLM-CPU engines on one host.
+
+    vLLM's default binding ('auto') puts every engine's compute threads on the same cores (all but the last, kept
+    for its front end), so engines launched side by side compute one after another. Each engine gets an equal
+    share of `cores` (default: the cores this process may use); with fewer cores than engines, they take turns
+    round-robin. GPU engines ignore the variable."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if not cores or engines < 1:
+        raise ValueError(f"no core shares for {engines} engines on cores {cores}")
+    if engines > len(cores):
+        return [str(cores[i % len(cores)]) for i in range(engines)]
+    size = len(cores) // engines
+    return [",".join(str(c) for c in cores[i * size:(i + 1) * size]) for i in range(engines)]
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
