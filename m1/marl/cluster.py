@@ -114,7 +114,8 @@ def learner_memory(shape: TextShape, learner: LearnerConfig, gpus: int, referenc
              reference (GRPO beta > 0) on every rank: 2P under bf16, 4P in fp32 (none at beta = 0).
       lora:  base weights w*P; the adapter's L parameters in fp32 with gradient and Adam m, v = 16L; no reference
              (the base with the adapter off is the reference).
-    Activations of one micro-batch of T = micro_batch_size * (max_prompt_tokens + max_completion_tokens) tokens,
+    Activations of one micro-batch of T = micro_batch_size * (max_prompt_tokens + max_completion_tokens) tokens (at
+    most learner.micro_batch_tokens, or one whole row, when that is set),
     h = hidden size, l = layers: with gradient checkpointing 2*T*h*l (each layer's bf16 input) + 34*T*h (the layer
     being recomputed); without, 34*T*h*l (the usual per-layer count for fused attention). Plus the kept logits,
     micro_batch_size * max_completion_tokens * vocab * 8 bytes (fp32 log-softmax and its gradient).
@@ -133,6 +134,8 @@ def learner_memory(shape: TextShape, learner: LearnerConfig, gpus: int, referenc
         mem.optimizer = _gb(16 * shape.lora_parameters(learner.lora.r, learner.lora.target_modules))
     seq = learner.max_prompt_tokens + learner.max_completion_tokens
     tokens = learner.micro_batch_size * seq
+    if learner.micro_batch_tokens is not None:  # a micro-batch is also capped by padded tokens (one row at least)
+        tokens = min(tokens, max(learner.micro_batch_tokens, seq))
     h, layers = shape.hidden_size, shape.num_hidden_layers
     if learner.gradient_checkpointing:
         act = 2 * tokens * h * layers + ACT_PER_LAYER * tokens * h

@@ -140,10 +140,12 @@ class AgentLearner:
         """
         from dataclasses import replace
 
+        from m1.models.base import prompt_ids
+
         self.policy.eval()  # no dropout while sampling
         if not self.vl:  # a vision-language prompt's length is checked where its image tokens are known (_rows)
             for i, r in enumerate(requests):
-                n = len(self.tokenizer(self.chat.render(r), add_special_tokens=False)["input_ids"])
+                n = len(prompt_ids(self.tokenizer, self.chat.render(r)))  # tokenized once for budget, check, model
                 if n > self.cfg.max_prompt_tokens:
                     raise ValueError(f"agent {self.agent!r}: prompt {i} of this call is {n} tokens, over "
                                      f"learner.max_prompt_tokens={self.cfg.max_prompt_tokens}; prompts are never cut: "
@@ -262,6 +264,9 @@ class AgentLearner:
             return self._joint_logprobs(model, rows, temperature, vision)
         prompts = list(dict.fromkeys(tuple(p) for p, _ in rows))
         longest = max(len(c) for _, c in rows)
+        if (not self.cfg.prompt_grad and model.training and longest > 0 and min(len(p) for p in prompts) > 1
+                and self._can_share_prompt(model)):
+            return self._detached_prompt_logprobs(model, rows, [list(p) for p in prompts], temperature)
         if (self.cfg.share_prompt_forward and len(prompts) < len(rows) and longest > 0
                 and self._can_share_prompt(model)):
             return self._shared_prompt_logprobs(model, rows, [list(p) for p in prompts], temperature)
@@ -376,6 +381,39 @@ class AgentLearner:
         rest = token_logprobs(out.logits, c_ids[:, 1:], temperature)  # [B, C-1]
         return torch.cat([first, rest], dim=1), c_attn.float()
 
+    def _detached_prompt_logprobs(self, model, rows: list[tuple[list[int], list[int]]], prompts: list[list[int]],
+                                  temperature: float | list[float]):
+        """Log-probs for `learner.prompt_grad: false`: each distinct prompt but its last token runs once without
+        gradient; the completion pass (the prompt's last token, then completion tokens 0..C-2) runs on that cache
+        with gradient, so every completion token is scored by a pass that has one, while the prompt's keys and
+        values are constants. Same values as the joint pass, a different (cheaper) gradient."""
+        import torch
+
+        from m1.marl.grpo import token_logprobs
+
+        pad = self.tokenizer.pad_token_id
+        which = {tuple(p): i for i, p in enumerate(prompts)}
+        group = torch.tensor([which[tuple(p)] for p, _ in rows], device=self.device)
+        heads = [p[:-1] for p in prompts]
+        h_len = max(len(h) for h in heads)
+        c_len = max(len(c) for _, c in rows)
+        h_ids = torch.tensor([[pad] * (h_len - len(h)) + h for h in heads], device=self.device)
+        h_attn = torch.tensor([[0] * (h_len - len(h)) + [1] * len(h) for h in heads], device=self.device)
+        with torch.no_grad():
+            out = model(input_ids=h_ids, attention_mask=h_attn, position_ids=(h_attn.cumsum(-1) - 1).clamp(min=0),
+                        logits_to_keep=1, use_cache=True)
+        cache = out.past_key_values
+        cache.batch_select_indices(group)
+        last = [prompts[which[tuple(p)]][-1] for p, _ in rows]
+        c_ids = torch.tensor([c + [pad] * (c_len - len(c)) for _, c in rows], device=self.device)
+        c_attn = torch.tensor([[1] * len(c) + [0] * (c_len - len(c)) for _, c in rows], device=self.device)
+        step_ids = torch.cat([torch.tensor(last, device=self.device)[:, None], c_ids[:, :-1]], dim=1)
+        attention = torch.cat([h_attn[group], torch.ones_like(c_attn[:, :1]), c_attn[:, :-1]], dim=1)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, h_len:]
+        out = model(input_ids=step_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
+        return token_logprobs(out.logits, c_ids, temperature), c_attn.float()
+
     def _padded(self, values: list[list[float] | None], width: int):
         import torch
 
@@ -391,8 +429,9 @@ class AgentLearner:
     def update(self, samples: list[Sample], lr: float, objective: str = "grpo") -> dict[str, float]:
         """One optimizer step on all `samples` of this agent (GRPO, or cross-entropy for `objective="sft"`).
 
-        In a learner group of W ranks every rank is handed the whole step and trains on its contiguous share (so the
-        K rollouts of a question mostly stay together and share their prompt's forward). Every micro-batch loss is
+        In a learner group of W ranks every rank is handed the whole step and trains on its contiguous share of the
+        step's length-sorted micro-batches (`_micro_batches`; a question's K rollouts stay together and share their
+        prompt's forward). Every micro-batch loss is
         weighted against the whole step, times W because DeepSpeed averages the ranks' gradients; ranks with fewer
         micro-batches run zero-weight ones so all ranks enter the same number of gradient reductions. The stats
         returned are the whole step's, on every rank.
@@ -410,8 +449,12 @@ class AgentLearner:
         self.policy.train()
         rows = self._rows(samples)
         n_samples = len(samples)
-        n_tokens = sum(len(c) for _, c in rows)
+        n_tokens = sum(len(c) for _, c in rows)  # the step's weights count every sample, run or not
         g = self.grpo
+        run = range(n_samples)
+        if objective == "grpo" and g.beta == 0 and self.cfg.skip_zero_advantage:
+            run = [i for i, s in enumerate(samples) if s.advantage != 0]
+        run_tokens = sum(len(rows[i][1]) for i in run)  # per-token diagnostics are means over the tokens run
         token_level = g.loss_type in ("bnpo", "token-mean", "dapo")
         totals: dict[str, float] = {}  # sums over the step's tokens or samples
         peaks: dict[str, float] = {}  # maxima over the step
@@ -422,7 +465,8 @@ class AgentLearner:
             if weight:  # a zero-weight micro-batch only keeps the ranks' reductions in step
                 totals[key] = totals.get(key, 0.0) + value * w
 
-        for micro, micro_rows, weight in self._micro_batches(samples, rows):
+        plan = self._micro_batches([samples[i] for i in run], [rows[i] for i in run], (samples[:1], rows[:1]))
+        for micro, micro_rows, weight in plan:
             vision = self.vision_inputs(micro)  # the same images for policy, reference and (sampler) old log-probs
             # each sample is scored at the temperature it was sampled with (rollout.plan_temperature: plans differ)
             temps = [s.temperature for s in micro]
@@ -445,8 +489,8 @@ class AgentLearner:
                     sampled = self._padded([s.logprobs for s in micro], logp.shape[1])
                     raw = torch.exp((logp.detach().float() - sampled) * mask)  # 1 on padding
                     is_weight = raw.clamp(max=g.is_cap)
-                    add("is/ratio_mean", float((raw * mask).sum()), 1.0 / max(n_tokens, 1))
-                    add("is/truncated", float(((raw > g.is_cap).float() * mask).sum()), 1.0 / max(n_tokens, 1))
+                    add("is/ratio_mean", float((raw * mask).sum()), 1.0 / max(run_tokens, 1))
+                    add("is/truncated", float(((raw > g.is_cap).float() * mask).sum()), 1.0 / max(run_tokens, 1))
                     if weight:
                         peaks["is/ratio_max"] = max(peaks.get("is/ratio_max", 0.0),
                                                     float((raw * mask).max()) if tokens else 0.0)
@@ -463,11 +507,11 @@ class AgentLearner:
                     loss = loss * (len(micro) / n_samples)
                 for key in ("kl", "clip_frac", "ratio_mean"):
                     if key in stats:
-                        add(key, stats[key], tokens / max(n_tokens, 1))
+                        add(key, stats[key], tokens / max(run_tokens, 1))
                 gap = [s.logprobs for s in micro]
                 if all(x is not None for x in gap):
                     sampled = self._padded(gap, logp.shape[1])
-                    add("logp_gap", float(((logp.detach() - sampled).abs() * mask).sum()), 1.0 / max(n_tokens, 1))
+                    add("logp_gap", float(((logp.detach() - sampled).abs() * mask).sum()), 1.0 / max(run_tokens, 1))
             loss = loss * (weight * self.world)
             self._backward(loss)
             loss_sum += float(loss.detach()) / self.world
@@ -476,17 +520,42 @@ class AgentLearner:
         if self.world > 1:
             loss_sum, totals, peaks = _sum_over_ranks(loss_sum, totals, peaks)
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": float(n_samples),
-                "tokens": float(n_tokens), "seconds": time.perf_counter() - t0, **totals, **peaks}
+                "tokens": float(n_tokens), "samples_run": float(len(run)), "seconds": time.perf_counter() - t0,
+                **totals, **peaks}
 
-    def _micro_batches(self, samples: list[Sample], rows: list):
-        """(samples, rows, weight) of each micro-batch this rank runs: its share of the step, then zero-weight
-        padding up to the micro-batch count of the largest share (weight 1.0 for real ones)."""
-        mb, n = self.cfg.micro_batch_size, len(samples)
-        share = -(-n // self.world)
-        lo, hi = min(n, self.rank * share), min(n, (self.rank + 1) * share)
-        out = [(samples[s:min(s + mb, hi)], rows[s:min(s + mb, hi)], 1.0) for s in range(lo, hi, mb)]
-        while len(out) < -(-share // mb):
-            out.append((samples[:1], rows[:1], 0.0))
+    def _micro_batches(self, samples: list[Sample], rows: list, pad: tuple[list[Sample], list]):
+        """(samples, rows, weight) of each micro-batch this rank runs (weight 1.0 for real ones).
+
+        The step's samples are sorted by length (identical prompts stay adjacent, so they still share their prompt
+        pass) and cut into micro-batches of at most `micro_batch_size` rows and `micro_batch_tokens` padded tokens
+        (each distinct prompt counted once, as the shared prompt pass runs it, plus every completion).
+        Every rank of a learner group is handed the whole step, so each plans the same micro-batches, runs its
+        contiguous share of them, then zero-weight micro-batches of `pad` (one sample of the step) up to the largest
+        share: all ranks enter the same number of gradient reductions. A rank (or step) with nothing to run gets one,
+        so every parameter gets a (zero) gradient and the optimizer step is the one a zero loss gives."""
+        mb, budget = self.cfg.micro_batch_size, self.cfg.micro_batch_tokens
+        order = sorted(range(len(samples)), key=lambda i: (len(rows[i][0]), rows[i][0], len(rows[i][1])))
+        planned: list[list[int]] = []
+        distinct = p_max = c_max = 0  # of the micro-batch being filled
+        for i in order:
+            prompt, completion = rows[i]
+            cur = planned[-1] if planned else None
+            new_prompt = cur is None or rows[cur[-1]][0] != prompt
+            u = distinct + new_prompt if cur else 1
+            p_len, c_len = max(p_max, len(prompt)), max(c_max, len(completion))
+            # padded tokens: each distinct prompt once (the shared prompt pass), every completion
+            if (cur is None or len(cur) >= mb
+                    or (budget is not None and u * p_len + (len(cur) + 1) * c_len > budget)):
+                planned.append([i])
+                distinct, p_max, c_max = 1, len(prompt), len(completion)
+            else:
+                cur.append(i)
+                distinct, p_max, c_max = u, p_len, c_len
+        share = -(-len(planned) // self.world)
+        mine = planned[self.rank * share:(self.rank + 1) * share]
+        out = [([samples[i] for i in idx], [rows[i] for i in idx], 1.0) for idx in mine]
+        while len(out) < max(share, 1):
+            out.append((pad[0], pad[1], 0.0))
         return out
 
     def _forward_model(self):
