@@ -117,6 +117,46 @@ def test_prompt_budget_learner_refuses_a_long_prompt_instead_of_cutting_its_head
         AgentLearner._rows(me, [short, long])
 
 
+def test_prompt_budget_count_learner_check_and_model_tokenize_a_prompt_once(monkeypatch):
+    """The team's budget count, the learner's length check and its model all need a prompt's token ids: they tokenize
+    it once between them (a memo keyed by the rendered text, m1/models/base.py `prompt_ids`), with the same counts
+    and samples as tokenizing it at every stage (the memo held at 0 tokens)."""
+    from m1.config import ModelSpec
+    from m1.marl.config import GRPOSettings, LearnerConfig
+    from m1.marl.learner import AgentLearner
+    from m1.models import base
+
+    spec = {"kind": "chat", "device": "cpu",
+            "tiny": {"arch": "qwen2", "hidden_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}}
+    learner = AgentLearner("a", "m", ModelSpec.model_validate(spec),
+                           LearnerConfig(max_prompt_tokens=512, max_completion_tokens=6), GRPOSettings(beta=0.0))
+    calls = []
+    tokenize = type(learner.tokenizer).__call__
+
+    def counted(self, text, *a, **kw):
+        calls.append(text)
+        return tokenize(self, text, *a, **kw)
+
+    monkeypatch.setattr(type(learner.tokenizer), "__call__", counted)
+    chats = [[{"role": "system", "content": "You answer questions about a video."},
+              {"role": "user", "content": f"Question {i}: where is the red square? " * (i + 1)}] for i in range(3)]
+    count = budget.token_counter(learner)
+    params = base.SamplingParams(max_new_tokens=6, temperature=0.7, seed=3)
+
+    def step():
+        calls.clear()
+        sizes = [count(m) for m in chats]
+        out = learner.generate([base.ChatRequest(m) for m in chats], params)
+        return sizes, [(o.prompt_ids, o.completion_ids, o.logprobs, o.text) for o in out], len(calls)
+
+    monkeypatch.setattr(base, "PROMPT_MEMO_TOKENS", 0)
+    sizes, want, before = step()
+    assert before == 3 * len(chats) and sizes == [len(w[0]) for w in want]
+    monkeypatch.setattr(base, "PROMPT_MEMO_TOKENS", 1 << 20)
+    for expected_calls in (len(chats), 0):  # then the same prompts again: all remembered
+        assert step() == (sizes, want, expected_calls)
+
+
 def test_prompt_budget_team_budget_may_not_exceed_the_learners(tmp_path):
     from m1.marl.config import TrainConfig
 

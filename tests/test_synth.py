@@ -335,3 +335,47 @@ def test_vision_with_agent_prompts(dataset):
         assert correct(q, ask(model, frames, fps, times, q, prompt=prompt)), (kind, q.text)
         n += 1
     assert n == min(40, len(qs))
+
+
+def test_vision_detection_cache_changes_no_answer(dataset, monkeypatch):
+    """The detection cache (on by default) gives the answers of detecting every frame anew; a repeated request
+    detects nothing again, and the cache keeps at most its bound, least recently used out first."""
+    from m1.synth import vision
+
+    assert SynthVisionModel().detections is vision.DETECTIONS
+    calls = collections.Counter()
+
+    def counted(frame):
+        calls["detect"] += 1
+        return detect(frame)
+
+    monkeypatch.setattr(vision, "detect", counted)
+    _, qs, videos = dataset
+    reqs = []
+    for q in qs[:20]:
+        frames, fps = videos[q.video]
+        idx = sorted({min(len(frames) - 1, int(round(t * fps))) for t in right_times(q, len(frames) / fps)})
+        reqs.append(VisionRequest(frames[idx], [i / fps for i in idx], prompt_for(q)))
+    n = sum(len(r.frames) for r in reqs)
+    distinct = len({f.tobytes() for r in reqs for f in r.frames})
+    assert distinct < n  # questions of one video share frames
+    want = SynthVisionModel(None, "synth", detections=None).describe(reqs, PARAMS)
+    assert calls["detect"] == n
+    cache = vision.DetectionCache()
+    model = SynthVisionModel(None, "synth", detections=cache)
+    for repeat in range(2):
+        calls.clear()
+        got = model.describe(reqs, PARAMS)
+        assert [(c.text, c.meta) for c in got] == [(c.text, c.meta) for c in want]
+        assert calls["detect"] == (distinct if repeat == 0 else 0)
+    assert (cache.misses, cache.hits, len(cache)) == (distinct, 2 * n - distinct, distinct)
+
+    small = vision.DetectionCache(max_frames=2)
+    a, b, c = list({f.tobytes(): f for r in reqs for f in r.frames}.values())[:3]  # three different frames
+    for f in (a, b, a, c):  # a is used again before c arrives: b goes
+        small(f)
+    calls.clear()
+    small(a), small(c)
+    assert (len(small), calls["detect"]) == (2, 0)
+    small(b)
+    assert calls["detect"] == 1

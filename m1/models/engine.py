@@ -69,7 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
-from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, request_seeds
+from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, prompt_ids, request_seeds
 
 _RESUME_HINT = "rerunning the same command resumes from the last checkpoint"
 VLLM_PYTHON_ENV = "M1_VLLM_PYTHON"  # a python whose environment has vLLM: launched as `python -m <module>`
@@ -309,8 +309,7 @@ class EngineChat:
     def prompt_ids(self, request: ChatRequest) -> tuple[list[int], int]:
         """(token ids the engine is sent, 0 tokens dropped): a prompt over max_prompt_tokens is an EngineError, never
         cut from the front (that loses the system prompt and the question; the team's prompt budget trims instead)."""
-        ids = list(self.tokenizer(render_prompt(self.tokenizer, request.messages),
-                                  add_special_tokens=False)["input_ids"])
+        ids = prompt_ids(self.tokenizer, render_prompt(self.tokenizer, request.messages))  # as the budget counted
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             raise EngineError(f"{self._where()}: a prompt of {len(ids)} tokens is over learner.max_prompt_tokens="
                               f"{self.max_prompt_tokens}; prompts are never cut: keep the team's "

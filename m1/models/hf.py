@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from m1.config import ModelSpec
-from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, request_seeds
+from m1.models.base import (ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, prompt_ids,
+                            request_seeds)
 
 
 def offline() -> bool:
@@ -315,7 +316,7 @@ class HFChatModel:
         if self.context_length is not None and max_new >= self.context_length:
             max_new = max(1, self.context_length // 2)  # leave room for some prompt
         for req in requests:
-            ids = self.tokenizer(self.render(req), add_special_tokens=False)["input_ids"]
+            ids = prompt_ids(self.tokenizer, self.render(req))  # the team's budget counted it: no new tokenizing
             meta: dict[str, Any] = {}
             if self.context_length is not None and len(ids) + max_new > self.context_length:
                 # never cut from the front: that loses the system prompt and the question (the team trims to its

@@ -18,7 +18,7 @@ import functools
 import math
 from collections.abc import Callable
 
-from m1.models.base import ModelError
+from m1.models.base import ModelError, prompt_ids
 
 # Qwen2 / Qwen2.5 / Qwen3 share one byte-level BPE of 151,643 ranks behind one pre-tokenizer split (QWEN_SPLIT: words,
 # single digits, punctuation runs, newlines). Measured once offline on 1,562 prompts of the rule-based teacher team on
@@ -65,7 +65,7 @@ def token_counter(model) -> Callable[[list[dict]], int]:
     from m1.models.engine import render_prompt
 
     def count(messages: list[dict]) -> int:
-        return len(tok(render_prompt(tok, messages), add_special_tokens=False)["input_ids"])
+        return len(prompt_ids(tok, render_prompt(tok, messages)))  # remembered for the model's own tokenizing
 
     return count
 
