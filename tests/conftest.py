@@ -68,3 +68,10 @@ def empty_hf_cache(monkeypatch, tmp_path):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.fixture(autouse=True)
+def _experiment_rows(monkeypatch, tmp_path):
+    """Experiments write their committed records into the test's own folder, never the repository's
+    docs/experiments (`m1 experiment run`'s default rows_dir)."""
+    monkeypatch.setenv("M1_EXPERIMENT_ROWS", str(tmp_path / "experiment_rows"))

@@ -40,7 +40,9 @@ def run(
     """Run every unfinished stage of every arm and seed, each in <out_dir>/<arm>/seed<k>/<stage>.
 
     A stage is finished once its folder holds stage.json; rerunning skips finished stages and resumes the one
-    that was under way. Exit status as for `m1 train` (2: an error; 130/143: stopped by a signal, rerun to resume)."""
+    that was under way. Each finished stage is also recorded under rows_dir (docs/experiments/<name>; commit it):
+    a run without out_dir skips what those records hold. Exit status as for `m1 train` (2: an error; 130/143:
+    stopped by a signal, rerun to resume)."""
     from m1.errors import describe, fail
     from m1.marl.guard import train_guarded
 
@@ -82,7 +84,8 @@ def report(experiment: str = typer.Argument(..., help=_EXP_HELP),
            overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help=_SET_HELP)) -> None:
     """Accuracy per arm (mean ± sd over seeds, overall and per family), paired differences to the baseline arm with
     95% t intervals and the answers each arm fixed and broke against it, and training curves: report.md, report.csv
-    and plots/<arm>.png in the experiment's out_dir."""
+    and plots/<arm>.png in the experiment's out_dir. Built from the eval rows, which the committed records under
+    rows_dir hold where the run folders are absent."""
     from m1.errors import fail
     from m1.experiment.report import write_report
     from m1.experiment.runner import ExperimentError

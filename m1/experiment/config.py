@@ -6,6 +6,7 @@ configs/team).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -15,6 +16,13 @@ from m1.config import Strict, load_config, resolve_config_path
 
 STAGES = ("sft", "marl", "eval")
 RESERVED = ("data", "logs", "plots")  # folders in <out_dir> that are not arms
+# where the committable records of experiments go (`rows_dir` unset): <root>/<name>; M1_EXPERIMENT_ROWS moves the
+# root (the tests point it at their own folder, so no test writes into the repository's docs/)
+ROWS_ROOT = "docs/experiments"
+
+
+class ExperimentError(ValueError):
+    """An experiment that cannot run or be reported as it stands (what to do is in the message)."""
 
 
 class TrainStage(Strict):
@@ -128,6 +136,15 @@ class Experiment(Strict):
     arms: dict[str, Optional[Arm]] = Field(min_length=1)
     # the arm the report's paired differences and answer changes are taken against; None: the first arm
     baseline: Optional[str] = None
+    # the committable record of every finished stage (<rows_dir>/<arm>/seed<k>/<stage>.json: wall time, overrides,
+    # load, config identity) and of every eval its per-question rows (<stage>.jsonl, what the report reads): a run on
+    # another day or machine, without out_dir, skips what they record. None: docs/experiments/<name>
+    rows_dir: Optional[str] = None
+    # seeds in groups of `sft_share` (seed s in the group of s - s % sft_share, which must be a seed listed before
+    # it) train SFT once, in the group's first seed; every MARL seed of the group starts from those weights (and
+    # still samples its own rollouts and data order), and an arm that trains only SFT is answered once per group.
+    # 1: every seed its own SFT
+    sft_share: int = Field(1, ge=1)
 
     @field_validator("arms")
     @classmethod
@@ -141,6 +158,11 @@ class Experiment(Strict):
     def _checks(self) -> Experiment:
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds: must be unique, got {self.seeds}")
+        for i, seed in enumerate(self.seeds if self.sft is not None else []):
+            head = seed - seed % self.sft_share
+            if head not in self.seeds[:i + 1]:
+                raise ValueError(f"seeds: with sft_share {self.sft_share}, seed {seed} starts from the SFT of seed "
+                                 f"{head}, which must be listed before it (seeds: {self.seeds})")
         if not self.stages:
             raise ValueError("at least one of sft, marl, eval is needed")
         if self.baseline is not None and self.baseline not in self.arms:
@@ -193,9 +215,25 @@ class Experiment(Strict):
         mine = self._identity(arm, stage)
         return next(a for a in self.arms if stage in self.arm_stages(a) and self._identity(a, stage) == mine)
 
+    def stage_seed(self, arm: str, seed: int, stage: str) -> int:
+        """The seed whose run of `stage` seed `seed` uses: its SFT group's first seed (`sft_share`) for SFT, and for
+        the eval of an arm whose only training stage is that SFT (the same weights: answered once); else itself."""
+        shared = stage == "sft" or (stage == "eval" and self.arm_stages(arm)[:-1] == ["sft"])
+        return seed - seed % self.sft_share if shared else seed
+
     def stage_dir(self, arm: str, seed: int, stage: str) -> Path:
         name = self.eval.folder if stage == "eval" and self.eval is not None else stage
-        return Path(self.out_dir) / self.owner(arm, stage) / f"seed{seed}" / name
+        return Path(self.out_dir) / self.owner(arm, stage) / f"seed{self.stage_seed(arm, seed, stage)}" / name
+
+    @property
+    def rows_root(self) -> Path:
+        return Path(self.rows_dir or Path(os.environ.get("M1_EXPERIMENT_ROWS", ROWS_ROOT)) / self.name)
+
+    def record_path(self, arm: str, seed: int, stage: str) -> Path:
+        """The committable record of a stage: its folder under out_dir, mirrored under rows_dir, + `.json` (an eval's
+        rows beside it, `.jsonl`)."""
+        rel = self.stage_dir(arm, seed, stage).relative_to(self.out_dir)
+        return self.rows_root / rel.parent / f"{rel.name}.json"
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Experiment:

@@ -2,25 +2,27 @@
 differences against the baseline arm (the first, unless `baseline:` names another) with the answers each arm
 changed against it, training curves per arm.
 
-Every number is read from the eval stages' own results files (rows with `id` and `correct`); a question's family is
-its `meta.family` in the questions file, else its `task`. The paired difference of an arm is taken seed by seed
-against the baseline arm (the same seed's SFT data order, rollouts and sampling), so seed-to-seed spread common to both
-arms cancels; its 95% interval is mean +- t(0.975, n-1) * sd / sqrt(n), and with one seed there is none. Per seed,
-the questions an arm answers right and the baseline wrong ("fixed") or the reverse ("broken") get an exact two-sided
-sign test: a gain made of few fixes and no breaks is learning, many changes both ways a perturbation.
+Every number is read from the eval stages' compact rows (`compact_eval`: per graded question its family, the team's
+answer, whether it is right, and each agent's first plan): made from the stage's results file when its run folder is
+here, else read from the committed rows the runner wrote under `rows_dir`, so a report needs no out_dir; a question's
+family is its `meta.family` in the questions file, else its `task`. The paired difference of an arm is taken seed by
+seed against the baseline arm (the same seed's SFT data order, rollouts and sampling), so seed-to-seed spread common
+to both arms cancels; its 95% interval is mean +- t(0.975, n-1) * sd / sqrt(n), and with one seed there is none. Per
+seed, the questions an arm answers right and the baseline wrong ("fixed") or the reverse ("broken") get an exact
+two-sided sign test: a gain made of few fixes and no breaks is learning, many changes both ways a perturbation.
 """
 from __future__ import annotations
 
 import csv
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m1.experiment.config import Experiment
-from m1.experiment.runner import RESULTS_FILE, STAGE_FILE, ExperimentError, eval_questions
+from m1.experiment.config import Experiment, ExperimentError
+from m1.experiment.rows import compact_eval, plan_name, read_results, tools
+from m1.experiment.runner import StageRun, eval_questions, read_record, read_stage, stage_identity
 
 ALL = "all"
 
@@ -82,68 +84,78 @@ class ArmResult:
     counts: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)  # seeds whose eval stage has not finished
     answers: dict[int, dict[str, tuple[Any, bool]]] = field(default_factory=dict)  # seed -> id -> (answer, correct)
-    # seed -> id -> agent -> (first plan, written in the strict format, the agent's own answer right)
-    plans: dict[int, dict[str, dict[str, tuple[tuple[str, ...], bool, bool]]]] = field(default_factory=dict)
+    # seed -> id -> agent (its place in the row) -> (first plan, written in the strict format, its own answer right)
+    plans: dict[int, dict[str, dict[int, tuple[tuple[str, ...], bool, bool]]]] = field(default_factory=dict)
+    family_of: dict[str, str] = field(default_factory=dict)  # question id -> family
+    formats: dict[str, list[int]] = field(default_factory=dict)  # phase -> [strict, generations], from traces
+    shared: dict[int, int] = field(default_factory=dict)  # seed -> the seed whose eval it is (sft_share)
+    notes: list[str] = field(default_factory=list)  # why rows were left out
 
     def accuracy(self, seed: int, family: str) -> float | None:
         c, n = self.counts[seed].get(family, (0, 0))
         return c / n if n else None
 
 
-def read_results(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ExperimentError(f"{path}:{n}: not a JSON line ({exc})") from None
-    return rows
+def eval_rows(exp: Experiment, arm: str, seed: int, questions: list) -> tuple[dict[str, Any] | None, str | None]:
+    """The compact rows of an arm's eval at a seed and a note: from its run folder when finished here
+    (`questions`: a list the eval questions are read into once), else its committed record and rows under rows_dir
+    when made with this config (else None, and why)."""
+    folder = exp.stage_dir(arm, seed, "eval")
+    record = read_stage(folder)
+    if record is not None:
+        if not questions:
+            questions += eval_questions(exp)[0]
+        return compact_eval(record, folder, questions, exp.eval.source if exp.eval else "-"), None
+    run = StageRun(exp.owner(arm, "eval"), exp.stage_seed(arm, seed, "eval"), "eval", folder)
+    record = read_record(exp, run)
+    if record is None:
+        return None, None
+    ident = stage_identity(exp, run.arm, run.seed, "eval")
+    path = exp.record_path(arm, seed, "eval")
+    if record.get("identity") != ident:
+        return None, (f"arm {arm} seed {seed}: {path} was recorded with another config (identity "
+                      f"{record.get('identity')}, now {ident}; left out: rerun `m1 experiment run`)")
+    return {**record, "rows": read_results(path.with_suffix(".jsonl"))}, None
 
 
 def collect(exp: Experiment) -> tuple[list[ArmResult], list[str]]:
-    """Read every finished eval stage. Returns the arms' counts and the families in order (all first)."""
+    """Read every finished eval stage (`eval_rows`). Returns the arms' counts and the families in order (all
+    first)."""
     if exp.eval is None:
         raise ExperimentError(f"experiment {exp.name}: no eval stage, nothing to report")
-    from m1.data.metrics import is_correct
-
-    qs, _ = eval_questions(exp)
-    family = {q.id: str(q.meta.get("family") or q.task) for q in qs}
-    question = {q.id: q for q in qs}
     families: list[str] = []
-    for f in family.values():
-        if f not in families:
-            families.append(f)
+    questions: list = []
     out = []
     for arm in exp.arms:
         res = ArmResult(arm)
         for seed in exp.seeds:
-            folder = exp.stage_dir(arm, seed, "eval")
-            record_path = folder / STAGE_FILE
-            if not record_path.is_file():
+            compact, note = eval_rows(exp, arm, seed, questions)
+            if compact is None:
                 res.missing.append(seed)
+                res.notes += [note] if note else []
                 continue
-            record = json.loads(record_path.read_text())
-            path = Path(record.get("results", {}).get("results") or folder / RESULTS_FILE)
+            families += [f for f in compact["families"] if f not in families]
+            head = exp.stage_seed(arm, seed, "eval")
+            if head != seed:
+                res.shared[seed] = head
             counts: dict[str, list[int]] = {ALL: [0, 0]}
             answers = res.answers.setdefault(seed, {})
             plans = res.plans.setdefault(seed, {})
-            for row in read_results(path):
-                if row.get("correct") is None:  # no ground truth: not graded
-                    continue
-                answers[row["id"]] = (row.get("answer"), bool(row["correct"]))
-                if row["id"] in question:
-                    plans[row["id"]] = {a: (tuple(v["plan"]), bool(v.get("plan_ok")),
-                                            is_correct(question[row["id"]], v.get("answer")))
-                                        for a, v in (row.get("agents") or {}).items() if v.get("plan")}
-                fam = family.get(row["id"])
-                if fam is None:
-                    raise ExperimentError(f"{path}: id {row['id']!r} is not in {exp.eval.source}")
+            for row in compact["rows"]:
+                answers[row["id"]] = (row["answer"], row["correct"])
+                plans[row["id"]] = {i: (tools(p), bool(ok), bool(right))
+                                    for i, (p, ok, right) in enumerate(row["agents"])}
+                res.family_of[row["id"]] = fam = row["family"]
                 for key in (ALL, fam):
                     c = counts.setdefault(key, [0, 0])
-                    c[0] += bool(row["correct"])
+                    c[0] += row["correct"]
                     c[1] += 1
             res.counts[seed] = {k: (v[0], v[1]) for k, v in counts.items()}
+            if head == seed:
+                for phase, (ok, n) in compact.get("formats", {}).items():
+                    c = res.formats.setdefault(phase, [0, 0])
+                    c[0] += ok
+                    c[1] += n
         out.append(res)
     return out, [ALL] + families
 
@@ -167,14 +179,6 @@ def answer_changes(arms: list[ArmResult], base: str) -> list[dict[str, Any]]:
                         "changed": sum(mine[i][0] != theirs[i][0] for i in ids), "fixed": fixed, "broken": broken,
                         "p": sign_test_p(fixed, broken)})
     return out
-
-
-_SHORT = {"Global Sampling": "GS", "Video Retrieval": "VR", "Time Stamp Retrieval": "TSR", "Image Retrieval": "IR",
-          "Rough Browser": "RB", "Fine Browser": "FB", "Space Tool": "ST", "Grounding Tool": "GT"}
-
-
-def plan_name(plan: tuple[str, ...]) -> str:
-    return "→".join(_SHORT.get(t, t) for t in plan)
 
 
 def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str, str], min_uses: int = 20,
@@ -264,53 +268,64 @@ def write_plans_csv(path: Path, plans: dict[str, Any]) -> Path:
     return path
 
 
-def strict_format(exp: Experiment) -> dict[str, dict[str, float]]:
+def strict_format(arms: list[ArmResult]) -> dict[str, dict[str, float]]:
     """Per arm that traced its eval (`eval.traces`), per phase: the share of its agents' replies that parsed in the
     strict format, over every traced question of every seed (training teaches format before it teaches answers).
     Arms without traces are left out."""
-    out: dict[str, dict[str, float]] = {}
-    for arm in exp.arms:
-        counts: dict[str, list[int]] = {}
-        for seed in exp.seeds:
-            record_path = exp.stage_dir(arm, seed, "eval") / STAGE_FILE
-            if not record_path.is_file():
-                continue
-            traces = json.loads(record_path.read_text()).get("results", {}).get("traces")
-            for path in sorted(Path(traces).glob("*.json")) if traces else []:
-                for g in json.loads(path.read_text()).get("generations", []):
-                    c = counts.setdefault(g["phase"], [0, 0])
-                    c[0] += bool(g.get("parse_ok", True))
-                    c[1] += 1
-        if counts:
-            out[arm] = {phase: ok / n for phase, (ok, n) in counts.items()}
-    return out
+    return {res.arm: {phase: ok / n for phase, (ok, n) in res.formats.items() if n} for res in arms if res.formats}
+
+
+def shared_note(exp: Experiment) -> str | None:
+    """The report's line on SFT runs shared by several seeds (`sft_share`), None where each seed has its own."""
+    if exp.sft is None or exp.sft_share == 1:
+        return None
+    groups: dict[int, list[int]] = {}
+    for seed in exp.seeds:
+        groups.setdefault(seed - seed % exp.sft_share, []).append(seed)
+
+    def span(g: list[int]) -> str:
+        return f"{g[0]}-{g[-1]}" if len(g) > 2 and g == list(range(g[0], g[-1] + 1)) else ", ".join(map(str, g))
+
+    only = [a for a in exp.arms if exp.arm_stages(a)[:-1] == ["sft"] and exp.arm_stages(a)[-1] == "eval"]
+    line = (f"SFT shared by seeds {' / '.join(span(g) for g in groups.values())} (sft_share {exp.sft_share}): every "
+            "MARL seed starts from its group's SFT weights, with its own rollouts and data order")
+    if only:
+        line += (f"; arms that train only SFT ({', '.join(only)}) are answered once per group: their mean ± sd and "
+                 f"per-seed rows are over seeds {', '.join(map(str, groups))}, their rows reused seed by seed for the "
+                 "paired differences and answer changes")
+    return line
 
 
 def summarize(exp: Experiment, collected: tuple[list[ArmResult], list[str]] | None = None
               ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """One row per arm x family: per-seed accuracies, mean, sd, and the paired difference to the baseline arm.
-    Also returns the families and notes (missing seeds). `collected`: `collect(exp)`'s result, if already read."""
+    Also returns the families and notes (missing seeds, shared SFT). `collected`: `collect(exp)`'s result, if
+    already read. A seed that reuses another's eval (`ArmResult.shared`) counts once in the mean and sd, and seed by
+    seed in the paired differences."""
     arms, families = collected or collect(exp)
     base = next(a for a in arms if a.arm == exp.base_arm)
     rows, notes = [], []
     for res in arms:
         if res.missing:
             notes.append(f"arm {res.arm}: eval not finished for seeds {res.missing} (left out)")
+        notes += res.notes
         for fam in families:
-            per_seed = {s: res.accuracy(s, fam) for s in res.counts}
-            per_seed = {s: a for s, a in per_seed.items() if a is not None}
+            every = {s: res.accuracy(s, fam) for s in res.counts}
+            every = {s: a for s, a in every.items() if a is not None}
+            per_seed = {s: a for s, a in every.items() if s not in res.shared}
             row: dict[str, Any] = {"arm": res.arm, "family": fam, "seeds": sorted(per_seed),
                                    "accuracy": [per_seed[s] for s in sorted(per_seed)],
                                    "graded": sum(res.counts[s].get(fam, (0, 0))[1] for s in per_seed)}
             row["mean"], row["sd"] = mean_sd(row["accuracy"]) if per_seed else (float("nan"), float("nan"))
             if res is not base:
-                both = [s for s in sorted(per_seed) if s in base.counts and base.accuracy(s, fam) is not None]
-                diffs = [per_seed[s] - base.accuracy(s, fam) for s in both]  # type: ignore[operator]
+                both = [s for s in sorted(every) if s in base.counts and base.accuracy(s, fam) is not None]
+                diffs = [every[s] - base.accuracy(s, fam) for s in both]  # type: ignore[operator]
                 row["diff_seeds"], row["diff"] = both, diffs
                 row["diff_mean"], row["diff_low"], row["diff_high"] = (
                     paired(diffs) if diffs else (float("nan"),) * 3)
             rows.append(row)
-    return rows, families, notes
+    note = shared_note(exp)
+    return rows, families, notes + ([note] if note else [])
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -445,6 +460,8 @@ def plot_arms(exp: Experiment, out: Path) -> list[Path]:
     for arm in exp.arms:
         for seed in exp.seeds:
             for stage in {s for s, _, _ in PANELS if getattr(exp, s) is not None}:
+                if exp.stage_seed(arm, seed, stage) != seed:  # another seed's run (sft_share): drawn once
+                    continue
                 try:
                     metrics[(arm, seed, stage)] = read_metrics(exp.stage_dir(arm, seed, stage))
                 except PlotError:
@@ -496,8 +513,9 @@ def plot_arms(exp: Experiment, out: Path) -> list[Path]:
 
 
 def write_report(exp: Experiment) -> dict[str, Any]:
-    """Write report.md, report.csv, plans.csv (when the results rows carry plans) and plots/<arm>.png into the
-    experiment's out_dir; returns paths and rows."""
+    """Write report.md, report.csv, plans.csv (when the results rows carry plans) and plots/<arm>.png (from the
+    training stages' metrics, where their run folders are here) into the experiment's out_dir; returns paths and
+    rows."""
     out = Path(exp.out_dir)
     collected = collect(exp)
     rows, families, notes = summarize(exp, collected)
@@ -505,11 +523,10 @@ def write_report(exp: Experiment) -> dict[str, Any]:
     if all(not r["seeds"] for r in rows):
         raise ExperimentError(f"{out}: no finished eval stage yet (run `m1 experiment run` first)")
     out.mkdir(parents=True, exist_ok=True)
-    formats = strict_format(exp)
-    qs, _ = eval_questions(exp)
+    formats = strict_format(collected[0])
     references = frozenset(a for a, spec in exp.arms.items() if spec.eval_team is not None)
-    choices = plan_choices(collected[0], families, {q.id: str(q.meta.get("family") or q.task) for q in qs},
-                           references=references)
+    family_of = {q: f for res in collected[0] for q, f in res.family_of.items()}
+    choices = plan_choices(collected[0], families, family_of, references=references)
     md = render_markdown(exp, rows, families, notes, changes, formats, choices)
     (out / "report.md").write_text(md)
     csv_path = write_csv(out / "report.csv", rows)

@@ -5,6 +5,12 @@ last and atomically (the config used, wall seconds, result paths, and for a trai
 its trained agents). A rerun skips finished stages and lets an unfinished one resume the way its own command does
 (training from its newest checkpoint, eval from the answers already in its results file).
 
+Committed records: out_dir (runs/) is not in git, so each finished stage also writes a small record under `rows_dir`
+(docs/experiments/<name>/<arm>/seed<k>/<stage>.json, an eval's per-question rows beside it in <stage>.jsonl: what the
+report reads), with its config identity (`stage_identity`). A run without the stage's folder (another day, another
+machine) skips a stage so recorded under the same identity, reruns one recorded under another (saying so), and
+trains a recorded stage again only where a stage still to run needs its weights (naming both).
+
 Chaining: a stage's "seat" is the list of team overrides that puts the trained weights in place — the stage
 config's own `team_overrides` (the weights it started from) plus `trained_agent_overrides` of its last checkpoint
 (full weights replace the model's source, a LoRA adapter goes on top). MARL starts from the seat of its arm's SFT;
@@ -12,6 +18,7 @@ eval answers with the seat of the last training stage.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -22,18 +29,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from m1.config import ConfigError
-from m1.experiment.config import Experiment
+from m1.experiment.config import Experiment, ExperimentError
+from m1.experiment.rows import RESULTS_FILE, compact_eval
 from m1.files import WriteError, write_whole
 from m1.locks import hold_dir
 
 log = logging.getLogger(__name__)
 
 STAGE_FILE = "stage.json"
-RESULTS_FILE = "results.jsonl"
-
-
-class ExperimentError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -311,50 +314,244 @@ def check_configs(exp: Experiment) -> None:
                 raise ConfigError(f"arm {arm!r}, stage eval: {exc}") from None
 
 
-def run_chains(exp: Experiment, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Every unfinished (arm, seed, stage) in order; the stage records. A finished stage (stage.json) is skipped, and
-    so is a stage another arm owns (the same overrides up to it: `Experiment.owner`); one finished with other
-    overrides than the experiment now gives is refused rather than silently reused."""
+# ------------------------------------------------------------------------------------------------ committed records
+def stage_identity(exp: Experiment, arm: str, seed: int, stage: str) -> str:
+    """What a stage computes, as a short hash: the resolved configs (the values the code does not default) of every
+    stage of the arm up to it, with their seeds, initial-weight shifts and the synthetic worlds their paths name. Not
+    out_dir nor the seated weights' paths: the same experiment gives the same identity on another machine, an edited
+    config or override another one."""
+    from m1.config import load_team
+
+    stages = exp.arm_stages(arm)
+    first = first_training_stage(exp, arm)
+    parts: list[Any] = []
+    for st in stages[: stages.index(stage) + 1]:
+        s = exp.stage_seed(arm, seed, st)
+        run = StageRun(arm, s, st, exp.stage_dir(arm, s, st))
+        shift = init_seat(exp, arm, s) if st == first or first is None else []
+        if st == "eval":
+            assert exp.eval is not None
+            team = load_team(eval_team(exp, arm), eval_overrides(exp, run, shift))
+            parts.append([st, exp.eval.model_dump(mode="json", exclude_defaults=True),
+                          team.model_dump(mode="json", exclude_defaults=True)])
+        else:
+            cfg = load_stage_config(exp, run)[0]
+            dump = cfg.model_dump(mode="json", exclude_defaults=True)
+            dump.pop("out_dir", None)
+            parts.append([st, dump, cfg.team_config().model_dump(mode="json", exclude_defaults=True), shift])
+    text = json.dumps(parts, sort_keys=True)
+    worlds = [w.model_dump(mode="json") for w in (exp.data.worlds if exp.data else [])
+              if f'"{Path(w.out)}"' in text or f'"{Path(w.out)}/' in text]
+    return hashlib.sha256(json.dumps([parts, worlds], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_record(exp: Experiment, run: StageRun) -> dict[str, Any] | None:
+    """The committed record of a stage (None without one; an eval's also needs its rows file)."""
+    path = exp.record_path(run.arm, run.seed, run.stage)
+    if not path.is_file() or (run.stage == "eval" and not path.with_suffix(".jsonl").is_file()):
+        return None
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExperimentError(f"{path}: not JSON ({exc}); delete it to rerun the stage") from None
+
+
+MAX_ERRORS = 10  # error lines kept in a committed record (the stage's own stage.json keeps them all)
+
+
+def write_record(exp: Experiment, run: StageRun, done: dict[str, Any], questions=None) -> Path:
+    """Write a finished stage's committed record: stage.json without what only this machine can use (resolved
+    config, seat, result paths), with its step timings; for an eval, first its rows (`rows.compact_eval`).
+    Each file is written whole, the record last, so a record never names rows that are not there."""
+    path = exp.record_path(run.arm, run.seed, run.stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {k: v for k, v in done.items() if k not in ("resolved", "seat", "results")}
+    errors = record.get("errors") or []
+    if len(errors) > MAX_ERRORS:
+        record["errors"] = errors[:MAX_ERRORS] + [f"... and {len(errors) - MAX_ERRORS} more (in its stage.json)"]
+    if run.stage == "eval":
+        assert exp.eval is not None
+        compact = compact_eval(done, run.folder, questions or eval_questions(exp)[0], exp.eval.source)
+        rows = path.with_suffix(".jsonl")
+        write_whole(rows, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in compact.pop("rows")).encode())
+        record.update(rows=rows.name, **compact)
+    else:
+        record["timing"] = step_timing(run.folder)
+    write_whole(path, (json.dumps(record, indent=1) + "\n").encode())
+    return path
+
+
+def step_timing(folder: Path) -> dict[str, float]:
+    """Steps a training stage logged and the mean of each `time/*` metric over them (seconds)."""
+    from m1.plots import PlotError, read_metrics
+
+    try:
+        rows = read_metrics(folder)
+    except PlotError:
+        return {}
+    out: dict[str, float] = {"steps": len(rows)}
+    for key in sorted({k for r in rows for k in r if k.startswith("time/")}):
+        xs = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if xs:
+            out[key] = round(sum(xs) / len(xs), 4)
+    return out
+
+
+def load_state(jobs: int, threads: int) -> dict[str, Any] | None:
+    """The 1-, 5- and 15-minute load averages, the machine's cores and the cores this run was given (jobs x
+    threads_per_seed); None where the system keeps no load average."""
+    try:
+        loads = os.getloadavg()
+    except (OSError, AttributeError):
+        return None
+    return {"load": [round(x, 2) for x in loads], "cores": os.cpu_count() or 1, "given": jobs * threads}
+
+
+def warn_load(jobs: int, threads: int, progress: Callable[[str], None]) -> dict[str, Any] | None:
+    """Warn when the 1-minute load average exceeds the cores this run was given (at most the machine's) by more
+    than half a core: something else is using them, and every wall time measured now is inflated (on 2 shared
+    cores, halved speed). Returns `load_state`; never fails."""
+    state = load_state(jobs, threads)
+    if state is not None and state["load"][0] > min(state["given"], state["cores"]) + 0.5:
+        progress(f"warning: load average {state['load'][0]:.2f} on {state['cores']} cores, this run was given "
+                 f"{state['given']} ({jobs} job(s) x {threads} thread(s)): something else is using the cores; "
+                 "timings will be inflated")
+    return state
+
+
+def previous_training(exp: Experiment, run: StageRun) -> StageRun | None:
+    """The training stage whose weights `run` starts from (None for a first stage)."""
+    stages = exp.arm_stages(run.arm)
+    prev = [s for s in stages[: stages.index(run.stage)] if s != "eval"]
+    if not prev:
+        return None
+    seed = exp.stage_seed(run.arm, run.seed, prev[-1])
+    return StageRun(run.arm, seed, prev[-1], exp.stage_dir(run.arm, seed, prev[-1]))
+
+
+@dataclass
+class Planned:
+    """What a run of the experiment does with one stage folder: `state` is "local" (finished in out_dir),
+    "recorded" (its committed record has this identity), "changed" (recorded under another identity) or "new";
+    `needed_by`: the stage still to run that needs this recorded stage's weights (so it is trained again)."""
+
+    state: str
+    identity: str | None = None
+    record: dict[str, Any] | None = None
+    needed_by: str | None = None
+
+    @property
+    def runs(self) -> bool:
+        return self.state in ("changed", "new") or (self.state == "recorded" and self.needed_by is not None)
+
+
+def plan_stages(exp: Experiment) -> dict[Path, Planned]:
+    """Per stage folder of the experiment (every arm and seed), what a run does with it: see `Planned`."""
     runs = stage_runs(exp)
+    plan: dict[Path, Planned] = {}
+    for run in runs:
+        if run.folder in plan:
+            continue
+        src = StageRun(exp.owner(run.arm, run.stage), exp.stage_seed(run.arm, run.seed, run.stage), run.stage,
+                       run.folder)
+        record = read_record(exp, src)
+        if read_stage(run.folder) is not None:
+            plan[run.folder] = Planned("local", record=record)
+        elif record is None:
+            plan[run.folder] = Planned("new")
+        else:
+            ident = stage_identity(exp, src.arm, src.seed, src.stage)
+            plan[run.folder] = Planned("recorded" if record.get("identity") == ident else "changed", ident, record)
+    for run in reversed(runs):  # a stage that runs needs its predecessor's weights, which a record does not hold
+        prev = previous_training(exp, run)
+        if plan[run.folder].runs and prev is not None and plan[prev.folder].state == "recorded":
+            plan[prev.folder].needed_by = plan[prev.folder].needed_by or run.label
+    return plan
+
+
+def run_chains(exp: Experiment, progress: Callable[[str], None] = print, jobs: int = 1,
+               seeds: list[int] | None = None) -> list[dict[str, Any]]:
+    """Every unfinished (arm, seed, stage) in order (of `seeds` only, when given: a worker's share); the stage
+    records. A finished stage (stage.json) is skipped, and so is a stage another arm owns (the same overrides up to
+    it: `Experiment.owner`) or another seed of its SFT group runs (`sft_share`), and one recorded under rows_dir with
+    this config's identity (see `plan_stages`); one finished with other overrides than the experiment now gives is
+    refused rather than silently reused. `jobs`: the worker processes sharing the cores (the load warning's count)."""
+    runs = [r for r in stage_runs(exp) if seeds is None or r.seed in seeds]
+    plan = plan_stages(exp)
     records: list[dict[str, Any]] = []
     seats: dict[tuple[str, int], list[str]] = {}
+    questions: list = []  # the eval questions, read once for the records of every eval finished here
     for i, run in enumerate(runs, 1):
-        owner = exp.owner(run.arm, run.stage)
-        tag = f"[{i}/{len(runs)}] {run.label}" + (f" (= arm {owner}'s)" if owner != run.arm else "")
-        seat = seats.get((run.arm, run.seed))
-        if seat is None:
-            seat = init_seat(exp, run.arm, run.seed)
+        owner, head = exp.owner(run.arm, run.stage), exp.stage_seed(run.arm, run.seed, run.stage)
+        src = StageRun(run.arm, head, run.stage, run.folder)  # the run that computes this folder
+        tag = (f"[{i}/{len(runs)}] {run.label}" + (f" (= arm {owner}'s)" if owner != run.arm else "")
+               + (f" (= seed {head}'s, sft_share {exp.sft_share})" if head != run.seed else ""))
+        seat = seats.get((run.arm, run.seed)) or init_seat(exp, run.arm, head)  # [] after a recorded stage
+        planned = plan[run.folder]
+        record_path = exp.record_path(run.arm, run.seed, run.stage)
         done = read_stage(run.folder)
         if done is not None:
             if run.stage != "eval":
-                expected = load_stage_config(exp, run, seat)[1]
+                expected = load_stage_config(exp, src, seat)[1]
             else:
-                expected = eval_overrides(exp, run, seat)
+                expected = eval_overrides(exp, src, seat)
             if done.get("overrides") != expected:
                 raise ExperimentError(
                     f"{run.folder / STAGE_FILE}: finished with other overrides than the experiment now gives "
                     f"({done.get('overrides')} vs {expected}); delete that folder to rerun it, or use another out_dir")
+            ident = stage_identity(exp, owner, head, run.stage)
+            if done.get("identity", ident) != ident:
+                raise ExperimentError(f"{run.folder / STAGE_FILE}: finished with another config than the experiment "
+                                      f"now gives (identity {done['identity']}, now {ident}: a stage config or team "
+                                      "changed); delete that folder to rerun it, or use another out_dir")
             progress(f"{tag}: done before ({done['wall_s']:.1f}s), skipped -> {run.folder}")
+            record = read_record(exp, run)
+            if owner == run.arm and head == run.seed and (record is None or record.get("identity") != ident):
+                if run.stage == "eval" and not questions:
+                    questions = eval_questions(exp)[0]
+                write_record(exp, run, {**done, "identity": ident}, questions)
+                progress(f"{tag}: recorded -> {record_path}")
+        elif planned.state == "recorded" and planned.needed_by is None:
+            done = planned.record
+            progress(f"{tag}: recorded before ({done.get('wall_s', 0.0):.1f}s), skipped -> {record_path}")
         elif owner != run.arm:
             raise ExperimentError(f"{run.label}: arm {owner} runs this stage and has not finished it ({run.folder})")
+        elif head != run.seed:
+            raise ExperimentError(f"{run.label}: seed {head} runs this stage (sft_share {exp.sft_share}) and has not "
+                                  f"finished it ({run.folder})")
         else:
+            ident = planned.identity or stage_identity(exp, run.arm, run.seed, run.stage)
+            if planned.state == "changed":
+                was = planned.record.get("identity") if planned.record else None
+                progress(f"{tag}: {record_path} was recorded with another config (identity {was}, now {ident}): "
+                         "running it again")
+            elif planned.state == "recorded":
+                progress(f"{tag}: recorded in {record_path}, but its weights are not on this machine and "
+                         f"{planned.needed_by} needs them: training it again")
             earlier = _spent(run.folder)
             progress(f"{tag}: running -> {run.folder}" + (f" (resumed; {earlier:.1f}s before)" if earlier else ""))
+            before = warn_load(jobs, exp.threads_per_seed, progress)
             t0 = time.perf_counter()
             try:
                 body = (_run_eval if run.stage == "eval" else _run_train)(exp, run, seat, progress)
             except BaseException:  # stopped or failed: the rerun's record counts this attempt's time too
                 _add_spent(run.folder, time.perf_counter() - t0)
                 raise
+            after = load_state(jobs, exp.threads_per_seed)
             done = {"experiment": exp.name, "arm": run.arm, "seed": run.seed, "stage": run.stage,
-                    "wall_s": earlier + time.perf_counter() - t0, **body}
+                    "wall_s": earlier + time.perf_counter() - t0, "identity": ident, **body,
+                    "load": {"before": before and before["load"], "after": after and after["load"],
+                             "cores": os.cpu_count(), "given": jobs * exp.threads_per_seed}}
             if "gpus" in done:
                 done["gpu_hours"] = done["wall_s"] / 3600 * done["gpus"]
             _write_stage(run.folder, done)
             (run.folder / SPENT_FILE).unlink(missing_ok=True)
-            progress(f"{tag}: finished in {done['wall_s']:.1f}s -> {run.folder}")
+            if run.stage == "eval" and not questions:
+                questions = eval_questions(exp)[0]
+            write_record(exp, run, done, questions)
+            progress(f"{tag}: finished in {done['wall_s']:.1f}s -> {run.folder}; recorded -> {record_path}")
         if run.stage != "eval":
-            seats[(run.arm, run.seed)] = done["seat"]
+            seats[(run.arm, run.seed)] = done.get("seat") or []
         records.append(done)
     return records
 
@@ -374,10 +571,15 @@ def run_experiment(exp: Experiment, progress: Callable[[str], None] = print, job
 
 
 def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int) -> list[dict[str, Any]]:
-    if exp.data is not None:
-        run_data(exp, progress)
     threads = exp.threads_per_seed
-    if jobs <= 1 or len(exp.seeds) == 1:
+    workers = 1 if jobs <= 1 or len(exp.seeds) == 1 else min(jobs, len(exp.seeds))
+    warn_load(workers, threads, progress)
+    if exp.data is not None:  # not rendered again on a machine where every stage is recorded
+        if (Path(exp.out_dir) / "data" / STAGE_FILE).is_file() or any(p.runs for p in plan_stages(exp).values()):
+            run_data(exp, progress)
+        else:
+            progress(f"data: not needed, every stage is recorded (in {exp.rows_root})")
+    if workers == 1:
         import torch
 
         before = torch.get_num_threads()
@@ -389,7 +591,6 @@ def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    workers = min(jobs, len(exp.seeds))
     if workers * threads > (os.cpu_count() or 1):
         progress(f"warning: {workers} seeds x {threads} torch thread(s) (threads_per_seed) on {os.cpu_count()} "
                  "cores: they share them (results do not change, wall time does)")
@@ -397,11 +598,18 @@ def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int)
     logs.mkdir(parents=True, exist_ok=True)
     progress(f"{len(exp.seeds)} seeds in {workers} worker processes, {threads} torch thread(s) each "
              f"(threads_per_seed, whatever --jobs is); their logs in {logs}")
+    # the seeds that train an SFT shared by their group (sft_share) first, then the seeds that start from it
+    heads = [s for s in exp.seeds if exp.sft is None or s % exp.sft_share == 0]
+    waves = [w for w in (heads, [s for s in exp.seeds if s not in heads]) if w]
+    outcomes: dict[int, dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-        futures = [ex.submit(_seed_worker, exp.model_copy(update={"seeds": [seed]}), threads,
-                             str(logs / f"seed{seed}.log")) for seed in exp.seeds]
-        outcomes = [f.result() for f in futures]  # every seed runs to its end before any failure is raised
-    failed = [(seed, o) for seed, o in zip(exp.seeds, outcomes) if "error" in o]
+        for wave in waves:
+            futures = {seed: ex.submit(_seed_worker, exp, seed, workers, str(logs / f"seed{seed}.log"))
+                       for seed in wave}
+            outcomes.update({seed: f.result() for seed, f in futures.items()})  # every seed of a wave runs to its end
+            if any(o.get("exit_status") for o in outcomes.values()):
+                break
+    failed = [(seed, o) for seed, o in outcomes.items() if "error" in o]
     stopped = [o["exit_status"] for _, o in failed if o.get("exit_status")]
     if stopped:
         from m1.run import Stopped
@@ -411,21 +619,20 @@ def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int)
         raise ExperimentError("; ".join(f"seed {seed}: {o['error']} (log: {logs / f'seed{seed}.log'})"
                                         for seed, o in failed))
     by_run = {}
-    for seed, o in zip(exp.seeds, outcomes):
-        one = exp.model_copy(update={"seeds": [seed]})
-        by_run.update({(run.arm, seed, run.stage): r for run, r in zip(stage_runs(one), o["records"])})
+    for seed, o in outcomes.items():
+        mine = [run for run in stage_runs(exp) if run.seed == seed]
+        by_run.update({(run.arm, seed, run.stage): r for run, r in zip(mine, o["records"])})
     return [by_run[(run.arm, run.seed, run.stage)] for run in stage_runs(exp)]  # in the order of one process
 
 
-def _seed_worker(exp: Experiment, threads: int, log_path: str) -> dict[str, Any]:
+def _seed_worker(exp: Experiment, seed: int, workers: int, log_path: str) -> dict[str, Any]:
     """One seed of `run_experiment(jobs > 1)` in a spawned process: stderr (bars, warnings) to its log file, stage
     lines to stdout prefixed with the seed; the outcome returned as plain data (exceptions need not pickle)."""
     import sys
 
     import torch
 
-    torch.set_num_threads(threads)
-    seed = exp.seeds[0]
+    torch.set_num_threads(exp.threads_per_seed)
     log_file = open(log_path, "a", buffering=1)
     os.dup2(log_file.fileno(), 2)
     sys.stderr = log_file
@@ -435,7 +642,7 @@ def _seed_worker(exp: Experiment, threads: int, log_path: str) -> dict[str, Any]
         print(msg, file=log_file, flush=True)
 
     try:
-        records = run_chains(exp, say)
+        records = run_chains(exp, say, jobs=workers, seeds=[seed])
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which decides the exit status
         from m1.errors import describe
 
@@ -624,8 +831,9 @@ def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tu
         state = "done" if (Path(exp.out_dir) / "data" / STAGE_FILE).is_file() else "to run"
         lines.append(f"  {'data (worlds, SFT examples)':<32} {state:<7} {Path(exp.out_dir) / 'data'}")
     for run in runs:
-        state = "done" if (run.folder / STAGE_FILE).is_file() else "to run"
-        lines.append(f"  {run.label:<32} {state:<7} {run.folder}")
+        state = ("done" if (run.folder / STAGE_FILE).is_file() else "recorded"
+                 if exp.record_path(run.arm, run.seed, run.stage).is_file() else "to run")
+        lines.append(f"  {run.label:<32} {state:<8} {run.folder}")
     fits = True
     total_hours: float | None = 0.0
     for stage in ("sft", "marl"):

@@ -1,0 +1,74 @@
+"""The compact rows of an eval stage: what `m1 experiment report` reads, and what the runner commits under rows_dir
+(docs/experiments/<name>/<arm>/seed<k>/<stage>.jsonl), so that neither a report nor a later run needs out_dir."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from m1.experiment.config import ExperimentError
+
+RESULTS_FILE = "results.jsonl"  # an eval stage's answers (`m1 infer`'s results file) in its folder
+
+_SHORT = {"Global Sampling": "GS", "Video Retrieval": "VR", "Time Stamp Retrieval": "TSR", "Image Retrieval": "IR",
+          "Rough Browser": "RB", "Fine Browser": "FB", "Space Tool": "ST", "Grounding Tool": "GT"}
+_LONG = {v: k for k, v in _SHORT.items()}
+
+
+def plan_name(plan: tuple[str, ...], sep: str = "→") -> str:
+    return sep.join(_SHORT.get(t, t) for t in plan)
+
+
+def tools(plan: str) -> tuple[str, ...]:
+    """A compact row's plan ("VR+FB") as the tool names it abbreviates."""
+    return tuple(_LONG.get(t, t) for t in plan.split("+"))
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ExperimentError(f"{path}:{n}: not a JSON line ({exc})") from None
+    return rows
+
+
+def compact_eval(record: dict[str, Any], folder: Path, questions: list, source: str) -> dict[str, Any]:
+    """What the report reads of a finished eval stage in `folder` (`record`, its stage.json; `questions`: the eval
+    questions, named `source`): `rows`, one per graded question in the questions' order, {id, family, answer,
+    correct, agents: [[first plan ("VR+FB"), strict format 0/1, the agent's own answer right 0/1], ...]} (about
+    150 bytes a question for four agents); `families` in the questions' order; `formats`, per phase [strict,
+    generations] of its traces (`eval.traces`); `agents`, the agents' names."""
+    from m1.data.metrics import is_correct
+
+    qs = questions
+    order = {q.id: i for i, q in enumerate(qs)}
+    question = {q.id: q for q in qs}
+    family = {q.id: str(q.meta.get("family") or q.task) for q in qs}
+    path = Path(record.get("results", {}).get("results") or folder / RESULTS_FILE)
+    rows, agents = [], []
+    for row in read_results(path):
+        if row.get("correct") is None:  # no ground truth: not graded
+            continue
+        if row["id"] not in family:
+            raise ExperimentError(f"{path}: id {row['id']!r} is not in {source}")
+        q = question[row["id"]]
+        plans = []
+        for name, v in (row.get("agents") or {}).items():
+            if v.get("plan"):
+                plans.append([plan_name(tuple(v["plan"]), "+"), int(bool(v.get("plan_ok"))),
+                              int(is_correct(q, v.get("answer")))])
+                agents += [name] if name not in agents else []
+        rows.append({"id": row["id"], "family": family[row["id"]], "answer": row.get("answer"),
+                     "correct": bool(row["correct"]), "agents": plans})
+    rows.sort(key=lambda r: order[r["id"]])
+    formats: dict[str, list[int]] = {}
+    traces = record.get("results", {}).get("traces")
+    for p in sorted(Path(traces).glob("*.json")) if traces else []:
+        for g in json.loads(p.read_text()).get("generations", []):
+            c = formats.setdefault(g["phase"], [0, 0])
+            c[0] += bool(g.get("parse_ok", True))
+            c[1] += 1
+    return {"rows": rows, "families": list(dict.fromkeys(family.values())), "formats": formats, "agents": agents}
