@@ -276,7 +276,10 @@ def test_recipe_experiments_choose_on_a_dev_world_and_report_on_the_held_out_one
     assert d.videos * d.questions_per_video >= 300 and d.seed not in (1, 5, 1001)
     trained_on = " ".join(dev.marl.overrides) + " runs/mini/train"  # the SFT stage's world (configs/sft/mini.yaml)
     assert "runs/mini/dev" not in trained_on and "runs/mini/test" not in trained_on
-    assert dev.seeds == final.seeds == [0, 1, 2, 3, 4, 5] and dev.base_arm == final.base_arm == "sft"
+    # six held-out seeds from two SFT runs (seeds 0 and 3, three MARL seeds each); dev screens on those two SFT seeds
+    assert final.seeds == [0, 1, 2, 3, 4, 5] and set(dev.seeds) <= set(final.seeds)
+    assert dev.sft_share == final.sft_share == 3 and {s - s % 3 for s in final.seeds} == set(dev.seeds)
+    assert dev.base_arm == final.base_arm == "sft"
     for arm in dev.arms:  # every candidate arm's MARL config is valid
         if "marl" in dev.arm_stages(arm):
             cfg = load_train_config(dev.marl.config, dev.marl.overrides + dev.arm(arm).marl)
