@@ -34,7 +34,14 @@ WORLD = {"videos": 20, "seed": 1, "duration": 120}
 
 # ------------------------------------------------------------------------------ one side, in its own process
 def worker(kind: str, steps: int, out: str, sets: list[str]) -> None:
-    """Train `steps` steps in the current directory's runs/ and print the metrics rows as one JSON line."""
+    """Train `steps` steps in the current directory's runs/ and print the metrics rows as one JSON line. The code
+    comes from M1_BENCH_TREE (_common put this checkout first on sys.path, which would shadow a baseline tree)."""
+    tree = os.environ["M1_BENCH_TREE"]
+    sys.path[:] = [tree] + [p for p in sys.path if Path(p).resolve() != REPO]
+    import m1
+
+    if Path(m1.__file__).resolve().parents[1] != Path(tree).resolve():
+        raise RuntimeError(f"bench worker imported {m1.__file__}, not the tree {tree}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -61,7 +68,7 @@ def worker(kind: str, steps: int, out: str, sets: list[str]) -> None:
 
 
 def run_side(tree: Path, workdir: Path, kind: str, steps: int, sets: list[str]) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, M1_BENCH_TREE=str(tree), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
     out = tempfile.mkdtemp(prefix=f"{kind}-", dir=workdir / "runs")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps), "--out", out]
@@ -124,7 +131,8 @@ def main() -> None:
     p.add_argument("--marl-steps", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--baseline", default=BASELINE)
-    p.add_argument("--variant", action="append", default=[], help="NAME=key=value,key=value (current code)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=key=value,key=value: a MARL configuration of the current code timed beside the two")
     p.add_argument("--only", choices=["sft", "marl"], help="time one loop only")
     p.add_argument("--worker", choices=["sft", "marl"], help=argparse_hidden())
     p.add_argument("--steps", type=int, help=argparse_hidden())
@@ -147,9 +155,10 @@ def main() -> None:
         steps = args.sft_steps if kind == "sft" else args.marl_steps
         print(f"{kind}: warm-up run", flush=True)
         run_side(new, d, kind, 1, [])
-        times: dict[str, list[list[dict]]] = {name: [] for name in sides}
+        names = list(sides) if kind == "marl" else ["baseline", "current"]  # variants are MARL settings
+        times: dict[str, list[list[dict]]] = {name: [] for name in names}
         for rep in range(args.reps):
-            order = list(sides) if rep % 2 == 0 else list(sides)[::-1]  # alternate who goes first
+            order = names if rep % 2 == 0 else names[::-1]  # alternate who goes first
             for name in order:
                 tree, sets = sides[name]
                 times[name].append(run_side(tree, d, kind, steps, sets))
@@ -158,7 +167,7 @@ def main() -> None:
         parts = ["time/step"] if kind == "sft" else ["time/step", "time/rollout", "time/update"]
         med = {name: {part: statistics.median(per_step(r, part) for r in runs) / steps for part in parts}
                for name, runs in times.items()}
-        for name in sides:
+        for name in names:
             for part in parts:
                 res.add(f"{kind} {name} {part} (s per step, median of {args.reps})", med[name][part])
             if kind == "marl":
@@ -168,7 +177,7 @@ def main() -> None:
                 if run:
                     res.add(f"marl {name} samples run / built", f"{run:.0f} / {total:.0f}")
         base = med["baseline"]["time/step"]
-        for name in sides:
+        for name in names:
             if name == "baseline":
                 continue
             target = (">= 1.8" if kind == "sft" else ">= 2.5") if name == "current" else "-"
