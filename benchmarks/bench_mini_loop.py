@@ -47,17 +47,20 @@ def worker(kind: str, steps: int, out: str, sets: list[str]) -> None:
 
     torch.set_num_threads(1)
     common = [f"out_dir={out}", "log.progress=false", "checkpoint.every=100000"]
+    device = os.environ.get("M1_BENCH_DEVICE")  # e.g. cuda: every agent's model (and so its learner) there
     if kind == "sft":
         from m1.marl.config import load_sft_config
         from m1.marl.sft import SFTTrainer
 
-        trainer = SFTTrainer(load_sft_config("mini", common + [f"max_steps={steps}"] + sets))
+        cfg = load_sft_config("mini", common + [f"max_steps={steps}"] + sets)
     else:
         from m1.marl.config import load_train_config
         from m1.marl.trainer import Trainer
 
-        trainer = Trainer(load_train_config("mini_recipe", common + [f"steps={steps}", "rollout.topology=complete"]
-                                            + sets))
+        cfg = load_train_config("mini_recipe", common + [f"steps={steps}", "rollout.topology=complete"] + sets)
+    if device:
+        cfg.team_overrides = cfg.team_overrides + [f"models.{a}.device={device}" for a in AGENTS]
+    trainer = SFTTrainer(cfg) if kind == "sft" else Trainer(cfg)
     try:
         rows = trainer.train()
     finally:
@@ -101,8 +104,9 @@ def work_dir() -> Path:
     runs = d / "runs"
     world = runs / "mini" / "train"
     if not (world / "questions.jsonl").is_file():
-        subprocess.run([str(Path(sys.executable).parent / "m1"), "synth", "make", str(world), "--videos", str(WORLD["videos"]),
-                        "--seed", str(WORLD["seed"]), "--duration", str(WORLD["duration"])], check=True, cwd=d.parent)
+        from m1.synth.make import make_dataset
+
+        make_dataset(world, WORLD["videos"], WORLD["seed"], duration=WORLD["duration"])
     for agent in AGENTS:
         dest = runs / "mini" / "sft" / "final" / agent
         if not dest.is_dir():
@@ -115,7 +119,8 @@ def work_dir() -> Path:
             from m1.marl.config import load_sft_config
             from m1.marl.sft import prepare_examples
 
-            prepare_examples(load_sft_config("mini", ["data.workers=1"]), progress=print)
+            workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+            prepare_examples(load_sft_config("mini", [f"data.workers={workers}"]), progress=print)
         finally:
             os.chdir(cwd)
     return d
@@ -134,6 +139,9 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=key=value,key=value: a MARL configuration of the current code timed beside the two")
     p.add_argument("--only", choices=["sft", "marl"], help="time one loop only")
+    p.add_argument("--device", help="put the agents' models on this device (e.g. cuda) on every side")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="time this checkout (and its variants) only, e.g. where git history is absent (a GPU lease)")
     p.add_argument("--worker", choices=["sft", "marl"], help=argparse_hidden())
     p.add_argument("--steps", type=int, help=argparse_hidden())
     p.add_argument("--out", help=argparse_hidden())
@@ -143,9 +151,12 @@ def main() -> None:
         worker(args.worker, args.steps, args.out, args.set)
         return
 
-    old, new, d = baseline_tree(args.baseline), REPO, work_dir()
+    if args.device:
+        os.environ["M1_BENCH_DEVICE"] = args.device
+    new, d = REPO, work_dir()
     (d / "runs").mkdir(exist_ok=True)
-    sides = {"baseline": (old, []), "current": (new, [])}
+    sides = {"current": (new, [])} if args.no_baseline else {"baseline": (baseline_tree(args.baseline), []),
+                                                              "current": (new, [])}
     for v in args.variant:
         name, _, sets = v.partition("=")
         sides[name] = (new, [s for s in sets.split(",") if s])
@@ -155,7 +166,7 @@ def main() -> None:
         steps = args.sft_steps if kind == "sft" else args.marl_steps
         print(f"{kind}: warm-up run", flush=True)
         run_side(new, d, kind, 1, [])
-        names = list(sides) if kind == "marl" else ["baseline", "current"]  # variants are MARL settings
+        names = list(sides) if kind == "marl" else [n for n in ("baseline", "current") if n in sides]  # variants: MARL
         times: dict[str, list[list[dict]]] = {name: [] for name in names}
         for rep in range(args.reps):
             order = names if rep % 2 == 0 else names[::-1]  # alternate who goes first
@@ -176,6 +187,8 @@ def main() -> None:
                 total = sum(v for r in rows for k, v in r.items() if k.endswith("/samples"))
                 if run:
                     res.add(f"marl {name} samples run / built", f"{run:.0f} / {total:.0f}")
+        if "baseline" not in med:
+            continue
         base = med["baseline"]["time/step"]
         for name in names:
             if name == "baseline":
