@@ -301,7 +301,9 @@ class SynthVisionModel:
 
 
 class _Answerer:
-    def __init__(self, frames: np.ndarray, timestamps: list[float], prompt: str, see):
+    """What the frames show about the prompt. `see`: how a frame is detected (the process's cache by default)."""
+
+    def __init__(self, frames: np.ndarray, timestamps: list[float], prompt: str, see=DETECTIONS):
         order = sorted(range(len(frames)), key=lambda k: timestamps[k])
         self.seen = []
         for k in order:
