@@ -21,9 +21,20 @@ DEMO_TEAM = "mini_trained"  # the mini team after SFT + MARL on M1-Synth (weight
 _KEEP_ERRORS_HELP = ("Keep the result lines of questions that ended in an error (default: a rerun answers them again "
                      "and replaces their lines).")
 _DEBUG_HELP = "Show the traceback behind an error (also: M1_DEBUG=1)."
+_KEEP_STALE_HELP = ("Keep the answers of questions that changed (text, task, options, truth or video) since their "
+                    "line was written (default: a rerun answers them again and replaces their lines).")
+_ALLOW_ERRORS_HELP = "Exit 0 even when questions ended as error rows (default: exit 1; see docs/cli.md)."
 
 _SHARD_HELP = ("Worker i of n (i = 0..n-1): answer the questions whose index in the input order is i mod n into "
                "OUT.part-i-of-n.jsonl (resumable); join the parts with `m1 merge OUT`.")
+
+
+def _exit_for_errors(summary, allow_errors: bool) -> None:
+    """Exit 1 when this run wrote error rows (docs/cli.md), so a script sees a run that did not answer everything."""
+    if summary.errors and not allow_errors:
+        typer.secho(f"exit 1: {len(summary.errors)} questions ended as error rows (--allow-errors exits 0)",
+                    fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(1)
 
 
 def _run_guarded(run, out: Path, debug: bool = False):
@@ -72,6 +83,8 @@ def infer(
     limit: Optional[int] = typer.Option(None, help="Answer at most this many new questions."),
     shard: Optional[str] = typer.Option(None, "--shard", help=_SHARD_HELP),
     keep_errors: bool = typer.Option(False, "--keep-errors", help=_KEEP_ERRORS_HELP),
+    keep_stale: bool = typer.Option(False, "--keep-stale", help=_KEEP_STALE_HELP),
+    allow_errors: bool = typer.Option(False, "--allow-errors", help=_ALLOW_ERRORS_HELP),
     debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
 ) -> None:
     """Answer questions about a folder of videos with a team of policy agents.
@@ -84,7 +97,7 @@ def infer(
     try:
         cfg = load_team(team, overrides or [])
         qs, issues = build_questions(video_dir, question=question, options=options or [], task=task,
-                                     questions_file=questions)
+                                     questions_file=questions, invalid_rows=True)
         split = parse_shard(shard) if shard else None
     except (ConfigError, InputError) as exc:
         fail(str(exc), exc, debug)
@@ -94,10 +107,12 @@ def infer(
         fail(f"{questions}: no usable questions ({len(issues)} skipped); nothing to answer")
     _check_team_models(cfg)
     summary = _run_guarded(lambda: run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit, shard=split,
-                                                 stop_on_signals=True, keep_errors=keep_errors), out, debug)
+                                                 stop_on_signals=True, keep_errors=keep_errors,
+                                                 keep_stale=keep_stale), out, debug)
     typer.echo(summary.describe())
     if split:
         typer.echo(f"part {split[0]} of {split[1]} written; when every part is done: m1 merge {out}")
+    _exit_for_errors(summary, allow_errors)
 
 
 @app.command("eval")
@@ -114,18 +129,21 @@ def eval_(
     shard: Optional[str] = typer.Option(None, "--shard", help=_SHARD_HELP.replace("OUT", "OUT/predictions.jsonl")
                                         + " Then rerun without --shard to score."),
     keep_errors: bool = typer.Option(False, "--keep-errors", help=_KEEP_ERRORS_HELP),
+    keep_stale: bool = typer.Option(False, "--keep-stale", help=_KEEP_STALE_HELP),
+    allow_errors: bool = typer.Option(False, "--allow-errors", help=_ALLOW_ERRORS_HELP),
     debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
 ) -> None:
     """Run a team on a benchmark and score it with the benchmark's own metrics (resumable; locking,
     stops and --shard as for `m1 infer`)."""
     from m1.config import ConfigError, load_team
-    from m1.data.loaders import load_benchmark
+    from m1.data.loaders import INVALID, load_benchmark
     from m1.data.metrics import format_table, score_benchmark
     from m1.run import InputError, ResultsFile, parse_shard, run_questions
 
     try:
         cfg = load_team(team, overrides or [])
-        qs, issues = load_benchmark(benchmark, annotations, videos)
+        jsonl = benchmark.lower() == "jsonl"  # the format `m1 infer` reads: an invalid line is an error row in both
+        qs, issues = load_benchmark(benchmark, annotations, videos, **({"invalid_rows": True} if jsonl else {}))
         split = parse_shard(shard) if shard else None
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         fail(str(exc), exc, debug)
@@ -137,24 +155,34 @@ def eval_(
     out.mkdir(parents=True, exist_ok=True)
     preds_path = out / "predictions.jsonl"
     summary = _run_guarded(lambda: run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit, shard=split,
-                                                 stop_on_signals=True, keep_errors=keep_errors), preds_path, debug)
+                                                 stop_on_signals=True, keep_errors=keep_errors,
+                                                 keep_stale=keep_stale), preds_path, debug)
     typer.echo(summary.describe())
     if split:  # a part is not scored; the merged predictions are
         typer.echo(f"part {split[0]} of {split[1]} written; when every part is done: m1 merge {preds_path}, "
                    f"then rerun this command without --shard to score")
+        _exit_for_errors(summary, allow_errors)
         return
     try:
         rows = ResultsFile(preds_path).read()
     except InputError as exc:
         fail(str(exc), exc, debug)
     preds = {r["id"]: r["answer"] for r in rows if r.get("answer") is not None}
-    answered = [q for q in qs if q.id in {r["id"] for r in rows}]
-    metrics = score_benchmark(benchmark, preds, answered)
+    listed = {r["id"] for r in rows}
+    answered = [q for q in qs if q.id in listed and INVALID not in q.meta]  # an invalid question is an error row
+    try:
+        metrics = score_benchmark(benchmark, preds, answered)
+    except ValueError as exc:  # nothing labelled to score (every question invalid, or a split without truths)
+        typer.secho(f"not scored: {exc}; the answers are in {preds_path}", fg=typer.colors.YELLOW, err=True)
+        _exit_for_errors(summary, allow_errors)
+        return
     metrics["n_questions"], metrics["n_skipped_records"] = len(answered), len(issues)
+    metrics["n_invalid"] = sum(INVALID in q.meta for q in qs)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     table = format_table(metrics, title=f"{benchmark} — team {cfg.name}")
     (out / "metrics.md").write_text(table + "\n")
     typer.echo(table)
+    _exit_for_errors(summary, allow_errors)
 
 
 @app.command()

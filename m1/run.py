@@ -11,6 +11,7 @@ with another team would mix two teams' answers in one file, so it is refused wit
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -20,10 +21,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from m1 import files
 from m1.config import TeamConfig
+from m1.data.loaders import INVALID, check_question
 from m1.files import WriteError, write_whole
 from m1.locks import hold
 from m1.models.tiny import spec_hash
@@ -46,10 +46,12 @@ class Stopped(BaseException):
 
 
 def build_questions(video_dir: Path, question: str | None = None, options: list[str] | None = None,
-                    task: str = "", questions_file: Path | None = None) -> tuple[list[Question], list[str]]:
+                    task: str = "", questions_file: Path | None = None, invalid_rows: bool = False
+                    ) -> tuple[list[Question], list[str]]:
     """Questions from `--question` (asked of every video in the folder) or a JSONL file.
 
-    Returns the questions and a list of problems (malformed lines) that were skipped."""
+    Returns the questions and a list of problems (malformed lines) that were skipped. `invalid_rows`: as for
+    `read_questions`."""
     from m1.video import list_videos
 
     video_dir = Path(video_dir)
@@ -62,16 +64,22 @@ def build_questions(video_dir: Path, question: str | None = None, options: list[
         if not videos:
             raise InputError(f"{video_dir}: no video files (.mp4 .mkv .avi .mov .webm .m4v) found")
         task = task or ("mcq" if options else "open")
-        qs = [Question(id=v.stem if video_dir.is_dir() else v.name, video=str(v), text=question,
-                       options=list(options or []), task=task) for v in videos]
+        checked = [check_question({"id": v.stem if video_dir.is_dir() else v.name, "video": str(v),
+                                   "text": question, "options": list(options or []), "task": task}) for v in videos]
+        if not invalid_rows and checked[0][1]:  # the same question for every video: invalid for all of them
+            raise InputError(f"--question: {checked[0][1]}")
+        qs = [q for q, _ in checked]
         _check_unique(qs, str(video_dir))
         return qs, []
-    return read_questions(Path(questions_file), video_dir)
+    return read_questions(Path(questions_file), video_dir, invalid_rows)
 
 
-def read_questions(path: Path, video_dir: Path | None = None) -> tuple[list[Question], list[str]]:
-    """Questions of a JSONL file; a line that is not UTF-8, not JSON or not a question is skipped and named
-    (file:line) in the returned problems, so one bad line never hides the rest."""
+def read_questions(path: Path, video_dir: Path | None = None, invalid_rows: bool = False
+                   ) -> tuple[list[Question], list[str]]:
+    """Questions of a JSONL file; a line that is not UTF-8, not JSON or has no id is skipped and named (file:line)
+    in the returned problems, so one bad line never hides the rest. A line that fails `check_question` (the one
+    validation, shared with `m1 eval`) is skipped and named too, or with `invalid_rows` (`m1 infer`) comes back as
+    a stand-in that `_run` writes as an error row."""
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path}: is a folder; --questions needs a JSONL file")
@@ -82,11 +90,11 @@ def read_questions(path: Path, video_dir: Path | None = None) -> tuple[list[Ques
         if line is None or not line.strip():
             continue
         try:
-            q = Question.model_validate(json.loads(line))
-        except (json.JSONDecodeError, ValidationError) as exc:
-            first = str(exc).splitlines()[0] if isinstance(exc, json.JSONDecodeError) else "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            issues.append(f"{path}:{n}: malformed question ({first})")
+            q, problem = check_question(json.loads(line))
+        except json.JSONDecodeError as exc:
+            q, problem = None, str(exc).splitlines()[0]
+        if q is None or (problem and not invalid_rows):  # with no id, no error row can be written under it
+            issues.append(f"{path}:{n}: malformed question ({problem})")
             continue
         if video_dir is not None and not Path(q.video).is_absolute():
             base = video_dir if video_dir.is_dir() else video_dir.parent
@@ -133,6 +141,7 @@ class ResultsFile:
         rows = self.read()
         self.done = {r["id"] for r in rows}
         self.failed = {r["id"] for r in rows if r.get("error")}
+        self.fps = {r["id"]: r.get("fp") for r in rows}  # None: a line written before fingerprints
 
     def _repair(self) -> None:
         if not self.path.exists():
@@ -205,6 +214,8 @@ class RunSummary:
     retried: int = 0  # earlier error lines answered again (their lines replaced)
     retried_failed: int = 0  # of those, how many ended in an error again
     kept_errors: int = 0  # earlier error lines left as they are (--keep-errors)
+    changed: int = 0  # done questions asked differently since their line was written, answered again
+    kept_stale: int = 0  # of those, left as they are (--keep-stale)
 
     def describe(self) -> str:
         lines = [f"{self.answered} answered, {self.skipped_done} already done, {len(self.errors)} errors "
@@ -215,10 +226,39 @@ class RunSummary:
         if self.kept_errors:
             lines.append(f"{self.kept_errors} earlier errors kept as they are (--keep-errors); rerun without it to "
                          f"retry them")
+        if self.changed:
+            lines.append(f"re-answered {self.changed} questions that changed since their line was written "
+                         f"(--keep-stale keeps the old answers)")
+        if self.kept_stale:
+            lines.append(f"{self.kept_stale} questions changed since their line was written; their old answers kept "
+                         f"(--keep-stale); rerun without it to answer them again")
         if self.graded:
             lines.append(f"accuracy {self.correct}/{self.graded} = {self.correct / self.graded:.1%}")
         lines += [f"  error: {e}" for e in self.errors]
         return "\n".join(lines)
+
+
+def fingerprint(q: Question, _stat: dict | None = None) -> str:
+    """A short hash of what was asked: the video's identity (resolved path, size, mtime) and the question's text,
+    task, options and ground truth. A results line records it, so a rerun sees a question edited under its id.
+    `_stat`: a cache of video path -> identity shared by the calls of one run (many questions per video)."""
+    cache = {} if _stat is None else _stat
+    if q.video not in cache:
+        try:
+            path = Path(q.video).resolve()
+            st = path.stat()
+            cache[q.video] = [str(path), st.st_size, st.st_mtime_ns]
+        except (OSError, RuntimeError, ValueError):  # missing, a link loop: the row is an error anyway
+            cache[q.video] = [q.video, None, None]
+    asked = [cache[q.video], q.text, q.task, list(q.options), q.answer]
+    return hashlib.sha256(json.dumps(asked, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def invalid_row(q: Question) -> dict:
+    """The error row of a question `check_question` rejected: the keys of `result_row`, the problem as `error`."""
+    return {"id": q.id, "video": q.video, "question": q.text, "task": q.task, "answer": None, "reason": None,
+            "aggregation": None, "agents": {}, "frames_used": 0, "seconds": 0.0, "latency": {},
+            "error": f"invalid question: {q.meta[INVALID]}"}
 
 
 def write_trace(trace_dir: Path, ep: Episode, pool=None, index=None) -> Path:
@@ -496,11 +536,12 @@ class _StopOnSignals:
 def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_dir: Path | None = None,
                   limit: int | None = None, team=None, progress: bool = True,
                   shard: tuple[int, int] | None = None, stop_on_signals: bool = False,
-                  keep_errors: bool = False) -> RunSummary:
+                  keep_errors: bool = False, keep_stale: bool = False) -> RunSummary:
     """Answer `questions` into the results file `out`, resuming it; see the module docstring.
 
     A question whose line records an error (a video that was missing, a model that failed) is answered again and
-    its line replaced, unless `keep_errors`.
+    its line replaced, unless `keep_errors`; so is one whose fingerprint (`fingerprint`) changed, unless
+    `keep_stale`. A question `check_question` rejected is written as an error row without being asked.
     `shard=(i, n)`: answer only worker i's share (`shard_of`) into `part_path(out, i, n)`.
     `stop_on_signals`: SIGTERM/SIGINT raise Stopped (with counts) after the line being written.
     Raises LockError when another run writes the same file, WriteError when a line cannot be written."""
@@ -513,7 +554,7 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
               "wait for it; every worker needs its own --shard i/n")
     with hold(out, "results file", advice), _StopOnSignals() as stop:
         try:
-            return _run(cfg, questions, out, trace_dir, limit, team, progress, stop, keep_errors)
+            return _run(cfg, questions, out, trace_dir, limit, team, progress, stop, keep_errors, keep_stale)
         except Stopped as exc:
             done = len({q.id for q in questions} & ResultsFile(out).done)
             raise Stopped(exc.signum, f"stopped by {signal.Signals(exc.signum).name}: {done} of {len(questions)} "
@@ -521,26 +562,49 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
 
 
 def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSignals,
-         keep_errors: bool = False) -> RunSummary:
+         keep_errors: bool = False, keep_stale: bool = False) -> RunSummary:
     from tqdm import tqdm
 
     from m1.team.cpp import make_team
 
     check_team(Path(out), cfg)
     results = ResultsFile(out)
+    stat: dict = {}
+    fps = {q.id: fingerprint(q, stat) for q in questions}
     failed = results.failed & {q.id for q in questions}
-    retry = set() if keep_errors else failed
+    # a line without a fingerprint (written before they existed) counts as matching: an upgrade re-answers nothing
+    stale = {q.id for q in questions if q.id in results.done and q.id not in failed
+             and results.fps.get(q.id) not in (None, fps[q.id])}
+    retry = (set() if keep_errors else failed) | (set() if keep_stale else stale)
     todo = [q for q in questions if q.id not in results.done or q.id in retry]
     summary = RunSummary(out=Path(out), skipped_done=len(questions) - len(todo),
-                         kept_errors=len(failed) if keep_errors else 0)
+                         kept_errors=len(failed) if keep_errors else 0, kept_stale=len(stale) if keep_stale else 0)
     if limit is not None:
         todo = todo[:limit]
     retry &= {q.id for q in todo}
+    invalid = [q for q in todo if INVALID in q.meta]
+    todo = [q for q in todo if INVALID not in q.meta]
     index = None
     if trace_dir is not None:
         from m1.trace import TraceIndex
 
         index = TraceIndex(Path(trace_dir))
+    def write(row: dict) -> None:  # inside stop.write()
+        if row["id"] in retry:  # an earlier error or a changed question: its line is replaced, the id listed once
+            results.replace(row)
+            if row["id"] in stale:
+                summary.changed += 1
+            else:
+                summary.retried += 1
+                summary.retried_failed += int(bool(row.get("error")))
+        else:
+            results.append(row)
+
+    for q in invalid:  # never asked: an error row naming the field, the rest of the run goes on
+        row = {**invalid_row(q), "fp": fps[q.id]}
+        with stop.write():
+            write(row)
+        summary.errors.append(f"{q.id}: {row['error']}")
     if not todo:
         if index is not None:  # a rerun of a finished (or killed after its last line) run: index what is there
             with stop.write():
@@ -552,7 +616,7 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSig
     last_index = [time.monotonic()]  # when the index was last written (first: INDEX_EVERY_S into the run)
 
     def done(ep: Episode) -> None:
-        row = result_row(ep)
+        row = {**result_row(ep), "fp": fps[ep.id]}
         with stop.write():
             if trace_dir is not None:
                 try:
@@ -560,12 +624,7 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSig
                 except WriteError as exc:
                     raise WriteError(exc.path, exc.exc, question=ep.id, safe=len(results.done),
                                      results=Path(out)) from None
-            if ep.id in retry:  # an earlier error answered again: its line is replaced, the id stays listed once
-                results.replace(row)
-                summary.retried += 1
-                summary.retried_failed += int(bool(ep.error))
-            else:
-                results.append(row)
+            write(row)
             if index is not None and time.monotonic() - last_index[0] >= INDEX_EVERY_S:
                 last_index[0] = time.monotonic()
                 try:

@@ -67,7 +67,7 @@ def test_infer_folder_reports_bad_files(folder, tmp_path, m1_cache):
     p = _infer(folder, out, ["--question", "What colour is the square?", "--options", "white",
                              "--options", "red", "--team", "tiny", "--trace-dir", str(tmp_path / "traces")])
     stdout, stderr = p.communicate(timeout=600)
-    assert p.returncode == 0, stderr
+    assert p.returncode == 1, stderr  # two error rows: exit 1 (docs/cli.md)
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     by_id = {r["id"]: r for r in rows}
     assert sorted(by_id) == ["clip0", "clip1", "clip2", "notes", "truncated"]

@@ -104,7 +104,7 @@ def test_every_command_over_bad_inputs(work, tmp_path, m1_cache):
     mv, vids = tmp_path / "missing.jsonl", tmp_path / "vids"
     shutil.copytree(w, vids)
     r = invoke("infer", vids, "--questions", vids / "questions_missing_videos.jsonl", "--out", mv)
-    assert r.exit_code == 0 and "1 answered, 0 already done, 2 errors" in r.stdout, r.output
+    assert r.exit_code == 1 and "1 answered, 0 already done, 2 errors" in r.stdout, r.output  # errors: exit 1
     rows = intact(mv)
     assert [x["id"] for x in rows] == ["m0", "m1", "m2"] and [bool(x["error"]) for x in rows] == [False, True, True]
     assert "missing.mp4" in rows[1]["error"] and "not_a_video.mp4" in rows[2]["error"]
@@ -112,7 +112,7 @@ def test_every_command_over_bad_inputs(work, tmp_path, m1_cache):
     r = invoke("infer", vids, "--questions", vids / "questions_missing_videos.jsonl", "--out", mv, "--keep-errors")
     assert r.exit_code == 0 and "2 earlier errors kept as they are (--keep-errors)" in r.stdout, r.output
     r = invoke("infer", vids, "--questions", vids / "questions_missing_videos.jsonl", "--out", mv)
-    assert r.exit_code == 0 and "retried 2 earlier errors: 1 now answered, 1 still errors" in r.stdout, r.output
+    assert r.exit_code == 1 and "retried 2 earlier errors: 1 now answered, 1 still errors" in r.stdout, r.output
     rows = intact(mv)
     assert [x["id"] for x in rows] == ["m0", "m1", "m2"] and [bool(x["error"]) for x in rows] == [False, False, True]
 
@@ -137,6 +137,88 @@ def test_every_command_over_bad_inputs(work, tmp_path, m1_cache):
     # --debug keeps the traceback
     r = invoke("infer", w, "--questions", w / "questions_bad_bytes.jsonl", "--out", w, "--debug")
     assert r.exit_code == 2 and "Traceback" in r.stderr and r.stderr.strip().splitlines()[-1].startswith("error:")
+
+
+def test_invalid_questions_are_error_rows_in_infer_and_eval(work, tmp_path, m1_cache):
+    """Empty MCQ options, a truth letter outside the options, an unknown task: one error row each naming the field,
+    the valid questions of the same batch answered, exit 1 (0 with --allow-errors); `m1 eval` agrees line by line.
+    A line without an id has nothing to list an error row under: it is skipped by file:line."""
+    w, out, q = work, tmp_path / "res.jsonl", work / "questions_invalid.jsonl"
+    r = invoke("infer", w, "--questions", q, "--out", out)
+    assert r.exit_code == 1 and "2 answered, 0 already done, 3 errors" in r.stdout, r.output
+    assert f"skipped: {q}:5: malformed question (field 'id': '' is missing or empty)" in r.stderr
+    assert "exit 1: 3 questions ended as error rows (--allow-errors exits 0)" in r.stderr
+    rows = sorted(intact(out), key=lambda x: x["id"])  # the invalid rows are written first, before any answer
+    assert [x["id"] for x in rows] == ["v0", "v1", "v2", "v3", "v5"]
+    assert [x["error"] is None for x in rows] == [True, False, False, False, True]
+    errors = {x["id"]: x["error"] for x in rows if x["error"]}
+    assert "field 'options': an mcq question needs at least 2 options, got 0" in errors["v1"]
+    assert "field 'answer': answer 'F' is not one of A, B, C, D" in errors["v2"]
+    assert "field 'task': 'essay' is not one of mcq, open, grounding, numeric" in errors["v3"]
+    r = invoke("infer", w, "--questions", q, "--out", out, "--allow-errors")  # retried, still invalid: exit 0
+    assert r.exit_code == 0 and "retried 3 earlier errors: 0 now answered, 3 still errors" in r.stdout, r.output
+    assert [(x["id"], bool(x["error"])) for x in sorted(intact(out), key=lambda x: x["id"])] == \
+        [(x["id"], bool(x["error"])) for x in rows]
+
+    ev = tmp_path / "eval"
+    r = invoke("eval", "-b", "jsonl", "--annotations", q, "--videos", w, "--out", ev)
+    assert r.exit_code == 1 and "2 answered, 0 already done, 3 errors" in r.stdout, r.output
+    assert "field 'id': '' is missing or empty" in r.stderr
+    assert sorted((x["id"], x["error"]) for x in intact(ev / "predictions.jsonl")) == [(x["id"], x["error"]) for x in rows]
+    metrics = json.loads((ev / "metrics.json").read_text())
+    assert metrics["n_questions"] == 2 and metrics["n_invalid"] == 3
+    only_bad = tmp_path / "only_bad.jsonl"  # nothing left to score: said so, the error rows kept, still exit 1
+    only_bad.write_text("".join(q.read_text().splitlines(keepends=True)[1:3]))
+    r = invoke("eval", "-b", "jsonl", "--annotations", only_bad, "--videos", w, "--out", tmp_path / "ev2")
+    assert r.exit_code == 1 and "not scored: score_benchmark: no labelled questions to score" in r.stderr, r.output
+    assert [x["id"] for x in intact(tmp_path / "ev2" / "predictions.jsonl")] == ["v1", "v2"]
+
+
+def test_an_edited_question_is_answered_again(work, tmp_path, m1_cache):
+    """A results line records a fingerprint of what was asked; a rerun re-answers a question whose text or video
+    changed under the same id (its line replaced), --keep-stale keeps the old answer, and a line written before
+    fingerprints existed counts as matching (an upgrade re-answers nothing)."""
+    w, out, qfile = work, tmp_path / "res.jsonl", tmp_path / "q.jsonl"
+    vids = tmp_path / "vids"
+    vids.mkdir()
+    for v in ("clip0.mp4", "clip1.mp4"):
+        shutil.copy(w / v, vids / v)
+    qs = [json.loads(x) for x in (w / "questions_invalid.jsonl").read_text().splitlines()]
+    qs = [qs[0], qs[5]]  # v0 on clip0, v5 on clip1
+    qfile.write_text("".join(json.dumps(x) + "\n" for x in qs))
+    args = ("infer", vids, "--questions", qfile, "--out", out)
+    assert invoke(*args).exit_code == 0
+    first = intact(out)
+    assert all(len(x["fp"]) == 16 for x in first)
+    r = invoke(*args)
+    assert r.exit_code == 0 and "0 answered, 2 already done, 0 errors" in r.stdout, r.output
+
+    qs[0]["text"] = "Which colour is the square?"  # v0 edited under its id
+    qfile.write_text("".join(json.dumps(x) + "\n" for x in qs))
+    before = out.read_bytes()
+    r = invoke(*args, "--keep-stale")
+    assert r.exit_code == 0 and "1 questions changed since their line was written; their old answers kept" in r.stdout
+    assert out.read_bytes() == before
+    r = invoke(*args)
+    assert r.exit_code == 0 and "1 answered, 1 already done, 0 errors" in r.stdout, r.output
+    assert "re-answered 1 questions that changed since their line was written" in r.stdout
+    rows = intact(out)
+    assert [x["id"] for x in rows] == ["v0", "v5"] and rows[0]["question"] == "Which colour is the square?"
+    assert rows[0]["fp"] != first[0]["fp"] and rows[1] == first[1]
+
+    st = (vids / "clip1.mp4").stat()  # v5's video replaced (a new mtime): answered again
+    os.utime(vids / "clip1.mp4", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    r = invoke(*args)
+    assert r.exit_code == 0 and "re-answered 1 questions that changed" in r.stdout, r.output
+    rows = intact(out)
+    assert [x["id"] for x in rows] == ["v0", "v5"] and rows[1]["fp"] != first[1]["fp"]
+
+    qs[0]["text"], qs[1]["text"] = "Edited again?", "And this one?"  # lines without a fingerprint: kept as they are
+    qfile.write_text("".join(json.dumps(x) + "\n" for x in qs))
+    out.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "fp"}) + "\n" for x in rows))
+    r = invoke(*args)
+    assert r.exit_code == 0 and "0 answered, 2 already done, 0 errors" in r.stdout, r.output
+    assert "re-answered" not in r.stdout and [x["id"] for x in intact(out)] == ["v0", "v5"]
 
 
 def _eval_experiment(w: Path, tmp_path: Path, world: bool = False) -> Path:

@@ -335,7 +335,8 @@ def test_disk_full_on_a_results_line_cuts_it_back_and_the_rerun_completes(tmp_pa
     qfile.write_text("".join(json.dumps({"id": f"q{i:02d}", "video": f"v{i}.mp4", "text": "Which?",
                                          "options": ["x", "y"]}) + "\n" for i in range(5)))
     out = tmp_path / "results.jsonl"
-    line = len((json.dumps(result_row(_episode(_qs(tmp_path, 1)[0])), ensure_ascii=False) + "\n").encode())
+    row = {**result_row(_episode(_qs(tmp_path, 1)[0])), "fp": "0" * 16}  # a results line: the row and its fingerprint
+    line = len((json.dumps(row, ensure_ascii=False) + "\n").encode())
     disk = FullDisk(room=2 * line + 10, only=lambda path: path == out)  # two lines fit, the third tears
     monkeypatch.setattr(files, "open_for_write", disk.open)
     args = ["infer", str(tmp_path), "--questions", str(qfile), "--team", "tiny", "--out", str(out)]
@@ -404,14 +405,14 @@ def test_error_rows_are_retried_by_default_and_kept_with_keep_errors(tmp_path, m
     out = tmp_path / "results.jsonl"
     args = ["infer", str(tmp_path), "--questions", str(qfile), "--team", "tiny", "--out", str(out)]
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 0 and "2 answered, 0 already done, 1 errors" in r.stdout, r.output
+    assert r.exit_code == 1 and "2 answered, 0 already done, 1 errors" in r.stdout, r.output
     assert [json.loads(x)["error"] is not None for x in out.read_text().splitlines()] == [False, True, False]
     r = CliRunner().invoke(app, args + ["--keep-errors"])
     assert r.exit_code == 0 and "0 answered, 3 already done, 0 errors" in r.stdout
     assert "1 earlier errors kept as they are (--keep-errors)" in r.stdout
     before = out.read_bytes()
     r = CliRunner().invoke(app, args)  # the video is still missing: retried, still an error, the line replaced
-    assert r.exit_code == 0 and "retried 1 earlier errors: 0 now answered, 1 still errors" in r.stdout, r.output
+    assert r.exit_code == 1 and "retried 1 earlier errors: 0 now answered, 1 still errors" in r.stdout, r.output
     assert _ids(out) == ["q00", "q01", "q02"] and out.read_bytes().splitlines()[0] == before.splitlines()[0]
     (tmp_path / "v1.mp4").write_bytes(b"x")  # the video is restored
     r = CliRunner().invoke(app, args)

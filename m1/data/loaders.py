@@ -23,12 +23,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, get_args
 
 from pydantic import ValidationError
 
 from m1.text import format_span as format_answer_span
-from m1.schema import LETTERS, Question
+from m1.schema import LETTERS, Question, Task
 
 
 @dataclass(frozen=True)
@@ -253,6 +253,16 @@ class _Builder:
         self._seen[draft.id] = f"{file.name} {where}"
         self.questions.append(q)
 
+    def add_invalid(self, q: Question, file: Path, where: str) -> None:
+        """A stand-in of an invalid record (`check_question`): kept, with its video resolved when it can be."""
+        if q.id in self._seen:
+            self.issue(q.id, file, f"{where}: duplicate id (first seen at {self._seen[q.id]})")
+            return
+        if q.video:
+            q.video = str(self._resolve([q.video]) or self.videos / q.video)
+        self._seen[q.id] = f"{file.name} {where}"
+        self.questions.append(q)
+
     def _resolve(self, candidates: list[str]) -> Path | None:
         for rel in candidates:
             path = self.videos / rel
@@ -297,7 +307,7 @@ def _check_task_answer(task: str, options: list[str], answer: str | None) -> str
     by it)."""
     if task == "mcq":
         if len(options) < 2:
-            raise _Bad(f"an mcq question needs at least 2 options, got {len(options)}")
+            raise _Bad(f"field 'options': an mcq question needs at least 2 options, got {len(options)}")
         if answer is not None:
             return _letter(answer, len(options), "answer")
     elif task == "grounding" and answer is not None:
@@ -642,11 +652,12 @@ def load_video_holmes(annotations: Path, videos: Path, *, check_videos: bool = T
 # generic JSONL of Question records
 
 
-def load_jsonl(annotations: Path, videos: Path, *, check_videos: bool = True):
+def load_jsonl(annotations: Path, videos: Path, *, check_videos: bool = True, invalid_rows: bool = False):
     """One `m1.schema.Question` object per line, `video` relative to the videos dir.
 
-    A line that is not JSON, fails the schema, or has an unscoreable answer is reported with its
-    line number and skipped.
+    A line that is not JSON, has no id or fails `check_question` is reported with its line number and skipped;
+    with `invalid_rows` (`m1 eval`), one that fails it but has an id is returned as a stand-in that the run writes
+    as an error row, as `m1 infer` does for the same line.
     """
     path = Path(annotations)
     if path.is_dir():
@@ -655,20 +666,53 @@ def load_jsonl(annotations: Path, videos: Path, *, check_videos: bool = True):
         raise FileNotFoundError(f"annotation file does not exist: {path}")
     b = _Builder("jsonl", videos, check_videos)
     for where, rec in _records(path, b.issues):
-        rid = _guess_id(rec, where)
+        q, problem = check_question(rec)
+        if q is None or (problem and not invalid_rows):
+            b.issue(_guess_id(rec, where), path, f"{where}: {problem}")
+        elif problem:  # an error row, as `m1 infer` writes for the same line
+            b.add_invalid(q, path, where)
+        else:
+            meta = {k: v for k, v in q.meta.items() if k != "benchmark"}
+            b.add(_Draft(q.id, [q.video], q.text, q.options, q.task, q.answer, meta), path, where)
+    return b.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# the one validation of a question record (m1 infer, m1 eval -b jsonl; m1 serve can call it too)
+
+TASKS = get_args(Task)
+INVALID = "m1_invalid"  # meta key of a stand-in Question: why the record is not a valid question
+
+
+def check_question(rec: Any) -> tuple[Question | None, str | None]:
+    """Validate one question record. Returns (question, None) when it is valid; (stand-in, problem) when it is not
+    but has an id, the stand-in being an unvalidated Question with `meta[INVALID] = problem` that a run writes as an
+    error row, so `m1 infer` and `m1 eval` agree on the line; (None, problem) when it has no usable id (skipped by
+    line). The problem names the field and its value."""
+    if not isinstance(rec, dict):
+        return None, f"not a JSON object ({type(rec).__name__})"
+    qid = rec.get("id")
+    if not isinstance(qid, str) or not qid.strip():
+        return None, f"field 'id': {qid!r} is missing or empty"
+    problem = None
+    task = rec.get("task", "mcq")
+    if task not in TASKS:
+        problem = f"field 'task': {task!r} is not one of {', '.join(TASKS)}"
+    else:
         try:
             q = Question.model_validate(rec)
+            q.answer = _check_task_answer(q.task, q.options, q.answer)
+            return q, None
         except ValidationError as e:
-            b.issue(rid, path, f"{where}: {_short_validation(e)}")
-            continue
-        try:
-            answer = _check_task_answer(q.task, q.options, q.answer)
+            problem = _short_validation(e)
         except _Bad as e:
-            b.issue(q.id, path, f"{where}: {e}")
-            continue
-        meta = {k: v for k, v in q.meta.items() if k != "benchmark"}
-        b.add(_Draft(q.id, [q.video], q.text, q.options, q.task, answer, meta), path, where)
-    return b.result()
+            problem = str(e)
+    options = rec.get("options")
+    stand_in = Question.model_construct(
+        id=qid, video=str(rec.get("video") or ""), text=str(rec.get("text") or ""),
+        options=[str(o) for o in options] if isinstance(options, list) else [], task=str(task),
+        answer=rec.get("answer") if isinstance(rec.get("answer"), str) else None, meta={INVALID: problem})
+    return stand_in, problem
 
 
 # ---------------------------------------------------------------------------------------------
