@@ -50,7 +50,7 @@ def _run_guarded(run, out: Path, debug: bool = False):
     except (InputError, LockError, WriteError) as exc:  # another team's answers, a busy file, a full disk
         fail(str(exc), exc, debug)
     except (OSError, UnicodeError) as exc:  # a read-only or missing folder, a folder given as a file, ...
-        fail(describe(exc), exc, debug)
+        fail(describe(exc, "another --out"), exc, debug)
     except ModelError as exc:  # finished questions are already in `out`; a rerun resumes
         fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)", exc, debug)
     except Stopped as exc:

@@ -17,8 +17,21 @@ def debug_requested(flag: bool = False) -> bool:
     return flag or os.environ.get("M1_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def describe(exc: BaseException) -> str:
-    """One line for an error a user met: what failed, on which file, and what to do."""
+def cache_home() -> str:
+    """The cache of built tiny models and synth CLIPs: $M1_CACHE, else ~/.cache/m1."""
+    return os.environ.get("M1_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "m1")
+
+
+def _in_cache(name: str) -> bool:
+    root = os.path.abspath(cache_home())
+    path = os.path.abspath(name)
+    return path == root or path.startswith(root + os.sep)
+
+
+def describe(exc: BaseException, out: str | None = None) -> str:
+    """One line for an error a user met: what failed, on which file, and what to do. `out`: the flag or setting
+    that names the command's output (e.g. "another --out"), named as the way out of a read-only disk; a read-only
+    cache names the M1_CACHE environment variable instead."""
     import errno
 
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -27,7 +40,11 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename:
         name, code = exc.filename, exc.errno
         if code == errno.EROFS:
-            return f"{name}: read-only file system; write to a folder on a writable disk (another --out), then rerun"
+            if _in_cache(str(name)):
+                return (f"{name}: read-only file system; point the M1_CACHE environment variable at a folder on a "
+                        f"writable disk, then rerun")
+            how = f" ({out})" if out else ""
+            return f"{name}: read-only file system; write to a folder on a writable disk{how}, then rerun"
         if code == errno.EISDIR:
             return f"{name}: is a folder where a file is needed; give a file path, then rerun"
         if code == errno.ENOTDIR:

@@ -563,6 +563,9 @@ class VideoPool:
         self._lock = threading.Lock()
 
     def open(self, path: str | os.PathLike) -> VideoReader:
+        problem = link_problem(path)
+        if problem is not None:  # a VideoError (an error row), not resolve()'s RuntimeError that stops the run
+            raise VideoError(path, problem)
         resolved = Path(path).resolve()
         key = str(resolved)
         with self._lock:
@@ -611,12 +614,30 @@ class VideoPool:
             reader.close()
 
 
+def link_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be followed to a file when a symlink is in the way (a loop, or a dangling link: named with
+    its target), else None (a plain missing file is left to the reader's own message)."""
+    import errno
+
+    p = Path(path)
+    try:
+        p.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symlink loop (a link that leads back to itself); point it at a video file"
+        if exc.errno == errno.ENOENT and p.is_symlink():
+            return f"a dangling symlink (its target {os.readlink(p)} does not exist); restore it or remove the link"
+    return None
+
+
 def list_videos(folder: str | os.PathLike) -> list[Path]:
-    """Video files (by extension, any case) directly inside folder, sorted by name."""
+    """Video files (by extension, any case) directly inside folder, sorted by name; a link of a video's name that
+    leads nowhere (dangling, a loop) is listed too, so it gets its error row (`VideoPool.open` names why)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise VideoError(folder, "not a directory" if folder.exists() else "no such folder")
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS)
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in VIDEO_EXTENSIONS
+                  and (p.is_file() or (p.is_symlink() and link_problem(p) is not None)))
 
 
 def write_video(path: str | Path | BinaryIO, frames: Iterable[np.ndarray], fps: int | Fraction, width: int,

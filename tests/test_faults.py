@@ -221,6 +221,58 @@ def test_an_edited_question_is_answered_again(work, tmp_path, m1_cache):
     assert "re-answered" not in r.stdout and [x["id"] for x in intact(out)] == ["v0", "v5"]
 
 
+def test_broken_links_in_a_video_folder_are_error_rows(work, tmp_path, m1_cache):
+    """A dangling or looping *.mp4 link in the folder of `--question` gets its error row naming the link and why
+    (one line per broken video, as the README promises; it used to be left out); once the links lead to videos,
+    the rerun answers them in place."""
+    vids, out, gone = tmp_path / "vids", tmp_path / "res.jsonl", tmp_path / "gone.mp4"
+    vids.mkdir()
+    shutil.copy(work / "clip0.mp4", vids / "clip0.mp4")
+    (vids / "dangling.mp4").symlink_to(gone)
+    (vids / "loop.mp4").symlink_to("loop.mp4")
+    args = ("infer", vids, "-q", "What colour is the square?", "--out", out)
+    r = invoke(*args)
+    assert r.exit_code == 1 and "1 answered, 0 already done, 2 errors" in r.stdout, r.output
+    assert (f"error: dangling: cannot read video {vids / 'dangling.mp4'}: a dangling symlink (its target {gone} "
+            "does not exist)") in r.output
+    assert f"error: loop: cannot read video {vids / 'loop.mp4'}: a symlink loop" in r.output
+    rows = sorted(intact(out), key=lambda x: x["id"])
+    assert [(x["id"], bool(x["error"])) for x in rows] == [("clip0", False), ("dangling", True), ("loop", True)]
+    shutil.copy(work / "clip1.mp4", gone)
+    (vids / "loop.mp4").unlink()
+    (vids / "loop.mp4").symlink_to("clip0.mp4")
+    r = invoke(*args)
+    assert r.exit_code == 0 and "retried 2 earlier errors: 2 now answered, 0 still errors" in r.stdout, r.output
+    rows = sorted(intact(out), key=lambda x: x["id"])
+    assert [(x["id"], x["error"]) for x in rows] == [("clip0", None), ("dangling", None), ("loop", None)]
+
+
+def test_a_question_on_a_looping_link_is_an_error_row(work, tmp_path, m1_cache):
+    """A --questions line whose video is a symlink loop is an error row naming the link (resolve()'s RuntimeError
+    used to stop the whole run); the other questions are answered, and the rerun after the fix answers it."""
+    vids, out, qfile = tmp_path / "vids", tmp_path / "res.jsonl", tmp_path / "q.jsonl"
+    vids.mkdir()
+    for v in ("clip0.mp4", "clip1.mp4"):
+        shutil.copy(work / v, vids / v)
+    (vids / "loop.mp4").symlink_to("loop.mp4")
+    qfile.write_text("".join(json.dumps({"id": i, "video": v, "text": "What colour is the square?",
+                                         "options": ["white", "red"], "task": "mcq"}) + "\n"
+                             for i, v in (("a", "clip0.mp4"), ("b", "loop.mp4"), ("c", "clip1.mp4"))))
+    args = ("infer", vids, "--questions", qfile, "--out", out)
+    r = invoke(*args)
+    assert r.exit_code == 1 and "2 answered, 0 already done, 1 errors" in r.stdout, r.output
+    assert f"error: b: cannot read video {vids / 'loop.mp4'}: a symlink loop" in r.output
+    assert "Traceback" not in r.output
+    rows = sorted(intact(out), key=lambda x: x["id"])
+    assert [(x["id"], bool(x["error"])) for x in rows] == [("a", False), ("b", True), ("c", False)]
+    (vids / "loop.mp4").unlink()
+    (vids / "loop.mp4").symlink_to("clip1.mp4")
+    r = invoke(*args)
+    assert r.exit_code == 0 and "retried 1 earlier errors: 1 now answered, 0 still errors" in r.stdout, r.output
+    assert [(x["id"], x["error"]) for x in sorted(intact(out), key=lambda x: x["id"])] == \
+        [("a", None), ("b", None), ("c", None)]
+
+
 def _eval_experiment(w: Path, tmp_path: Path, world: bool = False) -> Path:
     """An experiment of one eval stage (tiny team) over the corpus's good questions; with `world`, a data stage
     that renders a small M1-Synth world first."""
@@ -233,6 +285,28 @@ def _eval_experiment(w: Path, tmp_path: Path, world: bool = False) -> Path:
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+def test_a_torn_eval_stage_runs_again(work, tmp_path, m1_cache):
+    """A finished eval stage whose results file was cut (mid-line, or at a line's end) is unfinished, whatever its
+    stage.json and committed record say: the report names the file, the rerun repairs it and answers the cut
+    question again (each id once), and then the report no longer names the file."""
+    exp = _eval_experiment(work, tmp_path)
+    assert invoke("experiment", "run", exp).exit_code == 0
+    res = tmp_path / "exp" / "base" / "seed0" / "eval" / "results.jsonl"
+    whole = intact(res)
+    for cut, why in ((res.read_bytes()[:-10], f"{res} was cut mid-line"),
+                     (res.read_bytes().splitlines(keepends=True)[0], f"{res} holds 1 lines, fewer than the 2")):
+        res.write_bytes(cut)
+        one_error(invoke("experiment", "report", exp), why, "rerun `m1 experiment run`")
+        r = invoke("experiment", "run", exp)
+        assert r.exit_code == 0 and f"{why}" in r.stdout and "running the stage again" in r.stdout, r.output
+        assert "1 answered, 1 already done, 0 errors" in r.stdout, r.output
+        rows = intact(res)
+        assert [x["id"] for x in rows] == ["q0", "q2"] and rows[0] == whole[0]
+        assert json.loads((res.parent / "stage.json").read_text())["answered"] == 2
+        assert "done before" in invoke("experiment", "run", exp).stdout
+        assert str(res) not in invoke("experiment", "report", exp).output  # (ungraded questions: nothing to report)
 
 
 # ------------------------------------------------------------------------------------------------ file systems
@@ -306,6 +380,25 @@ def test_read_only_and_full_file_systems(work, tmp_path, mount, m1_cache):
     assert r.exit_code == 0, r.output
     history = checkpoint_history(run / "run")
     assert history and history[0].name == "step-000002" and all(checkpoint_problem(p) is None for p in history)
+
+
+def test_read_only_advice_names_settings_that_exist(work, tmp_path, mount, m1_cache, monkeypatch):
+    """`m1 experiment run` has no --out: a read-only out_dir advises `--set out_dir=`; a read-only model cache
+    advises the M1_CACHE environment variable. Nothing is written; the rerun elsewhere finishes."""
+    ro = mount("ro", "1m", ro=True)
+    exp = _eval_experiment(work, tmp_path)
+    line = one_error(invoke("experiment", "run", exp, "--set", f"out_dir={ro / 'exp'}"), ro / "exp",
+                     "read-only file system", "--set out_dir=")
+    assert "--out)" not in line and not list(ro.iterdir())
+    monkeypatch.setenv("M1_CACHE", str(ro / "cache"))
+    out = tmp_path / "res.jsonl"
+    line = one_error(invoke("infer", work, "-q", "Which?", "--out", out), ro / "cache", "read-only file system",
+                     "M1_CACHE environment variable")
+    assert "--out" not in line and intact(out) == []
+    monkeypatch.setenv("M1_CACHE", m1_cache)
+    r = invoke("experiment", "run", exp)
+    assert r.exit_code == 0 and [x["id"] for x in intact(tmp_path / "exp" / "base" / "seed0" / "eval" /
+                                                         "results.jsonl")] == ["q0", "q2"], r.output
 
 
 # ------------------------------------------------------------------------------------------------ concurrency

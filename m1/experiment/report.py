@@ -22,7 +22,7 @@ from typing import Any
 
 from m1.experiment.config import Experiment, ExperimentError
 from m1.experiment.rows import compact_eval, plan_name, read_results, tools
-from m1.experiment.runner import StageRun, eval_questions, read_record, read_stage, stage_identity
+from m1.experiment.runner import StageRun, eval_questions, read_record, read_stage, stage_identity, torn_results
 
 ALL = "all"
 
@@ -103,6 +103,10 @@ def eval_rows(exp: Experiment, arm: str, seed: int, questions: list) -> tuple[di
     folder = exp.stage_dir(arm, seed, "eval")
     record = read_stage(folder)
     if record is not None:
+        torn = torn_results(folder, record)
+        if torn is not None:  # never a silently short row set
+            raise ExperimentError(f"arm {arm} seed {seed}: {torn}; rerun `m1 experiment run` to repair it, then "
+                                  "the report")
         if not questions:
             questions += eval_questions(exp)[0]
         return compact_eval(record, folder, questions, exp.eval.source if exp.eval else "-"), None

@@ -103,6 +103,27 @@ def read_stage(folder: Path) -> dict[str, Any] | None:
         raise ExperimentError(f"{path}: not JSON ({exc}); delete it to rerun the stage") from None
 
 
+def torn_results(folder: Path, record: dict[str, Any]) -> str | None:
+    """Why the results file of a finished eval stage no longer holds what its stage.json counts, else None: its
+    last line was cut (no newline: a copy or a disk that stopped mid-write), or it has fewer lines than answers
+    counted (cut at a line's end, or a repair of it stopped). Such a stage counts as unfinished, whatever its
+    committed record says: the rerun repairs the file the way `m1 infer` does (`ResultsFile` drops the torn line)
+    and answers what is missing again."""
+    if record.get("stage") != "eval":
+        return None
+    path = Path((record.get("results") or {}).get("results") or Path(folder) / RESULTS_FILE)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if data and not data.endswith(b"\n"):
+        return f"{path} was cut mid-line"
+    lines, counted = data.count(b"\n"), record.get("answered")
+    if isinstance(counted, int) and lines < counted:
+        return f"{path} holds {lines} lines, fewer than the {counted} answers its {STAGE_FILE} counts"
+    return None
+
+
 def _write_stage(folder: Path, record: dict[str, Any]) -> Path:
     """stage.json through a temporary file unique to this process, renamed over it (`write_whole`)."""
     path = Path(folder) / STAGE_FILE
@@ -431,8 +452,9 @@ def previous_training(exp: Experiment, run: StageRun) -> StageRun | None:
 
 @dataclass
 class Planned:
-    """What a run of the experiment does with one stage folder: `state` is "local" (finished in out_dir),
-    "recorded" (its committed record has this identity), "changed" (recorded under another identity) or "new";
+    """What a run of the experiment does with one stage folder: `state` is "local" (finished in out_dir), "torn"
+    (finished in out_dir, but its results file was cut: `torn_results`; run again, whatever its record says), "recorded"
+    (its committed record has this identity), "changed" (recorded under another identity) or "new";
     `needed_by`: the stage still to run that needs this recorded stage's weights (so it is trained again)."""
 
     state: str
@@ -442,7 +464,7 @@ class Planned:
 
     @property
     def runs(self) -> bool:
-        return self.state in ("changed", "new") or (self.state == "recorded" and self.needed_by is not None)
+        return self.state in ("changed", "new", "torn") or (self.state == "recorded" and self.needed_by is not None)
 
 
 def plan_stages(exp: Experiment) -> dict[Path, Planned]:
@@ -455,8 +477,9 @@ def plan_stages(exp: Experiment) -> dict[Path, Planned]:
         src = StageRun(exp.owner(run.arm, run.stage), exp.stage_seed(run.arm, run.seed, run.stage), run.stage,
                        run.folder)
         record = read_record(exp, src)
-        if read_stage(run.folder) is not None:
-            plan[run.folder] = Planned("local", record=record)
+        local = read_stage(run.folder)
+        if local is not None:
+            plan[run.folder] = Planned("torn" if torn_results(run.folder, local) else "local", record=record)
         elif record is None:
             plan[run.folder] = Planned("new")
         else:
@@ -490,6 +513,7 @@ def run_chains(exp: Experiment, progress: Callable[[str], None] = print, jobs: i
         planned = plan[run.folder]
         record_path = exp.record_path(run.arm, run.seed, run.stage)
         done = read_stage(run.folder)
+        torn = None
         if done is not None:
             if run.stage != "eval":
                 expected = load_stage_config(exp, src, seat)[1]
@@ -504,6 +528,10 @@ def run_chains(exp: Experiment, progress: Callable[[str], None] = print, jobs: i
                 raise ExperimentError(f"{run.folder / STAGE_FILE}: finished with another config than the experiment "
                                       f"now gives (identity {done['identity']}, now {ident}: a stage config or team "
                                       "changed); delete that folder to rerun it, or use another out_dir")
+            torn = torn_results(run.folder, done)
+            if torn is not None:
+                progress(f"{tag}: {torn}: running the stage again to repair it")
+        if done is not None and torn is None:
             progress(f"{tag}: done before ({done['wall_s']:.1f}s), skipped -> {run.folder}")
             record = read_record(exp, run)
             if owner == run.arm and head == run.seed and (record is None or record.get("identity") != ident):
@@ -528,7 +556,7 @@ def run_chains(exp: Experiment, progress: Callable[[str], None] = print, jobs: i
             elif planned.state == "recorded":
                 progress(f"{tag}: recorded in {record_path}, but its weights are not on this machine and "
                          f"{planned.needed_by} needs them: training it again")
-            earlier = _spent(run.folder)
+            earlier = _spent(run.folder) + (done["wall_s"] if torn is not None else 0.0)  # the torn run's time too
             progress(f"{tag}: running -> {run.folder}" + (f" (resumed; {earlier:.1f}s before)" if earlier else ""))
             before = warn_load(jobs, exp.threads_per_seed, progress)
             t0 = time.perf_counter()
@@ -649,7 +677,9 @@ def _seed_worker(exp: Experiment, seed: int, workers: int, log_path: str) -> dic
         import traceback
 
         traceback.print_exc(file=log_file)
-        return {"error": describe(exc) if isinstance(exc, Exception) else str(exc),
+        from m1.marl.guard import OUT_DIR_ADVICE
+
+        return {"error": describe(exc, OUT_DIR_ADVICE) if isinstance(exc, Exception) else str(exc),
                 "exit_status": getattr(exc, "exit_status", None)}
     return {"records": records}
 

@@ -38,9 +38,13 @@ def training_errors() -> tuple[type[Exception], ...]:
     return errors
 
 
+OUT_DIR_ADVICE = "--set out_dir=ANOTHER_FOLDER"  # how `m1 train`, `m1 sft` and `m1 experiment run` name their output
+
+
 def train_guarded(run, debug: bool) -> None:
-    """Run `m1 train` / `m1 sft`: a stop by a signal prints the stop report and exits with 128 + the signal (143
-    SIGTERM, 130 SIGINT); what a user can meet is one `error:` line (status 2)."""
+    """Run `m1 train` / `m1 sft` / `m1 experiment run`: a stop by a signal prints the stop report and exits with 128 +
+    the signal (143 SIGTERM, 130 SIGINT); what a user can meet is one `error:` line (status 2), a read-only output
+    folder advising `--set out_dir=...` (their output is the config's out_dir; none of them has --out)."""
     from m1.marl.checkpoint import StoppedAtOnce, TrainingStopped
 
     try:
@@ -53,4 +57,4 @@ def train_guarded(run, debug: bool) -> None:
         typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(exc.exit_status)
     except training_errors() as exc:
-        fail(describe(exc), exc, debug)
+        fail(describe(exc, OUT_DIR_ADVICE), exc, debug)
