@@ -51,8 +51,12 @@ def _run_guarded(run, out: Path, debug: bool = False):
         fail(str(exc), exc, debug)
     except (OSError, UnicodeError) as exc:  # a read-only or missing folder, a folder given as a file, ...
         fail(describe(exc, "another --out"), exc, debug)
-    except ModelError as exc:  # finished questions are already in `out`; a rerun resumes
-        fail(f"{exc}\n(results so far are kept in {out}; rerun to resume)", exc, debug)
+    except ModelError as exc:  # finished questions are already in `out` (or its parts); a rerun resumes
+        kept = [p for p in (out, *sorted(out.parent.glob(f"{out.name}.part-*-of-*.jsonl")))
+                if p.is_file() and p.stat().st_size]
+        note = (f"results so far are kept in {', '.join(map(str, kept))}; rerun to resume" if kept else
+                f"no results were written to {out}; rerun once the model works")
+        fail(f"{exc}\n({note})", exc, debug)
     except Stopped as exc:
         typer.secho(str(exc), fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(exc.exit_status)

@@ -541,7 +541,8 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
 
     A question whose line records an error (a video that was missing, a model that failed) is answered again and
     its line replaced, unless `keep_errors`; so is one whose fingerprint (`fingerprint`) changed, unless
-    `keep_stale`. A question `check_question` rejected is written as an error row without being asked.
+    `keep_stale`. A question `check_question` rejected is written as an error row without being asked; one whose
+    prompt does not fit a model's context or the team's limits.max_prompt_tokens is an error row ("prompt too long:").
     `shard=(i, n)`: answer only worker i's share (`shard_of`) into `part_path(out, i, n)`.
     `stop_on_signals`: SIGTERM/SIGINT raise Stopped (with counts) after the line being written.
     Raises LockError when another run writes the same file, WriteError when a line cannot be written."""
@@ -611,6 +612,8 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: _StopOnSig
                 index.write()
         return summary
     team = team or make_team(cfg)
+    if hasattr(team, "over_budget_rows"):  # a question too long for a model is its own error row, not a stop
+        team.over_budget_rows = True
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=f"team {cfg.name}", unit="q", disable=not progress)
     last_index = [time.monotonic()]  # when the index was last written (first: INDEX_EVERY_S into the run)

@@ -8,6 +8,10 @@ Why it is shaped this way:
 - Everything a client sends is untrusted: each bad request gets one JSON error with the status a client can act on
   (400, 401, 413, 429 with Retry-After, 504) and never a stack trace; local files are read only under the roots
   the operator allowed, after resolving symlinks, so `..`, links out of a root and URL-encoded escapes are refused.
+  A question is validated as `m1 infer` validates a line (`check_question`); one too long for a model's context or
+  the team's prompt budget is a 400 naming both counts, and its batch mates are answered; a body over the limit is
+  a 413 before it is read whole, and a question text over `max_text_chars` a 413 before any model tokenizes it.
+- A client that hangs up mid-body is one log line, not an internal error.
 - The API key is compared in constant time and never written anywhere (logs, traces, errors).
 """
 
@@ -66,6 +70,7 @@ class Limits:
 
     allowed_roots: list[Path] = field(default_factory=list)
     max_body_bytes: int = 64 << 20
+    max_text_chars: int = 1 << 20  # the question's text and options, all together (a bound on tokenizing's cost)
     max_frames: int = 512
     max_queue: int = 64
     timeout_s: float = 300.0
@@ -95,6 +100,21 @@ def split_options(text: str) -> tuple[str, list[str]]:
     return "\n".join(rest).strip(), options
 
 
+def _check_text(n: int, limits: Limits) -> None:
+    """413 for a question text (with its options) of more than `limits.max_text_chars` characters: it is refused
+    before any tokenizer sees it (a 50 MB question used to take minutes and GBs before failing)."""
+    if n > limits.max_text_chars:
+        raise ApiError(413, f"the question text is {n} characters: at most {limits.max_text_chars} (--max-text-kb); "
+                            "a prompt that long does not fit the team's models", "messages")
+
+
+def _parse_url(url: str, param: str):
+    try:
+        return urlparse(url)
+    except ValueError:  # e.g. "http://[::1" (an unclosed IPv6 host)
+        raise _bad(f"not a valid URL: {url[:100]!r}", param) from None
+
+
 def _within(path: Path, roots: list[Path]) -> bool:
     return any(path == r or r in path.parents for r in roots)
 
@@ -105,7 +125,7 @@ def local_media(url: str, roots: list[Path], param: str) -> Path:
     whether written plainly or escaped, so no spelling of a path climbs out of a root."""
     if not roots:
         raise _bad("local files are not served: start m1 serve with --allowed-media-root DIR", param)
-    parsed = urlparse(url)
+    parsed = _parse_url(url, param)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise _bad(f"file URL with host {parsed.netloc!r}: only local files (file:///abs/path)", param)
@@ -260,6 +280,7 @@ def parse_request(body: object, team_name: str, limits: Limits, tmp: Path) -> tu
         raise _bad(f"{len(videos)} video_url parts: one video per request", "messages")
     if not videos and not images:
         raise _bad("no video: add a video_url part or image_url frames", "messages")
+    _check_text(sum(len(t) for t in texts), limits)
     text = "\n".join(t for t in texts if t.strip())
     question, options = split_options(text)
     if "question" in extra:
@@ -271,6 +292,7 @@ def parse_request(body: object, team_name: str, limits: Limits, tmp: Path) -> tu
         if not isinstance(opts, list) or not all(isinstance(o, str) and o.strip() for o in opts) or len(opts) > 26:
             raise _bad("m1.options must be a list of at most 26 non-empty strings", "m1.options")
         options = list(opts)
+    _check_text(len(question) + sum(len(o) for o in options), limits)
     if not question:
         raise _bad("no question: add a text part (or m1.question)", "messages")
     task = extra.get("task", "mcq" if options else "open")
@@ -278,13 +300,19 @@ def parse_request(body: object, team_name: str, limits: Limits, tmp: Path) -> tu
         raise _bad(f"m1.task {task!r}: one of {', '.join(TASKS)}", "m1.task")
     if task == "mcq" and not options:
         raise _bad("an mcq question needs options (lettered lines A. ... or m1.options)", "m1.options")
+    from m1.data.loaders import check_question
+
+    qid = extra.get("id") if isinstance(extra.get("id"), str) and extra.get("id").strip() else uuid.uuid4().hex[:16]
+    q, problem = check_question({"id": qid, "video": "<upload>", "text": question, "options": options, "task": task})
+    if problem:  # the one validation m1 infer and m1 eval apply to a questions line
+        raise _bad(f"invalid question: {problem}", "m1" if extra else "messages")
     if videos:
         url, param = videos[0]
         if url.startswith("data:"):
             _, data = _data_url(url, param, "video/")
             path = tmp / "video.mp4"
             path.write_bytes(data)
-        elif urlparse(url).scheme in ("http", "https"):
+        elif _parse_url(url, param).scheme in ("http", "https"):
             raise _bad("http(s) video URLs are not fetched: send file:// under an allowed root or a data URL", param)
         else:
             path = local_media(url, limits.allowed_roots, param)
@@ -296,8 +324,7 @@ def parse_request(body: object, team_name: str, limits: Limits, tmp: Path) -> tu
         probe(path)
     except (VideoError, OSError) as exc:
         raise _bad(f"unreadable video: {str(exc).replace(str(tmp), '<upload>')}", "messages") from None
-    qid = extra.get("id") if isinstance(extra.get("id"), str) and extra.get("id") else uuid.uuid4().hex[:16]
-    return Question(id=qid, video=str(path), text=question, options=options, task=task), {"fps": fps}
+    return q.model_copy(update={"video": str(path)}), {"fps": fps}
 
 
 # ------------------------------------------------------------------ the worker that owns the team
@@ -318,6 +345,8 @@ class Batcher:
     def __init__(self, team, limits: Limits):
         self.team, self.limits = team, limits
         self.batch = max(1, int(team.cfg.limits.batch_episodes))
+        if hasattr(team, "over_budget_rows"):  # a question too long for a model fails alone (400), not its batch
+            team.over_budget_rows = True
         self._queue: list[_Job] = []
         self._cv = threading.Condition()
         self._busy = 0
@@ -454,6 +483,7 @@ def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: in
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
 
     name = team.cfg.name
     state = {"draining": False}
@@ -529,12 +559,17 @@ def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: in
             if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
                 raise ApiError(413, f"body of {int(size)} bytes: at most {limits.max_body_bytes}")
             raw = bytearray()
-            async for chunk in request.stream():  # read up to the limit only, whatever Content-Length claimed
-                raw += chunk
-                if len(raw) > limits.max_body_bytes:
-                    raise ApiError(413, f"body over {limits.max_body_bytes} bytes")
             try:
-                body = json.loads(bytes(raw))
+                async for chunk in request.stream():  # read up to the limit only, whatever Content-Length claimed
+                    raw += chunk
+                    if len(raw) > limits.max_body_bytes:
+                        raise ApiError(413, f"body over {limits.max_body_bytes} bytes")
+            except ClientDisconnect:  # the client hung up mid-body: nobody to answer, nothing went wrong here
+                log.warning("client %s hung up after %d bytes of its body; request dropped",
+                            request.client.host if request.client else "?", len(raw))
+                return error(ApiError(400, "the client disconnected before its body was complete"))
+            try:
+                body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                 raise _bad("the body is not valid JSON") from None
             tmp = Path(tempfile.mkdtemp(prefix="m1-serve-"))
@@ -549,6 +584,8 @@ def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: in
                 raise ApiError(504, f"no answer within {limits.timeout_s:g} s (--timeout)", kind="timeout") from None
             if ep.error:
                 msg = ep.error.replace(str(Path(ep.question.video).parent), "<upload>")
+                if msg.startswith("prompt too long: "):  # over a model's context or the prompt budget: both counts
+                    raise _bad(msg, "messages")
                 raise _bad(f"unreadable video: {msg}", "messages")
             tid = uuid.uuid4().hex
             traces[tid] = ep
@@ -595,6 +632,9 @@ def serve_command(
     max_queue: int = typer_option(64, "--max-queue", min=1, help="Requests waiting or running before 429."),
     timeout: float = typer_option(300.0, "--timeout", min=1.0, help="Seconds a request may take before 504."),
     max_body_mb: float = typer_option(64.0, "--max-body-mb", min=0.001, help="Largest request body (413 above)."),
+    max_text_kb: float = typer_option(1024.0, "--max-text-kb", min=0.001,
+                                      help="Longest question text with its options, in units of 1,024 "
+                                      "characters (413 above; checked before any model tokenizes it)."),
     gather_ms: float = typer_option(50.0, "--gather-ms", min=0.0,
                                     help="How long the first request of a batch waits for others to join it."),
     overrides: list[str] = typer_option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
@@ -617,7 +657,7 @@ def serve_command(
             fail(f"--allowed-media-root {r}: not a folder")
         roots.append(Path(r).resolve())
     limits = Limits(allowed_roots=roots, max_body_bytes=int(max_body_mb * (1 << 20)), max_queue=max_queue,
-                    timeout_s=timeout, gather_s=gather_ms / 1000)
+                    timeout_s=timeout, gather_s=gather_ms / 1000, max_text_chars=int(max_text_kb * 1024))
     try:
         serve(team, host, port, limits, api_key_env, overrides)
     except (ConfigError, ValueError) as exc:

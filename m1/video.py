@@ -124,10 +124,20 @@ def _stream_fps(stream, container, num_frames: int, path: Path) -> float:
     raise VideoError(path, "the video stream has no frame rate")
 
 
-def _packet_table(container, stream) -> tuple[list[int], list[int]]:
-    """Presentation timestamps of all video packets (sorted) and the positions of keyframes."""
+def _packet_table(container, stream, to_eof: bool = False) -> tuple[list[int], list[int]]:
+    """Presentation timestamps of all video packets (sorted) and the positions of keyframes. With `to_eof` (a file
+    known to be cut), the packets up to where the file ends."""
     entries: list[tuple[int, bool]] = []
-    for packet in container.demux(stream):
+    packets = container.demux(stream)
+    while True:
+        try:
+            packet = next(packets)
+        except StopIteration:
+            break
+        except EOFError:
+            if not to_eof:
+                raise
+            break
         if packet.size == 0:
             continue
         ts = packet.pts if packet.pts is not None else packet.dts
@@ -138,6 +148,121 @@ def _packet_table(container, stream) -> tuple[list[int], list[int]]:
     pts = [ts for ts, _ in entries]
     keys = [i for i, (_, key) in enumerate(entries) if key]
     return pts, keys
+
+
+# A file still being written, or cut short, must not pass for a shorter video (issue #50): FFmpeg reads what is
+# there and reports that as the whole video. For ISO BMFF (mp4/mov) two things show it:
+#  - the file ends inside a top-level box (a `moof`/`mdat` whose size runs past the end of the file): a recorder
+#    that is still writing, or a copy cut in half, almost always stops mid-box; a finished file never does;
+#  - a fragmented MP4 that declares its total length (`mehd` in `moov/mvex`, written by MP4Box, GStreamer and
+#    recorders that rewrite the header when they finish) holds less than that: compared with the packets present.
+# What cannot be told: a fragmented MP4 that declares no total length (FFmpeg's `empty_moov` writes no `mehd` and
+# an `mvhd` of 0 s) cut exactly at a fragment boundary is a valid shorter file; nothing in it says more was meant.
+# A non-fragmented mp4 describes every sample in its `moov`, so a cut one shows a torn `mdat` (or FFmpeg finds no
+# `moov` at all). Other containers (mkv/webm/avi) are not compared: FFmpeg may estimate their duration from the
+# bitrate, which PyAV does not tell apart from a declared one, so a comparison would flag good files.
+_BMFF_FIRST = {b"ftyp", b"styp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot", b"uuid", b"sidx", b"junk"}
+_LENGTH_TOLERANCE = 0.02  # what a file holds may fall short of its declared length by 2% (or 1 s, or two frames)
+
+
+@dataclass(frozen=True)
+class _BmffLayout:
+    fragmented: bool  # a `moof` or `moov/mvex` is present
+    declared: float | None  # total seconds from `mehd` (fragmented files only); None when not declared
+    torn: tuple[str, int, int] | None  # (box type, its declared size, bytes present) when the file ends inside it
+
+
+def _boxes(data: bytes, start: int, end: int) -> Iterable[tuple[bytes, int, int]]:
+    """(type, payload start, payload end) of the boxes in data[start:end]; stops at the first malformed one."""
+    pos = start
+    while pos + 8 <= end:
+        size, kind, header = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8], 8
+        if size == 1 and pos + 16 <= end:
+            size, header = int.from_bytes(data[pos + 8:pos + 16], "big"), 16
+        elif size == 0:
+            size = end - pos
+        if size < header or pos + size > end:
+            return
+        yield kind, pos + header, pos + size
+        pos += size
+
+
+def _declared_from_moov(moov: bytes) -> float | None:
+    """The total length a fragmented movie declares: `mehd` fragment_duration over the `mvhd` timescale."""
+    timescale, total = 0, None
+    for kind, a, b in _boxes(moov, 0, len(moov)):
+        if kind == b"mvhd" and b - a >= 24:
+            timescale = int.from_bytes(moov[a + 20:a + 24] if moov[a] == 1 else moov[a + 12:a + 16], "big")
+        elif kind == b"mvex":
+            for sub, c, d in _boxes(moov, a, b):
+                if sub == b"mehd" and d - c >= 8:
+                    wide = moov[c] == 1 and d - c >= 12
+                    value = int.from_bytes(moov[c + 4:c + 12] if wide else moov[c + 4:c + 8], "big")
+                    if 0 < value < (1 << (64 if wide else 32)) - 1:  # all ones means "unknown"
+                        total = value
+    return total / timescale if total and timescale > 0 else None
+
+
+def _bmff_layout(path: Path) -> _BmffLayout | None:
+    """The top-level boxes of an ISO BMFF file, walked by their headers (only `moov` is read); None when the file
+    does not start like one."""
+    size = path.stat().st_size
+    declared, fragmented, pos = None, False, 0
+    with open(path, "rb") as f:
+        while pos + 8 <= size:
+            f.seek(pos)
+            head = f.read(16)
+            box, kind, header = int.from_bytes(head[:4], "big"), head[4:8], 8
+            if not (kind.isascii() and kind.decode("latin-1").isprintable()):
+                if pos == 0:
+                    return None
+                break  # trailing bytes that are not a box (padding): not a sign of a cut
+            if pos == 0 and kind not in _BMFF_FIRST:
+                return None
+            if box == 1:
+                if len(head) < 16:
+                    return _BmffLayout(fragmented, None, (kind.decode("latin-1"), 16, len(head)))
+                box, header = int.from_bytes(head[8:16], "big"), 16
+            elif box == 0:  # "extends to the end of the file"
+                box = size - pos
+            if box < header:
+                if pos == 0:
+                    return None
+                break
+            if pos + box > size:
+                return _BmffLayout(fragmented, declared if fragmented else None,
+                                   (kind.decode("latin-1"), box, size - pos))
+            if kind == b"moof":
+                fragmented = True
+            elif kind == b"moov" and box <= 64 << 20:
+                f.seek(pos + header)
+                moov = f.read(box - header)
+                fragmented = fragmented or any(k == b"mvex" for k, _, _ in _boxes(moov, 0, len(moov)))
+                declared = _declared_from_moov(moov)
+            pos += box
+    return _BmffLayout(fragmented, declared if fragmented else None, None)
+
+
+def _held_seconds(info: VideoInfo, stream, pts: list[int] | None) -> float:
+    """How long the packets present last: their timestamp span plus one average frame (not the header's frame rate,
+    which FFmpeg may derive from the declared length), else frames / fps."""
+    if pts and len(pts) > 1 and stream.time_base:
+        return float((pts[-1] - pts[0]) * stream.time_base) * len(pts) / (len(pts) - 1)
+    return info.duration
+
+
+def _check_complete(path: Path, info: VideoInfo, layout: _BmffLayout, held: float) -> None:
+    """A VideoError for an mp4/mov that is cut short or still being written (see the notes above)."""
+    said = f"the header says {layout.declared:.1f} s, " if layout.declared else ""
+    if layout.torn is not None:
+        kind, size, present = layout.torn
+        # a non-fragmented moov lists every sample, present or not: what is held is not known from the packets
+        held_text = f"the file holds {held:.1f} s and ends" if layout.fragmented else \
+            f"the header says {info.duration:.1f} s, but the file ends"
+        raise VideoError(path, f"incomplete or still being written: {said}{held_text} inside its {kind!r} box "
+                               f"({present} of {size} bytes present)")
+    if layout.declared and held < layout.declared - max(1.0, 2 / info.fps, _LENGTH_TOLERANCE * layout.declared):
+        raise VideoError(path, f"incomplete or still being written: {said}the file holds {held:.1f} s")
 
 
 def _make_info(path: Path, stream, container, num_frames: int) -> VideoInfo:
@@ -159,11 +284,28 @@ def probe(path: str | os.PathLike) -> VideoInfo:
     try:
         with av.open(str(path), metadata_errors="ignore") as container:
             stream = _video_stream(container, path)
-            num_frames = stream.frames
-            if not num_frames:  # e.g. mkv/webm: count packets (demux only, no decoding)
-                num_frames = len(_packet_table(container, stream)[0])
-            return _make_info(path, stream, container, num_frames)
+            # mp4, mov, m4v, 3gp (FFmpeg's "mov" demuxer): ISO BMFF boxes, checked for a cut below
+            layout = _bmff_layout(path) if "mov" in (container.format.name or "").split(",") else None
+            num_frames, pts = stream.frames, None
+            if not num_frames or (layout is not None and layout.fragmented):
+                # e.g. mkv/webm; and fragmented mp4, whose moov counts only the samples before the first fragment:
+                # count packets (demux only, no decoding)
+                pts = _packet_table(container, stream, to_eof=layout is not None and layout.torn is not None)[0]
+                num_frames = len(pts)
+            info = _make_info(path, stream, container, num_frames)
+            if layout is not None:
+                _check_complete(path, info, layout, _held_seconds(info, stream, pts))
+            return info
     except _av_errors() as exc:
+        try:  # FFmpeg gives up on a file cut inside a `moof` (EOF): say that it is cut when the boxes show it
+            layout = _bmff_layout(path)
+        except OSError:
+            layout = None
+        if layout is not None and layout.torn is not None:
+            kind, size, present = layout.torn
+            said = f"the header says {layout.declared:.1f} s, " if layout.declared else ""
+            raise VideoError(path, f"incomplete or still being written: {said}the file ends inside its {kind!r} box "
+                                   f"({present} of {size} bytes present); FFmpeg: {_cause(exc)}") from exc
         raise VideoError(path, _cause(exc)) from exc
 
 

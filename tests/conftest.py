@@ -31,6 +31,46 @@ def make_video(path, seconds=12, fps=4, size=64):
     return write_video(path, frames(), fps, size, size)
 
 
+def top_boxes(data: bytes) -> list[tuple[int, bytes, int]]:
+    """(offset, type, size) of the top-level boxes of a whole mp4 (32-bit sizes, as PyAV writes small files)."""
+    out, pos = [], 0
+    while pos + 8 <= len(data):
+        size = int.from_bytes(data[pos: pos + 4], "big")
+        out.append((pos, data[pos + 4: pos + 8], size))
+        pos += size
+    return out
+
+
+def fragmented_mp4(src, dst, mehd_seconds=None):
+    """`src` remuxed as a recorder writes it: an empty moov, then one moof+mdat fragment per keyframe (FFmpeg's
+    `frag_keyframe+empty_moov`). With `mehd_seconds` the moov also declares the total length in an `mehd` box (as
+    MP4Box or GStreamer write it; FFmpeg does not): inserted into moov/mvex, which `default_base_moof` allows, as the
+    fragments then address their data from their own moof."""
+    import av
+
+    with av.open(str(src)) as inp, av.open(str(dst), "w", format="mp4",
+                                           options={"movflags": "frag_keyframe+empty_moov+default_base_moof"}) as out:
+        stream = out.add_stream_from_template(inp.streams.video[0])
+        for packet in inp.demux(inp.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                out.mux(packet)
+    if mehd_seconds is None:
+        return dst
+    data = bytearray(open(dst, "rb").read())
+    [moov] = [pos for pos, kind, _ in top_boxes(bytes(data)) if kind == b"moov"]
+    assert data.find(b"mehd") < 0
+    mvhd, mvex = data.find(b"mvhd", moov) + 4, data.find(b"mvex", moov) - 4
+    assert data[mvhd] == 0  # a version-0 mvhd: timescale at payload offset 12
+    timescale = int.from_bytes(data[mvhd + 12: mvhd + 16], "big")
+    mehd = (16).to_bytes(4, "big") + b"mehd" + bytes(4) + round(mehd_seconds * timescale).to_bytes(4, "big")
+    data[mvex + 8: mvex + 8] = mehd
+    for at in (moov, mvex):
+        data[at: at + 4] = (int.from_bytes(data[at: at + 4], "big") + len(mehd)).to_bytes(4, "big")
+    open(dst, "wb").write(bytes(data))
+    return dst
+
+
 def make_synth_world(folder, videos, seed, duration, questions_per_video):
     """A small M1-Synth world in `folder`: (folder, questions.jsonl, its questions)."""
     from m1.run import read_questions

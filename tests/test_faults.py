@@ -8,6 +8,7 @@ videos are generated small. Read-only and full file systems are tmpfs mounts (ro
 otherwise: root ignores chmod, so a chmod-ed folder would prove nothing for it)."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import make_video
+from conftest import fragmented_mp4, make_video
 
 pytestmark = pytest.mark.slow
 
@@ -221,6 +222,57 @@ def test_an_edited_question_is_answered_again(work, tmp_path, m1_cache):
     assert "re-answered" not in r.stdout and [x["id"] for x in intact(out)] == ["v0", "v5"]
 
 
+def test_a_question_too_long_for_a_models_context_is_an_error_row(work, tmp_path, m1_cache, monkeypatch):
+    """A question longer than a model's context (~37 KB against the tiny team's models) used to stop the whole run
+    (exit 2), its batch mates never written, saying results were kept in a file that did not exist. It is an error
+    row naming the tokens needed and the room the model's context leaves; the others are answered; the rerun with a
+    shorter text answers it. A model failure that does stop a run says results are kept only when some are."""
+    vids, out, qfile = tmp_path / "vids", tmp_path / "res.jsonl", tmp_path / "q.jsonl"
+    vids.mkdir()
+    for v in ("clip0.mp4", "clip1.mp4"):
+        shutil.copy(work / v, vids / v)
+    asked = {"a": ("clip0.mp4", "What colour is the square?"),
+             "b": ("clip1.mp4", "Is the red square left of the blue circle at the start? " * 650),
+             "c": ("clip1.mp4", "What colour is the square?")}
+
+    def write():
+        qfile.write_text("".join(json.dumps({"id": i, "video": v, "text": t, "options": ["white", "red"],
+                                             "task": "mcq"}) + "\n" for i, (v, t) in asked.items()))
+
+    write()
+    args = ("infer", vids, "--questions", qfile, "--out", out)
+    r = invoke(*args)
+    assert r.exit_code == 1 and "2 answered, 0 already done, 1 errors" in r.stdout, r.output
+    assert re.search(r"error: b: prompt too long: agent 'qwen3_big', phase plan, question 'b': the prompt is \d+ "
+                     r"tokens, over the \d+ tokens left for it by the context of model 'q3_big' \(\d+ tokens, 48 "
+                     r"kept for the reply\) .*; shorten the question or its options", r.output), r.output
+    assert "Traceback" not in r.output and "results so far" not in r.output
+    rows = sorted(intact(out), key=lambda x: x["id"])
+    assert [(x["id"], bool(x["error"])) for x in rows] == [("a", False), ("b", True), ("c", False)]
+    asked["b"] = ("clip1.mp4", "Is the red square left of the blue circle at the start?")
+    write()
+    r = invoke(*args)
+    assert r.exit_code == 0 and "retried 1 earlier errors: 1 now answered, 0 still errors" in r.stdout, r.output
+
+    from m1.models.base import ModelError
+    from m1.team.cpp import Team
+
+    def down(self, *a, **k):
+        raise ModelError("model 'q3_big': the backend is down")
+
+    monkeypatch.setattr(Team, "run", down)
+    asked["d"] = ("clip0.mp4", "What colour is the square?")
+    write()
+    fresh = tmp_path / "fresh.jsonl"
+    r = invoke("infer", vids, "--questions", qfile, "--out", fresh)
+    one_error(r, "the backend is down")
+    assert f"(no results were written to {fresh}; rerun once the model works)" in r.stderr and not fresh.exists()
+    r = invoke(*args)
+    one_error(r, "the backend is down")
+    assert f"(results so far are kept in {out}; rerun to resume)" in r.stderr
+    assert sorted(x["id"] for x in intact(out)) == ["a", "b", "c"]
+
+
 def test_broken_links_in_a_video_folder_are_error_rows(work, tmp_path, m1_cache):
     """A dangling or looping *.mp4 link in the folder of `--question` gets its error row naming the link and why
     (one line per broken video, as the README promises; it used to be left out); once the links lead to videos,
@@ -271,6 +323,31 @@ def test_a_question_on_a_looping_link_is_an_error_row(work, tmp_path, m1_cache):
     assert r.exit_code == 0 and "retried 1 earlier errors: 1 now answered, 0 still errors" in r.stdout, r.output
     assert [(x["id"], x["error"]) for x in sorted(intact(out), key=lambda x: x["id"])] == \
         [("a", None), ("b", None), ("c", None)]
+
+
+def test_a_fragmented_mp4_cut_in_half_is_an_error_row(work, tmp_path, m1_cache):
+    """A fragmented MP4 cut in half (a recording still being written) used to be answered as a video half as long,
+    `error: null`, and never looked at again. It is an error row naming the file ("incomplete or still being
+    written"); once the whole recording is in place, the rerun retries the row and answers it."""
+    vids, out = tmp_path / "vids", tmp_path / "res.jsonl"
+    vids.mkdir()
+    shutil.copy(work / "clip0.mp4", vids / "clip0.mp4")
+    whole = fragmented_mp4(make_video(tmp_path / "src.mp4", seconds=12, fps=2, size=64), tmp_path / "rec.mp4")
+    data = whole.read_bytes()
+    (vids / "rec.mp4").write_bytes(data[: len(data) // 2])
+    args = ("infer", vids, "-q", "What colour is the square?", "--out", out)
+    r = invoke(*args)
+    assert r.exit_code == 1 and "1 answered, 0 already done, 1 errors" in r.stdout, r.output
+    assert f"error: rec: cannot read video {(vids / 'rec.mp4').resolve()}: incomplete or still being written: " \
+           "the file holds " in r.output, r.output
+    rows = sorted(intact(out), key=lambda x: x["id"])
+    assert [(x["id"], bool(x["error"])) for x in rows] == [("clip0", False), ("rec", True)]
+    assert "incomplete or still being written" in rows[1]["error"] and "rec.mp4" in rows[1]["error"]
+    shutil.copy(whole, vids / "rec.mp4")
+    r = invoke(*args)
+    assert r.exit_code == 0 and "retried 1 earlier errors: 1 now answered, 0 still errors" in r.stdout, r.output
+    assert [(x["id"], x["error"]) for x in sorted(intact(out), key=lambda x: x["id"])] == \
+        [("clip0", None), ("rec", None)]
 
 
 def _eval_experiment(w: Path, tmp_path: Path, world: bool = False) -> Path:

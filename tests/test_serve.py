@@ -7,6 +7,7 @@ import io
 import json
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -294,6 +295,89 @@ def test_fuzz_a_thousand_malformed_bodies_never_give_a_500(world, team):
             assert err["message"] and "Traceback" not in r.text
         assert c.get("/health").json()["status"] == "ok"
     assert sum(statuses.values()) == 1200 and statuses.get(400, 0) > 1000
+
+
+@pytest.fixture(scope="module")
+def budget_team(m1_cache):
+    """The fuzz's team: synth_teacher with a prompt budget (limits.max_prompt_tokens), so long prompts meet a limit."""
+    import serve_fuzz
+
+    return make_team(load_team(serve_fuzz.TEAM, serve_fuzz.SETS))
+
+
+def test_an_overlong_or_invalid_question_is_a_4xx_and_its_batch_mates_are_answered(world, budget_team):
+    """A prompt over a limit used to fail its whole batch with 500s: it is a 400 naming the tokens needed and the
+    limit, and the question batched with it is answered; a text over --max-text-kb is a 413 before any model
+    tokenizes it; a question that `check_question` (m1 infer's validation) rejects is a 400 naming the field."""
+    import serve_fuzz
+
+    folder, _, qs = world
+    app = create_app(budget_team, Limits(allowed_roots=[Path(folder).resolve()], gather_s=0.5,
+                                         max_text_chars=300_000))
+    long = {"question": "Is the red square left of the blue circle at the start? " * 600, "options": ["yes", "no"],
+            "task": "mcq"}
+    with TestClient(app, raise_server_exceptions=False) as c:
+        got = {}
+        threads = [threading.Thread(target=lambda k=k, b=b: got.__setitem__(k, c.post("/v1/chat/completions", json=b)))
+                   for k, b in (("ok", _body(qs[0], **_extra(qs[0]))), ("long", _body(qs[1], m1=long)))]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert got["ok"].status_code == 200, got["ok"].text
+        assert got["long"].status_code == 400, got["long"].text
+        msg = got["long"].json()["error"]["message"]
+        assert re.match(r"prompt too long: agent '\w+', phase plan, question '\w+': the prompt is \d+ tokens, over "
+                        rf"limits.max_prompt_tokens={serve_fuzz.BUDGET} ", msg), msg
+        assert max(app.state.batcher.batches) == 2  # the two ran as one batch
+        r = c.post("/v1/chat/completions", json=_body(qs[0], m1={**long, "question": "x" * 300_001}))
+        assert r.status_code == 413 and "the question text is 300006 characters: at most 300000 (--max-text-kb)" \
+            in r.json()["error"]["message"], r.text
+        r = c.post("/v1/chat/completions", json=_body(qs[0], m1={"question": "Which?", "options": ["one"]}))
+        assert r.status_code == 400 and r.json()["error"]["message"] == \
+            "invalid question: field 'options': an mcq question needs at least 2 options, got 1", r.text
+
+
+def test_a_client_that_hangs_up_mid_body_is_one_log_line(world, team, caplog, capfd):
+    """A client gone before its body is complete was logged as an internal error with a traceback (and counted as
+    a 500): it is one warning line, and the server goes on answering."""
+    import serve_fuzz
+
+    folder, _, qs = world
+    body = json.dumps(_body(qs[0], **_extra(qs[0]))).encode()
+    with _Server(create_app(team, Limits(allowed_roots=[Path(folder).resolve()]))) as srv:
+        assert serve_fuzz.post(srv.port, body[:40], length=len(body), hang_up=True) == (None, "")
+        for _ in range(100):
+            if any("hung up" in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.05)
+        assert serve_fuzz.post(srv.port, body)[0] == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "m1.serve"]
+    assert len(lines) == 1 and re.fullmatch(r"client 127.0.0.1 hung up after \d+ bytes of its body; request dropped",
+                                            lines[0]), lines
+    out = capfd.readouterr()
+    assert "Traceback" not in out.err + out.out and "Exception in ASGI" not in out.err + out.out
+
+
+def test_fuzz_bodies_over_a_socket_never_give_a_5xx(world, budget_team, caplog, capfd):
+    """Random JSON, wrong types, over-long prompts (a 400 naming the budget), texts over the limit (413), invalid
+    questions, truncated bodies, lying Content-Lengths and clients that hang up mid-body, over a real socket: never
+    a 5xx, never a traceback, and the server still healthy. M1_FUZZ_BODIES (default 300) sets the count and
+    M1_FUZZ_BIG=1 adds 10-60 MB bodies; `python tests/serve_fuzz.py --bodies 2000 --big` runs it against `m1 serve`
+    in its own process and reports the server's peak memory (docs/serving.md)."""
+    import serve_fuzz
+
+    folder, _, qs = world
+    n = int(os.environ.get("M1_FUZZ_BODIES", "300"))
+    app = create_app(budget_team, Limits(allowed_roots=[Path(folder).resolve()], gather_s=0.0))
+    with _Server(app) as srv:
+        result = serve_fuzz.fuzz(srv.port, Path(qs[0].video).resolve().as_uri(), n,
+                                 big=os.environ.get("M1_FUZZ_BIG") == "1")
+    assert not result["failures"], result["failures"][:5]
+    assert result["health"]["status"] == "ok" and sum(sum(v.values()) for v in result["statuses"].values()) == n
+    assert {"over_long", "over_text_limit", "hang_up", "truncated", "invalid_question", "valid"} <= \
+        set(result["statuses"]), result["statuses"]
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+    out = capfd.readouterr()
+    assert "Traceback" not in out.err + out.out
 
 
 @pytest.mark.slow

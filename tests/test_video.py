@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import sys
 import threading
@@ -17,6 +18,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import m1.video as video  # noqa: E402
+from conftest import fragmented_mp4, top_boxes  # noqa: E402
 from m1.video import (  # noqa: E402
     FrameCache, VideoError, VideoInfo, VideoPool, VideoReader, fps_indices, index_to_time, list_videos,
     probe, time_indices, time_to_index, uniform_indices, write_video,
@@ -420,6 +422,65 @@ def test_corrupt_and_cut_mp4_raise_video_error(videos, tmp_path, backend):
             VideoReader(path, backend=backend).frames(range(100))
         assert str(path.resolve()) in str(err.value)
         assert "Stack trace" not in str(err.value)
+
+
+def _openers():
+    return [probe, VideoPool().open] + [(lambda p, b=b: VideoReader(p, backend=b)) for b in ("decord", "pyav", "auto")]
+
+
+@pytest.mark.parametrize("mehd", [False, True], ids=["no_mehd", "mehd"])
+def test_a_cut_fragmented_mp4_is_incomplete_not_shorter(videos, tmp_path, mehd):
+    """A fragmented MP4 cut in half (how a recording still being written looks) used to read as a video half as
+    long, with no error. It ends inside a box, and with `mehd` its header says how long it is: every opener says
+    "incomplete or still being written", naming the file. The whole file reads in full with every backend."""
+    whole = fragmented_mp4(videos["clip"], tmp_path / "whole.mp4", mehd_seconds=10.0 if mehd else None)
+    assert probe(whole) == VideoInfo(str(whole.resolve()), 10.0, 10.0, 100, 64, 64)
+    for backend in ("decord", "pyav", "auto"):
+        with VideoReader(whole, backend=backend) as reader:
+            assert len(reader) == 100 and _ids(reader.frames([0, 55, 99])) == [0, 55, 99]
+    cut = tmp_path / "cut.mp4"
+    data = whole.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    said = "the header says 10.0 s, " if mehd else ""
+    for opener in _openers():
+        with pytest.raises(VideoError) as err:
+            opener(cut)
+        assert err.value.path == str(cut.resolve()) and str(cut.resolve()) in str(err.value)
+        # cut inside an mdat, FFmpeg reads the fragments before it; cut inside a moof, FFmpeg stops at EOF
+        assert re.match(rf"incomplete or still being written: {said}(the file holds \d+\.\d s and ends|the file ends)"
+                        r" inside its '(mdat|moof)' box \(\d+ of \d+ bytes present\)", err.value.reason), err.value
+
+
+def test_a_fragmented_mp4_cut_between_fragments(videos, tmp_path):
+    """Cut exactly where a fragment ends, no box is torn: with `mehd` the declared length still tells; without one
+    nothing in the file says more was meant, so it reads as the shorter video it holds (the limit noted in
+    video.py)."""
+    for mehd in (10.0, None):
+        whole = fragmented_mp4(videos["clip"], tmp_path / "whole.mp4", mehd_seconds=mehd)
+        data = whole.read_bytes()
+        third = [pos for pos, kind, _ in top_boxes(data) if kind == b"moof"][2]
+        cut = tmp_path / f"cut_{mehd}.mp4"
+        cut.write_bytes(data[:third])  # two whole fragments
+        if mehd:
+            for opener in _openers():
+                with pytest.raises(VideoError) as err:
+                    opener(cut)
+                assert re.fullmatch(r"incomplete or still being written: the header says 10\.0 s, the file holds "
+                                    r"[0-9]\.[0-9] s", err.value.reason), err.value
+        else:
+            info = probe(cut)  # a shorter video, no error
+            assert 0 < info.num_frames < 100 and info.duration < 10.0
+
+
+def test_a_cut_plain_mp4_names_the_torn_box(videos, tmp_path):
+    """A faststart mp4 cut in half keeps its index, which lists every frame: the cut is told at open, not when a
+    missing frame is decoded."""
+    cut = tmp_path / "cut.mp4"
+    _faststart_truncated(videos["clip"], tmp_path / "faststart.mp4", cut)
+    with pytest.raises(VideoError) as err:
+        probe(cut)
+    assert err.value.reason.startswith("incomplete or still being written: the header says 10.0 s, but the file "
+                                       "ends inside its 'mdat' box (")
 
 
 def test_video_error_pickles():

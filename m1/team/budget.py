@@ -102,8 +102,22 @@ def fit(build: Callable[[int], list[dict]], trimmable: int, count: Callable[[lis
     return tried[hi][0], hi, tried[hi][1]
 
 
-def over_budget_message(agent: str, phase: str, question: str, tokens: int, budget: int, trimmed: bool) -> str:
+def over_budget_message(agent: str, phase: str, question: str, tokens: int, budget: int, trimmed: bool,
+                        limit: str | None = None, advice: str | None = None) -> str:
+    """Why a prompt is refused. `limit`: the limit it is over when that is not limits.max_prompt_tokens (the room a
+    model's context leaves, `context_room`); `advice`: what to do, when not raising the budget or dropping."""
     how = " even with the peers' notes left out" if trimmed else ""
+    limit = limit or f"limits.max_prompt_tokens={budget}"
+    advice = advice or "raise the budget, or set limits.over_budget: drop to leave such questions out"
     return (f"agent {agent!r}, phase {phase}, question {question!r}: the prompt is {tokens} tokens{how}, over "
-            f"limits.max_prompt_tokens={budget} (the system prompt, question, options and own notes are never cut); "
-            "raise the budget, or set limits.over_budget: drop to leave such questions out")
+            f"{limit} (the system prompt, question, options and own notes are never cut); {advice}")
+
+
+def context_room(model, max_new_tokens: int) -> int | None:
+    """The prompt tokens a model with a known context (`context_length`, the HF backends) has room for next to
+    `max_new_tokens` of reply, as HFChatModel.generate counts it; None when the model states no context."""
+    ctx = getattr(model, "context_length", None)
+    if not isinstance(ctx, int) or ctx <= 0:
+        return None
+    new = max_new_tokens if max_new_tokens < ctx else max(1, ctx // 2)
+    return max(1, ctx - new)

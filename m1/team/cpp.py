@@ -10,8 +10,10 @@ embedded twice.
 Errors: a bad video ends that episode with `error` set; a failing tool becomes an error turn in
 memory; an unreadable reply is a format failure with a fallback. Every prompt fits `limits.max_prompt_tokens`
 (m1/team/budget.py): the peers' notes are trimmed oldest first, and a prompt that still does not fit is a
-PromptBudgetError, or with `limits.over_budget: drop` ends its episode with `error` set. A model that cannot be called
-(ModelError) stops the run: retrying belongs to the backend, and a resumed run picks up there.
+PromptBudgetError, or with `limits.over_budget: drop` ends its episode with `error` set; so does a prompt over the room
+a model's context leaves, budget or not. When answering (`over_budget_rows`: m1 infer, eval, serve) either ends only
+that question's episode, as its error row. A model that cannot be called (ModelError) stops the run: retrying belongs
+to the backend, and a resumed run picks up there.
 """
 from __future__ import annotations
 
@@ -98,6 +100,10 @@ class Team:
         # phase -> the temperature every agent samples with in that phase (training's rollout.plan_temperature);
         # an episode's own temperature for an agent (`run(temperatures=)`) still wins
         self.phase_temperatures: dict[str, float] = {}
+        # answering (m1 infer / eval / serve) rather than training: a question whose prompt does not fit ends its own
+        # episode with a "prompt too long:" error (an error row, a 400), whatever limits.over_budget says
+        self.over_budget_rows = False
+        self._rooms: dict[tuple[str, int], int | None] = {}
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling seed sequence (exact resume of training rollouts)."""
@@ -336,18 +342,37 @@ class Team:
 
     # ------------------------------------------------------------------ helpers
     def _budgeted(self, call: _Call, build: Callable[[int], list[dict]], trimmable: int) -> _Call:
-        """`call` with the prompt `build(k)` that fits limits.max_prompt_tokens with the fewest peers' entries k left
-        out (m1/team/budget.py). Over budget even then: PromptBudgetError, or with `over_budget: drop` the episode
-        ends (its error says why) and `_generate` skips the call."""
+        """`call` with the prompt `build(k)` that fits the prompt budget with the fewest peers' entries k left out
+        (m1/team/budget.py). The budget is limits.max_prompt_tokens, or less where the model's context leaves less
+        room next to the reply (`budget.context_room`: a prompt the model would refuse is never sent). Over budget
+        even then: PromptBudgetError, or with `over_budget: drop` (or `over_budget_rows`) the episode ends (its error
+        says why) and `_generate` skips the call."""
+        if call.ep.error is not None:  # ended by an earlier prompt of its episode: `_generate` skips it anyway
+            return call
         lim = self.cfg.limits
         key = call.agent.model
-        if key not in self._counters and lim.max_prompt_tokens is not None:
+        if (key, call.max_tokens) not in self._rooms:
+            self._rooms[(key, call.max_tokens)] = budget.context_room(self.hub.chat(key), call.max_tokens)
+        room = self._rooms[(key, call.max_tokens)]
+        limit = min((n for n in (lim.max_prompt_tokens, room) if n is not None), default=None)
+        if key not in self._counters and limit is not None:
             self._counters[key] = budget.token_counter(self.hub.chat(key))
-        call.messages, call.trimmed, tokens = budget.fit(build, trimmable, self._counters.get(key),
-                                                         lim.max_prompt_tokens)
-        if lim.max_prompt_tokens is not None and tokens > lim.max_prompt_tokens and call.ep.error is None:
-            why = budget.over_budget_message(call.agent.name, call.phase, call.ep.question.id, tokens,
-                                             lim.max_prompt_tokens, trimmable >= 0)
+        call.messages, call.trimmed, tokens = budget.fit(build, trimmable, self._counters.get(key), limit)
+        if limit is not None and tokens > limit:
+            by_context = lim.max_prompt_tokens is None or room is not None and room < lim.max_prompt_tokens
+            ctx = getattr(self.hub.chat(key), "context_length", None)
+            where = (f"the {room} tokens left for it by the context of model {key!r} ({ctx} tokens, "
+                     f"{ctx - room} kept for the reply)" if by_context and room is not None else None)
+            if self.over_budget_rows:
+                advice = ("shorten the question or its options" if by_context else
+                          "shorten the question, or raise limits.max_prompt_tokens")
+                call.ep.error = "prompt too long: " + budget.over_budget_message(
+                    call.agent.name, call.phase, call.ep.question.id, tokens, limit, trimmable >= 0, where, advice)
+                return call
+            why = budget.over_budget_message(call.agent.name, call.phase, call.ep.question.id, tokens, limit,
+                                             trimmable >= 0, where,
+                                             "use a model with a longer context, or set limits.over_budget: drop to "
+                                             "leave such questions out" if by_context else None)
             if lim.over_budget != "drop":
                 raise budget.PromptBudgetError(why)
             call.ep.error = f"dropped: {why}"

@@ -74,6 +74,7 @@ class SingleAgentTeam:
         self._clip_index = None
         self._calls = 0
         self._seed = cfg.sampling.seed
+        self.over_budget_rows = False  # answering (m1 infer / eval / serve): over budget is that question's error row
 
     def reseed(self, seed: int) -> None:
         self._seed, self._calls = seed, 0
@@ -133,6 +134,11 @@ class SingleAgentTeam:
             n = count(text_only(r.messages))
             if n <= lim.max_prompt_tokens:
                 kept.append(r)
+                continue
+            if self.over_budget_rows:
+                r.error = "prompt too long: " + budget.over_budget_message(
+                    self.agent.name, f"turn {len(r.generations)}", r.question.id, n, lim.max_prompt_tokens, False,
+                    advice="shorten the question, or raise limits.max_prompt_tokens")
                 continue
             why = budget.over_budget_message(self.agent.name, f"turn {len(r.generations)}", r.question.id, n,
                                              lim.max_prompt_tokens, False)
