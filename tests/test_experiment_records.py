@@ -256,8 +256,8 @@ def test_the_recipe_files_share_their_training_records(monkeypatch):
     final, dev = load_experiment("mini_recipe"), load_experiment("mini_recipe_dev")
     assert final.rows_root == dev.rows_root == Path("docs/experiments/mini_recipe")
     for stage in ("sft", "marl"):
-        assert final.record_path("sft_marl_complete", 1, stage) == dev.record_path("sft_marl_complete", 1, stage)
-        identities = {stage_identity(e, "sft_marl_complete", 1, stage) for e in (final, dev)}
+        assert final.record_path("sft_marl", 1, stage) == dev.record_path("sft_marl", 1, stage)
+        identities = {stage_identity(e, "sft_marl", 1, stage) for e in (final, dev)}
         assert len(identities) == 1
     assert (final.record_path("sft", 0, "eval").name, dev.record_path("sft", 0, "eval").name) == (
         "eval.json", "eval_dev.json")
