@@ -363,19 +363,20 @@ class Team:
             ctx = getattr(self.hub.chat(key), "context_length", None)
             where = (f"the {room} tokens left for it by the context of model {key!r} ({ctx} tokens, "
                      f"{ctx - room} kept for the reply)" if by_context and room is not None else None)
-            if self.over_budget_rows:
+            if self.over_budget_rows:  # answering: this question's error row, the others go on
                 advice = ("shorten the question or its options" if by_context else
                           "shorten the question, or raise limits.max_prompt_tokens")
-                call.ep.error = "prompt too long: " + budget.over_budget_message(
-                    call.agent.name, call.phase, call.ep.question.id, tokens, limit, trimmable >= 0, where, advice)
-                return call
+            else:
+                advice = ("use a model with a longer context, or set limits.over_budget: drop to leave such "
+                          "questions out" if by_context else None)
             why = budget.over_budget_message(call.agent.name, call.phase, call.ep.question.id, tokens, limit,
-                                             trimmable >= 0, where,
-                                             "use a model with a longer context, or set limits.over_budget: drop to "
-                                             "leave such questions out" if by_context else None)
-            if lim.over_budget != "drop":
+                                             trimmable >= 0, where, advice)
+            if self.over_budget_rows:
+                call.ep.error = f"prompt too long: {why}"
+            elif lim.over_budget == "drop":
+                call.ep.error = f"dropped: {why}"
+            else:
                 raise budget.PromptBudgetError(why)
-            call.ep.error = f"dropped: {why}"
         return call
 
     @staticmethod
