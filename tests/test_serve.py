@@ -1,4 +1,4 @@
-"""`m1 serve` (m1/serve.py): the official openai client gets m1 infer's answers, requests are batched, and bad
+"""`m1 serve` (m1/serve/): the official openai client gets m1 infer's answers, requests are batched, and bad
 requests get one JSON error each (never a 500, never a path outside the allowed roots)."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from m1.config import load_team  # noqa: E402
 from m1.run import run_questions  # noqa: E402
-from m1.serve import Limits, create_app, split_options  # noqa: E402
+from m1.serve import ApiError, ChatCompletionRequest, Limits, create_app, split_options  # noqa: E402
 from m1.team.cpp import make_team  # noqa: E402
 
 NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
@@ -90,6 +90,78 @@ def test_split_options_reads_lettered_lines_and_drops_the_instruction():
     q, opts = split_options("What is red?\nA. a circle\nB) a square\nC. a star\nAnswer with the option's letter.")
     assert (q, opts) == ("What is red?", ["a circle", "a square", "a star"])
     assert split_options("I. am a sentence.\nNothing else") == ("I. am a sentence.\nNothing else", [])
+
+
+def _refusal(body) -> tuple:
+    try:
+        ChatCompletionRequest.from_body(body, "synth_teacher").question(1000)
+    except ApiError as exc:
+        return exc.status, exc.message, exc.param
+    return 200, None, None
+
+
+def test_request_model_tolerates_what_openai_clients_send_and_names_each_fault():
+    """The request model refuses a body as the hand-written parser did: every field an OpenAI client sends is
+    tolerated, an unknown one is named (the first by name), and each fault has its message and param, whatever
+    pydantic's own error was."""
+    video = {"type": "video_url", "video_url": {"url": "file:///v.mp4"}}
+    ok = {"model": "synth_teacher", "messages": [{"role": "system", "content": 5}, {"role": "user", "name": "u",
+          "content": [video, {"type": "text", "text": "Which?\nA. x\nB. y"}]}]}
+    sent = {"max_tokens": 16, "max_completion_tokens": 16, "temperature": 0, "top_p": 1, "n": 1, "stream": False,
+            "media_io_kwargs": {}, "mm_processor_kwargs": {}, "chat_template_kwargs": {}, "m1": {"task": "mcq"},
+            "extra_body": 3, "user": "u", "seed": 1, "stop": ["x"], "stream_options": {}, "frequency_penalty": 0,
+            "presence_penalty": 0, "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}}
+    assert _refusal({**ok, **sent}) == (200, None, None)
+    req = ChatCompletionRequest.from_body({**ok, "m1": None, "extra_body": {"m1": {"task": "open"}}}, "synth_teacher")
+    assert req.question(1000).task == "open"
+    text = {"type": "text", "text": "Which?"}
+    for body, want in [
+        ([], (400, "the body must be a JSON object", None)),
+        ({**ok, "zz": 1, "logit_bias": {}}, (400, "unsupported field 'logit_bias'", "logit_bias")),
+        ({**ok, "stream": True}, (400, "stream: true is not supported; send stream: false (or leave it out)",
+                                  "stream")),
+        ({**ok, "model": "gpt-4o", "n": 2}, (404, "model 'gpt-4o' is not served here; this server serves "
+                                                 "'synth_teacher'", "model")),
+        ({**ok, "n": 2}, (400, "n = 2: one answer per request", "n")),
+        ({**ok, "max_tokens": True}, (400, "max_tokens must be a positive integer, got True", "max_tokens")),
+        ({**ok, "max_completion_tokens": 0}, (400, "max_completion_tokens must be a positive integer, got 0",
+                                              "max_completion_tokens")),
+        ({**ok, "temperature": "0"}, (400, "temperature must be a number, got '0'", "temperature")),
+        ({**ok, "mm_processor_kwargs": []}, (400, "mm_processor_kwargs must be an object", "mm_processor_kwargs")),
+        ({**ok, "m1": "x"}, (400, "m1 must be an object {question, options, task}", "m1")),
+        ({**ok, "messages": []}, (400, "messages must be a non-empty list", "messages")),
+        ({**ok, "messages": [1]}, (400, "each message must be an object", "messages[0]")),
+        ({**ok, "messages": [{"content": "x"}]}, (400, "role None: expected user, system, developer or assistant",
+                                                  "messages[0].role")),
+        ({**ok, "messages": [{"role": "user", "content": 3}]},
+         (400, "content must be a string or a list of parts", "messages[0].content")),
+        ({**ok, "messages": [{"role": "user", "content": [video, 3]}]},
+         (400, "each content part must be an object", "messages[0].content[1]")),
+        ({**ok, "messages": [{"role": "user", "content": [video, {"type": "audio"}]}]},
+         (400, "unsupported content part type 'audio': text, video_url and image_url are served",
+          "messages[0].content[1].type")),
+        ({**ok, "messages": [{"role": "user", "content": [video, {"type": "text"}]}]},
+         (400, "a text part needs a text string", "messages[0].content[1].text")),
+        ({**ok, "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": ""}}]}]},
+         (400, "video_url needs a url string", "messages[0].content[0].video_url.url")),
+        ({**ok, "messages": [{"role": "user", "content": [text]}]},
+         (400, "no video: add a video_url part or image_url frames", "messages")),
+        ({**ok, "messages": [{"role": "user", "content": [video, video, text]}]},
+         (400, "2 video_url parts: one video per request", "messages")),
+        ({**ok, "m1": {"question": "x" * 999}}, (413, "the question text is 1001 characters: at most 1000 "
+                                                  "(--max-text-kb); a prompt that long does not fit the team's "
+                                                  "models", "messages")),
+        ({**ok, "m1": {"question": None}}, (400, "m1.question must be a string", "m1.question")),
+        ({**ok, "m1": {"options": ["a", " "]}}, (400, "m1.options must be a list of at most 26 non-empty strings",
+                                                 "m1.options")),
+        ({**ok, "m1": {"task": "essay"}}, (400, "m1.task 'essay': one of mcq, open, grounding, numeric", "m1.task")),
+        ({**ok, "m1": {"question": " "}}, (400, "no question: add a text part (or m1.question)", "messages")),
+        ({**ok, "m1": {"options": [], "task": "mcq"}},
+         (400, "an mcq question needs options (lettered lines A. ... or m1.options)", "m1.options")),
+        ({**ok, "m1": {"options": ["one"]}}, (400, "invalid question: field 'options': an mcq question needs at "
+                                                   "least 2 options, got 1", "m1")),
+    ]:
+        assert _refusal(body) == want, body
 
 
 def test_openai_client_with_video_url_and_image_frames_gets_m1_infers_answers(world, cfg, team, tmp_path):

@@ -1,0 +1,159 @@
+"""The FastAPI app: routes, the API key, the body-size limit, and one JSON error per refused request.
+
+Everything a client sends is untrusted: each bad request gets one JSON error with the status a client can act on
+(400, 401, 413, 429 with Retry-After, 504) and never a stack trace; a body over the limit is a 413 before it is
+read whole; a client that hangs up mid-body is one log line, not an internal error. The API key is compared in
+constant time and never written anywhere (logs, traces, errors). FastAPI is imported when an app is made: the
+`serve` extra is optional, and `m1 serve` says how to install it when it is missing.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import tempfile
+import uuid
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from m1.schema import Episode, Question
+from m1.serve.batcher import Batcher, cleanup
+from m1.serve.limits import Limits
+from m1.serve.media import video_file
+from m1.serve.protocol import ApiError, ChatCompletionRequest, ChatCompletionResponse, bad
+
+log = logging.getLogger("m1.serve")  # one logger for the whole server: operators filter on it
+
+
+def parse_request(body: object, team_name: str, limits: Limits, tmp: Path) -> Question:
+    """The Question one chat-completions body asks, its video readable (written under `tmp` when sent inline).
+    Raises ApiError naming the field for anything the server cannot answer. Blocking (files, video decoding):
+    the app runs it in a worker thread."""
+    req = ChatCompletionRequest.from_body(body, team_name)
+    q = req.question(limits.max_text_chars)
+    return q.model_copy(update={"video": str(video_file(req, limits, tmp))})
+
+
+def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: int = 1000):
+    """The FastAPI app serving `team`. `api_key`: the key clients must send as `Authorization: Bearer KEY`."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import HTMLResponse, JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
+
+    name = team.cfg.name
+    state = {"draining": False}
+    traces: OrderedDict[str, Episode] = OrderedDict()
+    batcher = Batcher(team, limits)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        state["draining"] = True
+        await asyncio.get_running_loop().run_in_executor(None, batcher.drain, limits.timeout_s)
+
+    app = FastAPI(title=f"m1 serve: {name}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.batcher, app.state.traces, app.state.serve_state = batcher, traces, state
+
+    def error(exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc):
+        return error(ApiError(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404
+                              else "invalid_request_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc):
+        return error(bad("malformed request"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc):  # a fault of the server, never of the request: no traceback in the body
+        log.error("internal error: %s: %s", type(exc).__name__, exc)
+        return error(ApiError(500, "internal server error; see the server's log", kind="server_error"))
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        token = got[7:] if got[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode("utf-8", "replace"), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            check_key(request)
+        except ApiError as exc:
+            return error(exc)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "m1",
+                                            "agents": [a.name for a in team.cfg.agents]}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "draining" if state["draining"] else "ok", "pending": batcher.pending}
+
+    @app.get("/traces/{trace_id}")
+    async def trace(trace_id: str):
+        from m1.trace import render_html
+
+        ep = traces.get(trace_id)
+        if ep is None:
+            return error(ApiError(404, f"no trace {trace_id!r} (the server keeps the last {traces_kept})",
+                                  kind="not_found_error"))
+        html = await asyncio.get_running_loop().run_in_executor(None, render_html, ep)
+        return HTMLResponse(html)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        tmp = None
+        try:
+            if state["draining"]:
+                raise ApiError(503, "the server is shutting down", kind="server_shutting_down")
+            check_key(request)
+            size = request.headers.get("content-length")
+            if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
+                raise ApiError(413, f"body of {int(size)} bytes: at most {limits.max_body_bytes}")
+            raw = bytearray()
+            try:
+                async for chunk in request.stream():  # read up to the limit only, whatever Content-Length claimed
+                    raw += chunk
+                    if len(raw) > limits.max_body_bytes:
+                        raise ApiError(413, f"body over {limits.max_body_bytes} bytes")
+            except ClientDisconnect:  # the client hung up mid-body: nobody to answer, nothing went wrong here
+                log.warning("client %s hung up after %d bytes of its body; request dropped",
+                            request.client.host if request.client else "?", len(raw))
+                return error(ApiError(400, "the client disconnected before its body was complete"))
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                raise bad("the body is not valid JSON") from None
+            tmp = Path(tempfile.mkdtemp(prefix="m1-serve-"))
+            loop = asyncio.get_running_loop()
+            q = await loop.run_in_executor(None, parse_request, body, name, limits, tmp)
+            job = batcher.submit(q, tmp)
+            tmp = None  # the batcher removes it once the episode ran
+            try:
+                ep = await asyncio.wait_for(asyncio.wrap_future(job.future), limits.timeout_s)
+            except asyncio.TimeoutError:
+                batcher.cancel(job)
+                raise ApiError(504, f"no answer within {limits.timeout_s:g} s (--timeout)", kind="timeout") from None
+            if ep.error:
+                msg = ep.error.replace(str(Path(ep.question.video).parent), "<upload>")
+                if msg.startswith("prompt too long: "):  # over a model's context or the prompt budget: both counts
+                    raise bad(msg, "messages")
+                raise bad(f"unreadable video: {msg}", "messages")
+            tid = uuid.uuid4().hex
+            traces[tid] = ep
+            while len(traces) > traces_kept:
+                traces.popitem(last=False)
+            base = str(request.base_url).rstrip("/")
+            return JSONResponse(ChatCompletionResponse.from_episode(ep, name, f"{base}/traces/{tid}").model_dump())
+        except ApiError as exc:
+            return error(exc)
+        finally:
+            cleanup(tmp)
+
+    return app

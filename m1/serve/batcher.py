@@ -1,0 +1,128 @@
+"""The worker that owns the team. A team answers fastest in batches (one call per model per phase), so requests
+wait in a queue for a short gather window and then run together as one batch of episodes, on the path `m1 infer`
+takes (`Team.run`), in a single thread (the models are not thread-safe)."""
+
+import logging
+import shutil
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from m1.schema import Question
+from m1.serve.limits import Limits
+from m1.serve.protocol import ApiError
+
+log = logging.getLogger("m1.serve")  # one logger for the whole server: operators filter on it
+GATHER_ROUNDS = 20  # a batch waits at most this many gather windows for a burst to arrive
+
+
+@dataclass
+class _Job:
+    question: Question
+    future: Future
+    tmp: Path | None
+    cancelled: bool = False
+
+
+def cleanup(tmp: Path | None) -> None:
+    """Remove a request's temporary folder (its uploaded video or encoded frames), if it has one."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Batcher:
+    """One thread that owns the team: it waits for a first request, gathers what else arrives within
+    `gather_s` (up to the team's `limits.batch_episodes`), runs them as one batch through `team.run` and resolves
+    each request's future with its episode. `submit` refuses (429) when `max_queue` requests wait or run."""
+
+    def __init__(self, team, limits: Limits):
+        self.team, self.limits = team, limits
+        self.batch = max(1, int(team.cfg.limits.batch_episodes))
+        if hasattr(team, "over_budget_rows"):  # a question too long for a model fails alone (400), not its batch
+            team.over_budget_rows = True
+        self._queue: list[_Job] = []
+        self._cv = threading.Condition()
+        self._busy = 0
+        self._stop = False
+        self.batches: deque[int] = deque(maxlen=1000)  # sizes of the last batches run (tests, the benchmark)
+        self._thread = threading.Thread(target=self._loop, name="m1-serve-team", daemon=True)
+        self._thread.start()
+    def submit(self, q: Question, tmp: Path | None) -> _Job:
+        with self._cv:
+            if self._stop:
+                raise ApiError(503, "the server is shutting down", kind="server_shutting_down")
+            if len(self._queue) + self._busy >= self.limits.max_queue:
+                wait = max(1, round(self.limits.gather_s + 2))
+                raise ApiError(429, f"{self.limits.max_queue} requests are already queued (--max-queue); retry later",
+                               kind="rate_limit_error", headers={"Retry-After": str(wait)})
+            job = _Job(q, Future(), tmp)
+            self._queue.append(job)
+            self._cv.notify()
+            return job
+
+    def cancel(self, job: _Job) -> None:
+        """A request that timed out: dropped if it has not started; else its episode finishes and is discarded."""
+        with self._cv:
+            job.cancelled = True
+            if job in self._queue:
+                self._queue.remove(job)
+                cleanup(job.tmp)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if not self._queue and self._stop:
+                    return
+            self._gather()
+            with self._cv:
+                jobs, self._queue = self._queue[:self.batch], self._queue[self.batch:]
+                self._busy = len(jobs)
+            if not jobs:
+                continue
+            self.batches.append(len(jobs))
+            try:
+                episodes = self.team.run([j.question for j in jobs])
+                for j, ep in zip(jobs, episodes):
+                    if not j.future.done():  # a timed-out request's future was cancelled
+                        j.future.set_result(ep)
+            except Exception as exc:  # a model that failed: every request of the batch gets a 500, the server stays
+                log.error("batch of %d failed: %s: %s", len(jobs), type(exc).__name__, exc)
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(exc)
+            finally:
+                for j in jobs:
+                    cleanup(j.tmp)
+                with self._cv:
+                    self._busy = 0
+                    self._cv.notify_all()
+
+    def _gather(self) -> None:
+        """Let requests that arrive together join one batch: wait `gather_s`, and again while more keep arriving
+        (clients of a burst are parsed one after another, so on a busy machine a burst spreads out), at most
+        GATHER_ROUNDS times and never once the batch is full."""
+        seen = -1
+        for _ in range(GATHER_ROUNDS):
+            with self._cv:
+                n = len(self._queue)
+            if n >= self.batch or n == seen:
+                return
+            seen = n
+            time.sleep(self.limits.gather_s)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Refuse new requests, finish those queued and running, then stop the thread."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queue) + self._busy

@@ -1,0 +1,70 @@
+"""The `m1 serve` command (registered in m1/cli.py): load a team and serve it with uvicorn."""
+
+import os
+from pathlib import Path
+
+from typer import Option as typer_option  # typer is a core dependency (the CLI's)
+
+from m1.serve.app import create_app
+from m1.serve.limits import Limits
+
+
+def serve(team_name: str, host: str, port: int, limits: Limits, api_key_env: str | None = None,
+          overrides: list[str] | None = None) -> None:
+    """Load the team, then serve it with uvicorn until SIGTERM/SIGINT (requests in flight are finished)."""
+    import uvicorn
+
+    from m1.config import load_team
+    from m1.team.cpp import make_team
+
+    api_key = None
+    if api_key_env:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise ValueError(f"--api-key-env {api_key_env}: that variable is not set or empty")
+    cfg = load_team(team_name, overrides or [])
+    app = create_app(make_team(cfg), limits, api_key)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(limits.timeout_s) + 5)
+
+
+def serve_command(
+    team: str = typer_option("tiny", "--team", "-t", help="Team config: a YAML path or a name in configs/team/."),
+    host: str = typer_option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer_option(8000, "--port", min=0, max=65535, help="Port to listen on."),
+    allowed_media_root: list[Path] = typer_option(None, "--allowed-media-root",
+                                                  help="A folder whose videos file:// URLs may name (repeat)."),
+    api_key_env: str = typer_option(None, "--api-key-env", help="NAME of the variable holding the key clients "
+                                    "must send (Authorization: Bearer KEY); default: no key."),
+    max_queue: int = typer_option(64, "--max-queue", min=1, help="Requests waiting or running before 429."),
+    timeout: float = typer_option(300.0, "--timeout", min=1.0, help="Seconds a request may take before 504."),
+    max_body_mb: float = typer_option(64.0, "--max-body-mb", min=0.001, help="Largest request body (413 above)."),
+    max_text_kb: float = typer_option(1024.0, "--max-text-kb", min=0.001,
+                                      help="Longest question text with its options, in units of 1,024 "
+                                      "characters (413 above; checked before any model tokenizes it)."),
+    gather_ms: float = typer_option(50.0, "--gather-ms", min=0.0,
+                                    help="How long the first request of a batch waits for others to join it."),
+    overrides: list[str] = typer_option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
+) -> None:
+    """Serve a team on an OpenAI-compatible chat endpoint (POST /v1/chat/completions, GET /v1/models).
+
+    Requests that arrive together run as one batch through the team. SIGTERM/SIGINT finish the requests in
+    flight and refuse new ones. See docs/serving.md."""
+    from m1.config import ConfigError
+    from m1.errors import fail
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        fail(f"m1 serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'")
+    roots = []
+    for r in allowed_media_root or []:
+        if not Path(r).is_dir():
+            fail(f"--allowed-media-root {r}: not a folder")
+        roots.append(Path(r).resolve())
+    limits = Limits(allowed_roots=roots, max_body_bytes=int(max_body_mb * (1 << 20)), max_queue=max_queue,
+                    timeout_s=timeout, gather_s=gather_ms / 1000, max_text_chars=int(max_text_kb * 1024))
+    try:
+        serve(team, host, port, limits, api_key_env, overrides)
+    except (ConfigError, ValueError) as exc:
+        fail(str(exc))
