@@ -8,15 +8,16 @@ only when the strict format matched and nothing had to be corrected.
 """
 from __future__ import annotations
 
-import difflib
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from m1.agents.reading import (
+    CLOSED_TASKS, closest_name, guarded, lenient_value, normalize_number, normalize_option, strict_value,
+)
 from m1.registry import BROWSE_TOOLS, SELECT_TOOLS
 from m1.schema import LETTERS, Decision, Plan, Question
-from m1.text import STRICT_SPAN, clean_reply, format_number, format_span, format_time, parse_span, parse_timestamp
+from m1.text import clean_reply, format_span, format_time, parse_span, parse_timestamp
 
 ALL_TOOLS: tuple[str, ...] = tuple(SELECT_TOOLS) + tuple(BROWSE_TOOLS)
 DEFAULT_SELECT = "Global Sampling"
@@ -28,8 +29,7 @@ _MAX_TOOL_PIECES = 40  # a plan holds at most 5 tools; longer lists are noise
 __all__ = [
     "ALL_TOOLS", "MAX_PLAN_TOOLS", "PlanParse", "DecisionParse", "AnswerParse",
     "parse_plan", "parse_decision", "parse_answer", "parse_summary", "canonical_tool", "tool_group",
-    "normalize_option", "normalize_number",
-]  # times and spans: m1/text.py
+]  # times and spans: m1/text.py; numbers, options and answer values: m1/agents/reading.py
 
 
 # ----------------------------------------------------------------------------- results
@@ -166,7 +166,8 @@ def canonical_tool(name: object, enabled_tools: Sequence[str] | None = None) -> 
 
     Ignores case, spacing, punctuation, angle brackets, a trailing "tool" and parenthesised
     remarks; knows a few aliases (the paper's "Uniform Sampling"); then allows near-misses
-    (difflib ratio >= 0.8, one unique best) and a unique prefix ("Rough Browser for 16 frames").
+    (difflib ratio >= 0.8, one unique best: m1/agents/reading.py) and a unique prefix
+    ("Rough Browser for 16 frames").
     """
     if not isinstance(name, str):
         return None
@@ -182,16 +183,9 @@ def canonical_tool(name: object, enabled_tools: Sequence[str] | None = None) -> 
         if k.startswith(stop) and len(k) > len(stop) + 3:
             variants.add(k[len(stop):])
     table = {t: _keys_for(t) for t in cands if isinstance(t, str)}
-    for t, keys in table.items():
-        if variants & keys:
-            return t
-    best: list[tuple[float, str]] = []
-    for t, keys in table.items():
-        score = max(difflib.SequenceMatcher(None, v, key).ratio() for v in variants for key in keys)
-        best.append((score, t))
-    best.sort(reverse=True)
-    if best and best[0][0] >= 0.8 and (len(best) == 1 or best[1][0] < best[0][0]):
-        return best[0][1]
+    close = closest_name(variants, table, cutoff=0.8, unique=True)
+    if close is not None:
+        return close
     prefixed = {t for t, keys in table.items() for key in keys if len(key) >= 8 and k.startswith(key)}
     if len(prefixed) == 1:
         return prefixed.pop()
@@ -304,11 +298,8 @@ def parse_plan(text: str, enabled_tools: Sequence[str] | None = None,
 
     `question` (optional) supplies the fallback key info when none can be read."""
     enabled = _enabled(enabled_tools)
-    try:
-        return _parse_plan(clean_reply(text), enabled, question)
-    except Exception as exc:  # recorded, not swallowed: the error names the bug
-        return PlanParse(_fallback_plan(enabled, question), ok=False, lenient=False,
-                         error=f"internal parser error: {type(exc).__name__}: {exc}")
+    return guarded(lambda: _parse_plan(clean_reply(text), enabled, question),
+                   lambda err: PlanParse(_fallback_plan(enabled, question), ok=False, lenient=False, error=err))
 
 
 def _parse_plan(raw: str, enabled: list[str], question: Question | str | None) -> PlanParse:
@@ -358,11 +349,8 @@ def parse_decision(text: str, enabled_tools: Sequence[str] | None = None) -> Dec
 
     Fallback is `continue`: an unreadable reply leaves the plan as it was."""
     enabled = _enabled(enabled_tools)
-    try:
-        return _parse_decision(clean_reply(text), enabled)
-    except Exception as exc:  # recorded, not swallowed
-        return DecisionParse(Decision(action="continue"), ok=False, lenient=False,
-                             error=f"internal parser error: {type(exc).__name__}: {exc}")
+    return guarded(lambda: _parse_decision(clean_reply(text), enabled),
+                   lambda err: DecisionParse(Decision(action="continue"), ok=False, lenient=False, error=err))
 
 
 def _parse_decision(raw: str, enabled: list[str]) -> DecisionParse:
@@ -406,77 +394,7 @@ def _parse_decision(raw: str, enabled: list[str]) -> DecisionParse:
                          error="no continue() or add tool found; fallback continue")
 
 
-# ----------------------------------------------------------------------------- numbers, times
-_WORD_NUMBERS = {w: i for i, w in enumerate(
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-    "fifteen sixteen seventeen eighteen nineteen twenty".split())}
-_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d{1,15})(?:\.\d{1,9})?(?!\d)")
-_WORD_NUMBER = re.compile(r"\b(" + "|".join(_WORD_NUMBERS) + r")\b", re.IGNORECASE)
-_STRICT_NUMBER = re.compile(r"[-+]?\d{1,15}(?:\.\d{1,9})?")
-
-
-def normalize_number(s: str) -> str | None:
-    """The first number in `s` as a canonical string ('3', '2.5'); number words up to twenty."""
-    m = _NUMBER.search(s)
-    if m:
-        x = float(m.group(0).replace(",", ""))
-        return format_number(x) if math.isfinite(x) else None
-    m = _WORD_NUMBER.search(s)
-    return str(_WORD_NUMBERS[m.group(1).lower()]) if m else None
-
-
-# ----------------------------------------------------------------------------- options
-def _norm_text(s: str) -> str:
-    s = re.sub(r"^\s*[A-Z]\s*[.:)]\s+", "", s)
-    return " ".join(re.findall(r"[a-z0-9]+", s.lower()))
-
-
-def normalize_option(raw: str, options: Sequence[str]) -> tuple[str | None, bool, str | None]:
-    """(letter, exact, error) for an MCQ reply: 'B' is exact; '(B)', 'B.', 'Option B', 'b'
-    and the option's own text are read leniently; a letter past the options is invalid.
-    With no options every letter A-Z counts as valid."""
-    valid = LETTERS[:len(options)] if options else LETTERS
-    s = raw.strip().strip("*`'\" ").strip()
-    s = s.splitlines()[0].strip() if s else ""
-    if re.fullmatch(r"[A-Z]", s):
-        return (s, True, None) if s in valid else (None, False, f"option {s} is not one of {valid[0]}-{valid[-1]}")
-    letter = None
-    kw = r"(?:(?i:the)\s+)?(?:(?i:correct|final|best)\s+)?(?i:answer|option|choice)\s*(?:(?i:is)\s*)?[:\-]?\s*"
-    for pat in (r"[\(\[]\s*([A-Za-z])\s*[\)\]](?:\W.*)?",  # (B) or (B) text
-                r"([A-Za-z])\s*[.:)\]](?:\s.*)?",  # B. / B: / B) text
-                r"([A-Za-z])",  # b
-                kw + r"[\(\[]?\s*([A-Z])\s*[\)\]]?(?:[\s.,;:].*)?",  # Option B / answer is B
-                kw + r"[\(\[]?([a-z])(?:[.):\]].*)?"):  # option b. / answer (b)
-        m = re.fullmatch(pat, s, re.DOTALL)
-        if m:
-            letter = m.group(1).upper()
-            break
-    if letter is not None:
-        if letter in valid:
-            return letter, False, None
-        err = f"option {letter} is not one of {valid[0]}-{valid[-1]}"
-    else:
-        err = None
-    if options:
-        ns = _norm_text(s)
-        normed = [_norm_text(o) for o in options]
-        for i, no in enumerate(normed):
-            if no and ns == no:
-                return LETTERS[i], False, None
-        hits = [(len(no), i) for i, no in enumerate(normed) if len(no) >= 2 and f" {no} " in f" {ns} "]
-        if hits:
-            hits.sort(reverse=True)
-            top = normed[hits[0][1]]
-            # one option named, or several where the shorter ones are only parts of the longest
-            if all(normed[i] != top and f" {normed[i]} " in f" {top} " for _, i in hits[1:]):
-                return LETTERS[hits[0][1]], False, None
-            err = err or "reply names more than one option"
-    m = re.match(r"([A-Z])\s+\S", s)  # "B red ball": an uppercase letter opening the reply
-    if letter is None and m and m.group(1) in valid:
-        return m.group(1), False, None
-    return None, False, err or f"no option letter in {s[:40]!r}"
-
-
+# ----------------------------------------------------------------------------- options in prose
 _ANSWER_PHRASE = re.compile(
     r"(?:answer|option|choice)\s*(?:is|would be|should be|:|=)\s*[:\-]?\s*(.{1,80})", re.IGNORECASE)
 _PAREN_LETTER = re.compile(r"\(([A-Z])\)")
@@ -499,60 +417,27 @@ def _letter_in_free_text(text: str, options: Sequence[str]) -> tuple[str | None,
 # ----------------------------------------------------------------------------- answers
 def parse_answer(text: str, question: Question) -> AnswerParse:
     """Read `##Answer: ... ##Reason: ...` (grounding: `##Timestamp: [s - e]` + `##Reason:`)."""
-    return _guarded(text, question, summary=False)
+    return _read_answer(text, question, summary=False)
 
 
 def parse_summary(text: str, question: Question) -> AnswerParse:
     """Read `##Final Answer: ... ##Reason Summary: ...` with the same answer normalisation."""
-    return _guarded(text, question, summary=True)
+    return _read_answer(text, question, summary=True)
 
 
-def _guarded(text: str, question: Question, summary: bool) -> AnswerParse:
-    try:
-        return _parse_answer(clean_reply(text), question, summary)
-    except Exception as exc:  # recorded, not swallowed
-        return AnswerParse("", "", None, ok=False, lenient=False,
-                           error=f"internal parser error: {type(exc).__name__}: {exc}")
+def _read_answer(text: str, question: Question, summary: bool) -> AnswerParse:
+    return guarded(lambda: _parse_answer(clean_reply(text), question, summary),
+                   lambda err: AnswerParse("", "", None, ok=False, lenient=False, error=err))
 
 
 def _strict_value(value: str, question: Question) -> tuple[str, tuple[float, float] | None] | None:
-    """The answer if `value` is exactly in the canonical form for the task, else None."""
-    task = question.task
-    if task == "mcq":
-        valid = LETTERS[:len(question.options)] if question.options else LETTERS
-        return (value, None) if re.fullmatch(r"[A-Z]", value) and value in valid else None
-    if task == "numeric":
-        if _STRICT_NUMBER.fullmatch(value):
-            x = float(value)
-            return (format_number(x), None) if math.isfinite(x) else None
-        return None
-    if task == "grounding":
-        m = STRICT_SPAN.fullmatch(value)
-        if not m:
-            return None
-        s, e = float(m.group(1)), float(m.group(2))
-        return (format_span((s, e)), (s, e)) if s <= e else None
-    if not question.options and _BARE_LETTER.fullmatch(value.strip()):
+    """The answer if `value` is exactly in the canonical form for the task (m1/agents/reading.py), else None."""
+    if question.task not in CLOSED_TASKS and not question.options and _BARE_LETTER.fullmatch(value.strip()):
         return None  # an option letter for a question without options: the answer kept, the format failed
-    return (_squash(value), None) if value.strip() else None
+    return strict_value(value, question, _squash)
 
 
 _BARE_LETTER = re.compile(r"[A-Z][.)]?")
-
-
-def _lenient_value(value: str, question: Question) -> tuple[str | None, tuple[float, float] | None, str | None]:
-    task = question.task
-    if task == "mcq":
-        letter, _, err = normalize_option(value, question.options)
-        return letter, None, err
-    if task == "numeric":
-        num = normalize_number(value)
-        return num, None, None if num else f"no number in {value[:40]!r}"
-    if task == "grounding":
-        span = parse_span(value)
-        return (format_span(span), span, None) if span else (None, None, f"no [s - e] span in {value[:40]!r}")
-    v = _squash(value)
-    return (v or None), None, None if v else "empty answer"
 
 
 def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
@@ -594,11 +479,11 @@ def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
         ts = _first(secs, "timestamp")
         for cand in (ts, ans, raw):
             if cand:
-                value, span, err = _lenient_value(cand, question)
+                value, span, err = lenient_value(cand, question, _squash)
                 if value:
                     break
     elif ans is not None:
-        value, span, err = _lenient_value(ans, question)
+        value, span, err = lenient_value(ans, question, _squash)
         if value is None and task == "mcq":
             value, free_err = _letter_in_free_text(ans, question.options)
             err = err or free_err if value is None else None

@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from m1.agents.parsers import (
-    MAX_PLAN_TOOLS, format_span, format_time, normalize_number, normalize_option, parse_span,
-)
+from m1.agents.parsers import MAX_PLAN_TOOLS, format_span, format_time, parse_span
+from m1.agents.reading import normalize_number, normalize_option
 from m1.registry import BROWSE_TOOLS, SELECT_TOOLS
 from m1.schema import LETTERS, Question
 

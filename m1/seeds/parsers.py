@@ -9,16 +9,15 @@ would use. A reply that cannot be read gives no call and no answer, with `error`
 from __future__ import annotations
 
 import ast
-import difflib
 import json
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from m1.agents.parsers import normalize_number, normalize_option
-from m1.schema import LETTERS, Question
-from m1.text import STRICT_SPAN, format_number, format_span, parse_span
+from m1.agents.reading import closest_name, guarded, read_value
+from m1.schema import Question
+from m1.text import format_number, parse_span
 
 MAX_REPLY = 20_000  # characters read of one reply; the rest is noise for any real format
 MAX_CALLS = 8  # SAGE tool calls taken from one reply
@@ -107,7 +106,8 @@ def loads_lenient(s: str) -> tuple[object | None, bool, str | None]:
 
 
 def canonical_name(name: object, tools: Sequence[str]) -> str | None:
-    """A tool name as the kind spells it: exact, or after case/space/dash folding, or a close spelling."""
+    """A tool name as the kind spells it: exact, or after case/space/dash folding, or a close spelling (difflib
+    ratio >= 0.75, the greatest spelling on a tie: m1/agents/reading.py)."""
     if not isinstance(name, str) or not name.strip() or not tools:
         return None
     if name in tools:
@@ -116,12 +116,8 @@ def canonical_name(name: object, tools: Sequence[str]) -> str | None:
     def fold(x: str) -> str:
         return re.sub(r"[^a-z]", "", x.lower())
 
-    folded = {fold(t): t for t in tools}
-    key = fold(name)
-    if key in folded:
-        return folded[key]
-    close = difflib.get_close_matches(key, list(folded), n=1, cutoff=0.75)
-    return folded[close[0]] if close else None
+    spellings = {t: [k] for k, t in {fold(t): t for t in tools}.items()}  # one tool a folded key; the last wins
+    return closest_name(fold(name), spellings, cutoff=0.75, unique=False)
 
 
 _BOXED = re.compile(r"\\boxed\{(.*)\}", re.DOTALL)
@@ -142,29 +138,15 @@ def answer_value(raw: object, question: Question) -> tuple[str | None, bool, str
         return None, False, f"answer of type {type(raw).__name__}"
     value = raw.strip()
     boxed = _BOXED.search(value)
-    exact = boxed is None
     if boxed:
         value = boxed.group(1).strip()
-    task = question.task
-    if task == "mcq":
-        valid = LETTERS[:len(question.options)] if question.options else LETTERS
-        if re.fullmatch(r"[A-Z]", value) and value in valid:
-            return value, exact, None
-        letter, _, err = normalize_option(value, question.options)
-        return letter, False, None if letter else err
-    if task == "numeric":
-        if re.fullmatch(r"[-+]?\d{1,15}(?:\.\d{1,9})?", value):
-            return format_number(float(value)), exact, None
-        num = normalize_number(value)
-        return num, False, None if num else f"no number in {value[:40]!r}"
-    if task == "grounding":
-        m = STRICT_SPAN.fullmatch(value)
-        if m and float(m.group(1)) <= float(m.group(2)):
-            return format_span((float(m.group(1)), float(m.group(2)))), exact, None
-        span = parse_span(value)
-        return (format_span(span), False, None) if span else (None, False, f"no [s - e] span in {value[:40]!r}")
-    text = " ".join(value.split())[:2000]
-    return (text, exact, None) if text else (None, False, "empty answer")
+    answer, _, strict, err = read_value(value, question, _one_line)
+    return answer, strict and boxed is None, err
+
+
+def _one_line(text: str) -> str:
+    """Free text as one bounded line: the seed kinds' tidying of an open answer."""
+    return " ".join(text.split())[:2000]
 
 
 def _answer_from_prose(text: str, question: Question) -> tuple[str | None, str | None]:
@@ -192,10 +174,7 @@ def _bounded(text: object) -> str:
 
 
 def _guard(fn, text: str, *args) -> SeedReply:
-    try:
-        return fn(_bounded(text), *args)
-    except Exception as exc:  # recorded, not swallowed
-        return SeedReply(error=f"internal parser error: {type(exc).__name__}: {exc}")
+    return guarded(lambda: fn(_bounded(text), *args), lambda err: SeedReply(error=err))
 
 
 def _finish(reply: SeedReply, errors: list[str]) -> SeedReply:
