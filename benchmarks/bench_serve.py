@@ -30,7 +30,7 @@ TINY_CLIP = ("models.clip={kind: clip, backend: open_clip, device: cpu, "
 
 def world(n: int):
     """The first n questions of a cached M1-Synth world (up to 4 per 40-second video)."""
-    from m1.run import read_questions
+    from m1.data.questions import read_questions
     from m1.synth.make import make_dataset
 
     videos = n // 4 + 4  # a video may get fewer than 4 questions; the spare videos make up for it

@@ -43,7 +43,8 @@ def _run_guarded(run, out: Path, debug: bool = False):
     from m1.locks import LockError
     from m1.models.base import ModelError
     from m1.files import WriteError
-    from m1.run import InputError, Stopped
+    from m1.data.questions import InputError
+    from m1.signals import Stopped
 
     try:
         return run()
@@ -96,7 +97,9 @@ def infer(
     One run at a time writes OUT (a second is refused, naming the first). SIGINT/SIGTERM stop after the
     line being written, with status 130/143; rerunning the same command continues."""
     from m1.config import ConfigError, load_team
-    from m1.run import InputError, build_questions, parse_shard, run_questions
+    from m1.data.questions import InputError, build_questions
+    from m1.results import parse_shard
+    from m1.run import run_questions
 
     try:
         cfg = load_team(team, overrides or [])
@@ -142,7 +145,9 @@ def eval_(
     from m1.config import ConfigError, load_team
     from m1.data.loaders import INVALID, load_benchmark
     from m1.data.metrics import format_table, score_benchmark
-    from m1.run import InputError, ResultsFile, parse_shard, run_questions
+    from m1.data.questions import InputError
+    from m1.results import ResultsFile, parse_shard
+    from m1.run import run_questions
 
     try:
         cfg = load_team(team, overrides or [])
@@ -197,7 +202,7 @@ def merge(
 ) -> None:
     """Join the part files of `--shard i/n` workers into OUT: every id once, in input order. Refused,
     naming parts and ids, when a part is missing, unfinished, still being written or disagrees."""
-    from m1.run import merge_parts
+    from m1.results import merge_parts
 
     typer.echo(_run_guarded(lambda: merge_parts(out, delete_parts=delete_parts), out).describe())
 
@@ -229,7 +234,8 @@ def _print_plan(kind: str, config: str, overrides: list[str], gpus: Optional[int
     """`--plan`: print where every model would go and its memory estimate; exit 2 when it does not fit or a model
     cannot be built. Reads config files, model shapes and each model's config and tokenizer/processor; no weights."""
     from m1.config import ConfigError
-    from m1.marl.cluster import PlanError, make_plan
+    from m1.marl.cluster import PlanError
+    from m1.marl.planner import make_plan
     from m1.marl.config import load_sft_config, load_train_config
 
     from m1.marl.preflight import check_run

@@ -7,7 +7,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from m1.config import load_team
-from m1.run import ResultsFile, check_team, read_questions, run_questions
+from m1.data.questions import read_questions
+from m1.results import ResultsFile, check_team
+from m1.run import run_questions
 
 
 def run_demo(out: Path, team: str, videos: int = 3, seed: int = 0, duration: float = 120.0,

@@ -1,7 +1,7 @@
 """Writing files whole: a results line, a trace, an index or a shard record is on disk complete or not at all.
 
 A full disk (or quota) mid-write must never leave half a line or half a page where a reader, or a resumed run,
-would find it: lines are appended with one unbuffered write and cut back on failure (m1/run.py), whole files go
+would find it: lines are appended with one unbuffered write and cut back on failure (m1/results.py), whole files go
 through a temporary file renamed over the target. Every such write opens its file through `open_for_write`, the
 one place tests put a full disk.
 """

@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from m1.results import result_row
 from m1.schema import LETTERS, AgentRecord, Episode
 
 THUMB_WIDTH = 96  # px; small enough that a page of 4 agents x 4 turns stays a few hundred KB
@@ -511,42 +512,6 @@ def _content(content) -> str:
 
 
 # ------------------------------------------------------------------ the run's index
-
-
-def _plan_of(ep: Episode, agent: str) -> dict:
-    """The tools the agent planned first and whether that plan was written in the strict format (what the report's
-    plan-choice tables count); empty for agents without a plan (single-agent kinds)."""
-    rec = ep.memory.get(agent)
-    gen = next((g for g in ep.generations if g.agent == agent and g.phase == "plan"), None)
-    if rec is None or gen is None:
-        return {}
-    return {"plan": list(rec.plan), "plan_ok": gen.parse_ok}
-
-
-def result_row(ep: Episode) -> dict:
-    from m1.data.metrics import is_correct
-
-    t = ep.timings
-    per_q = t.get("batch_wall", 0.0) / max(1.0, t.get("batch_size", 1.0))
-    row = {
-        "id": ep.id, "video": ep.question.video, "question": ep.question.text, "task": ep.question.task,
-        "answer": ep.final_answer, "reason": ep.final_reason, "aggregation": ep.aggregation,
-        "agents": {a.agent: {"answer": a.answer, "reason": a.reason, "parse_ok": a.parse_ok,
-                             **_plan_of(ep, a.agent)} for a in ep.answers},
-        "frames_used": ep.frames_used, "seconds": round(per_q, 3),
-        "latency": {k: round(v, 4) for k, v in t.items() if k in ("llm", "vision", "tools", "decode", "open_video")},
-        "error": ep.error,
-    }
-    if ep.frame_counts:  # seed kinds: frames the policy saw / tools read, turns, tool calls
-        row["frame_counts"] = dict(ep.frame_counts)
-    trimmed = [g for g in ep.generations if g.trimmed]
-    if trimmed:  # prompts whose peers' notes were trimmed to fit limits.max_prompt_tokens (m1/team/budget.py)
-        row["prompts_trimmed"] = {"prompts": len(trimmed), "of": len(ep.generations),
-                                  "entries_left_out": sum(g.trimmed for g in trimmed)}
-    if ep.question.answer is not None:
-        row["truth"] = ep.question.answer
-        row["correct"] = is_correct(ep.question, ep.final_answer)
-    return row
 
 
 def index_row(ep: Episode, href: str) -> dict:

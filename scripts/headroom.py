@@ -30,7 +30,8 @@ from m1.config import load_team  # noqa: E402
 from m1.data.metrics import is_correct  # noqa: E402
 from m1.models.base import SamplingParams  # noqa: E402
 from m1.models.hub import ModelHub  # noqa: E402
-from m1.run import read_questions, run_questions  # noqa: E402
+from m1.data.questions import read_questions  # noqa: E402
+from m1.run import run_questions  # noqa: E402
 from m1.synth.make import make_dataset  # noqa: E402
 from m1.tools import BROWSE_TOOLS, SELECT_TOOLS, browse  # noqa: E402
 from m1.tools.base import ToolContext, ToolError  # noqa: E402

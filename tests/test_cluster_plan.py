@@ -1,10 +1,14 @@
-"""The placement plan (m1/marl/cluster.py): shapes, the memory model, GPU assignment, refusals and `--plan`."""
+"""The placement plan (m1/marl/planner.py, placement_plan.py, memory_model.py):
+shapes, the memory model, GPU assignment, refusals and `--plan`."""
 from __future__ import annotations
 
 import pytest
 
 from m1.config import ConfigError
-from m1.marl.cluster import GiB, GpuSlot, PlanError, learner_memory, make_plan, node_sizes
+from m1.marl.cluster import PlanError
+from m1.marl.memory_model import GiB, learner_memory
+from m1.marl.placement_plan import GpuSlot
+from m1.marl.planner import make_plan, node_sizes
 from m1.marl.config import load_sft_config, load_train_config
 from m1.models.shapes import TEXT_SHAPES
 
@@ -199,7 +203,7 @@ def test_cpu_configs_plan_trivially_and_keep_their_dumps():
         cfg = load_train_config(name)
         plan = make_plan(cfg, gpus=0)
         assert plan.fits and plan.units == [] and plan.gpus_needed == 0
-        dump = cfg.model_dump(mode="json")
+        dump = cfg.recorded()
         assert "cluster" not in dump and "gpus" not in dump["learner"]  # unset: recorded run settings unchanged
     assert make_plan(load_sft_config("mini"), gpus=0).fits
 

@@ -40,7 +40,7 @@ def test_split_is_by_whole_video_seeded_and_follows_question_fractions(world, tm
     assert record["skipped"] == 1 and record["files"]["sft"]["questions"] == len(sft)
     assert "bad" in (out / "skipped.txt").read_text() and "skipped 1 records" in res.output
     # the files read back as M1 questions with the videos folder, answers and families kept
-    from m1.run import read_questions
+    from m1.data.questions import read_questions
 
     qs, issues = read_questions(out / "sft.jsonl", world)
     assert not issues and all(q.answer is not None and q.meta.get("family") for q in qs)

@@ -12,22 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_video
 from test_trainer import make_trainer, team_dict, train_cfg
 from m1.config import ModelSpec
 from m1.marl import checkpoint as ckpt
-from m1.marl.cluster import GiB, checkpoint_bytes, make_plan, plan_summary, rollout_batch
+from m1.marl.memory_model import GiB, checkpoint_bytes
+from m1.marl.placement_plan import plan_summary
+from m1.marl.planner import make_plan, rollout_batch
 from m1.marl.config import GRPOSettings, LearnerConfig, load_train_config
 from m1.marl.rollout import Sample
 from m1.models.shapes import shape_from_config
 
 TINY = {"kind": "chat", "device": "cpu",
         "tiny": {"arch": "qwen2", "hidden_size": 128, "layers": 2, "heads": 4, "kv_heads": 2, "seed": 1}}
-
-
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
 
 
 def _samples(n=4, seed=0):
@@ -56,6 +52,7 @@ def _folder_bytes(folder: Path) -> int:
     dict(finetune="lora", precision="fp32", lora={"r": 64}),
     dict(finetune="lora", precision="bf16", deepspeed="zero2", lora={"r": 64}),
 ], ids=["full-zero2-bf16", "full-torch-fp32", "lora-torch", "lora-zero2-bf16"])
+@pytest.mark.slow
 def test_checkpoint_estimate_is_what_a_learner_writes(kind, tmp_path, m1_cache):
     learner = _learner(**kind)
     learner.update(_samples(), lr=1e-3)  # Adam moments exist only after a step
@@ -80,6 +77,7 @@ def test_plan_checkpoint_per_agent_and_bytes_per_parameter():
 
 
 # ------------------------------------------------------------------------------------------------ resume reads
+@pytest.mark.slow
 def test_resume_reads_the_weights_once_and_only_its_own_zero_shard(tmp_path, m1_cache, monkeypatch):
     import safetensors.torch
     import torch
@@ -113,6 +111,7 @@ def test_resume_reads_the_weights_once_and_only_its_own_zero_shard(tmp_path, m1_
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.slow
 def test_trainer_resume_hashes_each_checkpoint_file_once(tmp_path, video, m1_cache, monkeypatch):
     cfg = train_cfg(tmp_path / "run", steps=1)
     make_trainer(cfg, video).train()
@@ -197,6 +196,7 @@ def test_vllm_rollouts_refuse_a_batch_number_and_plan_no_learner_batch():
     assert cfg.rollout.batch_episodes == "auto" and make_plan(cfg, gpus=24, gpu_mem_gb=80).rollout is None
 
 
+@pytest.mark.slow
 def test_trainer_runs_the_plans_rollout_batch(tmp_path, video, m1_cache, monkeypatch):
     """On the CPU the learners have no GPU memory to fit: auto runs the whole step (2 questions x 2 rollouts) at
     once; an explicit number is kept; the team's episodes come in chunks of that size."""

@@ -103,7 +103,7 @@ def test_teacher_team_answers_timestamp_questions_from_pixels(tmp_path, m1_cache
     """End to end on generated M1-Synth videos: the teacher team with synth vision."""
     from m1.config import load_team
     from m1.data.metrics import is_correct
-    from m1.run import read_questions
+    from m1.data.questions import read_questions
     from m1.synth.make import make_dataset
     from m1.team.cpp import Team
 

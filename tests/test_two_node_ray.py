@@ -6,18 +6,12 @@ import json
 
 import pytest
 
+from conftest import varied_reward
 from test_learner_groups import LEARNER, gpu_team
-from test_trainer import questions, varied_reward
+from test_trainer import questions
 from m1.marl.config import TrainConfig
 
 NODE = {"num_cpus": 1, "num_gpus": 1, "object_store_memory": 100 * 2**20}  # one rank per node, bundles of 1 CPU
-
-
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    from conftest import make_video
-
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
 
 
 @pytest.fixture
@@ -138,7 +132,8 @@ def test_two_node_ray_run_stops_naming_a_lost_node_and_resumes_with_the_same_los
 
 def test_two_node_ray_bundles_name_each_node_by_its_id():
     """Two Ray nodes of one machine share an address, so the plan's bundles select their node by Ray node id."""
-    from m1.marl.cluster import PlanError, make_plan
+    from m1.marl.cluster import PlanError
+    from m1.marl.planner import make_plan
 
     cfg = _config("/tmp/unused")
     plan = make_plan(cfg, nodes=[1, 1], gpu_mem_gb=80)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from m1.config import ConfigError, ModelSpec, TinySpec
-from m1.marl.cluster import (GiB, driver_vision_shape, make_plan, plan_summary, request_frames, vision_request_bytes,
-                             with_request_batches)
+from m1.marl.memory_model import GiB, driver_vision_shape, request_frames, vision_request_bytes
+from m1.marl.placement_plan import plan_summary, with_request_batches
+from m1.marl.planner import make_plan
 from m1.marl.config import load_train_config
 from m1.models.base import SamplingParams, VisionRequest
 from m1.models.shapes import VISION_SHAPES
@@ -73,7 +74,7 @@ def test_auto_without_a_plan_is_the_documented_default(m1_cache):
 
 
 def test_max_batch_requests_is_for_hf_and_eagle_vision_models_only():
-    assert ModelSpec(kind="vision", tiny=TinySpec(arch="qwen2_5_vl")).model_dump().get("max_batch_requests") is None
+    assert ModelSpec(kind="vision", tiny=TinySpec(arch="qwen2_5_vl")).recorded().get("max_batch_requests") is None
     with pytest.raises(ValueError, match="max_batch_requests` applies to vision models of backend hf or eagle"):
         ModelSpec(kind="vision", backend="openai", path="gpt-4o", max_batch_requests=8)
     with pytest.raises(ValueError, match="greater than 0"):

@@ -47,7 +47,7 @@ class CheckError(RuntimeError):
 def make_world(folder: Path, n: int, seed: int) -> list:
     """The first n mcq/open questions of an M1-Synth world made in `folder` (kept between runs with the same
     parameters, like `m1 demo`'s data)."""
-    from m1.run import read_questions
+    from m1.data.questions import read_questions
     from m1.synth.make import make_dataset
 
     videos = n // 3 + 2  # about 3.5 of every 4 synth questions are mcq or open

@@ -64,7 +64,8 @@ def run(
     from m1.experiment.runner import run_experiment
     from m1.files import WriteError
     from m1.locks import LockError
-    from m1.run import InputError, Stopped
+    from m1.data.questions import InputError
+    from m1.signals import Stopped
 
     def go() -> None:
         try:
@@ -89,7 +90,7 @@ def report(experiment: str = typer.Argument(..., help=_EXP_HELP),
     from m1.errors import fail
     from m1.experiment.report import write_report
     from m1.experiment.runner import ExperimentError
-    from m1.run import InputError
+    from m1.data.questions import InputError
 
     exp = _load(experiment, overrides)
     try:

@@ -5,7 +5,7 @@
 torch.distributed process group (NCCL on GPU, gloo on CPU) under DeepSpeed ZeRO-2. Every rank holds the whole
 weights (ZeRO-2 shards gradients and optimizer state, not weights), so every rank can also generate: the team's
 requests for an agent are split across its ranks. A step's samples are split across the ranks inside
-`AgentLearner.update`. With a placement plan (m1/marl/cluster.py), each rank runs in the placement-group bundle the
+`AgentLearner.update`. With a placement plan (m1/marl/planner.py), each rank runs in the placement-group bundle the
 plan gave it, so no part lands on a GPU another part holds.
 
 Both give: `chat_models()` (what the team generates with), `update(samples, lr, objective)`, `save(folder)`,
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from m1.config import ModelSpec
 from m1.models.base import with_seeds
-from m1.marl.cluster import with_request_batches
+from m1.marl.placement_plan import with_request_batches
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.distributed import DistributedError, _require_ray
 from m1.models.engine import free_port
@@ -324,7 +324,8 @@ class RayPlacement:
 def reserve_placement(cfg) -> RayPlacement | None:
     """Start Ray, plan the run (`cfg`: a TrainConfig or SFTConfig) on the GPUs the cluster reports, refuse a plan
     that does not fit, and reserve its GPUs. None on a cluster without GPUs (CPU runs place actors freely)."""
-    from m1.marl.cluster import cluster_gpus_from_ray, make_plan
+    from m1.marl.cluster import cluster_gpus_from_ray
+    from m1.marl.planner import make_plan
 
     ray_session(cfg.ray)
     info = cluster_gpus_from_ray(cfg.ray.address or "auto")

@@ -90,7 +90,7 @@ class QuestionStream:
 
 
 def load_questions(path: str | None, video_dir: str | None) -> list:
-    from m1.run import read_questions
+    from m1.data.questions import read_questions
 
     if not path:
         raise ValueError("data.questions: no questions file given")

@@ -20,7 +20,7 @@ def synth_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: f
     from any training or evaluation seed; the built-in corpus is appended for general coverage.
     """
     from m1.config import TeamConfig
-    from m1.run import read_questions
+    from m1.data.questions import read_questions
     from m1.synth.make import make_dataset
     from m1.team.cpp import Team
 
