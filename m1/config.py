@@ -20,8 +20,18 @@ class ConfigError(ValueError):
     pass
 
 
+# Recorded identities (a results file's team signature, cache keys) hold only the settings a config changes from
+# their defaults, so a new setting with a default leaves every record valid. Bump this when a default changes what a
+# team or run computes: every record made before then becomes stale at once.
+CONFIG_VERSION = 1
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    def recorded(self) -> dict[str, Any]:
+        """This config as identities record it: the fields that differ from their defaults, and CONFIG_VERSION."""
+        return {"config_version": CONFIG_VERSION, **self.model_dump(mode="json", exclude_defaults=True)}
 
 
 class TinySpec(Strict):
@@ -51,20 +61,18 @@ class ModelSpec(Strict):
     tiny: TinySpec | None = None  # build a tiny random model instead of loading `path`
     # a peft LoRA adapter folder applied on top of `path`/`tiny` (chat, hf or vllm): what `m1 train` with
     # `learner.finetune: lora` saves as <checkpoint>/agents/<agent>/adapter. hf merges it into the weights once
-    # at load; vllm serves it as a LoRA request. Left out of dumps when unset, so the signatures of teams and
-    # training stages recorded before the field existed still match
-    adapter: str | None = Field(None, exclude_if=lambda v: v is None)
+    # at load; vllm serves it as a LoRA request
+    adapter: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = None
     # run the model's own code from its hub folder (needed by e.g. nvidia/Eagle2.5-8B); off unless a config says so.
-    # Left out of dumps when off, like `adapter`
-    trust_remote_code: bool = Field(False, exclude_if=lambda v: v is False)
+    trust_remote_code: bool = False
     max_pixels: int | None = None  # vision: cap on pixels per frame given to the processor
     # hf / eagle vision: most requests in one `generate` call; a longer list is answered in batches of this many, in
     # order. auto: the placement plan's number (what fits the model's GPU after its weights) when the run has a plan
-    # that placed it, else DEFAULT_VISION_BATCH (m1/models/hf.py). Left out of dumps at auto
-    max_batch_requests: PositiveInt | Literal["auto"] = Field("auto", exclude_if=lambda v: v == "auto")
+    # that placed it, else DEFAULT_VISION_BATCH (m1/models/hf.py)
+    max_batch_requests: PositiveInt | Literal["auto"] = "auto"
     clip_name: str | None = None  # open_clip architecture, e.g. ViT-B-16
     pretrained: str | None = None  # open_clip pretrained tag or checkpoint path
     base_url: str | None = None  # openai
@@ -77,16 +85,16 @@ class ModelSpec(Strict):
     error_rate: float = Field(0.0, ge=0.0, le=1.0)  # synth teacher: share of deliberately poor plans
     # synth teacher: `uniform` draws every plan uniformly from the valid select x browse pairs (key info still from
     # the question): a teacher that answers well but plans at random, the weak-plan SFT start of docs/weak_plan.md
-    plans: Literal["rules", "uniform"] = Field("rules", exclude_if=lambda v: v == "rules")
+    plans: Literal["rules", "uniform"] = "rules"
     seed: int = 0  # synth teacher: seeds its error draws
     # openai vision: how a clip reaches the server. `frames`: one JPEG image_url part per frame, its time in a text
     # part (any server). `video_url`: the clip as one mp4 video_url part at its own frame rate, timing kept (vLLM,
     # SGLang). For video_url, `video_transport: data` inlines the mp4 as a base64 data URL; `file` writes it under
     # `video_root` (a folder the server reads, e.g. vLLM's --allowed-local-media-path) and sends a file:// URL, the
-    # file removed once the batch is answered. Left out of dumps at their defaults (old signatures still match)
-    video_input: Literal["frames", "video_url"] = Field("frames", exclude_if=lambda v: v == "frames")
-    video_transport: Literal["data", "file"] = Field("data", exclude_if=lambda v: v == "data")
-    video_root: str | None = Field(None, exclude_if=lambda v: v is None)
+    # file removed once the batch is answered
+    video_input: Literal["frames", "video_url"] = "frames"
+    video_transport: Literal["data", "file"] = "data"
+    video_root: str | None = None
 
     @model_validator(mode="after")
     def _source(self) -> ModelSpec:
@@ -137,9 +145,8 @@ class AgentSpec(Strict):
     model: str  # key in TeamConfig.models
     temperature: float | None = None  # overrides sampling.temperature for this agent
     # cpp: a policy agent of the CPP engine (m1/team/cpp.py). weaver | zoomer | sage: a seed system's single VLM
-    # policy in a multi-turn tool loop (m1/team/single.py, m1/seeds), a team of one. Left out of dumps when cpp,
-    # so the signatures of teams recorded before the field existed still match
-    kind: AgentKind = Field("cpp", exclude_if=lambda v: v == "cpp")
+    # policy in a multi-turn tool loop (m1/team/single.py, m1/seeds), a team of one
+    kind: AgentKind = "cpp"
 
 
 class ToolsConfig(Strict):
@@ -219,10 +226,9 @@ class LimitsConfig(Strict):
     frame_cache_mb: int = Field(4096, ge=16)  # decoded frames shared by all agents/episodes (LRU)
     # the prompt budget of every agent call, in the agent's own tokens (m1/team/budget.py): over it, the peers' notes
     # are trimmed oldest first; a prompt that still does not fit is an error, or with `over_budget: drop` ends that
-    # question's episode. None: no budget (training then uses learner.max_prompt_tokens). Both are left out of dumps
-    # at their defaults, so the signatures of teams recorded before they existed still match
-    max_prompt_tokens: int | None = Field(None, ge=1, exclude_if=lambda v: v is None)
-    over_budget: Literal["error", "drop"] = Field("error", exclude_if=lambda v: v == "error")
+    # question's episode. None: no budget (training then uses learner.max_prompt_tokens)
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    over_budget: Literal["error", "drop"] = "error"
 
 
 class SamplingConfig(Strict):
@@ -240,8 +246,8 @@ class TeamConfig(Strict):
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    # settings of a weaver / zoomer / sage agent's loop; left out of dumps when unset (old signatures still match)
-    seed_system: SeedSystemConfig | None = Field(None, exclude_if=lambda v: v is None)
+    # settings of a weaver / zoomer / sage agent's loop
+    seed_system: SeedSystemConfig | None = None
 
     @model_validator(mode="after")
     def _references(self) -> TeamConfig:

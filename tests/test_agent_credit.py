@@ -11,18 +11,13 @@ import random
 
 import pytest
 
-from conftest import make_video
 from fakes import FakeVision, scripted_reply
 from m1.config import TeamConfig
-from m1.marl.rollout import (advantages_for, build_samples, focus_agents, focus_only, run_rollouts,
+from m1.marl.grpo import multi_agent_advantages
+from m1.marl.rollout import (build_samples, focus_agents, focus_only, run_rollouts,
                              sample_topology, score, training_team_config)
 from m1.models.base import Completion
 from test_trainer import AGENTS, COMPARED, make_trainer, questions, team_dict, train_cfg
-
-
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
 
 
 class NoisyChat:
@@ -81,7 +76,7 @@ def credit(video, beta_salt, focus):
     dag = sample_topology(AGENTS, "complete", 1.0, 0.0, None)
     batch = run_rollouts(team, questions(video, 2), 6, dag, focus=focus)
     rewards = score(batch, AGENTS, team_reward)
-    adv = advantages_for(focus_only(rewards, focus) if focus else rewards, scale=True)
+    adv = multi_agent_advantages(focus_only(rewards, focus) if focus else rewards, scale=True)
     return batch, adv, build_samples(batch, adv, {a: 1.0 for a in AGENTS}), chats
 
 
@@ -141,13 +136,14 @@ def test_focus_agents_rotate_over_the_runs_questions():
 @pytest.fixture(scope="module")
 def agent_step(tmp_path_factory, video, m1_cache):
     """One training step with credit agent on the tiny models, with its rollouts and samples captured."""
+    import m1.marl.credit as credit_mod
     import m1.marl.trainer as trainer_mod
 
     seen = {}
-    real_run, real_build = trainer_mod.run_rollouts, trainer_mod.build_samples
+    real_run, real_build = trainer_mod.run_rollouts, credit_mod.build_samples
     mp = pytest.MonkeyPatch()
     mp.setattr(trainer_mod, "run_rollouts", lambda *a, **kw: seen.setdefault("batch", real_run(*a, **kw)))
-    mp.setattr(trainer_mod, "build_samples",
+    mp.setattr(credit_mod, "build_samples",
                lambda *a, **kw: seen.setdefault("samples", (a[1], real_build(*a, **kw)))[1])
     try:
         cfg = train_cfg(tmp_path_factory.mktemp("agent"), rollout={"credit": "agent", "num_generations": 3})
@@ -157,6 +153,7 @@ def agent_step(tmp_path_factory, video, m1_cache):
     return seen["batch"], seen["samples"][0], seen["samples"][1], row
 
 
+@pytest.mark.slow
 def test_teammates_are_greedy_within_a_focus_group(agent_step):
     """Within a focus group the teammate's generations repeat whenever its prompt does (greedy decoding); its plan,
     which sees only the question, is the same in all K episodes, while the focus agent's plans differ."""
@@ -176,6 +173,7 @@ def test_teammates_are_greedy_within_a_focus_group(agent_step):
         assert by_prompt and all(len(c) == 1 for c in by_prompt.values())
 
 
+@pytest.mark.slow
 def test_agent_credit_samples_belong_to_focus_agents_with_their_group(agent_step):
     """Samples exist only for each question's focus agent, carry that question's group id and its advantage; the
     agent gets no advantage in questions it was not the focus of."""
@@ -197,11 +195,12 @@ def test_agent_credit_samples_belong_to_focus_agents_with_their_group(agent_step
 
 
 def test_agent_credit_config_combinations():
-    with pytest.raises(ValueError, match="answer_samples"):
-        train_cfg("unused", rollout={"credit": "agent", "answer_samples": 2})
     assert train_cfg("unused").rollout.credit == "episode"  # the default is unchanged
+    cfg = train_cfg("unused", rollout={"credit": "agent"}, grpo={"baseline": "greedy", "scale_rewards": False})
+    assert (cfg.rollout.credit, cfg.grpo.baseline) == ("agent", "greedy")  # its baseline: the all-greedy run
 
 
+@pytest.mark.slow
 def test_agent_credit_training_moves_every_agent_and_resumes_exactly(tmp_path, video, m1_cache):
     """Two steps with credit agent move every parameter of both agents (each is the focus of one question per
     step); a run killed after step 1 and resumed repeats the uninterrupted run's metrics exactly."""

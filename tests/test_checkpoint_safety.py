@@ -21,20 +21,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from test_trainer import AGENTS, COMPARED, make_trainer, questions, train_cfg, varied_reward
+from conftest import varied_reward
+from test_trainer import AGENTS, COMPARED, make_trainer, questions, train_cfg
 from m1.cli import app
 from m1.marl.checkpoint import (LATEST, MANIFEST, CheckpointError, StoppedAtOnce, TrainingStopped, checkpoint_problem,
                                 resume_point, save_checkpoint, stop_on_signals)
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA = dict(finetune="lora", steps=4)  # LoRA dropout: a resume that lost the torch RNG would show in the losses
-
-
-@pytest.fixture(scope="module")
-def video(tmp_path_factory, m1_cache):
-    from conftest import make_video
-
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +137,7 @@ def test_checkpoints_from_before_manifests_load_with_a_warning(tmp_path, caplog)
     assert "written before checkpoints had manifests: its files cannot be verified" in caplog.text
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_names_the_file_and_previous_resumes_with_uninterrupted_losses(tmp_path, video,
                                                                                          reference, caplog):
     cfg = train_cfg(tmp_path / "run", **LORA, checkpoint={"every": 1, "keep_last": 3})
@@ -171,7 +166,7 @@ def test_damaged_checkpoint_names_the_file_and_previous_resumes_with_uninterrupt
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     # the switch is left out of the recorded config at its default, so earlier runs' records still match
-    assert "resume_from" not in cfg.model_dump(mode="json")["checkpoint"]
+    assert "resume_from" not in cfg.recorded().get("checkpoint", {})
     assert previous.model_dump(mode="json")["checkpoint"]["resume_from"] == "previous"
 
 
@@ -188,6 +183,7 @@ def killer(trainer_box, at_step, times=1, reward=varied_reward):
     return reward_fn
 
 
+@pytest.mark.slow
 def test_sigterm_during_step_3_checkpoints_it_and_the_rerun_repeats_the_losses(tmp_path, video, reference):
     before = signal.getsignal(signal.SIGTERM)
     cfg = train_cfg(tmp_path / "run", **LORA, checkpoint={"every": 2, "keep_last": 2})
@@ -212,6 +208,7 @@ def test_sigterm_during_step_3_checkpoints_it_and_the_rerun_repeats_the_losses(t
     assert ckpts(tmp_path / "run") == ["latest", "step-000002", "step-000004"]
 
 
+@pytest.mark.slow
 def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path, video):
     cfg = train_cfg(tmp_path / "run", **LORA, checkpoint={"every": 2, "keep_last": 2})
     box = [None, False]
@@ -263,6 +260,7 @@ def metric_rows(out):
     return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_m1_train_sigterm_exits_143_and_the_rerun_matches_an_uninterrupted_run(tmp_path, video, monkeypatch):
     from m1.marl.trainer import Trainer
 
@@ -289,6 +287,7 @@ def test_m1_train_sigterm_exits_143_and_the_rerun_matches_an_uninterrupted_run(t
     same_losses(metric_rows(tmp_path / "stopped"), metric_rows(tmp_path / "straight"))
 
 
+@pytest.mark.slow
 def test_sft_sigterm_checkpoints_the_step_and_the_rerun_repeats_the_losses(tmp_path, m1_cache, monkeypatch):
     from m1.marl.config import SFTConfig
     from m1.marl.sft import SFTExample, SFTTrainer, sft_main, write_examples
@@ -339,6 +338,7 @@ def test_sft_sigterm_checkpoints_the_step_and_the_rerun_repeats_the_losses(tmp_p
     assert ckpts(tmp_path / "stopped") == ["latest", "step-000003", "step-000004"]
 
 
+@pytest.mark.slow
 def test_sft_resume_checks_the_checkpoint_too(tmp_path, m1_cache):
     from m1.marl.config import SFTConfig
     from m1.marl.sft import SFTExample, SFTTrainer
@@ -392,6 +392,7 @@ def test_real_m1_train_process_stopped_by_sigterm_resumes_to_the_end(tmp_path, v
 
 
 # ------------------------------------------------------------------------------------------------ full disk
+@pytest.mark.slow
 def test_disk_full_on_a_checkpoint_leaves_no_torn_checkpoint_and_the_rerun_finishes(tmp_path, video, reference,
                                                                                    monkeypatch):
     import torch
@@ -447,6 +448,7 @@ def test_full_disk_reported_by_a_library_without_errno_is_still_disk_full(tmp_pa
 
 
 # ------------------------------------------------------------------------------------------------ errors, not tracebacks
+@pytest.mark.slow
 def test_cli_errors_are_one_line_unless_debug(tmp_path, video, monkeypatch):
     import torch
 

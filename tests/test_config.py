@@ -92,7 +92,7 @@ def test_model_path_relative_to_the_yaml(tmp_path, monkeypatch):
     assert cfg.models[chat].path == str(folder / "weights" / "agent")
     assert cfg.models[other].path == "Qwen/Qwen3-8B"
     assert cfg.models[other].adapter == str(tmp_path / "runs" / "marl" / "agents" / "b" / "adapter")
-    assert cfg.models[chat].adapter is None and "adapter" not in cfg.model_dump()["models"][chat]
+    assert cfg.models[chat].adapter is None and "adapter" not in cfg.recorded()["models"][chat]
 
 
 @pytest.mark.parametrize("spec", [{"kind": "vision", "path": "Qwen/Qwen2.5-VL-7B-Instruct"},
@@ -112,7 +112,7 @@ def test_remote_code_and_flash_attention_settings_reach_the_loader():
     team = load_team("videochat_m1")
     assert team.models["space"].trust_remote_code and not team.models["grounding"].trust_remote_code
     assert not team.models["qwen3_8b"].trust_remote_code
-    assert "trust_remote_code" not in team.models["qwen3_8b"].model_dump()  # off: left out of signatures
+    assert "trust_remote_code" not in team.models["qwen3_8b"].recorded()  # off: left out of signatures
     kw = _model_kwargs(team.models["space"], "cuda:0", local_only=True)
     assert kw["trust_remote_code"] is True and kw["device_map"] == {"": "cuda:0"}
     assert "device_map" not in _model_kwargs(team.models["space"], "cpu", local_only=True)

@@ -9,9 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from m1.marl import grpo
 from m1.marl.grpo import (
-    ADVANTAGE_FNS,
     LOSS_AGG,
     grpo_loss,
     group_advantages,
@@ -65,13 +63,15 @@ def test_advantages_nan_marks_missing_sample():
     assert not torch.isnan(adv).any()
 
 
-def test_advantages_unscaled_and_registry():
+def test_advantages_unscaled_and_the_baselines():
+    from m1.marl.credit import BASELINES
+
     r = torch.tensor([[1.0, 2.0, 6.0]])
     torch.testing.assert_close(group_advantages(r, scale=False), torch.tensor([[-2.0, -1.0, 3.0]]))
-    torch.testing.assert_close(ADVANTAGE_FNS["dr_grpo"](r), torch.tensor([[-2.0, -1.0, 3.0]]))
-    assert ADVANTAGE_FNS["grpo"] is group_advantages
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
-        grpo.get_advantage_fn("ppo")
+    torch.testing.assert_close(BASELINES["group"](False).advantages({"a": r}, None)["a"],
+                               torch.tensor([[-2.0, -1.0, 3.0]]))  # Dr. GRPO: the group mean, unscaled
+    greedy = BASELINES["greedy"](False).advantages({"a": [[1.0, 2.0, 6.0]]}, {"a": [[2.0]]})["a"]
+    torch.testing.assert_close(greedy, torch.tensor([[-1.0, 0.0, 4.0]]))  # rewards minus the greedy run's
 
 
 def test_advantages_rows_are_independent_and_match_torch_std_and_trl_nanstd():

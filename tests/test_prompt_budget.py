@@ -66,7 +66,7 @@ def test_prompt_budget_fit_trims_the_fewest_entries():
 
 
 def test_prompt_budget_trims_peers_notes_and_keeps_the_head(world):
-    from m1.trace import result_row
+    from m1.results import result_row
 
     _, _, qs = world
     limit = 1500  # the longest prompts of these episodes are ~2,500 tokens; own notes alone reach ~1,100
@@ -179,11 +179,16 @@ def test_prompt_budget_trainer_logs_the_share_of_trimmed_prompts():
     top = Topology(agents=["a"], active=["a"], edges=[])
     ok = Episode(id="q", question=q, topology=top, memory={}, generations=gens)
     dropped = Episode(id="q", question=q, topology=top, memory={}, error="dropped: agent 'a', phase plan ...")
-    batch = SimpleNamespace(flat=[ok, dropped], breakdowns=[])
-    me = SimpleNamespace(step=1, data=SimpleNamespace(epoch=0), lr_at=lambda s: 0.0)
     import torch
 
-    row = Trainer._metrics(me, batch, {"a": [[1.0, math.nan]]}, {"a": torch.zeros(1, 2)}, {}, top, [], {})
+    from m1.marl.credit import StepCredit
+    from m1.marl.team_kinds import CppKind
+
+    batch = SimpleNamespace(flat=[ok, dropped], breakdowns=[], rewards={"a": [[1.0, math.nan]]})
+    me = SimpleNamespace(step=1, data=SimpleNamespace(epoch=0), lr_at=lambda s: 0.0, kind=CppKind(), trained=["a"],
+                         team_cfg=SimpleNamespace(tools=SimpleNamespace(enabled=[])))
+    credit = StepCredit(batch, {"a": torch.zeros(1, 2)}, None, rounds=[])
+    row = Trainer._metrics(me, credit, {}, top, {})
     assert row["prompts/trimmed"] == 0.5 and row["prompts/dropped"] == 1
 
 

@@ -64,10 +64,11 @@ def test_bad_kind_configs_name_the_field(tmp_path, over, message):
 
 
 def test_cpp_configs_dump_as_before():
-    """`kind: cpp` and an unset seed_system stay out of dumps: results files of older runs still resume."""
-    dumped = load_team("synth_teacher").model_dump(mode="json")
+    """`kind: cpp` and an unset seed_system stay out of what a team's record holds (its defaults): results files of
+    CPP teams written before the seed kinds existed still resume."""
+    dumped = load_team("synth_teacher").recorded()
     assert "seed_system" not in dumped and all("kind" not in a for a in dumped["agents"])
-    assert load_team("weaver_synth").model_dump(mode="json")["agents"][0]["kind"] == "weaver"
+    assert load_team("weaver_synth").recorded()["agents"][0]["kind"] == "weaver"
 
 
 def test_every_shipped_seed_config_loads():
@@ -323,7 +324,7 @@ def rule_runs(world):
 @pytest.mark.parametrize("name", list(RULE_TEAMS))
 def test_rule_policies_answer_from_pixels(world, rule_runs, name):
     from m1.data.metrics import score_benchmark
-    from m1.trace import result_row
+    from m1.results import result_row
 
     qs = world[2]
     cfg, eps = rule_runs[name]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from conftest import make_synth_world
+from conftest import make_synth_world, varied_reward
 
 from m1.config import load_team
 from m1.marl.config import SFTConfig, TrainConfig, load_sft_config, load_train_config
@@ -84,7 +84,7 @@ def test_reward_kind_follows_the_team():
     assert reward_kind(RewardConfig(kind="zoomer"), weaver) == "zoomer"
     with pytest.raises(ValueError, match="rewards.kind: 'cpp' does not fit team 'weaver_synth'"):
         reward_kind(RewardConfig(kind="cpp"), weaver)
-    assert "kind" not in RewardConfig().model_dump(mode="json")  # CPP configs dump as before
+    assert "kind" not in RewardConfig().recorded()  # a default: CPP configs record as before
 
 
 def test_corrected_calls_count_reflection_trajectories():
@@ -131,11 +131,6 @@ def train_cfg(out, finetune="full", steps=1, **over):
     return TrainConfig.model_validate(data)
 
 
-def varied_reward(episodes):
-    """A reward that differs between rollouts (a random tiny policy earns the seed reward's 0 everywhere)."""
-    return [{"weaver": float(sum(sum(g.completion_ids) for g in e.generations) % 7)} for e in episodes]
-
-
 class ScriptedTokens:
     """A policy that replies from a script (a trim, then an answer) and reports the token ids a tiny model's
     tokenizer gives its prompt and reply: a multi-turn episode with a real tool observation, and real ids."""
@@ -166,7 +161,8 @@ def test_observations_are_context_never_targets(world, m1_cache):
     from m1.config import ModelSpec, TeamConfig
     from m1.marl.config import GRPOSettings, LearnerConfig
     from m1.marl.learner import AgentLearner
-    from m1.marl.rollout import advantages_for, build_samples, run_rollouts, score
+    from m1.marl.grpo import multi_agent_advantages
+    from m1.marl.rollout import build_samples, run_rollouts, score
     from m1.models.hub import ModelHub
     from m1.team.single import SingleAgentTeam
     from m1.team import topology as topo
@@ -180,7 +176,7 @@ def test_observations_are_context_never_targets(world, m1_cache):
     qs = [q for q in world[2] if q.task == "mcq"][:2]
     batch = run_rollouts(team, qs, 2, topo.complete(["weaver"]))
     rewards = score(batch, ["weaver"], lambda eps: seed_rewards(eps, "weaver"))
-    adv = advantages_for(rewards, scale=True)
+    adv = multi_agent_advantages(rewards, scale=True)
     samples = build_samples(batch, adv, {"weaver": 1.0})["weaver"]
     assert len(samples) == 2 * 2 * 2 and [s.phase for s in samples[:2]] == ["act", "answer"]
     tok = learner.tokenizer
@@ -209,20 +205,21 @@ def make_trainer(cfg, qs, reward_fn=None):
     return Trainer(cfg, questions=qs, reward_fn=reward_fn)
 
 
+@pytest.mark.slow
 def test_grpo_logs_the_seed_rewards_of_its_episodes(world, tmp_path, m1_cache, monkeypatch):
     """With the default reward (rewards.kind auto -> Weaver's), the logged rewards are the reward function on the
     step's episodes, and every policy turn becomes one sample whose target is that turn's reply."""
-    import m1.marl.trainer as trainer_mod
+    import m1.marl.credit as credit_mod
 
     seen = {}
-    build = trainer_mod.build_samples
+    build = credit_mod.build_samples
 
     def capture(batch, *args, **kw):
         seen["batch"] = batch
         seen["samples"] = build(batch, *args, **kw)
         return seen["samples"]
 
-    monkeypatch.setattr(trainer_mod, "build_samples", capture)
+    monkeypatch.setattr(credit_mod, "build_samples", capture)
     tr = make_trainer(train_cfg(tmp_path / "run"), world[2])
     row = tr.train()[0]
     eps = seen["batch"].flat
@@ -244,6 +241,7 @@ def test_grpo_logs_the_seed_rewards_of_its_episodes(world, tmp_path, m1_cache, m
     assert lines[0]["reward/total"] == pytest.approx(sum(want) / len(want))
 
 
+@pytest.mark.slow
 def test_grpo_step_moves_every_trainable_parameter(world, tmp_path, m1_cache):
     import torch
 
@@ -260,6 +258,7 @@ COMPARED = ["loss", "reward/mean", "epoch", "weaver/loss", "weaver/grad_norm", "
             "weaver/tokens", "weaver/clip_frac"]
 
 
+@pytest.mark.slow
 def test_killed_after_step_1_and_resumed_repeats_the_losses(world, tmp_path, m1_cache):
     """LoRA with dropout (the torch RNG matters) and beta > 0: 3 steps straight vs 1 + resume + 2."""
     kw = dict(finetune="lora", steps=3)
@@ -283,8 +282,9 @@ def test_seed_configs_refuse_what_does_not_apply(tmp_path):
     with pytest.raises(ValueError, match="rollout.train_phases: \\['plan'\\] are CPP phases"):
         train_cfg(tmp_path, rollout={"train_phases": ["plan"]})
     assert train_cfg(tmp_path, rollout={"train_phases": ["answer"]}).rollout.train_phases == ["answer"]
-    with pytest.raises(ValueError, match="rollout.answer_samples / rollout.credit"):
-        train_cfg(tmp_path, rollout={"credit": "phase"})
+    for credit in ("phase", "agent"):
+        with pytest.raises(ValueError, match=f"rollout.credit: '{credit}'.*use credit: episode"):
+            train_cfg(tmp_path, rollout={"credit": credit})
     vl = weaver_team()
     vl["models"]["policy"] = {"kind": "vision", "device": "cpu", "tiny": {"arch": "qwen2_5_vl", "seed": 5}}
     assert train_cfg(tmp_path, team=vl).team.models["policy"].kind == "vision"  # tests/test_seed_kinds_vlm_training.py
@@ -307,6 +307,7 @@ def test_shipped_weaver_configs_load():
     assert marl.rollout.train_phases == ["plan", "communicate", "answer", "summary"]  # default: every turn
 
 
+@pytest.mark.slow
 def test_m1_train_runs_the_shipped_weaver_config(world, tmp_path, m1_cache):
     """`m1 train --config weaver_synth` builds the team with make_team (no make_team error) and trains a step."""
     from m1.marl.launch import train_main
@@ -324,6 +325,7 @@ def test_m1_train_runs_the_shipped_weaver_config(world, tmp_path, m1_cache):
 
 
 # ----------------------------------------------------------------------------- SFT on the rule policy's turns
+@pytest.mark.slow
 def test_sft_on_the_rule_weavers_trajectories_lowers_the_loss(world, tmp_path, m1_cache):
     from m1.marl.sft import SFTTrainer, build_sft_data
     from m1.team.cpp import make_team

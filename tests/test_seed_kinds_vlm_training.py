@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_synth_world
+from conftest import make_synth_world, varied_reward
 
 from m1.marl.config import SFTConfig, TrainConfig
 from m1.marl.rewards import RewardConfig
@@ -30,18 +30,14 @@ def vl_team(max_turns=2, glance=2):
             "sampling": {"temperature": 1.0}, "limits": {"batch_episodes": 16}}
 
 
-def varied_reward(episodes):
-    """A reward that differs between rollouts (a random tiny policy earns the seed reward's 0 everywhere)."""
-    return [{"weaver": float(sum(sum(g.completion_ids) for g in e.generations) % 7)} for e in episodes]
-
-
 @pytest.fixture(scope="module")
 def rollout(world, m1_cache):
     """A full-weights VL learner generating a step's episodes itself (as in training), and their samples."""
     from m1.config import ModelSpec, TeamConfig
     from m1.marl.config import GRPOSettings, LearnerConfig
     from m1.marl.learner import AgentLearner
-    from m1.marl.rollout import advantages_for, build_samples, run_rollouts, score
+    from m1.marl.grpo import multi_agent_advantages
+    from m1.marl.rollout import build_samples, run_rollouts, score
     from m1.models.hub import ModelHub
     from m1.team import topology as topo
     from m1.team.single import SingleAgentTeam
@@ -56,7 +52,7 @@ def rollout(world, m1_cache):
     batch = run_rollouts(team, world[2][:2], 2, topo.complete(["weaver"]))
     assert all(e.error is None for e in batch.flat)
     rewards = score(batch, ["weaver"], varied_reward)
-    samples = build_samples(batch, advantages_for(rewards, scale=True), {"weaver": 1.0})["weaver"]
+    samples = build_samples(batch, multi_agent_advantages(rewards, scale=True), {"weaver": 1.0})["weaver"]
     return learner, batch, samples
 
 
@@ -143,6 +139,7 @@ def train_cfg(out, steps=2, **over):
     return TrainConfig.model_validate(data)
 
 
+@pytest.mark.slow
 def test_grpo_trains_a_vl_policy_on_its_frames(world, tmp_path, m1_cache):
     """Two GRPO steps (LoRA, beta > 0: the reference is the adapter-off model, fed the same images): every
     trainable parameter moves, and the learner's log-probs equal the sampler's (logp_gap ~ 0)."""
@@ -179,6 +176,7 @@ def test_configs_refuse_vision_policies_the_learner_cannot_train(tmp_path):
 
 
 # ----------------------------------------------------------------------------- SFT on the rule policy's turns
+@pytest.mark.slow
 def test_sft_of_a_vl_student_on_the_rule_weaver_lowers_the_loss(world, tmp_path, m1_cache):
     from m1.config import load_team
     from m1.marl.sft import SFTTrainer, build_sft_data, read_examples, write_examples

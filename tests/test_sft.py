@@ -4,12 +4,11 @@ import json
 import pytest
 import yaml
 
-from conftest import make_video
 from fakes import FakeChat, FakeVision, content, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import SFTConfig, load_sft_config
 from m1.marl.rewards import RewardConfig
-from m1.marl.sft import (SFTExample, build_sft_data, plan_unchanged, read_examples,
+from m1.marl.sft import (SFTExample, build_sft_data, plan_unchanged, read_examples, rotate_options,
                          select_examples, write_examples)
 from m1.schema import AgentAnswer, AgentRecord, Decision, Episode, Generation, Question, Turn
 from m1.team import topology as topo
@@ -80,11 +79,6 @@ def fake_teacher(answer_letter):
     return Team(cfg, hub=hub)
 
 
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
-
-
 def test_build_sft_data_from_a_teacher_team(tmp_path, video):
     qs = [q(i).model_copy(update={"video": video}) for i in range(3)]
     kept, stats = build_sft_data(fake_teacher("A"), qs, RewardConfig(), rollouts=2)
@@ -137,6 +131,7 @@ def sft_cfg(out, **over):
     return SFTConfig.model_validate(data)
 
 
+@pytest.mark.slow
 def test_sft_trains_on_completion_tokens_and_lowers_the_loss(tmp_path, m1_cache):
     from m1.marl.sft import SFTTrainer
 
@@ -159,6 +154,7 @@ def test_sft_trains_on_completion_tokens_and_lowers_the_loss(tmp_path, m1_cache)
     assert resumed.step == 6 and resumed.train() == []
 
 
+@pytest.mark.slow
 def test_sft_lora_same_name_assignment_moves_only_adapters(tmp_path, m1_cache):
     import torch
 
@@ -178,6 +174,7 @@ def test_sft_lora_same_name_assignment_moves_only_adapters(tmp_path, m1_cache):
     assert any(not torch.equal(params[n].detach(), p) for n, p in adapter.items() if "lora_B" in n)
 
 
+@pytest.mark.slow
 def test_sft_main_and_configs(tmp_path, m1_cache):
     from m1.marl.sft import sft_main
 
@@ -237,6 +234,7 @@ def test_uniform_teacher_plans_any_valid_pair_and_keeps_its_key_info():
     assert len(seen) == 16 and 2 <= same <= 30  # about 1 in 16 is the rules' own pair
 
 
+@pytest.mark.slow
 def test_sft_names_a_lost_ray_node_and_where_the_rerun_resumes(tmp_path, m1_cache, monkeypatch):
     """A learner node lost mid-SFT gives the same one-line error as GRPO does (node, ranks, resume step), not Ray's
     bare actor error; any other error passes through unchanged."""
@@ -268,3 +266,18 @@ def test_sft_names_a_lost_ray_node_and_where_the_rerun_resumes(tmp_path, m1_cach
                               "of 6; the run stopped. Start the node again (or give the run other GPUs) and rerun the "
                               "same command: it resumes from the checkpoint of step 3")
     assert isinstance(err.value.__cause__, ActorDied)
+
+
+def test_rotate_options_moves_the_truth_letter_with_the_options():
+    """data.rotate_options: rollout k of a teacher sees the options rotated by k places, the truth letter moved with
+    them (the synth browser follows: tests/test_synth.py)."""
+    q = Question(id="q", video="v.mp4", text="Where is the square?", options=["top", "left", "right", "bottom"],
+                 task="mcq", answer="B")
+    assert [(r.options, r.answer) for r in (rotate_options(q, k) for k in range(4))] == [
+        (["top", "left", "right", "bottom"], "B"), (["bottom", "top", "left", "right"], "C"),
+        (["right", "bottom", "top", "left"], "D"), (["left", "right", "bottom", "top"], "A")]
+    assert rotate_options(q.model_copy(update={"answer": "left"}), 1).answer == "C"  # truth given as option text
+    open_q = q.model_copy(update={"task": "open", "options": [], "answer": "red"})
+    assert rotate_options(open_q, 3) is open_q
+    with pytest.raises(ValueError, match="'purple' is not one of the option letters"):
+        rotate_options(q.model_copy(update={"answer": "purple"}), 1)

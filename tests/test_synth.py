@@ -280,8 +280,8 @@ def test_vision_reads_pixels(hand_script):
 
 
 def test_vision_names_the_letter_of_rotated_options(hand_script):
-    """MARL's rotate_options moves the options; the browser's answer letter moves with them."""
-    from m1.marl.rollout import rotate_options
+    """SFT's rotate_options moves the options; the browser's answer letter moves with them."""
+    from m1.marl.sft import rotate_options
 
     model = SynthVisionModel(None, "synth")
     q = next(q for q in make_questions(hand_script, "x", random.Random(0)) if "00:22" in q.text)

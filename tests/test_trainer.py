@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import make_video
+from conftest import varied_reward
 from fakes import FakeChat, FakeVision, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig, load_train_config
@@ -41,20 +41,9 @@ def team_dict(**limits):
     }
 
 
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
-
-
 def questions(video, n=3):
     return [Question(id=f"q{i}", video=video, text=f"What colour is the square in scene {i}?",
                      options=["white", "red"], task="mcq", answer="A") for i in range(n)]
-
-
-def varied_reward(episodes):
-    """A reward that differs between rollouts (random tiny models rarely earn different task rewards)."""
-    return [{a: float(sum(sum(g.completion_ids) for g in e.generations if g.agent == a) % 7) for a in AGENTS}
-            for e in episodes]
 
 
 def train_cfg(out, finetune="full", steps=1, **over):
@@ -75,6 +64,7 @@ def make_trainer(cfg, video, reward_fn=varied_reward):
 
 
 # ------------------------------------------------------------------------------------------------ parameters move
+@pytest.mark.slow
 def test_full_step_changes_every_trainable_parameter(tmp_path, video, m1_cache):
     import torch
 
@@ -115,6 +105,7 @@ def test_full_step_changes_every_trainable_parameter(tmp_path, video, m1_cache):
         assert all(torch.equal(opt_a[i]["exp_avg_sq"], opt_b[i]["exp_avg_sq"]) for i in opt_a)
 
 
+@pytest.mark.slow
 def test_lora_changes_only_adapter_parameters(tmp_path, video, m1_cache):
     import torch
 
@@ -156,6 +147,7 @@ COMPARED = ["loss", "reward/mean", "epoch", "topology/edges", "topology/active"]
     f"{a}/{k}" for a in AGENTS for k in ("loss", "grad_norm", "kl", "samples", "tokens", "clip_frac")]
 
 
+@pytest.mark.slow
 def test_kill_and_resume_reproduces_losses_exactly(tmp_path, video, m1_cache):
     """LoRA with dropout (so the torch RNG matters) and beta > 0: 4 steps straight vs 2 + resume + 2."""
     kw = dict(finetune="lora", steps=4, checkpoint={"every": 2})
@@ -195,7 +187,7 @@ def test_dag_sampling_matches_configured_probabilities():
 
 
 def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video):
-    from m1.marl.rollout import advantages_for
+    from m1.marl.grpo import multi_agent_advantages
     from m1.models.hub import ModelHub
     from m1.team.cpp import Team
 
@@ -216,7 +208,7 @@ def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video
     assert all(e.topology == dag for e in batch.flat)  # one DAG for the whole step
     rewards = score(batch, AGENTS, lambda eps: [{"alpha": float(i % 3), "beta": 1.0} for i in range(len(eps))])
     assert rewards["alpha"] == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
-    adv = advantages_for(rewards, scale=True)
+    adv = multi_agent_advantages(rewards, scale=True)
     samples = build_samples(batch, adv, {"alpha": 1.0, "beta": 1.0})
     for a in AGENTS:
         gens = [(g, k, gen) for g, grp in enumerate(batch.episodes) for k, e in enumerate(grp)
@@ -253,7 +245,7 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     other generations by the total reward."""
     from types import SimpleNamespace
 
-    from m1.marl.rollout import advantages_for
+    from m1.marl.grpo import multi_agent_advantages
 
     dag = sample_topology(AGENTS, "complete", 1, 0, None)
     batch = run_rollouts(scripted_team(mcq="summarizer"), questions(video, 1), 3, dag)
@@ -261,8 +253,8 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     rewards = score(batch, AGENTS, lambda eps: [{a: SimpleNamespace(total=float(k), outcome=float(-k))
                                                  for a in AGENTS} for k in range(len(eps))])
     assert batch.outcomes["alpha"] == [[0.0, -1.0, -2.0]]
-    samples = build_samples(batch, advantages_for(rewards, True), {"alpha": 1.0, "beta": 1.0},
-                            advantages_for(batch.outcomes, True))
+    samples = build_samples(batch, multi_agent_advantages(rewards, scale=True), {"alpha": 1.0, "beta": 1.0},
+                            multi_agent_advantages(batch.outcomes, scale=True))
     by_phase = {}
     for s in samples["alpha"]:
         by_phase.setdefault(s.phase, {})[s.rollout] = round(s.advantage, 3)
@@ -270,8 +262,8 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     assert by_phase["summary"] == {0: 1.0, 1: 0.0, 2: -1.0}  # alpha, the first agent, summarizes
     assert by_phase["plan"] == {0: -1.0, 1: 0.0, 2: 1.0}
     # rollout.train_phases: the other phases' generations are not trained on; the kept ones keep their credit
-    only = build_samples(batch, advantages_for(rewards, True), {"alpha": 1.0, "beta": 1.0},
-                         advantages_for(batch.outcomes, True), phases=("answer", "summary"))
+    only = build_samples(batch, multi_agent_advantages(rewards, scale=True), {"alpha": 1.0, "beta": 1.0},
+                         multi_agent_advantages(batch.outcomes, scale=True), phases=("answer", "summary"))
     assert [(s.phase, s.rollout, s.advantage) for s in only["alpha"]] == [
         (s.phase, s.rollout, s.advantage) for s in samples["alpha"] if s.phase in ("answer", "summary")]
     assert {s.phase for s in only["alpha"]} == {"answer", "summary"} and {s.phase for s in only["beta"]} == {"answer"}
@@ -288,82 +280,24 @@ def test_phase_credit_needs_rewards_with_an_outcome(tmp_path, video, m1_cache):
         trainer.train_step()
 
 
-def test_answer_samples_credit_each_answer_among_answers_to_the_same_notes(video):
-    """answer_samples: M — every answer prompt is sampled M more times; the original and the extra answers are
-    credited within their own group (same notes), the other generations keep the episode advantage."""
-    from m1.marl.rewards import RewardConfig, answer_rewards
-    from m1.marl.rollout import advantages_for, resample_answers
-    # every original answer: "A", right, in format
-    batch = run_rollouts(scripted_team(), questions(video, 2), 2, sample_topology(AGENTS, "complete", 1, 0, None))
-    rewards = score(batch, AGENTS, lambda eps: [{a: float(k % 2) for a in AGENTS} for k in range(len(eps))])
-    # the resampler answers B (wrong, in format), then "A" (right, out of format), then gibberish (wrong, unreadable)
-    replies = iter(["##Answer: B\n##Reason: no", "A", "no idea"] * 100)
-    resampler = FakeChat("resampler", lambda messages: next(replies))
-    groups = resample_answers(batch, ["alpha"], lambda agent: resampler, 3, {"alpha": 1.0}, 8, 0,
-                              lambda pairs: answer_rewards(pairs, RewardConfig(), None), True)
-    assert len(groups) == 4 and {(x.group, x.rollout) for x in groups} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    assert len(resampler.batches) == 1 and len(resampler.batches[0]) == 4 * 3  # one call, M per prompt
-    for x in groups:
-        assert x.rewards == [2.0, 0.0, 1.0, -1.0]  # w_res * R_res + w_format * strict parse
-        assert [round(a, 3) for a in x.advantages] == [1.162, -0.387, 0.387, -1.162]
-    samples = build_samples(batch, advantages_for(rewards, True), {"alpha": 1.0, "beta": 1.0}, None, groups)
-    answers = [s for s in samples["alpha"] if s.phase == "answer"]
-    assert len(answers) == 4 * (1 + 3)
-    assert [round(s.advantage, 3) for s in answers[:4]] == [1.162, -0.387, 0.387, -1.162]
-    assert answers[1].completion_ids == [ord(c) % 97 for c in "##Answer: B\n##Reason: no"]
-    assert {s.rollout: round(s.advantage, 3) for s in samples["alpha"] if s.phase == "plan"} == {0: -0.707,
-                                                                                                 1: 0.707}
-    assert sum(s.phase == "answer" for s in samples["beta"]) == 4  # beta was not resampled
-
-
-def test_rotated_rollouts_spread_the_truth_over_the_letters(video):
-    """rotate_options: rollout k sees the options rotated by k places, the truth letter moved with them (the synth
-    browser follows: tests/test_synth.py)."""
-    from m1.marl.rollout import rotate_options
-
-    q = Question(id="q", video=video, text="Where is the square?", options=["top", "left", "right", "bottom"],
-                 task="mcq", answer="B")
-    assert [(r.options, r.answer) for r in (rotate_options(q, k) for k in range(4))] == [
-        (["top", "left", "right", "bottom"], "B"), (["bottom", "top", "left", "right"], "C"),
-        (["right", "bottom", "top", "left"], "D"), (["left", "right", "bottom", "top"], "A")]
-    assert rotate_options(q.model_copy(update={"answer": "left"}), 1).answer == "C"  # truth given as option text
-    open_q = q.model_copy(update={"task": "open", "options": [], "answer": "red"})
-    assert rotate_options(open_q, 3) is open_q
-    with pytest.raises(ValueError, match="'purple' is not one of the option letters"):
-        rotate_options(q.model_copy(update={"answer": "purple"}), 1)
-
-    two = [Question(id="q", video=video, text="What colour is the square?", options=["white", "red"], task="mcq",
-                    answer="A")]
-    batch = run_rollouts(scripted_team(), two, 2, sample_topology(AGENTS, "complete", 1, 0, None), rotate=True)
-    assert [(e.question.options, e.question.answer) for e in batch.episodes[0]] == [(["white", "red"], "A"),
-                                                                                    (["red", "white"], "B")]
-    assert batch.questions == two  # the group keeps the question as asked
-
-
-def test_answer_samples_and_phase_credit_do_not_mix():
-    with pytest.raises(ValueError, match="answer_samples"):
-        train_cfg("unused", rollout={"credit": "phase", "answer_samples": 2})
-    with pytest.raises(ValueError, match="train_phases"):
-        train_cfg("unused", rollout={"train_phases": []})
-    with pytest.raises(ValueError, match="train_phases"):
-        train_cfg("unused", rollout={"train_phases": ["answers"]})
-
-
+@pytest.mark.slow
 def test_greedy_baseline_step_credits_rewards_minus_the_greedy_run(tmp_path, video, m1_cache, monkeypatch):
     """grpo.baseline greedy: each question is also run greedily; advantages are rewards minus that run's, the
     sampled rollouts are those of a plain step, and the greedy team's result is logged."""
     import torch
 
-    import m1.marl.trainer as trainer_mod
+    from m1.marl.credit import GreedyBaseline, GroupBaseline
 
     seen = []
-    real = trainer_mod.advantages_for
-    monkeypatch.setattr(trainer_mod, "advantages_for", lambda *a: seen.append((a, real(*a))) or seen[-1][1])
+    for cls in (GroupBaseline, GreedyBaseline):
+        real = cls.advantages
+        monkeypatch.setattr(cls, "advantages", lambda self, r, b, real=real: seen.append(((r, b), real(self, r, b)))
+                            or seen[-1][1])
     plain = make_trainer(train_cfg(tmp_path / "plain", grpo={"beta": 0.05, "scale_rewards": False}),
                          video).train_step()
     row = make_trainer(train_cfg(tmp_path / "greedy", grpo={"beta": 0.05, "scale_rewards": False,
                                                             "baseline": "greedy"}), video).train_step()
-    (rewards, scale, base), adv = seen[-1][0], seen[-1][1]
+    (rewards, base), adv = seen[-1][0], seen[-1][1]
     for agent in AGENTS:
         assert len(base[agent]) == 2 and all(len(g) == 1 for g in base[agent])  # one greedy run per question
         want = torch.tensor(rewards[agent]) - torch.tensor(base[agent])
@@ -380,6 +314,7 @@ def test_greedy_baseline_step_credits_rewards_minus_the_greedy_run(tmp_path, vid
         train_cfg("unused", grpo={"baseline": "greedy"})
 
 
+@pytest.mark.slow
 def test_train_phases_leave_other_generations_out_of_the_step(tmp_path, video, m1_cache):
     """rollout.train_phases [answer]: each agent trains on its answers only (same rollouts as a full step)."""
     plain = make_trainer(train_cfg(tmp_path / "plain"), video).train_step()
@@ -387,24 +322,6 @@ def test_train_phases_leave_other_generations_out_of_the_step(tmp_path, video, m
     for agent in AGENTS:
         assert 0 < row[f"{agent}/samples"] < plain[f"{agent}/samples"]
         assert row[f"{agent}/samples"] == 2 * 2  # 2 questions x K=2 rollouts, one answer each
-
-
-def test_answer_samples_in_a_training_step(tmp_path, video, m1_cache, monkeypatch):
-    """The trainer resamples every trained agent's answers and trains on the extra ones too (tiny models)."""
-    import m1.marl.trainer as trainer_mod
-
-    made = []
-    real = trainer_mod.resample_answers
-    monkeypatch.setattr(trainer_mod, "resample_answers", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
-    plain = make_trainer(train_cfg(tmp_path / "plain"), video).train_step()
-    row = make_trainer(train_cfg(tmp_path / "resampled", rollout={"answer_samples": 2}), video).train_step()
-    (groups,) = made
-    assert 0.0 <= row["answer_groups/mixed"] <= 1.0 and -2.0 <= row["answer_groups/reward"] <= 2.0
-    for agent in AGENTS:  # same rollouts (the resampler has its own seed), plus the extra answers
-        mine = [x for x in groups if x.agent == agent]
-        assert mine and all(len(x.extra) == 2 and len(x.advantages) == 3 for x in mine)
-        extra = sum(bool(o.completion_ids) for x in mine for o in x.extra)
-        assert row[f"{agent}/samples"] == plain[f"{agent}/samples"] + extra
 
 
 # ------------------------------------------------------------------------------------------------ learner numerics
@@ -417,6 +334,7 @@ def _synthetic_samples(n=10, seed=0):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
+@pytest.mark.slow
 def test_gradient_accumulation_gives_the_full_batch_update(loss_type, m1_cache):
     import torch
 
@@ -441,6 +359,7 @@ def test_gradient_accumulation_gives_the_full_batch_update(loss_type, m1_cache):
             torch.testing.assert_close(params[n], p, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_deepspeed_zero2_step_on_cpu(tmp_path, m1_cache):
     import torch
 
@@ -480,6 +399,7 @@ def test_lr_schedules_warm_up_then_hold_or_decay_to_zero():
     assert LearnerConfig(lr=1.0, lr_schedule="cosine").lr_at(7, 5) == 0.0  # past the end: stays at 0
 
 
+@pytest.mark.slow
 def test_sft_trainer_follows_the_lr_schedule(tmp_path, m1_cache):
     from m1.marl.config import SFTConfig
     from m1.marl.sft import SFTExample, SFTTrainer
@@ -509,6 +429,7 @@ def test_paper_configs_load_with_the_papers_settings():
     assert load_train_config("mini").team_config().name == "mini"
 
 
+@pytest.mark.slow
 def test_train_main_runs_from_a_yaml_file(tmp_path, video, m1_cache):
     from m1.marl.launch import train_main
 
@@ -558,6 +479,7 @@ def test_trained_agent_overrides_seat_adapters_and_name_shared_models(tmp_path):
     assert sets == [] and len(notes) == 1 and "own model entry" in notes[0]
 
 
+@pytest.mark.slow
 def test_ray_learners_match_local_learners(tmp_path, video, m1_cache):
     from m1.marl.distributed import ray_available
 
@@ -582,91 +504,7 @@ def test_ray_learners_match_local_learners(tmp_path, video, m1_cache):
     assert (Path(tmp_path) / "ray" / "checkpoints" / "step-000001" / "agents" / "alpha" / "rng.pt").is_file()
 
 
-# ------------------------------------------------------------------------------------------------ weight averaging
-def test_average_of_full_checkpoints_is_the_mean_of_start_and_members(tmp_path, video, m1_cache):
-    import torch
-
-    from m1.marl.learner import read_safetensors
-
-    out = tmp_path / "run"
-    cfg = train_cfg(out, steps=3, average={"checkpoints": 2, "include_start": True})
-    tr = make_trainer(cfg, video)
-    start = {a: tr.learners.parameters(a) for a in AGENTS}
-    tr.train()
-    info = json.loads((out / "average" / "average.json").read_text())
-    assert info["members"] == ["start", "step-000002", "step-000003"]
-    for a in AGENTS:
-        saved_start = read_safetensors(out / "start" / "agents" / a / "model", "model")
-        assert all(torch.equal(saved_start[n], p) for n, p in start[a].items())  # the weights before step 1
-        s2 = read_safetensors(out / "checkpoints" / "step-000002" / "agents" / a / "model", "model")
-        s3 = read_safetensors(out / "checkpoints" / "step-000003" / "agents" / a / "model", "model")
-        avg = read_safetensors(out / "average" / "agents" / a / "model", "model")
-        assert set(avg) == set(s3)
-        for n in avg:
-            want = (saved_start[n].double() + s2[n].double() + s3[n].double()) / 3
-            torch.testing.assert_close(avg[n].double(), want, rtol=0, atol=1e-7)
-        assert not torch.equal(avg[n], s3[n])  # the average is not simply the last weights
-        assert (out / "average" / "agents" / a / "model" / "config.json").is_file()
-    stamp = (out / "average" / "average.json").stat().st_mtime_ns
-    make_trainer(cfg, video).train()  # finished run: the same members, nothing rewritten
-    assert (out / "average" / "average.json").stat().st_mtime_ns == stamp
-
-
-def test_averaged_lora_adapter_adds_the_mean_update(tmp_path):
-    """N rank-r adapters stacked into one of rank N*r: merged, it adds the mean of the N updates (and of a zero one
-    for the start of a LoRA run)."""
-    import torch
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from m1.marl.average import average_adapters
-
-    def base():
-        torch.manual_seed(0)
-        return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-
-    members, deltas = [], []
-    w0 = base().state_dict()["model.layers.0.self_attn.q_proj.weight"]
-    for i in range(2):
-        model = get_peft_model(base(), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
-        torch.manual_seed(10 + i)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_" in n:
-                    p.normal_()
-        model.save_pretrained(tmp_path / f"m{i}")
-        members.append(tmp_path / f"m{i}")
-        merged = model.merge_and_unload().state_dict()["model.layers.0.self_attn.q_proj.weight"]
-        deltas.append(merged - w0)
-    average_adapters(members, tmp_path / "avg", zero_members=1)
-    cfg = json.loads((tmp_path / "avg" / "adapter_config.json").read_text())
-    assert (cfg["r"], cfg["lora_alpha"]) == (4, 8)  # rank 2*2, the same alpha/r scale
-    merged = PeftModel.from_pretrained(base(), tmp_path / "avg").merge_and_unload().state_dict()
-    torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"] - w0, (deltas[0] + deltas[1]) / 3,
-                               rtol=1e-5, atol=1e-6)
-    # a whole trained module cannot be averaged with a start the adapter does not hold
-    from safetensors.torch import load_file, save_file
-
-    for m in members:
-        state = load_file(m / "adapter_model.safetensors")
-        state["base_model.model.lm_head.weight"] = torch.ones(64, 16)
-        save_file(state, str(m / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match="modules_to_save"):
-        average_adapters(members, tmp_path / "avg2", zero_members=1)
-    average_adapters(members, tmp_path / "avg3")
-    assert load_file(tmp_path / "avg3" / "adapter_model.safetensors")["base_model.model.lm_head.weight"].eq(1).all()
-
-
-def test_average_settings_are_checked(tmp_path):
-    with pytest.raises(ValueError, match="checkpoint.keep_last >= 3"):
-        train_cfg(tmp_path, steps=4, average={"checkpoints": 3})
-    with pytest.raises(ValueError, match="saves only 2 checkpoints"):
-        train_cfg(tmp_path, steps=4, checkpoint={"every": 2, "keep_last": 5}, average={"checkpoints": 3})
-    with pytest.raises(ValueError, match="averaging is off"):
-        train_cfg(tmp_path, average={"include_start": True})
-
-
+@pytest.mark.slow
 def test_sampler_importance_weights_correct_engine_logprobs(m1_cache):
     """grpo.old_logprobs sampler: with the engine's log-probs equal to the trainer's the update is the plain
     on-policy one; with the engine off by +-d per token each token's policy term is weighted by
@@ -708,6 +546,7 @@ def test_sampler_importance_weights_correct_engine_logprobs(m1_cache):
     assert got["loss"] == pytest.approx(want_loss, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_init_from_starts_marl_from_the_sft_runs_weights(tmp_path, video, m1_cache):
     """`init_from` (the paper's recipe, SFT then MARL): a run that names a finished LoRA run starts from that run's
     adapters merged into their bases (out_dir/init), so its first rollouts come from the SFT policy, not the base;

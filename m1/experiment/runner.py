@@ -194,11 +194,6 @@ def _seat_of(cfg, folder: Path) -> tuple[list[str], str]:
     from m1.marl.launch import trained_agent_overrides
 
     root = find_latest_checkpoint(folder)
-    average = getattr(cfg, "average", None)
-    if average is not None and average.checkpoints:
-        from m1.marl.average import AVERAGE_DIR
-
-        root = folder / AVERAGE_DIR
     if root is None:
         raise ExperimentError(f"{folder}: the stage ended without a checkpoint; nothing to seat for the next stage")
     team = cfg.team_config()
@@ -247,7 +242,8 @@ def _gpus_used(cfg) -> int:
 
     if not torch.cuda.is_available():
         return 0
-    from m1.marl.cluster import PlanError, make_plan
+    from m1.marl.cluster import PlanError
+    from m1.marl.planner import make_plan
 
     try:
         return make_plan(cfg).gpus_needed or torch.cuda.device_count()
@@ -263,7 +259,7 @@ def eval_team(exp: Experiment, arm: str) -> str:
 
 def eval_questions(exp: Experiment):
     """The eval stage's questions (malformed lines are reported, not fatal, as in `m1 infer`)."""
-    from m1.run import build_questions, read_questions
+    from m1.data.questions import build_questions, read_questions
 
     assert exp.eval is not None
     e = exp.eval
@@ -284,7 +280,8 @@ def eval_questions(exp: Experiment):
 
 def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callable[[str], None]) -> dict:
     from m1.config import load_team
-    from m1.run import ResultsFile, run_questions
+    from m1.results import ResultsFile
+    from m1.run import run_questions
 
     assert exp.eval is not None
     sets = eval_overrides(exp, run, seat)
@@ -640,7 +637,7 @@ def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int)
     failed = [(seed, o) for seed, o in outcomes.items() if "error" in o]
     stopped = [o["exit_status"] for _, o in failed if o.get("exit_status")]
     if stopped:
-        from m1.run import Stopped
+        from m1.signals import Stopped
 
         raise Stopped(stopped[0] - 128, "stopped by a signal; rerun the same command to resume")
     if failed:
@@ -850,7 +847,7 @@ def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tu
     """(text, fits): the stages x arms x seeds, and per training stage and arm its placement plan, GPU count and,
     where a step time was measured in this experiment's folders, estimated GPU-hours, and the preflight of its models
     (a model that cannot be built makes `fits` false, as a plan that does not fit does). Loads no weights."""
-    from m1.marl.cluster import make_plan
+    from m1.marl.planner import make_plan
     from m1.marl.preflight import check_run
     from m1.models.preflight import summary
 

@@ -8,57 +8,16 @@ lr 1e-7) so a config only states what differs. The learner block is shared by MA
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
 from m1.config import ConfigError, ModelSpec, Strict, TeamConfig, load_config, load_team
-from m1.marl.rewards import RewardConfig
-
-CPP_PHASES = ("plan", "communicate", "answer", "summary")
-SEED_PHASES = ("act", "answer")  # the generations of a seed-kind episode (m1/team/single.py)
-
-
-def seed_kind(team: TeamConfig) -> str | None:
-    """The team's seed kind (weaver, zoomer, sage) when it is a team of one such agent, else None (CPP)."""
-    kinds = [a.kind for a in team.agents if a.kind != "cpp"]
-    return kinds[0] if kinds else None
-
-
-def seed_phases(phases, where: str, kind: str, default) -> list[str] | None:
-    """The phases a seed-kind run trains on: every turn (None) when `phases` is the CPP default, else `phases`,
-    which must name only act and answer."""
-    if list(phases) == list(default):
-        return None
-    bad = [p for p in phases if p not in SEED_PHASES]
-    if bad:
-        raise ValueError(f"{where}: {bad} are CPP phases; a {kind} agent writes only {list(SEED_PHASES)}")
-    return list(phases)
-
-
-def _seed_policy_checks(team: TeamConfig, trained: list[str], where: str, engine: str = "hf") -> None:
-    """A trained seed-kind policy must be one the learner can score: a text chat model (backend hf or vllm; frames
-    reach it as `[frame at t s]` placeholders) or a vision-language model on backend hf (frames reach it as images,
-    and the learner feeds their pixels to its forward pass; m1/marl/learner.py). Other vision backends are refused,
-    and so is a vLLM rollout engine for a vision-language policy (its multimodal requests are not built)."""
-    for a in team.agents:
-        if a.name not in trained:
-            continue
-        spec = team.models[a.model]
-        if spec.kind == "vision":
-            if spec.backend != "hf":
-                raise ValueError(f"{where}: agent {a.name!r} (kind {a.kind}) has model {a.model!r} of kind 'vision', "
-                                 f"backend {spec.backend!r}; a trained vision-language policy needs backend 'hf' "
-                                 "(a Qwen2-VL / Qwen2.5-VL model)")
-            if engine != "hf":
-                raise ValueError(f"rollout.engine: {engine!r} cannot sample the vision-language policy of agent "
-                                 f"{a.name!r} (model {a.model!r}); use rollout.engine: hf")
-        elif spec.kind != "chat" or spec.backend not in ("hf", "vllm"):
-            raise ValueError(f"{where}: agent {a.name!r} (kind {a.kind}) has model {a.model!r} of kind {spec.kind!r}, "
-                             f"backend {spec.backend!r}; training a seed-kind policy needs a kind chat model "
-                             "(backend hf or vllm) or a kind vision model (backend hf)")
-
+from m1.marl.credit import check_credit
+from m1.marl.rewards import RewardConfig, reward_kind
+from m1.marl.team_kinds import CPP_PHASES, check_seed_policies, seed_kind, seed_phases, team_kind
 
 # lr used when `learner.lr` is left empty (MARL: the paper's values; SFT: see SFTConfig)
 DEFAULT_LR = {"lora": 2e-6, "full": 1e-7}
@@ -79,8 +38,8 @@ class LearnerConfig(Strict):
 
     finetune: Literal["lora", "full"] = "lora"
     # GPUs of each agent's learner: one ZeRO-2 group (cluster.learner_gpus overrides it per agent; see
-    # m1/marl/cluster.py). Left out of dumps at 1, so the recorded settings of earlier runs still match
-    gpus: int = Field(1, ge=1, exclude_if=lambda v: v == 1)
+    # m1/marl/placement_plan.py)
+    gpus: int = Field(1, ge=1)
     lora: LoraSettings = Field(default_factory=LoraSettings)
     lr: float | None = Field(None, gt=0.0)  # None: DEFAULT_LR[finetune]
     weight_decay: float = Field(0.0, ge=0.0)
@@ -114,7 +73,7 @@ class LearnerConfig(Strict):
     skip_zero_advantage: bool = True
     # False: a cheaper, different estimator. The prompt (all but its last token) runs without gradient and its
     # key/value cache feeds the completion pass, so the gradient reaches the completion tokens' own activations but
-    # not the prompt's keys and values. About 2.8x less update work on the mini team (issue #49); chosen on dev
+    # not the prompt's keys and values. About 2.8x less update work on the mini team; chosen on dev
     # like any other setting.
     prompt_grad: bool = True
 
@@ -152,20 +111,19 @@ class RolloutConfig(Strict):
     questions_per_step: int = Field(8, ge=1)  # the paper's batch size
     # Episodes the team runs at once in rollout.engine hf (each learner generates for all of them in one batch).
     # auto: as many of the step's episodes as the KV cache fits in the memory the placement plan leaves on each
-    # learner GPU (m1/marl/cluster.py `rollout_batch`); a number: that many; None: the team's limits.batch_episodes.
+    # learner GPU (m1/marl/planner.py `rollout_batch`); a number: that many; None: the team's limits.batch_episodes.
     # With rollout.engine vllm the engine gets the whole step at once: auto is accepted there, a number is not.
-    # Left out of dumps when None, so earlier runs' recorded settings still match
-    batch_episodes: PositiveInt | Literal["auto"] | None = Field(None, exclude_if=lambda v: v is None)
+    batch_episodes: PositiveInt | Literal["auto"] | None = None
     # Where the trained agents' rollouts are generated. hf: by each learner's own policy (Hugging Face generate).
     # vllm: by a vLLM server per trained agent (m1/models/engine.py), weights synced after every update: M1 launches
     # `engine_command` (default `vllm serve ...`) on the GPUs the plan gives each engine, or uses the servers the
     # user runs at `engine_url` (one URL when one agent is trained, else {agent: URL}). All episodes of a step go to
-    # each engine at once. Left out of dumps at their defaults, so earlier runs' recorded settings still match
-    engine: Literal["hf", "vllm"] = Field("hf", exclude_if=lambda v: v == "hf")
-    engine_url: str | dict[str, str] | None = Field(None, exclude_if=lambda v: v is None)
+    # each engine at once
+    engine: Literal["hf", "vllm"] = "hf"
+    engine_url: str | dict[str, str] | None = None
     # argv of the server, with {model} {port} {lora_rank} {gpu_memory_utilization} filled in; None: vLLM's
-    engine_command: list[str] | None = Field(None, exclude_if=lambda v: v is None)
-    engine_timeout_s: float = Field(600.0, gt=0.0, exclude_if=lambda v: v == 600.0)  # one request, then a clear error
+    engine_command: list[str] | None = None
+    engine_timeout_s: float = Field(600.0, gt=0.0)  # one request, then a clear error
     temperature: float = Field(1.0, gt=0.0)  # sampling temperature of every agent (unless an agent sets its own)
     topology: Literal["random", "complete"] = "random"
     edge_prob: float = Field(0.5, ge=0.0, le=1.0)
@@ -175,50 +133,20 @@ class RolloutConfig(Strict):
     # w_team * team_res) alone, so the plan's judged quality and the other generations' format do not decide which
     # answer is reinforced. agent (ours, per-agent credit): question i of the run focuses trained agent i mod n; its
     # K episodes have that agent sampling and every teammate greedy, and only the focus agent's generations are
-    # trained on, credited within those K (m1/marl/rollout.py). Same episodes per step as episode credit; each agent
+    # trained on, credited within those K (m1/marl/credit.py). Same episodes per step as episode credit; each agent
     # gets 1/n of the step's questions, so raise questions_per_step to keep its samples per step.
     credit: Literal["episode", "phase", "agent"] = "episode"
-    # ours: sample each answer prompt M more times; answers are then credited within their prompt's M + 1 answers
-    # (by w_res * R_res + w_format * strict parse), which isolates how the agent read its notes. 0: off.
-    answer_samples: int = Field(0, ge=0)
-    # ours: rollout k of an MCQ question sees its options rotated by k places (truth letter moved with them), so a
-    # question's K rollouts spread its answer over the letters and no letter is reinforced for its own sake
-    rotate_options: bool = False
     # ours: the phases whose generations are trained on; the others still run and shape the episode, but carry no
     # gradient (e.g. [answer, summary]: learn to read the notes while plans and tool use stay as SFT left them).
     # A seed-kind team (weaver / zoomer / sage) writes `act` (a tool-calling turn) and `answer`; there the default
     # list means every turn, and a list of its own may name only act and answer
     train_phases: list[Literal["plan", "communicate", "answer", "summary", "act"]] = Field(
         default_factory=lambda: list(CPP_PHASES), min_length=1)
-    # Issue #39 candidates (m1/marl/recipe.py), each left out of dumps at its default (today's behaviour) so earlier
-    # runs' recorded settings still match.
     # Dynamic sampling (DAPO): a group (an agent's K rollouts of a question) whose rewards all tie carries no GRPO
     # signal and is dropped; a question with no informative group left is replaced by the next questions of the data
     # cursor, for at most `max_refill` extra rounds per step (the step trains on fewer groups when they run out).
-    dynamic_sampling: bool = Field(False, exclude_if=lambda v: v is False)
-    max_refill: int = Field(2, ge=0, exclude_if=lambda v: v == 2)
-    # Train on the team that is evaluated (topology random only): each step runs on the complete graph with
-    # probability `complete_share`; `anneal_share` s > 0 scales dropout and the missing-edge probability
-    # (1 - edge_prob) down linearly to 0 at step s * steps, so the rest of the run trains on the complete graph.
-    # Both are drawn from (seed, step) alone, so a resumed run repeats them.
-    complete_share: float = Field(0.0, ge=0.0, le=1.0, exclude_if=lambda v: v == 0.0)
-    anneal_share: float = Field(0.0, ge=0.0, le=1.0, exclude_if=lambda v: v == 0.0)
-    # Plan exploration (CPP teams): the plan phase samples at this temperature instead of the agent's (its samples
-    # are scored at it too); None: the agent's temperature
-    plan_temperature: float | None = Field(None, gt=0.0, exclude_if=lambda v: v is None)
-
-    @model_validator(mode="after")
-    def _one_answer_credit(self):
-        if self.answer_samples and self.credit != "episode":
-            raise ValueError(f"rollout.answer_samples ({self.answer_samples}) sets the answers' credit itself; "
-                             f"leave rollout.credit at 'episode' (got {self.credit!r})")
-        if self.topology == "complete" and (self.complete_share or self.anneal_share):
-            raise ValueError("rollout.complete_share / anneal_share schedule a random topology toward the complete "
-                             "graph; rollout.topology is already 'complete'")
-        if self.dynamic_sampling and self.answer_samples:
-            raise ValueError(f"rollout.dynamic_sampling drops groups whose episode rewards tie, but the resampled "
-                             f"answers (answer_samples={self.answer_samples}) carry signal of their own; use one")
-        return self
+    dynamic_sampling: bool = False
+    max_refill: int = Field(2, ge=0)
 
 
 class GRPOSettings(Strict):
@@ -238,9 +166,10 @@ class GRPOSettings(Strict):
     # sampler: old = logp.detach(), and each token's policy term is weighted by min(exp(logp - logp_sampler),
     # is_cap): the truncated importance weight correcting for an engine (vLLM) whose numerics differ from the
     # trainer's (TRL's vLLM correction). Logs <agent>/is/ratio_mean, is/ratio_max and is/truncated (token share).
-    # Left out: sampler with rollout.engine vllm (the engine/trainer gap is exactly what it corrects), else policy;
-    # policy with engine vllm is refused, since it would silently train on the trainer's numbers as if on-policy
-    old_logprobs: Literal["policy", "rollout", "sampler"] = "policy"
+    # Left out (None): `resolve` picks sampler with rollout.engine vllm (the engine/trainer gap is exactly what it
+    # corrects), else policy; policy with engine vllm is refused, since it would train on the trainer's numbers as if
+    # they were the sampler's
+    old_logprobs: Literal["policy", "rollout", "sampler"] | None = None
     is_cap: float = Field(2.0, gt=0.0)
 
 
@@ -253,9 +182,8 @@ class JudgeConfig(Strict):
     rate_per_minute: float | None = Field(None, gt=0.0)
     # How plans and tool choices are judged (m1/marl/judge.py): cues (the tools must fit cues of the question, the
     # rule-based teacher's preferences), outcome (ours: any tools, judged on a well-formed plan that ran and produced
-    # notes the answer follows) or none (ours: the plan's content is not judged). Both judges follow it. Left out of
-    # dumps at cues, so earlier runs' recorded settings still match
-    plan_rubric: Literal["cues", "outcome", "none"] = Field("cues", exclude_if=lambda v: v == "cues")
+    # notes the answer follows) or none (ours: the plan's content is not judged). Both judges follow it
+    plan_rubric: Literal["cues", "outcome", "none"] = "cues"
 
     @model_validator(mode="after")
     def _model_for_llm(self) -> JudgeConfig:
@@ -287,8 +215,8 @@ class WandbSettings(Strict):
 class LogConfig(Strict):
     """Where a run's metrics go besides metrics.jsonl, and how often a step's episodes are written out.
 
-    `tensorboard: true|false`, the key of earlier configs, still reads: it adds or removes tensorboard from
-    `backends`."""
+    `tensorboard: true|false`, the key of earlier configs, is deprecated (a FutureWarning) and goes in M1 0.2.0:
+    until then it adds or removes tensorboard from `backends`."""
 
     backends: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=lambda: ["tensorboard"])
     progress: bool = True  # tqdm bar
@@ -306,6 +234,8 @@ class LogConfig(Strict):
             on = data.pop("tensorboard")
             if not isinstance(on, bool):
                 raise ValueError(f"log.tensorboard: true or false, got {on!r} (or list it in log.backends)")
+            warnings.warn("log.tensorboard is deprecated and will be removed in M1 0.2.0: list the trackers in "
+                          "log.backends instead (tensorboard: false is backends: [])", FutureWarning, stacklevel=2)
             names = [b for b in data.get("backends", ["tensorboard"]) if b != "tensorboard"]
             data["backends"] = (["tensorboard"] if on else []) + names
         return data
@@ -324,19 +254,8 @@ class CheckpointConfig(Strict):
     resume: bool = True  # continue from the newest checkpoint in out_dir when there is one
     # latest: resume from the newest checkpoint and stop with an error naming the file when it is damaged (its
     # manifest does not match). previous: skip damaged ones and resume from the newest intact checkpoint (what
-    # `--resume-from previous` sets). Left out of dumps at "latest", so earlier runs' recorded settings still match
-    resume_from: Literal["latest", "previous"] = Field("latest", exclude_if=lambda v: v == "latest")
-
-
-class AverageConfig(Strict):
-    """Ours: also write the mean of the last checkpoints' weights to <out_dir>/average (m1/marl/average.py).
-
-    Members are `checkpoints` saved `checkpoint.every` steps apart, the last one at `steps`; with `include_start`
-    the weights training started from count as one more member (saved at step 0 to <out_dir>/start).
-    """
-
-    checkpoints: int = Field(0, ge=0)  # 0: off
-    include_start: bool = False
+    # `--resume-from previous` sets)
+    resume_from: Literal["latest", "previous"] = "latest"
 
 
 class RayConfig(Strict):
@@ -383,7 +302,7 @@ class TrainConfig(Strict):
     team: str | TeamConfig  # a configs/team name, a YAML path, or the team inline
     team_overrides: list[str] = Field(default_factory=list)  # dotted overrides applied to a named team
     # the SFT run (its out_dir) whose trained agents this run starts from: the paper's recipe is SFT, then MARL.
-    # Its averaged weights when it has them, else its newest checkpoint (m1/marl/launch.py `seat_init`).
+    # Its newest checkpoint (m1/marl/launch.py `seat_init`).
     init_from: str | None = None
     train_agents: list[str] | None = None  # None: every agent learns; others still act, frozen
     data: DataConfig = Field(default_factory=DataConfig)
@@ -396,12 +315,11 @@ class TrainConfig(Strict):
     seed: int = 0
     out_dir: str = "runs/marl"
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    average: AverageConfig = Field(default_factory=AverageConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     placement: Literal["local", "ray"] = "local"  # ray: one learner actor per agent
     ray: RayConfig = Field(default_factory=RayConfig)
-    # the GPUs the run is planned on (`m1 train --plan`); left out of dumps when unset, like learner.gpus
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig, exclude_if=lambda v: v == ClusterConfig())
+    # the GPUs the run is planned on (`m1 train --plan`)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _checks(self) -> TrainConfig:
@@ -410,36 +328,16 @@ class TrainConfig(Strict):
         for a in self.train_agents or []:
             if a not in names:
                 raise ValueError(f"train_agents: no agent named {a!r} in team {team.name!r} (agents: {names})")
-        avg = self.average
-        if avg.checkpoints > self.checkpoint.keep_last:
-            raise ValueError(f"average.checkpoints={avg.checkpoints} needs checkpoint.keep_last >= "
-                             f"{avg.checkpoints} (it is {self.checkpoint.keep_last}): older checkpoints are deleted")
-        if avg.checkpoints > math.ceil(self.steps / self.checkpoint.every):
-            raise ValueError(f"average.checkpoints={avg.checkpoints}: a run of {self.steps} steps with "
-                             f"checkpoint.every={self.checkpoint.every} saves only "
-                             f"{math.ceil(self.steps / self.checkpoint.every)} checkpoints")
-        if avg.include_start and not avg.checkpoints:
-            raise ValueError("average.include_start is set but average.checkpoints is 0 (averaging is off)")
         if self.judge.kind == "none" and self.rewards.w_col != 0:
             raise ValueError(f"judge.kind is 'none' but rewards.w_col={self.rewards.w_col}; set w_col: 0")
-        if self.grpo.baseline == "greedy" and self.rollout.dynamic_sampling:
-            raise ValueError("rollout.dynamic_sampling drops groups whose K rewards tie, but under grpo.baseline "
-                             "'greedy' such a group still has signal (rewards minus the greedy run's); use one")
-        if self.grpo.baseline == "greedy" and (self.grpo.scale_rewards or self.rollout.answer_samples):
-            raise ValueError("grpo.baseline 'greedy' takes rewards minus the greedy run's, unscaled and for every "
-                             f"generation: set grpo.scale_rewards: false (got {self.grpo.scale_rewards}) and "
-                             f"rollout.answer_samples: 0 (got {self.rollout.answer_samples})")
         r = self.rollout
         trained = list(self.train_agents or names)
         if r.engine == "hf" and (r.engine_url or r.engine_command):
             raise ValueError("rollout.engine_url / engine_command are for rollout.engine: vllm (it is 'hf')")
         if r.engine == "vllm" and self.grpo.old_logprobs == "policy":
-            if "old_logprobs" in self.grpo.model_fields_set:
-                raise ValueError("grpo.old_logprobs: 'policy' with rollout.engine: 'vllm' never corrects for the "
-                                 "engine's numerics differing from the trainer's; use grpo.old_logprobs: sampler "
-                                 "(the default with engine vllm) or rollout")
-            self.grpo.old_logprobs = "sampler"
-            self.grpo.model_fields_set.discard("old_logprobs")  # still a default: dumps match the resolved run
+            raise ValueError("grpo.old_logprobs: 'policy' with rollout.engine: 'vllm' never corrects for the "
+                             "engine's numerics differing from the trainer's; use grpo.old_logprobs: sampler "
+                             "(the default with engine vllm) or rollout")
         if r.engine == "vllm" and isinstance(r.batch_episodes, int):  # auto: what a vLLM engine does anyway
             raise ValueError(f"rollout.batch_episodes ({r.batch_episodes}) is for rollout.engine: hf; a vLLM engine "
                              "gets all of a step's episodes at once and batches them itself (leave it at auto)")
@@ -452,21 +350,9 @@ class TrainConfig(Strict):
         if self.grpo.loss_type == "dr_grpo" and self.learner.max_completion_tokens < 1:
             raise ValueError("grpo.loss_type dr_grpo needs learner.max_completion_tokens")
         _budget_check(team, self.learner)
-        kind = seed_kind(team)
-        if kind is None:
-            if "act" in r.train_phases:
-                raise ValueError(f"rollout.train_phases: 'act' is a seed-kind phase; team {team.name!r} is CPP")
-        else:
-            seed_phases(r.train_phases, "rollout.train_phases", kind, CPP_PHASES)
-            if r.plan_temperature is not None:
-                raise ValueError(f"rollout.plan_temperature: a {kind} agent writes no plan (its turns are "
-                                 f"{list(SEED_PHASES)})")
-            if r.answer_samples or r.credit != "episode":
-                raise ValueError(f"rollout.answer_samples / rollout.credit: a {kind} episode has one reward for "
-                                 f"all its turns; leave them at 0 / episode (got {r.answer_samples}, {r.credit!r})")
-            _seed_policy_checks(team, trained, "train_agents", r.engine)
-        from m1.marl.rewards import reward_kind
-
+        kind = team_kind(team)
+        kind.check(self, team, trained)
+        check_credit(self, kind)
         reward_kind(self.rewards, team)
         return self
 
@@ -483,7 +369,7 @@ class SFTDataConfig(Strict):
     teacher: str | TeamConfig | None = None  # team producing the plans (rule-based teacher or an API team)
     teacher_overrides: list[str] = Field(default_factory=list)
     rollouts_per_question: int = Field(1, ge=1)  # sampled teams may produce different plans
-    # ours: rollout r of an MCQ question shows its options rotated by r places (m1/marl/rollout.py rotate_options),
+    # ours: rollout r of an MCQ question shows its options rotated by r places (m1/marl/sft.py rotate_options),
     # so a deterministic teacher still yields new answers, under balanced letters, from the same questions
     rotate_options: bool = False
     # ours: also keep a plan its agent revised during the episode when that agent answered right (the paper drops
@@ -496,13 +382,13 @@ class SFTDataConfig(Strict):
     assign: Literal["all", "same_name"] = "all"
     # ours: keep at most N communicate examples per agent and question (over all its rollouts), the first ones: they
     # are mostly `continue()` and the longest prompts, so this is a data budget applied after the keep rule
-    communicate_per_episode: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
+    communicate_per_episode: int | None = Field(None, ge=0)
     # keep_rule: plans by the paper's rule (see keep_revised_plans); all: every plan the teacher wrote, whatever the
     # outcome (ours: with a teacher that plans at random, SFT then teaches the plan format, not which plan is good)
-    plan_filter: Literal["keep_rule", "all"] = Field("keep_rule", exclude_if=lambda v: v == "keep_rule")
+    plan_filter: Literal["keep_rule", "all"] = "keep_rule"
     # run the teacher in this many worker processes, each over whole videos; the teacher's choices depend only on
     # its prompt, so the concatenated examples are those of one process (not part of the data's identity)
-    workers: int = Field(1, ge=1, exclude_if=lambda v: v == 1)
+    workers: int = Field(1, ge=1)
 
 
 class SFTConfig(Strict):
@@ -522,12 +408,11 @@ class SFTConfig(Strict):
     out_dir: str = "runs/sft"
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
-    # ray: each student's learner is a group of Ray actors placed by the plan, as in MARL. Left out of dumps at
-    # their defaults, so the recorded settings of earlier SFT stages still match
-    placement: Literal["local", "ray"] = Field("local", exclude_if=lambda v: v == "local")
-    ray: RayConfig = Field(default_factory=lambda: RayConfig(), exclude_if=lambda v: v == RayConfig())
-    # the GPUs the run is planned on (`m1 sft --plan`); left out of dumps when unset
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig, exclude_if=lambda v: v == ClusterConfig())
+    # ray: each student's learner is a group of Ray actors placed by the plan, as in MARL
+    placement: Literal["local", "ray"] = "local"
+    ray: RayConfig = Field(default_factory=RayConfig)
+    # the GPUs the run is planned on (`m1 sft --plan`)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _checks(self) -> SFTConfig:
@@ -550,7 +435,7 @@ class SFTConfig(Strict):
         student = self.team_config()
         _budget_check(student, self.learner)
         if seed_kind(student) is not None:
-            _seed_policy_checks(student, list(self.train_agents or names), "train_agents")
+            check_seed_policies(student, list(self.train_agents or names), "train_agents")
         return self
 
     def team_config(self) -> TeamConfig:

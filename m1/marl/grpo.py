@@ -113,18 +113,6 @@ def multi_agent_advantages(
     return {agent: group_advantages(r, eps=eps, scale=scale) for agent, r in rewards.items()}
 
 
-ADVANTAGE_FNS: dict[str, Callable[..., "torch.Tensor"]] = {
-    "grpo": group_advantages,
-    "dr_grpo": functools.partial(group_advantages, scale=False),
-}
-
-
-def get_advantage_fn(name: str) -> Callable[..., "torch.Tensor"]:
-    if name not in ADVANTAGE_FNS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_FNS)}")
-    return ADVANTAGE_FNS[name]
-
-
 # --------------------------------------------------------------------------------------------- log-probs
 
 
@@ -135,7 +123,7 @@ def token_logprobs(logits: "torch.Tensor", tokens: "torch.Tensor",
     ``logits`` is ``[B, T, V]`` already aligned with ``tokens`` ``[B, T]`` (logits at position t score token t).
     Computed as ``x_tok - logsumexp(x)`` one sequence at a time so only a ``[T, V]`` float32 copy exists at once.
     Temperature must equal the sampling temperature for old/new/ref log-probs to be comparable; a sequence gives
-    each row its own (plans sampled at `rollout.plan_temperature` beside other phases).
+    each row its own (agents of a team may sample at different temperatures).
     """
     import torch
 
@@ -395,10 +383,8 @@ def grpo_loss(
 
 __all__: Sequence[str] = (
     "ADV_EPS",
-    "ADVANTAGE_FNS",
     "LOSS_AGG",
     "aggregate",
-    "get_advantage_fn",
     "grpo_loss",
     "group_advantages",
     "kl_k3",

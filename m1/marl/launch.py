@@ -14,7 +14,7 @@ from m1.marl.trainer import Trainer
 def trained_agent_overrides(team: TeamConfig, agents: list[str], root: Path,
                             finetune: str) -> tuple[list[str], list[str]]:
     """(overrides, notes): team-config overrides (`m1 infer --set ...`) that seat the trained agents of `root` (a
-    checkpoint or the averaged folder), full weights replacing the model's source and a LoRA adapter going on top of
+    checkpoint), full weights replacing the model's source and a LoRA adapter going on top of
     it; and a note for each agent whose model key other agents share: it needs a model entry of its own."""
     sets, notes = [], []
     for agent in agents:
@@ -31,16 +31,12 @@ def trained_agent_overrides(team: TeamConfig, agents: list[str], root: Path,
 
 
 def run_weights(run_dir: Path) -> Path:
-    """The weights a finished training run hands on: its averaged folder when it wrote one, else its newest
-    checkpoint. A ConfigError (naming `init_from`) when there are none."""
-    from m1.marl.average import AVERAGE_DIR
-
+    """The weights a finished training run hands on: its newest checkpoint. A ConfigError (naming `init_from`)
+    when there is none."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"init_from: {run_dir} is not a folder; run the SFT stage first (`m1 sft --config ...` "
                           "with this out_dir), or set init_from: null to train from the team's own weights")
-    if (run_dir / AVERAGE_DIR / "average.json").is_file():
-        return run_dir / AVERAGE_DIR
     root = find_latest_checkpoint(run_dir)
     if root is None:
         raise ConfigError(f"init_from: {run_dir} holds no finished checkpoint (is its SFT run still going, or did "
@@ -180,13 +176,7 @@ def train_main(config_path: str | Path, overrides: list[str] | None = None,
     else:
         progress(f"{cfg.name}: already at step {start} of {cfg.steps}; nothing to do")
     plot_finished_run(cfg.out_dir, progress)
-    from m1.marl.average import AVERAGE_DIR
-
     root = find_latest_checkpoint(Path(cfg.out_dir))
-    if cfg.average.checkpoints:
-        root = Path(cfg.out_dir) / AVERAGE_DIR
-        progress(f"{cfg.name}: the weights to use (average of {cfg.average.checkpoints} checkpoints"
-                 f"{' and the start' if cfg.average.include_start else ''}) are in {root}")
     if root is not None:
         progress("answer with the trained agents: " + infer_command(cfg, trainer.trained, root))
     return rows

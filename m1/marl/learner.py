@@ -1,4 +1,5 @@
-"""One agent's learner: policy, reference and optimizer, and the groups that hold one learner per agent.
+"""One agent's learner: policy, reference and optimizer. The groups that hold one learner per agent
+(`LocalLearners`, `RayLearners`) live in m1/marl/groups.py.
 
 Learners (`AgentLearner`) hold the policy (LoRA adapter through peft, or the full model), the reference (LoRA: the
 same model with the adapter disabled; full: a frozen copy; none when beta = 0), and an AdamW optimizer, optionally
@@ -23,7 +24,6 @@ each micro-batch loss is weighted so the accumulated gradient equals that of the
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import random
 import time
@@ -33,13 +33,7 @@ from typing import Any
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.marl.rollout import Sample
-
-def derive_seed(*parts: Any) -> int:
-    """A 31-bit seed from ints/strings, stable across processes (Python's str hash is salted per process)."""
-    digest = hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
+from m1.marl.rollout import Sample, derive_seed
 
 VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")  # vision-language models the learner feeds pixel_values/image_grid_thw
 ZERO_SHARD = "zero-rank{rank}.pt"  # one rank's ZeRO-2 optimizer state in a learner's checkpoint folder
@@ -468,7 +462,7 @@ class AgentLearner:
         plan = self._micro_batches([samples[i] for i in run], [rows[i] for i in run], (samples[:1], rows[:1]))
         for micro, micro_rows, weight in plan:
             vision = self.vision_inputs(micro)  # the same images for policy, reference and (sampler) old log-probs
-            # each sample is scored at the temperature it was sampled with (rollout.plan_temperature: plans differ)
+            # each sample is scored at the temperature it was sampled with
             temps = [s.temperature for s in micro]
             temperature = temps[0] if len(set(temps)) == 1 else temps
             with self._autocast():

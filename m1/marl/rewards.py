@@ -38,7 +38,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from m1.agents.parsers import parse_answer
 
 from m1.text import parse_span
 from m1.config import Strict
@@ -49,7 +48,7 @@ from m1.schema import Episode, Question
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "RewardConfig", "RewardBreakdown", "result_reward", "answer_rewards", "format_reward",
+    "RewardConfig", "RewardBreakdown", "result_reward", "format_reward",
     "outcome_parsed", "collaboration_reward",
     "tool_penalty", "agent_answer", "agent_rewards", "batch_agent_rewards", "log_breakdowns",
     "summarize", "SeedReward", "SEED_WEIGHTS", "SAGE_STEP", "seed_reward", "seed_rewards", "summarize_seed",
@@ -73,8 +72,8 @@ class RewardConfig(Strict):
     numeric_threshold: float = Field(0.5, gt=0.0, le=1.0)  # MRA needed for +1 in threshold mode
     format: Literal["generations", "phases"] = "generations"  # R_format: share of generations, or mean per phase
     # Which reward: auto follows the team's agent kind (cpp: the rewards above; weaver / zoomer / sage: that seed's
-    # own reward, `seed_rewards`, whose weights are the papers' and ignore w_*). Left out of dumps at auto
-    kind: Literal["auto", "cpp", "weaver", "zoomer", "sage"] = Field("auto", exclude_if=lambda v: v == "auto")
+    # own reward, `seed_rewards`, whose weights are the papers' and ignore w_*).
+    kind: Literal["auto", "cpp", "weaver", "zoomer", "sage"] = "auto"
 
 
 class RewardBreakdown(BaseModel):
@@ -165,14 +164,6 @@ def result_reward(question: Question, answer: str | None, judge: Judge | None = 
                   cfg: RewardConfig | None = None) -> float:
     """R_res of one answer in [-1, 1] (see the module docstring for each task's rule)."""
     return _result_rewards([(question, answer)], cfg or RewardConfig(), judge)[0]
-
-
-def answer_rewards(pairs: Sequence[tuple[Question, str]], cfg: RewardConfig, judge: Judge | None) -> list[float]:
-    """w_res * R_res + w_format * (strict parse) of answer replies, each read on its own: what one answer to a
-    given prompt decides (`rollout.answer_samples`, ours, compares answers to the same notes with it)."""
-    parsed = [parse_answer(text, q) for q, text in pairs]
-    res = _result_rewards([(q, p.answer or None) for (q, _), p in zip(pairs, parsed)], cfg, judge)
-    return [cfg.w_res * r + cfg.w_format * float(p.ok) for r, p in zip(res, parsed)]
 
 
 # ----------------------------------------------------------------------------- R_format

@@ -14,10 +14,6 @@ inference). Then, for every agent:
   and the completion token ids (what the agent wrote). Only completion tokens are ever trained on, so tool
   outputs and peers' text are context, never targets.
 
-With `answer_samples: M` (ours), each answer prompt is also sampled M more times. The original answer and the M
-extra ones read the same notes, so their group advantage (over w_res * R_res + w_format * strict parse of each
-answer) credits only how the agent read its notes; the extra answers become samples too.
-
 With `credit: agent` (ours, per-agent credit), question i of the run has one focus agent (trained agent i mod n):
 its K episodes are run with that agent sampling and every teammate decoding greedily, so they differ only through
 the focus agent's draws and what follows from them. Only the focus agent's generations become samples, and its
@@ -25,10 +21,13 @@ advantages are normalised within those K episodes: the group is (question, focus
 draw never decides the focus agent's credit.
 
 Episodes that failed (unreadable video, or dropped over the team's prompt budget) have a NaN reward, which
-`group_advantages` treats as a missing sample, and give no samples.
+`group_advantages` treats as a missing sample, and give no samples. Which advantages a step uses (credit rule,
+baseline, dynamic sampling) is m1/marl/credit.py's choice.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -44,20 +43,6 @@ RewardFn = Callable[[list[Episode]], list[dict[str, Any]]]
 
 class RolloutError(RuntimeError):
     pass
-
-
-@dataclass
-class AnswerGroup:
-    """One answer prompt of one agent in rollout (g, k) with the M extra answers sampled from it
-    (`rollout.answer_samples`). Rewards and advantages list the original answer first."""
-
-    agent: str
-    group: int
-    rollout: int
-    index: int  # the original answer's position in episode.generations
-    extra: list[Any]  # the M extra Completions (text, prompt_ids, completion_ids, logprobs)
-    rewards: list[float] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -130,6 +115,12 @@ def agent_temperature(team: TeamConfig, agent: str) -> float:
     return t
 
 
+def derive_seed(*parts: Any) -> int:
+    """A 31-bit seed from ints/strings, stable across processes (Python's str hash is salted per process)."""
+    digest = hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
 def sample_topology(agents: list[str], mode: str, edge_prob: float, dropout: float, rng: random.Random) -> Topology:
     """One DAG for a whole step (the paper's agent dropout); `complete` keeps everyone connected."""
     from m1.team import topology as topo
@@ -139,34 +130,23 @@ def sample_topology(agents: list[str], mode: str, edge_prob: float, dropout: flo
     return topo.random_dag(agents, edge_prob, dropout, rng)
 
 
-def rotate_options(question: Question, shift: int) -> Question:
-    """The MCQ `question` with its options moved `shift` places down the letters (the last ones wrap to the top)
-    and its ground-truth letter moved with them; other questions unchanged."""
-    from m1.data.metrics import truth_letter
-    from m1.schema import LETTERS
-
-    n = len(question.options)
-    if question.task != "mcq" or n < 2 or shift % n == 0:
-        return question
-    truth = question.answer
-    if truth is not None:
-        truth = LETTERS[(LETTERS.index(truth_letter(question)) + shift) % n]
-    options = [question.options[(i - shift) % n] for i in range(n)]
-    return question.model_copy(update={"options": options, "answer": truth})
+def step_topology(agents: list[str], rollout, seed: int, step: int, complete: bool = False) -> Topology:
+    """The DAG of one training step, drawn from (seed, step) alone so a resumed run repeats it. `complete`: the
+    complete graph whatever `rollout.topology` says (a seed-kind team of one)."""
+    mode = "complete" if complete else rollout.topology
+    return sample_topology(agents, mode, rollout.edge_prob, rollout.dropout,
+                           random.Random(derive_seed(seed, step, "topology")))
 
 
 def run_rollouts(team, questions: Sequence[Question], k: int, topology: Topology,
-                 rotate: bool = False, focus: Sequence[str] | None = None) -> RolloutBatch:
+                 focus: Sequence[str] | None = None) -> RolloutBatch:
     """Run each question K times over `topology`; returns episodes grouped [question][rollout].
 
-    `rotate` (ours, `rollout.rotate_options`): rollout k of an MCQ question sees its options rotated by k places,
-    so its K rollouts put the true answer under different letters and a letter reinforced for its own sake (not
-    for what the notes say) gains as often as it loses within the group.
     `focus` (`credit: agent`): one agent per question; in that question's episodes every other agent decodes
     greedily (temperature 0), so only the focus agent's draws differ between its K rollouts."""
     if k < 1:
         raise RolloutError(f"num_generations must be >= 1, got {k}")
-    repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(k)]
+    repeated = [q for q in questions for _ in range(k)]
     extra = {}
     if focus is not None:
         names = [a.name for a in team.cfg.agents]
@@ -225,54 +205,6 @@ def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> di
     return rewards
 
 
-def resample_answers(batch: RolloutBatch, agents: Sequence[str], chat_for: Callable[[str], Any], m: int,
-                     temperatures: dict[str, float], max_new_tokens: int, seed: int,
-                     answer_rewards: Callable[[list[tuple[Question, str]]], list[float]],
-                     scale: bool) -> list[AnswerGroup]:
-    """Sample every answer prompt of `agents` M more times (one generate call per agent) and fill each group's
-    rewards (`answer_rewards` over (question, completion text) pairs, original answer first) and advantages."""
-    from m1.marl.grpo import group_advantages
-    from m1.models.base import ChatRequest, SamplingParams
-
-    if m < 1:
-        raise RolloutError(f"answer_samples must be >= 1 to resample, got {m}")
-    groups: list[AnswerGroup] = []
-    for g, group in enumerate(batch.episodes):
-        for k, ep in enumerate(group):
-            for i, gen in enumerate(ep.generations):
-                if gen.phase == "answer" and gen.agent in agents and gen.completion_ids and ep.error is None:
-                    groups.append(AnswerGroup(agent=gen.agent, group=g, rollout=k, index=i, extra=[]))
-    for n, agent in enumerate(agents):
-        mine = [x for x in groups if x.agent == agent]
-        if not mine:
-            continue
-        gens = [batch.episodes[x.group][x.rollout].generations[x.index] for x in mine]
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperatures[agent], seed=seed + n)
-        outs = chat_for(agent).generate([ChatRequest(gen.prompt) for gen in gens for _ in range(m)], params)
-        if len(outs) != m * len(gens):
-            raise RolloutError(f"agent {agent!r}: {len(outs)} answers for {m * len(gens)} resample requests")
-        for j, (x, gen) in enumerate(zip(mine, gens)):
-            x.extra = outs[j * m:(j + 1) * m]
-            if any(o.prompt_ids != gen.prompt_ids for o in x.extra):
-                raise RolloutError(f"agent {agent!r}, question {batch.questions[x.group].id!r}: resampled answers "
-                                   "were tokenized with another prompt than the original answer")
-    pairs = []
-    for x in groups:
-        ep = batch.episodes[x.group][x.rollout]
-        gen = ep.generations[x.index]
-        pairs += [(ep.question, gen.completion)] + [(ep.question, o.text) for o in x.extra]
-    flat = answer_rewards(pairs)
-    if len(flat) != len(pairs):
-        raise RolloutError(f"answer reward returned {len(flat)} values for {len(pairs)} answers")
-    width = m + 1
-    if groups:
-        adv = group_advantages([flat[i * width:(i + 1) * width] for i in range(len(groups))], scale=scale)
-        for i, x in enumerate(groups):
-            x.rewards = flat[i * width:(i + 1) * width]
-            x.advantages = [float(v) for v in adv[i]]
-    return groups
-
-
 OUTCOME_PHASES = ("answer", "summary")  # what `credit: phase` trains on the outcome: the generations that decide it
 
 
@@ -283,22 +215,18 @@ class Credit:
     reward: float
     advantage: float
     trained: bool
-    extra: AnswerGroup | None = None  # its answer group (`rollout.answer_samples`), whose extra answers follow it
 
 
 def generation_credit(batch: RolloutBatch, advantages: dict[str, Any],
                       answer_advantages: dict[str, Any] | None = None,
-                      answer_groups: Sequence[AnswerGroup] = (),
                       phases: Collection[str] | None = None) -> dict[tuple[int, int, int], Credit]:
     """(g, k, i) -> the Credit of generation i of rollout (g, k), for every generation of an agent in `advantages`.
 
     Every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with `answer_advantages`
-    (credit: phase), its answers and summaries get answer_advantages[agent][g, k] instead; an answer with an
-    `AnswerGroup` gets its group's reward and advantage. It is trained on unless its episode failed, its phase is
+    (credit: phase), its answers and summaries get answer_advantages[agent][g, k] instead. It is trained on unless its episode failed, its phase is
     not in `phases` (`rollout.train_phases`), or another agent is its question's focus (`credit: agent`). The
     samples of a step (`build_samples`) and the record of what it trained on (m1/marl/samples.py) both read this."""
     out: dict[tuple[int, int, int], Credit] = {}
-    resampled = {(x.agent, x.group, x.rollout, x.index): x for x in answer_groups}
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
             for i, gen in enumerate(ep.generations):
@@ -306,26 +234,22 @@ def generation_credit(batch: RolloutBatch, advantages: dict[str, Any],
                     continue
                 outcome_credit = answer_advantages is not None and gen.phase in OUTCOME_PHASES
                 table = answer_advantages if outcome_credit else advantages
-                extra = resampled.get((gen.agent, g, k, i))
                 trained = (ep.error is None and (phases is None or gen.phase in phases)
                            and (batch.focus is None or gen.agent == batch.focus[g]))
-                out[(g, k, i)] = Credit(
-                    reward=batch.rewards[gen.agent][g][k] if extra is None else extra.rewards[0],
-                    advantage=float(table[gen.agent][g, k]) if extra is None else extra.advantages[0],
-                    trained=trained, extra=extra)
+                out[(g, k, i)] = Credit(reward=batch.rewards[gen.agent][g][k],
+                                        advantage=float(table[gen.agent][g, k]), trained=trained)
     return out
 
 
 def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float],
                   answer_advantages: dict[str, Any] | None = None,
-                  answer_groups: Sequence[AnswerGroup] = (),
                   phases: Collection[str] | None = None) -> dict[str, list[Sample]]:
     """Per-agent samples: one per generation that `generation_credit` marks trained, carrying its reward and
-    advantage; an answer with an `AnswerGroup` is followed by the group's extra answers."""
+    advantage."""
     from m1.models.base import image_frames
 
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
-    credit = generation_credit(batch, advantages, answer_advantages, answer_groups, phases)
+    credit = generation_credit(batch, advantages, answer_advantages, phases)
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
             for i, gen in enumerate(ep.generations):
@@ -346,24 +270,4 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                     reward=c.reward, advantage=c.advantage,
                     temperature=temperatures[gen.agent], weight_version=gen.weight_version,
                     video=ep.question.video if frames else None, frames=frames))
-                if c.extra is None:
-                    continue
-                for o, r, a in zip(c.extra.extra, c.extra.rewards[1:], c.extra.advantages[1:]):
-                    if o.completion_ids:
-                        out[gen.agent].append(Sample(
-                            agent=gen.agent, question_id=ep.question.id, group=g, rollout=k, phase="answer",
-                            prompt_ids=list(o.prompt_ids), completion_ids=list(o.completion_ids),
-                            logprobs=list(o.logprobs) if o.logprobs is not None else None, reward=r, advantage=a,
-                            temperature=temperatures[gen.agent], weight_version=o.meta.get("weight_version")))
     return out
-
-
-def advantages_for(rewards: dict[str, list[list[float]]], scale: bool,
-                   baseline: dict[str, list[list[float]]] | None = None) -> dict[str, Any]:
-    """GRPO advantages per agent over its [G, K] rewards (see m1.marl.grpo.group_advantages); with `baseline`
-    (each agent's [G, 1] rewards of the greedy runs, `grpo.baseline: greedy`), rewards minus that instead."""
-    from m1.marl.grpo import baseline_advantages, multi_agent_advantages
-
-    if baseline is None:
-        return multi_agent_advantages(rewards, scale=scale)
-    return {a: baseline_advantages(r, [g[0] for g in baseline[a]]) for a, r in rewards.items()}

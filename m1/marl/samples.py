@@ -86,10 +86,6 @@ def write_step_samples(out_dir: str | Path, step: int, batch, credit: dict, live
                        "prompt": _prompt_text(gen.prompt), "completion": gen.completion, "parse_ok": gen.parse_ok,
                        **info, "reward_parts": reward_parts, "error": ep.error}
                 rows.append(row)
-                if c.extra is not None:  # rollout.answer_samples: the extra answers drawn from the same prompt
-                    for j, (o, r, a) in enumerate(zip(c.extra.extra, c.extra.rewards[1:], c.extra.advantages[1:])):
-                        rows.append({**row, "phase": "answer", "extra_answer": j + 1, "completion": o.text,
-                                     "reward": _num(r), "advantage": _num(a), "reward_parts": {}})
             write_trace(folder, ep.model_copy(update={"id": name, "generations": gens}), pool=pool, index=index)
     write_whole(folder / SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
     up = (f"../../{INDEX_NAME}", "the training run (`m1 view` writes its page)")

@@ -32,10 +32,24 @@ from typing import Any, Callable
 from m1.files import write_whole
 from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
 from m1.marl.rewards import RewardConfig, batch_agent_rewards
-from m1.marl.rollout import rotate_options
-from m1.schema import Episode, Question, Turn
+from m1.data.metrics import truth_letter
+from m1.marl.team_kinds import seed_phases
+from m1.schema import LETTERS, Episode, Question, Turn
 
 log = logging.getLogger(__name__)
+
+
+def rotate_options(question: Question, shift: int) -> Question:
+    """The MCQ `question` with its options moved `shift` places down the letters (the last ones wrap to the top)
+    and its ground-truth letter moved with them; other questions unchanged."""
+    n = len(question.options)
+    if question.task != "mcq" or n < 2 or shift % n == 0:
+        return question
+    truth = question.answer
+    if truth is not None:
+        truth = LETTERS[(LETTERS.index(truth_letter(question)) + shift) % n]
+    options = [question.options[(i - shift) % n] for i in range(n)]
+    return question.model_copy(update={"options": options, "answer": truth})
 
 
 @dataclass
@@ -181,7 +195,6 @@ def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, j
         if bar is not None:
             bar.close()
     if kind is not None:
-        from m1.marl.config import seed_phases
 
         return select_seed_examples(episodes, kind, seed_phases(phases, "data.phases", kind, ["plan"]))
     return select_examples(episodes, rewards, judge, phases, keep_revised_plans, plan_filter)

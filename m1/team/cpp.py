@@ -97,9 +97,6 @@ class Team:
         self._calls = 0
         self._seed = cfg.sampling.seed
         self._counters: dict[str, Callable[[list[dict]], int]] = {}
-        # phase -> the temperature every agent samples with in that phase (training's rollout.plan_temperature);
-        # an episode's own temperature for an agent (`run(temperatures=)`) still wins
-        self.phase_temperatures: dict[str, float] = {}
         # answering (m1 infer / eval / serve) rather than training: a question whose prompt does not fit ends its own
         # episode with a "prompt too long:" error (an error row, a 400), whatever limits.over_budget says
         self.over_budget_rows = False
@@ -389,7 +386,7 @@ class Team:
     def _generate(self, calls: list[_Call]) -> list[tuple[_Call, Generation]]:
         """One generate call per (model, temperature) for all `calls`, returned in call order; calls of an episode
         dropped over the prompt budget are left out. An episode's own temperature for an agent (`run(temperatures=)`)
-        wins over the phase's (`phase_temperatures`), which wins over the agent's.
+        wins over the agent's.
 
         Calls to different remote models (OpenAI-compatible servers) of one phase overlap in
         threads, so a team whose agents are served separately waits for the slowest, not the sum;
@@ -398,7 +395,6 @@ class Team:
         groups: dict[tuple[str, float], list[_Call]] = defaultdict(list)
         for c in calls:
             temp = c.agent.temperature if c.agent.temperature is not None else self.cfg.sampling.temperature
-            temp = self.phase_temperatures.get(c.phase, temp)
             temp = c.ep.temperatures.get(c.agent.name, temp)
             groups[(c.agent.model, temp)].append(c)
         jobs = []

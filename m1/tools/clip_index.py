@@ -56,8 +56,8 @@ def model_fingerprint(model: ClipModel) -> str:
     parts: dict[str, object] = {"class": f"{type(model).__module__}.{type(model).__qualname__}",
                                 "name": getattr(model, "name", None)}
     spec = getattr(model, "spec", None)
-    if spec is not None and hasattr(spec, "model_dump"):
-        dumped = spec.model_dump(mode="json")
+    if spec is not None and hasattr(spec, "recorded"):
+        dumped = spec.recorded()
         for key in ("device", "dtype", "concurrency", "timeout", "max_retries"):
             dumped.pop(key, None)  # how it runs, not what it computes (dtype noise is tiny)
         parts["spec"] = dumped

@@ -1,10 +1,10 @@
-"""Trainer options of issue #39 (m1/marl/recipe.py): dynamic sampling, the topology schedule, plan exploration.
+"""Credit strategies (m1/marl/credit.py): each rule's own checks, dynamic sampling, the step's DAG, plan entropy.
 
-Each option defaults to the old behaviour and is left out of dumps there. The tests check what each one changes:
-tied groups leave the step and the data cursor refills it (and a killed run resumes to the same losses); the
-topology schedule reaches the complete graph when and as often as configured, from (seed, step) alone; plans are
-sampled, and scored by the learner, at the plan temperature; plan entropy per family is the entropy of the parsed
-tool sequences.
+Dynamic sampling: tied groups leave the step and the data cursor refills it (and a killed run resumes to the same
+losses). The step's DAG is drawn from (seed, step) alone; a team of one runs on the complete graph. Plan entropy per
+family is the entropy of the parsed tool sequences. The credit rules' effects on samples are tested with the
+trainer (tests/test_trainer.py: episode, phase, greedy baseline; tests/test_agent_credit.py: agent), and every
+strategy's losses are pinned by tests/test_trainer_regression.py.
 """
 import math
 import random
@@ -13,42 +13,40 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import make_video
-from fakes import FakeVision, scripted_reply
-from m1.config import TeamConfig
 from m1.marl.config import TrainConfig
-from m1.marl.recipe import entropy, informative_groups, merge_batches, plan_entropy, step_topology
-from m1.marl.rollout import RolloutBatch, sample_topology, training_team_config
-from m1.models.base import Completion
+from m1.marl.credit import BASELINES, CREDITS, informative_groups, merge_batches
+from m1.marl.rollout import RolloutBatch, derive_seed, sample_topology, step_topology
+from m1.marl.team_kinds import entropy, plan_entropy
 from m1.schema import Question
 from m1.team import topology as topo
 from test_trainer import AGENTS, COMPARED, make_trainer, team_dict, train_cfg
 
-NEW = ("dynamic_sampling", "max_refill", "complete_share", "anneal_share", "plan_temperature")
-
-
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
+NEW = ("dynamic_sampling", "max_refill")
 
 
 # ------------------------------------------------------------------------------------------------ config
-def test_new_rollout_options_are_left_out_of_dumps_at_their_defaults(tmp_path):
-    dumped = train_cfg(tmp_path).model_dump(mode="json")["rollout"]
-    assert not set(NEW) & set(dumped)  # earlier runs' recorded settings still match
-    on = train_cfg(tmp_path, rollout={"dynamic_sampling": True, "max_refill": 1, "complete_share": 0.25,
-                                      "anneal_share": 0.5, "plan_temperature": 1.3}).model_dump(mode="json")
-    assert {k: on["rollout"][k] for k in NEW} == {"dynamic_sampling": True, "max_refill": 1, "complete_share": 0.25,
-                                                 "anneal_share": 0.5, "plan_temperature": 1.3}
+def test_dynamic_sampling_is_recorded_only_when_set(tmp_path):
+    recorded = train_cfg(tmp_path).recorded()["rollout"]
+    assert not set(NEW) & set(recorded)  # at their defaults: not part of a run's recorded identity
+    on = train_cfg(tmp_path, rollout={"dynamic_sampling": True, "max_refill": 1}).recorded()
+    assert {k: on["rollout"][k] for k in NEW} == {"dynamic_sampling": True, "max_refill": 1}
+
+
+def test_registries_name_every_choice_the_config_offers():
+    rollout = TrainConfig.model_fields["rollout"].annotation
+    assert set(CREDITS) == set(rollout.model_fields["credit"].annotation.__args__) == {"episode", "phase", "agent"}
+    grpo = TrainConfig.model_fields["grpo"].annotation
+    assert set(BASELINES) == set(grpo.model_fields["baseline"].annotation.__args__) == {"group", "greedy"}
 
 
 @pytest.mark.parametrize("over, words", [
     ({"rollout": {"dynamic_sampling": True}, "grpo": {"baseline": "greedy", "scale_rewards": False}}, "greedy"),
-    ({"rollout": {"dynamic_sampling": True, "answer_samples": 2}}, "answer_samples"),
-    ({"rollout": {"topology": "complete", "complete_share": 0.5}}, "already 'complete'"),
-    ({"rollout": {"plan_temperature": 0.0}}, "plan_temperature"),
+    ({"grpo": {"baseline": "greedy"}}, "scale_rewards: false"),
+    ({"rollout": {"answer_samples": 2}}, "answer_samples"),  # measured, lost, removed: an unknown key now
+    ({"rollout": {"plan_temperature": 1.0}}, "plan_temperature"),
+    ({"average": {"checkpoints": 2}}, "average"),
 ])
-def test_conflicting_recipe_options_are_refused_with_the_reason(tmp_path, over, words):
+def test_conflicting_or_removed_options_are_refused_with_the_reason(tmp_path, over, words):
     with pytest.raises(ValueError, match=words):
         train_cfg(tmp_path, **over)
 
@@ -58,36 +56,15 @@ def rollout(**kw):
     return TrainConfig.model_validate({"team": team_dict(), "rollout": kw}).rollout
 
 
-def test_topology_schedule_is_the_old_draw_by_default_and_anneals_to_the_complete_graph():
+def test_step_topology_is_drawn_from_seed_and_step_and_complete_for_a_team_of_one():
     names = ["a", "b", "c", "d"]
-    plain = rollout(edge_prob=0.3, dropout=0.4)
-    from m1.marl.learner import derive_seed
-
-    for step in range(20):  # defaults: exactly the DAG the trainer always drew from (seed, step)
-        old = sample_topology(names, "random", 0.3, 0.4, random.Random(derive_seed(3, step, "topology")))
-        assert step_topology(names, plain, 3, step, 20) == old
-    annealed = rollout(edge_prob=0.3, dropout=0.4, anneal_share=0.5)
-    full = topo.complete(names)
-    tops = [step_topology(names, annealed, 3, step, 20) for step in range(20)]
-    assert all(t == full for t in tops[10:])  # from step 0.5 * 20 on: the graph evaluation runs
-    assert tops[0] == sample_topology(names, "random", 0.3, 0.4, random.Random(derive_seed(3, 0, "topology")))
-    # on the way there, fewer agents drop and more edges survive (averaged over many seeds)
-    early = [step_topology(names, annealed, s, 1, 20) for s in range(300)]
-    late = [step_topology(names, annealed, s, 8, 20) for s in range(300)]
-    assert sum(len(t.active) for t in late) > sum(len(t.active) for t in early)
-    assert sum(len(t.edges) for t in late) > sum(len(t.edges) for t in early)
-    assert step_topology(names, plain, 3, 5, 20, complete=True) == full  # a seed-kind team of one
-
-
-def test_complete_share_picks_the_complete_graph_that_often_and_repeats_per_step():
-    names = ["a", "b", "c"]
-    cfg = rollout(complete_share=0.3)
-    full = topo.complete(names)
-    tops = [step_topology(names, cfg, 7, step, 2000) for step in range(2000)]
-    share = sum(t == full for t in tops) / len(tops)
-    assert share == pytest.approx(0.3, abs=0.04)  # a random DAG is never the two-way complete graph
-    assert [step_topology(names, cfg, 7, step, 2000) for step in range(50)] == tops[:50]  # resume repeats it
-    assert all(step_topology(names, rollout(complete_share=1.0), 7, s, 10) == full for s in range(10))
+    cfg = rollout(edge_prob=0.3, dropout=0.4)
+    for step in range(20):
+        want = sample_topology(names, "random", 0.3, 0.4, random.Random(derive_seed(3, step, "topology")))
+        assert step_topology(names, cfg, 3, step) == want == step_topology(names, cfg, 3, step)
+    assert len({(tuple(t.active), tuple(t.edges)) for t in (step_topology(names, cfg, 3, s) for s in range(20))}) > 1
+    assert step_topology(names, cfg, 3, 5, complete=True) == topo.complete(names)  # a seed-kind team of one
+    assert step_topology(names, rollout(topology="complete"), 3, 5) == topo.complete(names)
 
 
 # ------------------------------------------------------------------------------------------------ plan entropy
@@ -110,57 +87,6 @@ def test_plan_entropy_per_family_is_the_entropy_of_the_parsed_tool_sequences():
     assert row["plans/entropy/order"] == 0.0  # every plan the same
     assert row["plans/entropy/open"] == 0.0  # no synth family: the task names it
     assert row["plans/entropy"] == pytest.approx(counted / 3)
-
-
-# ------------------------------------------------------------------------------------------------ plan temperature
-class RecordingChat:
-    """Scripted replies; records each generate call's temperature and whether it was the plan call."""
-
-    def __init__(self):
-        self.calls = []
-
-    def generate(self, requests, params):
-        texts = [scripted_reply(r.messages) for r in requests]
-        self.calls.append((params.temperature, all(t.startswith("##key info") for t in texts)))
-        return [Completion(text=t, prompt_ids=[1], completion_ids=[2], logprobs=[-0.1]) for t in texts]
-
-
-def test_team_samples_plans_at_the_phase_temperature_and_an_episode_override_still_wins(video):
-    from m1.models.hub import ModelHub
-    from m1.team.cpp import Team
-
-    cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "models": {
-        "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
-        "vlm": {"kind": "vision", "path": "fake/v"}}}), 0.9)
-    hub = ModelHub(cfg.models)
-    chats = {"alpha": RecordingChat(), "beta": RecordingChat()}
-    hub.register("qa", chats["alpha"])
-    hub.register("qb", chats["beta"])
-    hub.register("vlm", FakeVision(reply=lambda req: "the square is white"))
-    team = Team(cfg, hub=hub)
-    team.phase_temperatures["plan"] = 1.4
-    q = Question(id="q", video=video, text="What colour?", options=["white", "red"], task="mcq", answer="A")
-    team.run([q, q], topologies=[topo.complete(AGENTS)] * 2, temperatures=[{}, {"beta": 0.0}])
-    for agent, chat in chats.items():
-        plans = [t for t, is_plan in chat.calls if is_plan]
-        others = {t for t, is_plan in chat.calls if not is_plan}
-        assert 1.4 in plans and others <= {0.9, 0.0} and 0.9 in others
-    assert sorted(t for t, p in chats["beta"].calls if p) == [0.0, 1.4]  # the greedy override wins in episode 2
-    assert [t for t, p in chats["alpha"].calls if p] == [1.4]
-
-
-def test_training_step_scores_plans_at_the_plan_temperature(tmp_path, video, m1_cache):
-    tr = make_trainer(train_cfg(tmp_path / "run", rollout={"plan_temperature": 0.5}), video)
-    seen = []
-    update = tr.learners.update
-    tr.learners.update = lambda samples, lr, objective: seen.append(samples) or update(samples, lr, objective)
-    row = tr.train()[0]
-    temps = {(s.phase, s.temperature) for rows in seen[0].values() for s in rows}
-    assert ("plan", 0.5) in temps and ("answer", 1.0) in temps
-    assert not {t for p, t in temps if p != "plan"} - {1.0}
-    for a in AGENTS:  # the learner recomputes each sample's log-probs at the temperature it was sampled with
-        assert row[f"{a}/samples"] > 0 and row[f"{a}/logp_gap"] < 1e-4
-    assert "plans/entropy" in row and "plans/entropy/mcq" in row
 
 
 # ------------------------------------------------------------------------------------------------ dynamic sampling
@@ -202,6 +128,7 @@ def spy(tr):
     return seen
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_drops_tied_groups_and_refills_from_the_data_cursor(tmp_path, video, m1_cache):
     rounds = []  # the questions of each round of rollouts, as the reward function saw them (K=2 episodes each)
 
@@ -245,6 +172,7 @@ def test_dynamic_sampling_stops_after_max_refill_when_every_group_ties(tmp_path,
         assert all(torch.equal(after[n], before[a][n]) for n in after)  # nothing to learn from: no update
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_resumes_to_the_uninterrupted_losses(tmp_path, video, m1_cache):
     kw = dict(finetune="lora", steps=3, checkpoint={"every": 1}, rollout={"dynamic_sampling": True})
     full = make_trainer(train_cfg(tmp_path / "a", **kw), video, reward_fn=tie_some).train()

@@ -1,0 +1,283 @@
+"""Credit strategies: which episodes a step runs and what advantage each generation gets.
+
+A training step asks its `StepCredit` for the step's scored episodes and their advantages; how those are made is
+the choice of three small registries, each entry owning the extra rollouts it needs:
+
+- `CREDITS` (`rollout.credit`) — who is credited with what:
+  - `episode` (the paper's): every generation of an agent carries the advantage of that agent's episode reward;
+  - `phase`: answers and summaries carry the advantage of the reward's `outcome` part alone, so a plan's judged
+    quality or another generation's format does not decide which answer is reinforced;
+  - `agent`: question i of the run has one focus agent (trained agent i mod n) sampling while its teammates decode
+    greedily; only the focus agent is credited, within its own K episodes.
+- `BASELINES` (`grpo.baseline`) — what a reward is compared with:
+  - `group` (GRPO): the mean (and std, with `grpo.scale_rewards`) of the agent's K rollouts of the question;
+  - `greedy` (after ReMax): one more greedy run of each question; a rollout gains only by beating the greedy
+    decoding the team is evaluated with.
+- `rollout.dynamic_sampling` (DAPO): a question whose groups all tie carries no signal; it is dropped and the next
+  questions of the data cursor run in its place, for at most `rollout.max_refill` more rounds.
+
+Each entry states what it cannot be combined with in `check`, which the config's validator calls: the only place
+those rules live.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from m1.marl.grpo import baseline_advantages, multi_agent_advantages
+from m1.marl.rollout import (RolloutBatch, RolloutError, Sample, build_samples, focus_agents, focus_only,
+                             generation_credit, run_rollouts, score)
+
+Rewards = dict[str, list[list[float]]]  # agent -> [question][rollout]
+
+
+# ------------------------------------------------------------------------------------------------ credit rules
+class EpisodeCredit:
+    """Every generation of an agent carries the advantage of its episode's total reward (the paper's rule)."""
+
+    name: ClassVar[str] = "episode"
+    outcome: ClassVar[bool] = False  # answers and summaries credited with the outcome part alone
+
+    def focus(self, trained: Sequence[str], first: int, n: int) -> list[str] | None:
+        """The one sampling agent of each of the n questions (None: every agent samples)."""
+        return None
+
+    def credited(self, rewards: Rewards, focus: Sequence[str] | None) -> Rewards:
+        """The rewards each agent is credited with (NaN: no credit there)."""
+        return rewards
+
+    @classmethod
+    def check(cls, cfg, kind) -> None:
+        """Raise ValueError when this rule cannot train `cfg` (a TrainConfig) on a team of `kind`."""
+
+
+class PhaseCredit(EpisodeCredit):
+    """Answers and summaries carry the advantage of their outcome (result and the answer's own format) alone."""
+
+    name = "phase"
+    outcome = True
+
+    @classmethod
+    def check(cls, cfg, kind) -> None:
+        if not kind.per_phase_rewards:
+            raise ValueError(f"rollout.credit: {cls.name!r} needs one reward per phase; a {kind.name} episode has "
+                             "one reward for all its turns (use credit: episode)")
+
+
+class AgentCredit(EpisodeCredit):
+    """One focus agent per question samples, its teammates decode greedily; only it is credited."""
+
+    name = "agent"
+
+    def focus(self, trained, first, n):
+        return focus_agents(trained, first, n)
+
+    def credited(self, rewards, focus):
+        return focus_only(rewards, focus)
+
+    @classmethod
+    def check(cls, cfg, kind) -> None:
+        if not kind.per_phase_rewards:
+            raise ValueError(f"rollout.credit: {cls.name!r} credits one agent among teammates; a {kind.name} team "
+                             "has one agent (use credit: episode)")
+
+
+CREDITS: dict[str, type[EpisodeCredit]] = {c.name: c for c in (EpisodeCredit, PhaseCredit, AgentCredit)}
+
+
+# ------------------------------------------------------------------------------------------------ baselines
+class GroupBaseline:
+    """GRPO: a reward against the mean (and std, when scaled) of the agent's K rollouts of the question."""
+
+    name: ClassVar[str] = "group"
+
+    def __init__(self, scale: bool):
+        self.scale = scale
+
+    def extra_rollouts(self, run: Callable, questions, topology) -> RolloutBatch | None:
+        return None
+
+    def advantages(self, rewards: Rewards, base: Rewards | None) -> dict[str, Any]:
+        return multi_agent_advantages(rewards, scale=self.scale)
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        pass
+
+
+class GreedyBaseline(GroupBaseline):
+    """A reward minus that of one greedy run of the question (not trained on), unscaled."""
+
+    name = "greedy"
+
+    def extra_rollouts(self, run, questions, topology):
+        return run(questions, 1, topology, greedy=True)
+
+    def advantages(self, rewards, base):
+        return {a: baseline_advantages(r, [g[0] for g in base[a]]) for a, r in rewards.items()}
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.grpo.scale_rewards:
+            raise ValueError("grpo.baseline 'greedy' takes rewards minus the greedy run's, unscaled: set "
+                             "grpo.scale_rewards: false")
+        if cfg.rollout.dynamic_sampling:
+            raise ValueError("rollout.dynamic_sampling drops groups whose K rewards tie, but under grpo.baseline "
+                             "'greedy' such a group still has signal (rewards minus the greedy run's); use one")
+
+
+BASELINES: dict[str, type[GroupBaseline]] = {b.name: b for b in (GroupBaseline, GreedyBaseline)}
+
+
+def check_credit(cfg, kind) -> None:
+    """The one place the credit settings of a TrainConfig are checked against each other and the team kind."""
+    CREDITS[cfg.rollout.credit].check(cfg, kind)
+    BASELINES[cfg.grpo.baseline].check(cfg)
+
+
+# ------------------------------------------------------------------------------------------------ dynamic sampling
+def _spread(values: Sequence[float]) -> bool:
+    finite = [v for v in values if not math.isnan(v)]
+    return len(finite) >= 2 and max(finite) > min(finite)
+
+
+def informative_groups(rewards: dict[str, list[list[float]]],
+                       outcomes: dict[str, list[list[float]]] | None = None) -> dict[str, list[bool | None]]:
+    """Per agent and question: True when the group carries GRPO signal (two or more finite rewards that differ,
+    or, with `outcomes` (credit: phase), outcomes that differ), False when it ties, None when the agent has no
+    reward there at all (not its focus question under credit agent, or every episode failed)."""
+    out: dict[str, list[bool | None]] = {}
+    for agent, rows in rewards.items():
+        flags: list[bool | None] = []
+        for g, row in enumerate(rows):
+            if all(math.isnan(v) for v in row):
+                flags.append(None)
+                continue
+            flags.append(_spread(row) or (outcomes is not None and _spread(outcomes[agent][g])))
+        out[agent] = flags
+    return out
+
+
+def merge_batches(parts: Sequence[tuple[RolloutBatch, Sequence[int]]]) -> RolloutBatch:
+    """One batch of the kept questions (`(batch, question indices)` per round, in order), with their episodes,
+    rewards, outcomes, breakdowns and focus agents; the topology is the step's (every round shares it)."""
+    if not parts:
+        raise ValueError("merge_batches: no rounds to merge")
+    first = parts[0][0]
+    merged = RolloutBatch(questions=[], episodes=[], topology=first.topology,
+                          rewards={a: [] for a in first.rewards}, outcomes={a: [] for a in first.outcomes},
+                          focus=[] if first.focus is not None else None)
+    for batch, keep in parts:
+        k = len(batch.episodes[0]) if batch.episodes else 0
+        for g in keep:
+            merged.questions.append(batch.questions[g])
+            merged.episodes.append(batch.episodes[g])
+            merged.breakdowns.extend(batch.breakdowns[g * k:(g + 1) * k])
+            for a in merged.rewards:
+                merged.rewards[a].append(batch.rewards[a][g])
+            for a in merged.outcomes:
+                merged.outcomes[a].append(batch.outcomes[a][g])
+            if merged.focus is not None:
+                merged.focus.append(batch.focus[g])
+    return merged
+
+
+# ------------------------------------------------------------------------------------------------ one step
+@dataclass
+class StepCredit:
+    """A step's scored episodes and what each generation is credited with."""
+
+    batch: RolloutBatch  # the episodes the step trains on (dynamic sampling: the kept questions of every round)
+    advantages: dict[str, Any]  # agent -> [G, K]
+    outcome_advantages: dict[str, Any] | None  # credit phase: what answers and summaries carry instead
+    rounds: list[RolloutBatch]  # every batch the step ran (one, unless dynamic sampling refilled it)
+    live: dict[str, list[bool]] | None = None  # dynamic sampling: agent -> kept question -> group has signal
+    greedy: RolloutBatch | None = None  # grpo.baseline greedy: the greedy run of each question (scored)
+    metrics: dict[str, Any] = field(default_factory=dict)  # what the strategy alone knows (groups dropped, greedy)
+
+    def generation_credit(self, phases):
+        return generation_credit(self.batch, self.advantages, self.outcome_advantages, phases)
+
+    def samples(self, temperatures: dict[str, float], phases) -> dict[str, list[Sample]]:
+        """One sample per credited generation; under dynamic sampling a kept question's tied groups drop out."""
+        samples = build_samples(self.batch, self.advantages, temperatures, self.outcome_advantages, phases)
+        if self.live is not None:
+            samples = {a: [s for s in rows if self.live[a][s.group]] for a, rows in samples.items()}
+        return samples
+
+
+class CreditStrategy:
+    """The step's rollouts and advantages under one credit rule, one baseline and (optionally) dynamic sampling.
+
+    `run(questions, k, topology, focus=None, greedy=False)` runs K episodes per question on the trainer's team;
+    `reward(batch)` scores a batch (`score` with the trainer's reward function and trained agents); `take(n)`
+    returns (first question's number, the next n questions) of the data cursor, for refills."""
+
+    def __init__(self, cfg, trained: Sequence[str], run: Callable, reward: Callable, take: Callable):
+        self.rule = CREDITS[cfg.rollout.credit]()
+        self.baseline = BASELINES[cfg.grpo.baseline](cfg.grpo.scale_rewards)
+        self.k, self.per_step, self.refill = (cfg.rollout.num_generations, cfg.rollout.questions_per_step,
+                                              cfg.rollout.max_refill)
+        self.dynamic = cfg.rollout.dynamic_sampling
+        self.trained, self._run, self._reward, self._take = list(trained), run, reward, take
+
+    def step(self, questions, first: int, topology, clock) -> StepCredit:
+        if self.dynamic:
+            batch, rounds, live, dropped = self._refilled(questions, first, topology)
+            rewards = batch.rewards
+        else:
+            focus = self.rule.focus(self.trained, first, len(questions))
+            batch = self._run(questions, self.k, topology, focus)
+            rounds, live = [batch], None
+        greedy = self.baseline.extra_rollouts(self._run, questions, topology)
+        clock.lap("rollout")
+        if not self.dynamic:
+            rewards = self._reward(batch)
+        base = self._reward(greedy) if greedy is not None else None
+        advantages = self.baseline.advantages(self.rule.credited(rewards, batch.focus), base)
+        outcome = None
+        if self.rule.outcome:
+            if not batch.outcomes:
+                raise RolloutError(f"rollout.credit {self.rule.name!r} needs rewards with an `outcome` part "
+                                   "(RewardBreakdown); this reward function returns plain numbers")
+            outcome = self.baseline.advantages(batch.outcomes, greedy.outcomes if greedy is not None else None)
+        metrics = {}
+        if live is not None:
+            metrics = {"groups/dropped_share": dropped, "groups/refill_rounds": len(rounds) - 1,
+                       "groups/kept": len(batch.questions)}
+        if greedy is not None:  # the greedy team on the step's questions: what evaluation measures
+            flat = [r for a in base for g in base[a] for r in g if not math.isnan(r)]
+            metrics["greedy/reward"] = sum(flat) / len(flat) if flat else float("nan")
+        return StepCredit(batch, advantages, outcome, rounds, live, greedy, metrics)
+
+    def _refilled(self, questions, first: int, topology):
+        """Dynamic sampling: run and score `questions`, keep each question where some agent's group has reward
+        spread, and run the next questions of the data cursor in place of the others, for at most `max_refill`
+        more rounds. Returns the kept questions' merged batch, every round's batch, which (agent, kept question)
+        groups carry signal, and the share of all groups that tied."""
+        parts, rounds, flags = [], [], {a: [] for a in self.trained}
+        groups = tied = 0
+        while True:
+            focus = self.rule.focus(self.trained, first, len(questions))
+            batch = self._run(questions, self.k, topology, focus)
+            credited = self.rule.credited(self._reward(batch), focus)
+            live = informative_groups(credited, batch.outcomes if self.rule.outcome else None)
+            keep = [g for g in range(len(questions)) if any(live[a][g] for a in self.trained)]
+            for a in self.trained:
+                groups += sum(f is not None for f in live[a])
+                tied += sum(f is False for f in live[a])
+                flags[a] += [bool(live[a][g]) for g in keep]
+            rounds.append(batch)
+            parts.append((batch, keep))
+            need = self.per_step - sum(len(k) for _, k in parts)
+            if need == 0 or len(rounds) > self.refill:
+                break
+            first, questions = self._take(need)
+        return merge_batches(parts), rounds, flags, tied / groups if groups else 0.0
+
+
+def score_with(reward_fn, trained):
+    """`reward(batch)` for a CreditStrategy: fill the batch's rewards (and outcomes) for the trained agents."""
+    return lambda batch: score(batch, trained, reward_fn)
