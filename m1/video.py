@@ -150,7 +150,7 @@ def _packet_table(container, stream, to_eof: bool = False) -> tuple[list[int], l
     return pts, keys
 
 
-# A file still being written, or cut short, must not pass for a shorter video (issue #50): FFmpeg reads what is
+# A file still being written, or cut short, must not pass for a shorter video: FFmpeg reads what is
 # there and reports that as the whole video. For ISO BMFF (mp4/mov) two things show it:
 #  - the file ends inside a top-level box (a `moof`/`mdat` whose size runs past the end of the file): a recorder
 #    that is still writing, or a copy cut in half, almost always stops mid-box; a finished file never does;

@@ -18,7 +18,7 @@ Both take `plan_rubric` (`judge.plan_rubric` of a MARL config), how plans and to
 - `cues` (default, the paper's judge as we read it): the tools must fit cues of the question (a stated time
   -> Time Stamp Retrieval, spatial words -> Space Tool, counting -> Global Sampling, grounding -> Grounding
   Tool). These are the rule-based teacher's own preferences, so a different plan that answers right fails.
-- `outcome` (ours, issue #39): no tool is required for any cue. A plan passes when it is well-formed (strict
+- `outcome` (ours): no tool is required for any cue. A plan passes when it is well-formed (strict
   format, known tools, selection first, a browser, no tool named twice), ran (every planned tool was called,
   unless the agent stopped or reached the call limit) and its calls produced notes the answer follows (a
   browsing call returned a description; when the agent's own tools suggested answers, its answer is one of them).
