@@ -73,7 +73,7 @@ def fragmented_mp4(src, dst, mehd_seconds=None):
 
 def make_synth_world(folder, videos, seed, duration, questions_per_video):
     """A small M1-Synth world in `folder`: (folder, questions.jsonl, its questions)."""
-    from m1.run import read_questions
+    from m1.data.questions import read_questions
     from m1.synth.make import make_dataset
 
     path = make_dataset(folder, videos=videos, seed=seed, duration=duration,
@@ -91,15 +91,63 @@ def video_factory(tmp_path):
     return _make
 
 
+@pytest.fixture(scope="module")
+def video(tmp_path_factory, m1_cache):
+    """The trainer tests' video, one per test module: 6 s at 2 fps (12 frames, 64 px), as a str path. It sets up the
+    session's tiny-model cache too (`m1_cache`), which the runs on it build their models in."""
+    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
+
+
+@pytest.fixture
+def video_24_frames(tmp_path):
+    """A fresh video per test: 6 s at 4 fps (24 frames, 32 px), as a Path (the CLIP cache tests index every frame)."""
+    return make_video(tmp_path / "v.mp4", seconds=6, fps=4, size=32)
+
+
+def varied_reward(episodes):
+    """A reward that differs between rollouts (random tiny models rarely earn different task rewards): for each agent
+    with a generation in the episode, the sum of its completion token ids mod 7. Any team: agents without a
+    generation get no reward."""
+    out = []
+    for e in episodes:
+        ids: dict[str, int] = {}
+        for g in e.generations:
+            ids[g.agent] = ids.get(g.agent, 0) + sum(g.completion_ids)
+        out.append({a: float(n % 7) for a, n in ids.items()})
+    return out
+
+
 def pytest_configure(config):
     """One torch thread: on 2 shared cores, tiny models run many times faster single-threaded."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         torch.set_num_threads(1)
+        register_optimizer_step_pre_hook(_no_training_outside_slow)
     except ImportError:
         pass
+
+
+_current_test = []  # the item pytest is running (setup, call and teardown)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current_test.append(item)
+    try:
+        yield
+    finally:
+        _current_test.pop()
+
+
+def _no_training_outside_slow(optimizer, args, kwargs):
+    """`make test-fast` trains no model: an optimizer step in this process (a GRPO or SFT step, a learner update, an
+    experiment stage that trains, in the test or its fixtures) fails a test without the `slow` mark."""
+    if _current_test and _current_test[-1].get_closest_marker("slow") is None:
+        pytest.fail(f"{_current_test[-1].nodeid} steps an optimizer ({type(optimizer).__name__}): a test that trains "
+                    "gets @pytest.mark.slow (make test-fast trains no model; see tests/README.md)", pytrace=False)
 
 
 @pytest.fixture

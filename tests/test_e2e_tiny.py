@@ -114,7 +114,8 @@ def test_sigkill_then_resume_lists_each_id_once(folder, tmp_path, m1_cache):
 
 
 def test_results_record_their_team_and_weights(tmp_path):
-    from m1.run import InputError, check_team
+    from m1.data.questions import InputError
+    from m1.results import check_team
 
     weights = tmp_path / "w"
     weights.mkdir()
@@ -152,7 +153,8 @@ def test_results_record_their_team_and_weights(tmp_path):
 def test_results_record_the_recipe_of_tiny_models(tmp_path, monkeypatch):
     """A model built from a tiny spec changes with the build recipe (or synth tokenizer) though its config does not."""
     from m1.models import tiny
-    from m1.run import InputError, check_team
+    from m1.data.questions import InputError
+    from m1.results import check_team
 
     cfg = load_team("tiny")
     out = tmp_path / "res.jsonl"

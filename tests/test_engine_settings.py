@@ -1,9 +1,11 @@
-"""Settings that follow from `rollout.engine: vllm` (issue 44, 3): the engine/trainer correction is on by default."""
+"""Settings that follow from `rollout.engine: vllm`: the engine/trainer correction is on by default (decided by
+m1/marl/resolve.py, never by the validator)."""
 
 import pytest
 
 from test_trainer import team_dict
 from m1.marl.config import TrainConfig
+from m1.marl.resolve import resolve
 
 
 def _cfg(tmp_path, engine, **grpo):
@@ -16,9 +18,10 @@ def _cfg(tmp_path, engine, **grpo):
 
 
 def test_sampler_is_the_default_old_logprobs_with_a_vllm_engine(tmp_path):
-    assert _cfg(tmp_path, "vllm").grpo.old_logprobs == "sampler"
-    assert _cfg(tmp_path, "hf").grpo.old_logprobs == "policy"
-    assert _cfg(tmp_path, "vllm", old_logprobs="rollout").grpo.old_logprobs == "rollout"
+    assert _cfg(tmp_path, "vllm").grpo.old_logprobs is None  # left to resolve: the config is as written
+    assert resolve(_cfg(tmp_path, "vllm")).cfg.grpo.old_logprobs == "sampler"
+    assert resolve(_cfg(tmp_path, "hf")).cfg.grpo.old_logprobs == "policy"
+    assert resolve(_cfg(tmp_path, "vllm", old_logprobs="rollout")).cfg.grpo.old_logprobs == "rollout"
 
 
 def test_policy_old_logprobs_with_a_vllm_engine_is_refused_naming_both_keys(tmp_path):

@@ -7,18 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer import questions, team_dict, varied_reward
+from conftest import varied_reward
+from test_trainer import questions, team_dict
 from m1.marl.config import TrainConfig
 
 STANDIN = str(Path(__file__).resolve().parent / "engine_standin.py")
 AGENTS = ["alpha", "beta"]
-
-
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    from conftest import make_video
-
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
 
 
 def engine_cfg(out, steps=2, engine="vllm", learner=None, **grpo):

@@ -69,6 +69,7 @@ def _count(monkeypatch, module, name, calls, fail_on=None):
     monkeypatch.setattr(mod, name, wrapped)
 
 
+@pytest.mark.slow
 def test_experiment_runs_skips_finished_stages_and_reports(tmp_path, m1_cache, monkeypatch):
     from m1.experiment.report import write_report
     from m1.experiment.runner import read_stage, run_experiment
@@ -246,6 +247,7 @@ def test_paired_interval_uses_student_t():
     assert math.isnan(paired([0.1])[1])
 
 
+@pytest.mark.slow
 def test_shared_and_skipped_stages_data_stage_and_seeds_in_worker_processes(tmp_path, m1_cache):
     """Arms that agree up to a stage run it once (in the first one's folder); an arm runs only its `stages` (a
     reference team via `eval_team`); the data stage renders its worlds and refuses eval videos a training stage
@@ -312,6 +314,7 @@ def test_shared_and_skipped_stages_data_stage_and_seeds_in_worker_processes(tmp_
     assert any("lora_marl seed1 sft (= arm full's): done before" in p for p in printed)
 
 
+@pytest.mark.slow
 def test_export_writes_the_seated_agents_as_full_models(tmp_path, m1_cache):
     """`m1 experiment export`: every trained agent of an arm as its eval seats it, a plain model folder that loads
     alone and answers with the seated model's greedy tokens; a LoRA arm's adapter merged into its (merged SFT) base;
@@ -536,7 +539,7 @@ def test_experiment_lock_and_a_resumed_eval_stage_counts_every_attempt(tmp_path,
     four answers and rerun records all four, and the wall time of both attempts."""
     from m1.experiment.runner import read_stage, run_experiment
     from m1.locks import LockError, hold_dir
-    from m1.run import ResultsFile
+    from m1.results import ResultsFile
     from test_run_safety import ScriptedTeam
 
     spec = yaml.safe_load(tiny_experiment(tmp_path).read_text())

@@ -118,6 +118,7 @@ def test_rows_of_500_questions_of_four_agents_are_small(tmp_path):
     assert len(json.loads(record.read_text())["errors"]) == 11  # the first ten, then how many more
 
 
+@pytest.mark.slow
 def test_a_rerun_without_out_dir_skips_recorded_stages_and_retrains_what_a_new_eval_needs(tmp_path, m1_cache,
                                                                                          monkeypatch):
     """After out_dir is lost (another machine), a rerun repeats nothing the records hold; an eval whose config
@@ -205,6 +206,7 @@ def test_load_warning_when_something_else_uses_the_cores(tmp_path, monkeypatch):
     assert load == {"before": [5.0, 4.0, 3.0], "after": [5.0, 4.0, 3.0], "cores": 2, "given": 1}
 
 
+@pytest.mark.slow
 def test_sft_shared_by_the_marl_seeds_of_its_group(tmp_path, m1_cache):
     """sft_share 3: seeds 0-2 train one SFT (seed 0's), every MARL seed seats its weights and keeps its own seed,
     an SFT-only arm is answered once (its rows reused for seeds 1, 2), and the report says so; two worker processes

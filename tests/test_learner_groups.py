@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer import _synthetic_samples, questions, team_dict, varied_reward
+from conftest import varied_reward
+from test_trainer import _synthetic_samples, questions, team_dict
 from m1.config import TeamConfig
 from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig
 
@@ -33,13 +34,6 @@ def ray_cluster(m1_cache):
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "M1_CACHE": m1_cache, "HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    from conftest import make_video
-
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
 
 
 def gpu_team():
@@ -156,6 +150,7 @@ def test_several_gpus_need_ray_and_deepspeed(m1_cache):
         AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full"), GRPOSettings(), rank=0, world=2)
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny_runs_every_step_on_cpu():
     """scripts/gpu_check.py --tiny: the GPU check's steps with tiny models (the paper's run is in the README)."""
     # a fresh process: not the rendezvous variables this test process set for its own one-process DeepSpeed runs

@@ -363,7 +363,7 @@ def test_video_settings_are_checked_with_the_config(tmp_path):
     from m1.config import ConfigError, load_team
 
     base = spec("http://127.0.0.1:9/v1", kind="vision")
-    assert not {"video_input", "video_transport", "video_root"} & set(base.model_dump())  # old signatures hold
+    assert not {"video_input", "video_transport", "video_root"} & set(base.recorded())  # defaults: not recorded
     with pytest.raises(ValueError, match="video_input: video_url applies to a vision model of backend openai"):
         spec("http://127.0.0.1:9/v1", kind="chat", video_input="video_url")
     with pytest.raises(ValueError, match="video_transport: file writes each clip under `video_root`, which is not"):

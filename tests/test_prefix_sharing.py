@@ -140,6 +140,7 @@ def samples(rows) -> list[Sample]:
 
 
 @pytest.mark.parametrize("finetune", ["full", "lora"])
+@pytest.mark.slow
 def test_update_step_is_the_same_with_and_without_sharing(finetune, m1_cache):
     import torch
 

@@ -21,7 +21,7 @@ from m1.config import load_team
 from m1.files import WriteError
 from m1.locks import LockError, hold, hold_dir, holder
 from m1.schema import AgentRecord, Episode, Question, Topology
-from m1.trace import result_row
+from m1.results import result_row
 from test_e2e_tiny import REPO, _infer, folder  # noqa: F401  (folder is a fixture)
 
 IDS = [f"q{i:02d}" for i in range(10)]
@@ -152,7 +152,8 @@ def test_shards_then_merge_give_every_id_once_in_order(folder, tmp_path, m1_cach
 
 
 def test_shard_workers_must_share_one_input(tmp_path):
-    from m1.run import InputError, _record_split, parse_shard, shard_of
+    from m1.data.questions import InputError
+    from m1.results import parse_shard, record_split, shard_of
 
     qs = [Question(id=i, video="v.mp4", text="?") for i in IDS[:5]]
     assert [q.id for q in shard_of(qs, 1, 2)] == ["q01", "q03"]
@@ -160,12 +161,12 @@ def test_shard_workers_must_share_one_input(tmp_path):
     with pytest.raises(InputError, match="need 0 <= i < n"):
         parse_shard("2/2")
     out = tmp_path / "r.jsonl"
-    _record_split(out, qs, 2)
-    _record_split(out, qs, 2)  # the second worker agrees
+    record_split(out, qs, 2)
+    record_split(out, qs, 2)  # the second worker agrees
     with pytest.raises(InputError, match="splits into 2 parts, this run into 3"):
-        _record_split(out, qs, 3)
+        record_split(out, qs, 3)
     with pytest.raises(InputError, match="lists 5 questions, this run 4"):
-        _record_split(out, qs[:4], 2)
+        record_split(out, qs[:4], 2)
 
 
 # ------------------------------------------------------------------ graceful stop
@@ -200,6 +201,7 @@ import sys, time
 from pathlib import Path
 from m1 import files, run
 from m1.config import load_team
+from m1.signals import Stopped
 from m1.schema import AgentRecord, Episode, Question, Topology
 
 class Team:
@@ -229,7 +231,7 @@ files.open_for_write = lambda path, mode: (SlowWrite(open(path, mode, buffering=
 qs = [Question(id=f"q{i}", video="v.mp4", text="?") for i in range(3)]
 try:
     run.run_questions(load_team("tiny"), qs, Path(sys.argv[1]), team=Team(), progress=False, stop_on_signals=True)
-except run.Stopped as exc:
+except Stopped as exc:
     print(exc, flush=True)
     sys.exit(exc.exit_status)
 """
@@ -249,7 +251,7 @@ def _stop_mid_line(tmp_path, signals):
 
 
 def test_a_signal_mid_line_lets_the_line_finish(tmp_path):
-    from m1.run import ResultsFile
+    from m1.results import ResultsFile
 
     status, stdout, err, _, out = _stop_mid_line(tmp_path, [signal.SIGTERM])
     assert status == 143, err
@@ -259,7 +261,7 @@ def test_a_signal_mid_line_lets_the_line_finish(tmp_path):
 
 
 def test_a_second_signal_stops_at_once(tmp_path):
-    from m1.run import ResultsFile
+    from m1.results import ResultsFile
 
     status, _, err, seconds, out = _stop_mid_line(tmp_path, [signal.SIGTERM, signal.SIGINT])
     assert status == 130 and seconds < 2.5, (status, seconds, err)  # did not wait for the 3 s write
@@ -426,12 +428,14 @@ def test_error_rows_are_retried_by_default_and_kept_with_keep_errors(tmp_path, m
 
 def test_merge_names_the_ids_of_a_missing_part(tmp_path):
     from m1 import run
+    from m1.data.questions import InputError
+    from m1.results import merge_parts
 
     cfg, qs = load_team("tiny"), _qs(tmp_path, 5)
     out = tmp_path / "results.jsonl"
     run.run_questions(cfg, qs, out, team=ScriptedTeam(), progress=False, shard=(0, 2))
-    with pytest.raises(run.InputError) as err:
-        run.merge_parts(out)
+    with pytest.raises(InputError) as err:
+        merge_parts(out)
     assert str(err.value) == (f"cannot merge into {out}: results.jsonl.part-1-of-2.jsonl (ids 'q01', 'q03') missing; "
                               f"run those workers (--shard 1/2) first")
 

@@ -64,6 +64,7 @@ def test_params_are_validated_and_hashed():
     assert ct.params_hash({"steps": 10}) != ct.params_hash({"steps": 11})
 
 
+@pytest.mark.slow
 def test_folder_loads_through_open_clip_model(trained):
     from m1.models.clip import OpenClipModel
     from m1.synth.render import render_frame
@@ -83,6 +84,7 @@ def test_folder_loads_through_open_clip_model(trained):
     assert not np.allclose(rand.encode_texts(["the red square"]), txt[:1], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_loss_decreases_and_metrics_written(trained):
     m = _metrics(trained)
     losses = m["losses"]
@@ -93,6 +95,7 @@ def test_loss_decreases_and_metrics_written(trained):
     assert (trained / manifest["config"]).is_file() and (trained / manifest["checkpoint"]).is_file()
 
 
+@pytest.mark.slow
 def test_deterministic_given_seed(tmp_path):
     a = _metrics(ct.train_clip(tmp_path / "a", seed=7, progress=False, **MINI))["losses"]
     b = _metrics(ct.train_clip(tmp_path / "b", seed=7, progress=False, **MINI))["losses"]
@@ -101,6 +104,7 @@ def test_deterministic_given_seed(tmp_path):
     assert a != c
 
 
+@pytest.mark.slow
 def test_ensure_reuses_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("M1_CACHE", str(tmp_path / "cache"))
     assert ct.default_clip_dir(**MINI) == tmp_path / "cache" / "synth-clip" / ct.params_hash(MINI)
@@ -123,6 +127,7 @@ def test_model_files_needs_a_finished_folder(tmp_path):
         ct.model_files(tmp_path)
 
 
+@pytest.mark.slow
 def test_evaluate_returns_rates(trained):
     r = ct.evaluate_clip(trained, videos=1, seed=11, duration=60.0)
     for name in ("trained", "random", "chance"):

@@ -11,17 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_video
+from conftest import varied_reward
 from m1.config import ConfigError
 from m1.marl.config import LogConfig, TrainConfig
 from m1.schema import Question
 
 AGENTS = ["alpha", "beta"]
-
-
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
 
 
 def tiny_cfg(out, steps=2, **log):
@@ -33,11 +28,6 @@ def tiny_cfg(out, steps=2, **log):
         "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16},
         "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
         "log": {"progress": False, **log}})
-
-
-def varied_reward(episodes):
-    return [{a: float(sum(sum(g.completion_ids) for g in e.generations if g.agent == a) % 7) for a in AGENTS}
-            for e in episodes]
 
 
 def trainer(cfg, video):
@@ -103,6 +93,7 @@ def test_params_mask_secrets_and_keep_key_variable_names():
 
 
 # ------------------------------------------------------------------------------------------------ mlflow (done when)
+@pytest.mark.slow
 def test_mlflow_run_samples_and_trace_pages_and_a_killed_run_continues_the_same_mlflow_run(tmp_path, video,
                                                                                            m1_cache):
     pytest.importorskip("mlflow", reason="mlflow is in the dev extra: pip install -e '.[dev]'")
@@ -157,6 +148,7 @@ def test_mlflow_run_samples_and_trace_pages_and_a_killed_run_continues_the_same_
     assert (out / "samples" / "step-000002" / "samples.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_samples_every_n_steps_and_off_by_default(tmp_path, video, m1_cache):
     tr = trainer(tiny_cfg(tmp_path / "a", steps=2, backends=[], samples_every=2), video)
     tr.train()

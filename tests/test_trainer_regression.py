@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_video
 from m1.marl.config import SFTConfig, TrainConfig
 from m1.schema import Question
 
@@ -84,11 +83,6 @@ def marl_cfg(out, team, over):
     for k, v in over.items():
         data[k] = {**data[k], **v}
     return TrainConfig.model_validate(data)
-
-
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
 
 
 def questions(video, n=4):

@@ -26,6 +26,7 @@ def run(tmp_path_factory, m1_cache):
     return out
 
 
+@pytest.mark.slow
 def test_the_run_index_lists_each_kept_step_with_its_pages_and_the_plots(run):
     from m1.marl.view import build_run_index, is_training_run
 
@@ -52,6 +53,7 @@ def test_the_run_index_without_samples_says_how_to_keep_them(tmp_path):
     assert "log.samples_every" in page.one("p", "no-samples").text()
 
 
+@pytest.mark.slow
 def test_m1_view_serves_a_training_run(run):
     with serving_view(run) as (built, serving, url):
         assert built == f"built {run / 'index.html'}"
@@ -67,6 +69,7 @@ def test_m1_view_serves_a_training_run(run):
             assert "class='credit advantage" in r.read().decode()
 
 
+@pytest.mark.slow
 def test_training_run_index_screenshot(run, tmp_path):
     from PIL import Image
     import numpy as np

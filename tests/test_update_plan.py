@@ -49,6 +49,7 @@ def assert_same_step(a, b):
 
 
 @pytest.mark.parametrize("objective", ["grpo", "sft"])
+@pytest.mark.slow
 def test_sorted_token_budgeted_micro_batches_give_the_old_step(objective, m1_cache):
     batch = mixed_batch(zero_share=0.3)
     # eps=1 keeps Adam's first step smooth in the gradient (see test_prefix_sharing)
@@ -64,6 +65,7 @@ def test_sorted_token_budgeted_micro_batches_give_the_old_step(objective, m1_cac
         assert new[0]["samples_run"] == len(batch)
 
 
+@pytest.mark.slow
 def test_a_step_of_only_zero_advantages_moves_the_weights_as_before(m1_cache):
     batch = mixed_batch(zero_share=1.0)
     old = old_path(lr=1e-2, eps=1.0)

@@ -105,13 +105,6 @@ MARL_MODELS = {"qa": {"arch": "qwen3", "hidden_size": 64, "layers": 1, "heads": 
 MARL_AGENTS = ["alpha", "beta"]
 
 
-@pytest.fixture(scope="module")
-def video(tmp_path_factory):
-    from conftest import make_video
-
-    return str(make_video(tmp_path_factory.mktemp("vid") / "v.mp4", seconds=6, fps=2))
-
-
 @pytest.fixture
 def vllm_env(monkeypatch):
     """What `make test-vllm` and docs/vllm.md give engines M1 launches itself: vLLM's python and the CPU flags."""
@@ -140,7 +133,8 @@ def marl_cfg(out, *, models=MARL_MODELS, learner=None, rollout=None, **top):
 
 
 def marl_trainer(cfg, video):
-    from test_trainer import questions, varied_reward
+    from conftest import varied_reward
+    from test_trainer import questions
 
     from m1.marl.trainer import Trainer
 
