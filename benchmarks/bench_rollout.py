@@ -2,7 +2,7 @@
 (the trainer's way) vs one agent after another.
 
 `--engine standin` (default): each agent talks to its own local stdlib server speaking the vLLM completions API that
-`EngineChat` (m1/models/engine.py) uses: token-id prompts in, token ids and log-probs out. A server decodes the
+`EngineChat` (m1/models/vllm_server.py) uses: token-id prompts in, token ids and log-probs out. A server decodes the
 prompt with the agents' tiny tokenizer, sleeps `--delay`, and answers with a well-formed reply (plan, continue(),
 answer), so the team runs every phase.
 
@@ -57,7 +57,7 @@ def engine(delay: float, tok) -> SlowServer:
 def make_team(urls: dict[str, tuple[str, str]], tokenizer, sequential: bool, limits: dict | None = None):
     """The 4-agent team with agent a's chat model an `EngineChat` on urls[a] = (URL, served model name)."""
     from m1.config import TeamConfig
-    from m1.models.engine import EngineChat
+    from m1.models.vllm_server import EngineChat
     from m1.team.cpp import Team
     from m1.video import VideoPool
 
@@ -129,7 +129,7 @@ def _real_env() -> str:
 
 def _shares() -> str:
     """What M1's launcher binds each of the 4 engines to when the variable is unset."""
-    from m1.models.engine import cpu_core_shares
+    from m1.models.vllm_server import cpu_core_shares
 
     return "unset, M1's per-engine shares " + " | ".join(cpu_core_shares(len(AGENTS)))
 
@@ -151,7 +151,7 @@ def _real_cfg(out: Path):
 
 def _launch(cfg, agents: list[str]):
     """`RolloutEngines` for `agents` (each engine started at once, as the trainer starts them) and the seconds."""
-    from m1.marl.engines import RolloutEngines
+    from m1.marl.rollout_engines import RolloutEngines
 
     specs = {a: (f"m_{a}", cfg.team.models[f"m_{a}"]) for a in agents}
     t0 = time.perf_counter()

@@ -8,8 +8,17 @@ from typing import Optional
 
 import typer
 
+from m1.data.cli import app as data_app
 from m1.errors import GuardedGroup, describe, fail
+from m1.experiment.cli import app as experiment_app
+from m1.files import WriteError
+from m1.locks import LockError
 from m1.marl.guard import train_guarded
+from m1.models.base import ModelError
+from m1.plots import PlotError, plot_run
+from m1.serve import serve_command
+from m1.signals import Stopped
+from m1.synth.cli import app as synth_app
 
 app = typer.Typer(cls=GuardedGroup, add_completion=False, no_args_is_help=True,
                   help="M1: multi-agent collaborative policy planning for video understanding.")
@@ -40,11 +49,7 @@ def _exit_for_errors(summary, allow_errors: bool) -> None:
 def _run_guarded(run, out: Path, debug: bool = False):
     """Run `run()` and turn what a run can meet into one `error:` line (status 2) or, for a stop by
     SIGINT/SIGTERM, the stop report with status 130/143."""
-    from m1.locks import LockError
-    from m1.models.base import ModelError
-    from m1.files import WriteError
     from m1.data.questions import InputError
-    from m1.signals import Stopped
 
     try:
         return run()
@@ -220,8 +225,6 @@ def demo(
     """Offline demo: generate M1-Synth videos and questions, run a team, print answers and accuracy."""
     from m1.config import ConfigError
     from m1.demo import run_demo
-    from m1.locks import LockError
-    from m1.models.base import ModelError
 
     try:
         run_demo(out, team, videos=videos, seed=seed, duration=duration,
@@ -317,8 +320,6 @@ def plot(
 ) -> None:
     """Training curves as PNGs: reward parts, team result, loss, KL, importance ratio, per-agent rewards (the
     figures the run's metrics allow). `m1 train` and `m1 sft` write them when they end."""
-    from m1.plots import PlotError, plot_run
-
     try:
         paths = plot_run(run_dir, out)
     except PlotError as exc:
@@ -340,7 +341,6 @@ def view(
     older than a trace. A training run gets RUN_DIR/index.html: its plots and the steps whose episodes were kept
     (log.samples_every), each linking to that step's trace pages. Only 127.0.0.1 is served: traces hold questions
     and model output."""
-    from m1.files import WriteError
     from m1.marl.view import build_run_index, is_training_run
     from m1.trace import INDEX_NAME, build_index, find_trace_dir, index_is_stale, serve
 
@@ -386,17 +386,9 @@ def main() -> None:  # pragma: no cover
 
 def _mount_subapps() -> None:
     """Sub-apps live next to their code (their heavy imports stay inside their commands)."""
-    from m1.synth.cli import app as synth_app
-
     app.add_typer(synth_app, name="synth", help="M1-Synth: generate videos and questions.")
-    from m1.experiment.cli import app as experiment_app
-
     app.add_typer(experiment_app, name="experiment", help="Experiments: stages x arms x seeds as one command.")
-    from m1.data.cli import app as data_app
-
     app.add_typer(data_app, name="data", help="Training data: question files split by video; teacher SFT examples.")
-    from m1.serve import serve_command
-
     app.command("serve")(serve_command)
 
 

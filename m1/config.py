@@ -145,7 +145,7 @@ class AgentSpec(Strict):
     model: str  # key in TeamConfig.models
     temperature: float | None = None  # overrides sampling.temperature for this agent
     # cpp: a policy agent of the CPP engine (m1/team/cpp.py). weaver | zoomer | sage: a seed system's single VLM
-    # policy in a multi-turn tool loop (m1/team/single.py, m1/seeds), a team of one
+    # policy in a multi-turn tool loop (m1/team/single.py, m1/kinds), a team of one
     kind: AgentKind = "cpp"
 
 

@@ -8,15 +8,15 @@ from pathlib import Path
 
 from m1.config import load_team
 from m1.data.questions import read_questions
+from m1.locks import hold_dir
 from m1.results import ResultsFile, check_team
 from m1.run import run_questions
+from m1.synth.make import make_dataset
 
 
 def run_demo(out: Path, team: str, videos: int = 3, seed: int = 0, duration: float = 120.0,
              questions_per_video: int = 6, overrides: list[str] | None = None, echo=print) -> dict:
     """Held for one run at a time: a second demo into the same folder is refused before it touches its data."""
-    from m1.locks import hold_dir
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with hold_dir(out, "demo folder"):
@@ -25,8 +25,6 @@ def run_demo(out: Path, team: str, videos: int = 3, seed: int = 0, duration: flo
 
 def _run_demo(out: Path, team: str, videos: int, seed: int, duration: float, questions_per_video: int,
               overrides: list[str] | None, echo) -> dict:
-    from m1.synth.make import make_dataset
-
     data = out / "data"
     stamp = data / "params.json"
     params = {"videos": videos, "seed": seed, "duration": duration, "questions_per_video": questions_per_video}

@@ -11,6 +11,9 @@ from typing import NoReturn
 import typer
 from typer.core import TyperGroup
 
+from m1.files import WriteError
+from m1.locks import LockError
+
 
 def debug_requested(flag: bool = False) -> bool:
     """--debug, or M1_DEBUG=1 in the environment: show the traceback behind an `error:` line."""
@@ -86,9 +89,6 @@ class GuardedGroup(TyperGroup):
     M1_DEBUG=1 keeps the traceback."""
 
     def invoke(self, ctx):
-        from m1.files import WriteError
-        from m1.locks import LockError
-
         debug = "--debug" in (*ctx._protected_args, *ctx.args)
         try:
             return super().invoke(ctx)

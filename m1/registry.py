@@ -1,6 +1,6 @@
 """The names a config is validated against, kept at the bottom of the package so that m1/config.py imports nothing
 above it: the paper's eight tools with their group (select sets the focus, browse reads it; re-exported by
-m1/tools), and the seed-system kinds with their tools and paper settings (re-exported by m1/seeds, which runs them).
+m1/tools), and the seed-system kinds with their tools and paper settings (re-exported by m1/kinds, which runs them).
 
 Plain data, no imports from m1 or beyond.
 """

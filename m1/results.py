@@ -22,6 +22,7 @@ from pathlib import Path
 from m1 import files
 from m1.config import TeamConfig
 from m1.data.loaders import INVALID
+from m1.data.metrics import is_correct
 from m1.data.questions import InputError
 from m1.files import WriteError, write_whole
 from m1.locks import hold
@@ -118,8 +119,6 @@ def _plan_of(ep: Episode, agent: str) -> dict:
 def result_row(ep: Episode) -> dict:
     """The results line of an episode: its answer, each agent's vote, timings and, with a truth, whether it is
     correct (the trace index shows the same answer/truth/correct)."""
-    from m1.data.metrics import is_correct
-
     t = ep.timings
     per_q = t.get("batch_wall", 0.0) / max(1.0, t.get("batch_size", 1.0))
     row = {

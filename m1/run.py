@@ -22,6 +22,7 @@ from m1.results import (ResultsFile, check_team, fingerprint, invalid_row, part_
                         shard_of)
 from m1.schema import Episode, Question
 from m1.signals import Stopped, StopOnSignals
+from m1.team.cpp import make_team
 from m1.trace import TraceIndex, render_html, trace_name
 
 
@@ -111,8 +112,6 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
 def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSignals,
          keep_errors: bool = False, keep_stale: bool = False) -> RunSummary:
     from tqdm import tqdm
-
-    from m1.team.cpp import make_team
 
     check_team(Path(out), cfg)
     results = ResultsFile(out)

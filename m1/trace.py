@@ -21,8 +21,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from m1.data.metrics import is_correct
+from m1.files import write_whole
+from m1.memory.buffer import render_record
 from m1.results import result_row
 from m1.schema import LETTERS, AgentRecord, Episode
+from m1.text import parse_span
+from m1.video import VideoReader, time_to_index
 
 THUMB_WIDTH = 96  # px; small enough that a page of 4 agents x 4 turns stays a few hundred KB
 MAX_THUMBS = 16  # per tool turn; a turn that read more frames shows this many, evenly spread
@@ -53,7 +58,6 @@ def _correct(ep: Episode, answer) -> bool | None:
     """Right or wrong against the truth; None when the question has no truth."""
     if ep.question.answer is None:
         return None
-    from m1.data.metrics import is_correct
 
     return bool(is_correct(ep.question, answer))
 
@@ -78,8 +82,6 @@ class Thumbnails:
     `note` set and every lookup empty: the page is still written, without thumbnails."""
 
     def __init__(self, video: str, pool=None, width: int = THUMB_WIDTH):
-        from m1.video import VideoReader
-
         self.width, self.reader, self.note, self.duration = width, None, None, None
         self._own = pool is None
         self._uris: dict[int, str] = {}
@@ -91,8 +93,6 @@ class Thumbnails:
             self.note = f"no thumbnails: {exc}"
 
     def index(self, t: float) -> int | None:
-        from m1.video import time_to_index
-
         if self.reader is None or not math.isfinite(t):
             return None
         return time_to_index(self.reader.info, t)
@@ -164,8 +164,6 @@ def _record_at(rec: AgentRecord, step: int | None) -> AgentRecord:
 def peer_views(ep: Episode, agent: str) -> list[tuple[str, int | None, str]]:
     """What `agent` read of its peers, as (label, step, text): once per communication step and once
     before answering, rebuilt with the same `render_record` the team used for its prompts."""
-    from m1.memory.buffer import render_record
-
     visible = [p for p in ep.topology.visible_to(agent) if p != agent and p in ep.memory]
     steps = sorted({g.step for g in ep.generations if g.agent == agent and g.phase == "communicate"})
     moments: list[tuple[str, int | None]] = [(f"deciding after step {s}", s) for s in steps]
@@ -327,7 +325,6 @@ def _options_html(ep: Episode) -> str:
 def _truth_span(ep: Episode):
     if ep.question.task != "grounding" or not ep.question.answer:
         return None
-    from m1.text import parse_span
 
     return parse_span(ep.question.answer)
 
@@ -675,8 +672,6 @@ class TraceIndex:
 
     def write(self) -> Path:
         """Write `index.html` whole (temporary file renamed over it); WriteError if it cannot be."""
-        from m1.files import write_whole
-
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / INDEX_NAME
         write_whole(path, self.html().encode())

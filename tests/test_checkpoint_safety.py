@@ -301,7 +301,7 @@ def test_sft_sigterm_checkpoints_the_step_and_the_rerun_repeats_the_losses(tmp_p
         cfg = SFTConfig(team="tiny", train_agents=["qwen2_small"], data={"examples": str(tmp_path / "ex.jsonl")},
                         learner={"finetune": "lora", "lr": 1e-2, "micro_batch_size": 2}, epochs=1, batch_size=2,
                         out_dir=str(tmp_path / out), checkpoint={"every": 3, "keep_last": 2},
-                        log={"progress": False, "tensorboard": False})
+                        log={"progress": False, "backends": []})
         path = tmp_path / f"{out}.yaml"
         path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         return path
@@ -351,7 +351,7 @@ def test_sft_resume_checks_the_checkpoint_too(tmp_path, m1_cache):
         return SFTConfig(team="tiny", train_agents=["qwen2_small"], data={"examples": str(tmp_path / "ex.jsonl")},
                          learner={"finetune": "full", "lr": 1e-2, "micro_batch_size": 2}, epochs=1, batch_size=2,
                          out_dir=str(tmp_path / "out"), checkpoint={"every": 1, **checkpoint},
-                         log={"progress": False, "tensorboard": False})
+                         log={"progress": False, "backends": []})
 
     SFTTrainer(cfg(), examples=examples).train()
     opt = tmp_path / "out" / "checkpoints" / "step-000002" / "agents" / "qwen2_small" / "optimizer.pt"

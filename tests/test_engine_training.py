@@ -21,7 +21,7 @@ def engine_cfg(out, steps=2, engine="vllm", learner=None, **grpo):
             "learner": {"finetune": "lora", "lr": 5e-2, "micro_batch_size": 4, "max_completion_tokens": 16,
                         **(learner or {})},
             "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 3},
-            "log": {"progress": False, "tensorboard": False}}
+            "log": {"progress": False, "backends": []}}
     if engine == "vllm":
         data["rollout"].update(engine="vllm", engine_command=[
             sys.executable, STANDIN, "--model", "{model}", "--port", "{port}", "--host", "{host}"])
@@ -103,7 +103,7 @@ def test_engine_run_trains_syncs_and_matches_the_learner(tmp_path, video, m1_cac
 
 @pytest.mark.slow
 def test_engine_killed_mid_step_is_a_clear_error_and_the_resumed_run_repeats_the_losses(tmp_path, video, m1_cache):
-    from m1.models.engine import EngineError
+    from m1.models.vllm_server import EngineError
 
     whole = make(engine_cfg(tmp_path / "whole", steps=3), video)
     try:

@@ -36,7 +36,7 @@ def tiny_experiment(tmp_path):
            "options": ["white", "red"], "task": "mcq", "answer": "AB"[i % 2], "meta": {"family": fam}}
           for i, fam in enumerate(families)]
     (tmp_path / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in qs))
-    log = {"progress": False, "tensorboard": False}
+    log = {"progress": False, "backends": []}
     sft = _write(tmp_path / "sft.yaml", {
         "name": "tiny_sft", "team": str(team), "data": {"examples": str(tmp_path / "examples.jsonl")},
         "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16},

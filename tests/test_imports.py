@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models",),
     ("agents", "memory"),
     ("tools",),
-    ("seeds",),
+    ("kinds",),
     ("team",),
     ("data",),
     ("trace", "results"),

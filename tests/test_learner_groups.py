@@ -101,7 +101,7 @@ def test_killed_two_rank_run_resumes_with_the_same_losses(ray_cluster, tmp_path,
             "team": team_dict(), "train_agents": ["alpha"], "judge": {"kind": "rubric"}, "grpo": {"beta": 0.05},
             "rollout": {"num_generations": 2, "questions_per_step": 2}, "learner": {**LEARNER, "gpus": 2},
             "placement": "ray", "steps": 2, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
-            "log": {"progress": False, "tensorboard": False}})
+            "log": {"progress": False, "backends": []}})
         tr = Trainer(cfg, questions=questions(video), reward_fn=varied_reward)
         try:
             return tr.train(stop_after=stop_after)

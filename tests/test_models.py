@@ -283,7 +283,7 @@ def test_hub_errors_name_the_key():
 
 
 def test_hub_missing_backend_module_is_a_model_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "m1.models.vllm", None)  # import now raises ImportError
+    monkeypatch.setitem(sys.modules, "m1.models.vllm_offline", None)  # import now raises ImportError
     hub = ModelHub({"big": ModelSpec(kind="chat", backend="vllm", path="/models/qwen")})
     with pytest.raises(ModelError, match=r"model 'big': backend 'vllm' is unavailable"):
         hub.chat("big")

@@ -570,7 +570,7 @@ def test_transformers_serve_end_to_end(tmp_path, monkeypatch):
     gen_cfg = served / "generation_config.json"
     gen_cfg.write_text(json.dumps({**json.loads(gen_cfg.read_text()), "do_sample": True}))
 
-    from m1.models.engine import free_port
+    from m1.models.vllm_server import free_port
 
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

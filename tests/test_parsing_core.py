@@ -7,8 +7,8 @@ from m1.agents.parsers import canonical_tool
 from m1.agents.reading import (
     closest_name, guarded, lenient_value, normalize_number, normalize_option, read_value, strict_value,
 )
+from m1.kinds.parsers import answer_value, canonical_name
 from m1.schema import Question
-from m1.seeds.parsers import answer_value, canonical_name
 
 MCQ = Question(id="q1", video="v.mp4", text="Which car?", options=["red car", "blue car", "green car"], task="mcq")
 OPEN = Question(id="q2", video="v.mp4", text="What does the boy drop?", task="open")
@@ -128,7 +128,7 @@ def test_guard_turns_an_exception_into_a_format_failure():
 
 def test_parsers_route_their_bugs_through_the_guard(monkeypatch):
     import m1.agents.parsers as cpp
-    import m1.seeds.parsers as seeds
+    import m1.kinds.parsers as seeds
 
     def boom(*_):
         raise RuntimeError("bug")

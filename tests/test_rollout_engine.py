@@ -1,4 +1,4 @@
-"""Rollout engines over HTTP (m1/models/engine.py) against the CPU stand-in server (tests/engine_standin.py).
+"""Rollout engines over HTTP (m1/models/vllm_server.py) against the CPU stand-in server (tests/engine_standin.py).
 
 The stand-in serves a tiny random Qwen3 model behind vLLM's endpoints and JSON shapes; the learner loads the same
 folder, so every log-prob the engine returns can be checked against `AgentLearner.completion_logprobs`.
@@ -16,7 +16,7 @@ import pytest
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.models.base import ChatRequest, SamplingParams, mix_seed, request_seeds
-from m1.models.engine import EngineChat, EngineError, EngineServer, vllm_command
+from m1.models.vllm_server import EngineChat, EngineError, EngineServer, vllm_command
 
 STANDIN = str(Path(__file__).with_name("engine_standin.py"))
 SPEC = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
@@ -32,7 +32,7 @@ LONG = ChatRequest([{"role": "user", "content": "Options: (A) red (B) green (C) 
 
 
 def _standin(folder: str, log: Path, **kw) -> EngineServer:
-    from m1.models.engine import free_port
+    from m1.models.vllm_server import free_port
 
     port = free_port()
     argv = [sys.executable, STANDIN, "--model", folder, "--port", str(port), "--served-model-name", "base"]
@@ -109,7 +109,7 @@ def test_vllm_command_and_server_env(monkeypatch):
 
 
 def test_server_whose_command_exits_quotes_its_log(tmp_path):
-    from m1.models.engine import free_port
+    from m1.models.vllm_server import free_port
 
     log = tmp_path / "dead.log"
     srv = EngineServer([sys.executable, "-c", "import sys; print('no such model: /nowhere'); sys.exit(3)"], log,
@@ -270,7 +270,7 @@ def test_stale_full_weight_reload_is_a_clear_error(folder, learner, tmp_path):
     import shutil
 
     shutil.copytree(folder, tmp_path / "model")
-    port = __import__("m1.models.engine", fromlist=["free_port"]).free_port()
+    port = __import__("m1.models.vllm_server", fromlist=["free_port"]).free_port()
     argv = [sys.executable, STANDIN, "--model", str(tmp_path / "model"), "--port", str(port),
             "--served-model-name", "base", "--stale-reload"]
     with EngineServer(argv, tmp_path / "stale.log", port=port, dev_mode=True) as srv:
@@ -306,7 +306,7 @@ def test_engine_host_owns_a_server_and_reports_the_node_url(folder, learner, tmp
     pytest.importorskip("ray")
     import ray
 
-    from m1.models.engine import EngineHost
+    from m1.models.vllm_server import EngineHost
 
     host = EngineHost("alpha", tmp_path)  # what a `ray.remote(num_gpus=N)(EngineHost)` actor runs
     argv = [sys.executable, STANDIN, "--model", folder, "--host", "{host}", "--port", "{port}"]

@@ -13,9 +13,9 @@ import pytest
 from conftest import make_synth_world
 
 from m1.config import ConfigError, TeamConfig, load_team
+from m1.kinds import DEFAULTS, settings_for
+from m1.kinds.parsers import SeedReply, loads_lenient, parse_sage, parse_weaver, parse_zoomer
 from m1.schema import Episode, Question
-from m1.seeds import DEFAULTS, settings_for
-from m1.seeds.parsers import SeedReply, loads_lenient, parse_sage, parse_weaver, parse_zoomer
 
 MCQ = Question(id="q1", video="v.mp4", text="What colour is the car?", options=["red", "blue", "green", "grey"])
 OPEN = Question(id="q2", video="v.mp4", text="What does the boy drop?", task="open")
@@ -227,13 +227,13 @@ def world(tmp_path_factory):
 
 def _tools(kind: str, **section):
     from m1.config import SeedSystemConfig, ToolsConfig
-    from m1.seeds.tools import SeedTools
+    from m1.kinds.tools import SeedTools
 
     return SeedTools(settings_for(kind, SeedSystemConfig(**section)), ToolsConfig(browser="vision"), lambda: None)
 
 
 def _ctx(world):
-    from m1.seeds.tools import Context
+    from m1.kinds.tools import Context
     from m1.video import VideoPool
 
     video = VideoPool().open(world[2][0].video)
@@ -272,7 +272,7 @@ def test_weaver_temporal_grounding_and_count_read_the_pixels(world):
     d, _, qs = world
     q = next(q for q in qs if q.meta["family"] == "grounding")
     tools = _tools("weaver")
-    from m1.seeds.tools import Context
+    from m1.kinds.tools import Context
     from m1.video import VideoPool
 
     video = VideoPool().open(q.video)

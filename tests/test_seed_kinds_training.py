@@ -125,7 +125,7 @@ def train_cfg(out, finetune="full", steps=1, **over):
             "learner": {"finetune": finetune, "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16,
                         "max_prompt_tokens": 2048},  # prompts are never cut: the whole weaver chat
             "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 3},
-            "log": {"progress": False, "tensorboard": False}}
+            "log": {"progress": False, "backends": []}}
     for k, v in over.items():
         data[k] = {**data[k], **v} if isinstance(data.get(k), dict) else v
     return TrainConfig.model_validate(data)
@@ -345,7 +345,7 @@ def test_sft_on_the_rule_weavers_trajectories_lowers_the_loss(world, tmp_path, m
         "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 8, "max_prompt_tokens": 4096,
                     "max_completion_tokens": 64, "max_grad_norm": None},
         "batch_size": 8, "max_steps": 8, "out_dir": str(tmp_path / "sft"), "checkpoint": {"every": 8},
-        "log": {"progress": False, "tensorboard": False}})
+        "log": {"progress": False, "backends": []}})
     tr = SFTTrainer(cfg, examples=examples)
     try:
         rows = tr.train()

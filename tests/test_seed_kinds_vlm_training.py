@@ -134,7 +134,7 @@ def train_cfg(out, steps=2, **over):
             "learner": {"finetune": "lora", "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16,
                         "max_prompt_tokens": 2048, "lora": {"dropout": 0.0}},
             "steps": steps, "out_dir": str(out), "checkpoint": {"every": 2, "keep_last": 1},
-            "log": {"progress": False, "tensorboard": False}}
+            "log": {"progress": False, "backends": []}}
     data.update(over)
     return TrainConfig.model_validate(data)
 
@@ -193,7 +193,7 @@ def test_sft_of_a_vl_student_on_the_rule_weaver_lowers_the_loss(world, tmp_path,
         "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 8, "max_prompt_tokens": 4096,
                     "max_completion_tokens": 64, "max_grad_norm": None},
         "batch_size": 8, "max_steps": 6, "out_dir": str(tmp_path / "sft"), "checkpoint": {"every": 6},
-        "log": {"progress": False, "tensorboard": False}})
+        "log": {"progress": False, "backends": []}})
     tr = SFTTrainer(cfg, examples=examples)
     try:
         learner = tr.learners.learners["weaver"]

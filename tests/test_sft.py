@@ -125,7 +125,7 @@ def sft_cfg(out, **over):
     data = {"team": STUDENTS, "data": {"examples": str(out / "examples.jsonl")},
             "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 4, "max_grad_norm": None},
             "epochs": 3, "batch_size": 4, "out_dir": str(out), "checkpoint": {"every": 3},
-            "log": {"progress": False, "tensorboard": False}}
+            "log": {"progress": False, "backends": []}}
     for k, v in over.items():
         data[k] = {**data[k], **v} if isinstance(data.get(k), dict) else v
     return SFTConfig.model_validate(data)

@@ -54,11 +54,13 @@ def killed_after_step_1(tr):
 
 
 # ------------------------------------------------------------------------------------------------ config
-def test_old_tensorboard_key_still_reads_and_backends_default_to_tensorboard():
+def test_old_tensorboard_key_reads_with_a_deprecation_and_backends_default_to_tensorboard():
     assert LogConfig().backends == ["tensorboard"]
-    assert LogConfig.model_validate({"tensorboard": False}).backends == []
-    assert LogConfig.model_validate({"tensorboard": True, "backends": ["mlflow"]}).backends == ["tensorboard",
-                                                                                                  "mlflow"]
+    with pytest.warns(FutureWarning, match="removed in M1 0.2.0.*log.backends"):
+        assert LogConfig.model_validate({"tensorboard": False}).backends == []
+    with pytest.warns(FutureWarning, match="log.tensorboard is deprecated"):
+        on = LogConfig.model_validate({"tensorboard": True, "backends": ["mlflow"]})
+    assert on.backends == ["tensorboard", "mlflow"]
     with pytest.raises(ValueError, match="named more than once"):
         LogConfig.model_validate({"backends": ["mlflow", "mlflow"]})
     with pytest.raises(ValueError, match="backends"):

@@ -51,7 +51,7 @@ def train_cfg(out, finetune="full", steps=1, **over):
             "grpo": {"beta": 0.05}, "judge": {"kind": "rubric"},
             "learner": {"finetune": finetune, "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16},
             "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
-            "log": {"progress": False, "tensorboard": False}}
+            "log": {"progress": False, "backends": []}}
     for k, v in over.items():
         data[k] = {**data[k], **v} if isinstance(data.get(k), dict) else v
     return TrainConfig.model_validate(data)
@@ -588,7 +588,7 @@ def test_init_from_starts_marl_from_the_sft_runs_weights(tmp_path, video, m1_cac
     sft = {"team": str(team_file), "data": {"examples": str(tmp_path / "examples.jsonl")},
            "learner": {"finetune": "lora", "lr": 1e-2, "micro_batch_size": 4}, "batch_size": 4, "max_steps": 3,
            "out_dir": str(tmp_path / "sft_run"), "checkpoint": {"every": 3},
-           "log": {"progress": False, "tensorboard": False}}
+           "log": {"progress": False, "backends": []}}
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
     sft_main(tmp_path / "sft.yaml", [], progress=lambda m: None)
     adapter = tmp_path / "sft_run" / "checkpoints" / "step-000003" / "agents" / "alpha" / "adapter"

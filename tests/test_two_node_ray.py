@@ -43,7 +43,7 @@ def _config(out) -> TrainConfig:
         "rollout": {"num_generations": 2, "questions_per_step": 2}, "learner": {**LEARNER, "gpus": 2},
         "placement": "ray", "steps": 2, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
         "cluster": {"gpu_mem_gb": 80, "gpus_per_node": 1, "cpus_per_gpu": 1},
-        "log": {"progress": False, "tensorboard": False}})
+        "log": {"progress": False, "backends": []}})
 
 
 def _node_resources() -> dict[str, set[str]]:

@@ -17,7 +17,7 @@ import pytest
 
 from m1.config import ModelSpec
 from m1.models.base import ChatRequest, ModelError, SamplingParams, mix_seed
-from m1.models.vllm import VLLMApi, VLLMChatModel, chosen_logprobs, load_vllm
+from m1.models.vllm_offline import VLLMApi, VLLMChatModel, chosen_logprobs, load_vllm
 
 
 @dataclass

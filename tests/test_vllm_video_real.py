@@ -21,8 +21,8 @@ import pytest
 
 from m1.config import ModelSpec, TinySpec
 from m1.models.base import SamplingParams, VisionRequest
-from m1.models.engine import EngineServer, free_port, vllm_command
 from m1.models.openai import OpenAIVisionModel, encode_mp4
+from m1.models.vllm_server import EngineServer, free_port, vllm_command
 
 ROOT = Path(__file__).resolve().parent.parent
 VIDEO_PYTHON = os.environ.get("M1_VLLM_VIDEO_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")

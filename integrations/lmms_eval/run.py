@@ -168,7 +168,7 @@ def run(args) -> int:
     kinds = {k: sum(q.task == k for q in questions) for k in utils.TASKS}
     print(f"{len(questions)} questions ({', '.join(f'{v} {k}' for k, v in kinds.items())}) in {world}")
 
-    from m1.models.engine import free_port
+    from m1.models.vllm_server import free_port
 
     port, key = free_port(), secrets.token_hex(16)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "M1_LMMS_KEY": key}

@@ -1,7 +1,7 @@
 """The parsing core every reply parser shares: answer values, tool names, and the never-raise guard.
 
 M1 reads two syntaxes: the CPP team's `##` markers (m1/agents/parsers.py) and the seed kinds' tags and JSON
-(m1/seeds/parsers.py). They differ in where an answer or a tool name is written, not in what "3", "(B)",
+(m1/kinds/parsers.py). They differ in where an answer or a tool name is written, not in what "3", "(B)",
 "[12 - 20]" or "Rough Browsr" means; that reading lives here once, so both formats score an answer alike and a fix
 to it reaches both. Each parser module keeps only its own syntax (markers, tags, folding of its tool names, the
 tidying of free text) and passes that in. It sits in m1/agents, the lower layer of its two users (docs/layout.md).

@@ -8,6 +8,9 @@ from typing import Any, Callable, Optional
 
 import typer
 
+from m1.errors import fail
+from m1.files import write_whole
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Training data: split a dataset into question files; build SFT examples with a teacher.")
 
@@ -37,7 +40,6 @@ def prepare(
     configs/sft/videochat_m1_lora.yaml) with the paper's keep rule."""
     from m1.config import ConfigError
     from m1.data.prepare import PrepareError, parse_split, prepare as run_prepare
-    from m1.errors import fail
 
     try:
         fractions = parse_split(split)
@@ -60,7 +62,6 @@ def teacher_examples(out: Path, videos: Path, sft_config: str, overrides: list[s
     import json
 
     from m1.data.prepare import PrepareError
-    from m1.files import write_whole
     from m1.marl.config import load_sft_config
     from m1.marl.sft import prepare_examples
 

@@ -18,6 +18,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
+from m1.data.loaders import load_benchmark
 from m1.files import write_whole
 from m1.schema import Question
 
@@ -82,8 +83,6 @@ def prepare(fmt: str, annotations: Path, videos: Path, out: Path, split: dict[st
             limit: int | None = None, check_videos: bool = True,
             progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Load, split and write the question files; returns the record written to OUT/prepare.json."""
-    from m1.data.loaders import load_benchmark
-
     qs, issues = load_benchmark(fmt, annotations, videos, check_videos=check_videos)
     if limit is not None:
         qs = qs[:limit]

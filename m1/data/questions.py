@@ -12,6 +12,7 @@ from pathlib import Path
 
 from m1.data.loaders import check_question
 from m1.schema import Question
+from m1.video import list_videos
 
 
 class InputError(ValueError):
@@ -25,8 +26,6 @@ def build_questions(video_dir: Path, question: str | None = None, options: list[
 
     Returns the questions and a list of problems (malformed lines) that were skipped. `invalid_rows`: as for
     `read_questions`."""
-    from m1.video import list_videos
-
     video_dir = Path(video_dir)
     if not video_dir.exists():
         raise InputError(f"{video_dir}: no such folder or file")

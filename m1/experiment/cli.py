@@ -5,6 +5,13 @@ from typing import Optional
 
 import typer
 
+from m1.errors import describe, fail
+from m1.files import WriteError
+from m1.locks import LockError
+from m1.marl.guard import train_guarded
+from m1.models.base import ModelError
+from m1.signals import Stopped
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Experiments: stages (sft -> marl -> eval) x arms x seeds, resumable, then a report.")
 
@@ -15,7 +22,6 @@ _SET_HELP = "Experiment override key.path=value (repeat), e.g. eval.questions=BE
 
 
 def _load(experiment: str, overrides: Optional[list[str]]):
-    from m1.errors import fail
     from m1.config import ConfigError
     from m1.experiment.config import load_experiment
 
@@ -43,9 +49,6 @@ def run(
     that was under way. Each finished stage is also recorded under rows_dir (docs/experiments/<name>; commit it):
     a run without out_dir skips what those records hold. Exit status as for `m1 train` (2: an error; 130/143:
     stopped by a signal, rerun to resume)."""
-    from m1.errors import describe, fail
-    from m1.marl.guard import train_guarded
-
     exp = _load(experiment, overrides)
     if plan:
         from m1.config import ConfigError
@@ -62,10 +65,7 @@ def run(
                  "`model refused:` above)")
         return
     from m1.experiment.runner import run_experiment
-    from m1.files import WriteError
-    from m1.locks import LockError
     from m1.data.questions import InputError
-    from m1.signals import Stopped
 
     def go() -> None:
         try:
@@ -87,7 +87,6 @@ def report(experiment: str = typer.Argument(..., help=_EXP_HELP),
     95% t intervals and the answers each arm fixed and broke against it, and training curves: report.md, report.csv
     and plots/<arm>.png in the experiment's out_dir. Built from the eval rows, which the committed records under
     rows_dir hold where the run folders are absent."""
-    from m1.errors import fail
     from m1.experiment.report import write_report
     from m1.experiment.runner import ExperimentError
     from m1.data.questions import InputError
@@ -113,10 +112,8 @@ def export(experiment: str = typer.Argument(..., help=_EXP_HELP),
     tokenizer (a LoRA adapter merged into its base), no optimizer state, and DEST/SOURCE.md naming their origin.
     A team config can then point `path` at them (configs/team/mini_trained.yaml reads assets/mini_team)."""
     from m1.config import ConfigError
-    from m1.errors import describe, fail
     from m1.experiment.export import export_agents
     from m1.experiment.runner import ExperimentError
-    from m1.models.base import ModelError
 
     exp = _load(experiment, overrides)
     try:

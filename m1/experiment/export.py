@@ -11,9 +11,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from m1.config import load_team
 from m1.experiment.config import Experiment
 from m1.experiment.runner import (STAGE_FILE, ExperimentError, StageRun, eval_overrides, eval_team,
                                   read_stage)
+from m1.models.hf import HFChatModel
 
 SOURCE_FILE = "SOURCE.md"
 
@@ -30,8 +32,6 @@ def _finished(exp: Experiment, arm: str, seed: int, stage: str) -> dict[str, Any
 def seated_team(exp: Experiment, arm: str, seed: int):
     """(team config, its overrides) the arm's eval answers with: the eval stage's recorded overrides once it ran,
     else the seat its last training stage recorded (so a team can be exported before its eval is done)."""
-    from m1.config import load_team
-
     if exp.eval is None:
         raise ExperimentError(f"experiment {exp.name}: no eval stage, so no team seats the trained agents")
     run = StageRun(arm, seed, "eval", exp.stage_dir(arm, seed, "eval"))
@@ -74,8 +74,6 @@ def export_agents(exp: Experiment, arm: str, seed: int, dest: str | Path,
                   progress: Callable[[str], None] = print) -> dict[str, Path]:
     """Write each trained agent of (arm, seed) to dest/<agent> as a full model folder (weights, config, tokenizer;
     no optimizer state) and a SOURCE.md naming where they came from. Returns {agent: folder}."""
-    from m1.models.hf import HFChatModel
-
     if arm not in exp.arms:
         raise ExperimentError(f"--arm {arm!r}: not an arm of experiment {exp.name} (arms: {list(exp.arms)})")
     if seed not in exp.seeds:

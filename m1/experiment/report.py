@@ -23,6 +23,7 @@ from typing import Any
 from m1.experiment.config import Experiment, ExperimentError
 from m1.experiment.rows import compact_eval, plan_name, read_results, tools
 from m1.experiment.runner import StageRun, eval_questions, read_record, read_stage, stage_identity, torn_results
+from m1.plots import PlotError, read_metrics
 
 ALL = "all"
 
@@ -458,8 +459,6 @@ def moving_mean(points: list[tuple[float, float]], window: int) -> list[tuple[fl
 
 def plot_arms(exp: Experiment, out: Path) -> list[Path]:
     """One PNG per arm that trained: a panel per training stage metric it logged (PANELS), a line per seed."""
-    from m1.plots import PlotError, read_metrics
-
     metrics: dict[tuple[str, int, str], list[dict]] = {}
     for arm in exp.arms:
         for seed in exp.seeds:

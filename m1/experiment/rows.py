@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from m1.data.metrics import is_correct
 from m1.experiment.config import ExperimentError
 
 RESULTS_FILE = "results.jsonl"  # an eval stage's answers (`m1 infer`'s results file) in its folder
@@ -41,8 +42,6 @@ def compact_eval(record: dict[str, Any], folder: Path, questions: list, source: 
     correct, agents: [[first plan ("VR+FB"), strict format 0/1, the agent's own answer right 0/1], ...]} (about
     150 bytes a question for four agents); `families` in the questions' order; `formats`, per phase [strict,
     generations] of its traces (`eval.traces`); `agents`, the agents' names."""
-    from m1.data.metrics import is_correct
-
     qs = questions
     order = {q.id: i for i, q in enumerate(qs)}
     question = {q.id: q for q in qs}

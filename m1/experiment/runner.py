@@ -28,11 +28,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from m1.config import ConfigError
+from m1.config import ConfigError, load_team
+from m1.data.loaders import load_benchmark
+from m1.data.prepare import parse_split, prepare
+from m1.data.questions import build_questions, read_questions
+from m1.errors import describe
 from m1.experiment.config import Experiment, ExperimentError
 from m1.experiment.rows import RESULTS_FILE, compact_eval
 from m1.files import WriteError, write_whole
 from m1.locks import hold_dir
+from m1.marl.checkpoint import find_latest_checkpoint
+from m1.marl.cluster import PlanError
+from m1.marl.config import load_sft_config, load_train_config
+from m1.marl.guard import OUT_DIR_ADVICE
+from m1.marl.launch import merge_adapters, trained_agent_overrides
+from m1.marl.planner import make_plan
+from m1.marl.preflight import check_run
+from m1.marl.sft import data_settings, examples_path, prepare_examples
+from m1.marl.stream import load_questions
+from m1.models.preflight import summary
+from m1.plots import PlotError, read_metrics
+from m1.results import ResultsFile
+from m1.signals import Stopped
+from m1.synth.make import make_dataset
+from m1.tools.clip_index import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +89,6 @@ def init_seat(exp: Experiment, arm: str, seed: int) -> list[str]:
         run = StageRun(arm, seed, stage, exp.stage_dir(arm, seed, stage))
         team = load_stage_config(exp, run)[0].team_config()
     elif "eval" in exp.arm_stages(arm):
-        from m1.config import load_team
-
         run = StageRun(arm, seed, "eval", exp.stage_dir(arm, seed, "eval"))
         team = load_team(eval_team(exp, arm), eval_overrides(exp, run, []))
     else:
@@ -179,8 +196,6 @@ def eval_overrides(exp: Experiment, run: StageRun, seat: list[str]) -> list[str]
 
 def load_stage_config(exp: Experiment, run: StageRun, seat: list[str] | None = None):
     """The SFT / MARL config a training stage runs with (checked before anything runs)."""
-    from m1.marl.config import load_sft_config, load_train_config
-
     spec = getattr(exp, run.stage)
     loader = load_sft_config if run.stage == "sft" else load_train_config
     base = loader(spec.config, train_overrides(exp, run)) if seat else None
@@ -190,9 +205,6 @@ def load_stage_config(exp: Experiment, run: StageRun, seat: list[str] | None = N
 
 def _seat_of(cfg, folder: Path) -> tuple[list[str], str]:
     """(seat, checkpoint root) of a finished training stage: its team_overrides plus its trained agents."""
-    from m1.marl.checkpoint import find_latest_checkpoint
-    from m1.marl.launch import trained_agent_overrides
-
     root = find_latest_checkpoint(folder)
     if root is None:
         raise ExperimentError(f"{folder}: the stage ended without a checkpoint; nothing to seat for the next stage")
@@ -212,7 +224,8 @@ MERGED_DIR = "merged"
 
 # ------------------------------------------------------------------------------------------------ stages
 def _run_train(exp: Experiment, run: StageRun, seat: list[str], progress: Callable[[str], None]) -> dict:
-    from m1.marl.launch import merge_adapters, train_main
+    # looked up at each call (not at the top), so tests that wrap these entry points reach them
+    from m1.marl.launch import train_main
     from m1.marl.sft import sft_main
 
     cfg, sets = load_stage_config(exp, run, seat)
@@ -242,8 +255,6 @@ def _gpus_used(cfg) -> int:
 
     if not torch.cuda.is_available():
         return 0
-    from m1.marl.cluster import PlanError
-    from m1.marl.planner import make_plan
 
     try:
         return make_plan(cfg).gpus_needed or torch.cuda.device_count()
@@ -259,13 +270,9 @@ def eval_team(exp: Experiment, arm: str) -> str:
 
 def eval_questions(exp: Experiment):
     """The eval stage's questions (malformed lines are reported, not fatal, as in `m1 infer`)."""
-    from m1.data.questions import build_questions, read_questions
-
     assert exp.eval is not None
     e = exp.eval
     if e.benchmarks:
-        from m1.data.loaders import load_benchmark
-
         qs, issues = [], []
         for b in e.benchmarks:
             got, bad = load_benchmark(b.format, b.annotations, b.videos)
@@ -279,9 +286,7 @@ def eval_questions(exp: Experiment):
 
 
 def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callable[[str], None]) -> dict:
-    from m1.config import load_team
-    from m1.results import ResultsFile
-    from m1.run import run_questions
+    from m1.run import run_questions  # looked up at each call, like _run_train's entry points
 
     assert exp.eval is not None
     sets = eval_overrides(exp, run, seat)
@@ -313,8 +318,6 @@ def _run_eval(exp: Experiment, run: StageRun, seat: list[str], progress: Callabl
 def check_configs(exp: Experiment) -> None:
     """Load every training stage's config (arm overrides included) and the eval team before anything runs, so a
     typo in the last arm does not surface hours in."""
-    from m1.config import load_team
-
     for arm in exp.arms:
         run0 = StageRun(arm, exp.seeds[0], "", Path())
         for stage in ("sft", "marl"):
@@ -338,8 +341,6 @@ def stage_identity(exp: Experiment, arm: str, seed: int, stage: str) -> str:
     stage of the arm up to it, with their seeds, initial-weight shifts and the synthetic worlds their paths name. Not
     out_dir nor the seated weights' paths: the same experiment gives the same identity on another machine, an edited
     config or override another one."""
-    from m1.config import load_team
-
     stages = exp.arm_stages(arm)
     first = first_training_stage(exp, arm)
     parts: list[Any] = []
@@ -401,8 +402,6 @@ def write_record(exp: Experiment, run: StageRun, done: dict[str, Any], questions
 
 def step_timing(folder: Path) -> dict[str, float]:
     """Steps a training stage logged and the mean of each `time/*` metric over them (seconds)."""
-    from m1.plots import PlotError, read_metrics
-
     try:
         rows = read_metrics(folder)
     except PlotError:
@@ -637,8 +636,6 @@ def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int)
     failed = [(seed, o) for seed, o in outcomes.items() if "error" in o]
     stopped = [o["exit_status"] for _, o in failed if o.get("exit_status")]
     if stopped:
-        from m1.signals import Stopped
-
         raise Stopped(stopped[0] - 128, "stopped by a signal; rerun the same command to resume")
     if failed:
         raise ExperimentError("; ".join(f"seed {seed}: {o['error']} (log: {logs / f'seed{seed}.log'})"
@@ -669,13 +666,9 @@ def _seed_worker(exp: Experiment, seed: int, workers: int, log_path: str) -> dic
     try:
         records = run_chains(exp, say, jobs=workers, seeds=[seed])
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which decides the exit status
-        from m1.errors import describe
-
         import traceback
 
         traceback.print_exc(file=log_file)
-        from m1.marl.guard import OUT_DIR_ADVICE
-
         return {"error": describe(exc, OUT_DIR_ADVICE) if isinstance(exc, Exception) else str(exc),
                 "exit_status": getattr(exc, "exit_status", None)}
     return {"records": records}
@@ -691,8 +684,6 @@ def _render_world(out: Path, w) -> None:
     last: a reader never sees a half-written video or question file, and `out/questions.jsonl` existing means the
     world is complete."""
     import shutil
-
-    from m1.synth.make import make_dataset
 
     tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -711,8 +702,6 @@ def run_data(exp: Experiment, progress: Callable[[str], None] = print) -> dict[s
     """The data stage (<out_dir>/data/stage.json): render the worlds not yet rendered, build each SFT owner arm's
     teacher examples, and check that no eval video has the bytes of a training video (a held-out world made from a
     training seed would score questions the students were trained on)."""
-    from m1.marl.sft import data_settings, examples_path, prepare_examples
-
     assert exp.data is not None
     folder = Path(exp.out_dir) / "data"
     t0 = time.perf_counter()
@@ -727,8 +716,6 @@ def run_data(exp: Experiment, progress: Callable[[str], None] = print) -> dict[s
         worlds.append({"out": str(out), "seed": w.seed, "videos": len(_world_files(out))})
     datasets = []
     for d in exp.data.datasets:
-        from m1.data.prepare import parse_split, prepare
-
         out, fractions = Path(d.out), parse_split(d.split)
         made = json.loads((out / "prepare.json").read_text()) if (out / "prepare.json").is_file() else {}
         same = {k: made.get(k) for k in ("format", "annotations", "videos", "seed", "split")}
@@ -774,9 +761,6 @@ def run_data(exp: Experiment, progress: Callable[[str], None] = print) -> dict[s
 
 def check_held_out(exp: Experiment) -> str:
     """Refuse an eval video whose bytes equal a training stage's video; returns what was compared."""
-    from m1.marl.stream import load_questions
-    from m1.tools.clip_index import file_sha256
-
     if exp.eval is None:
         return "no eval stage"
     trained: dict[str, str] = {}
@@ -803,8 +787,6 @@ def check_held_out(exp: Experiment) -> str:
 # ------------------------------------------------------------------------------------------------ --plan
 def _measured_step_s(exp: Experiment, arm: str, stage: str) -> float | None:
     """Mean wall seconds per step measured by earlier runs of this arm's stage (any seed), else None."""
-    from m1.plots import PlotError, read_metrics
-
     times = []
     for seed in exp.seeds:
         try:
@@ -847,10 +829,6 @@ def plan_text(exp: Experiment, gpus: int | None, gpu_mem_gb: float | None) -> tu
     """(text, fits): the stages x arms x seeds, and per training stage and arm its placement plan, GPU count and,
     where a step time was measured in this experiment's folders, estimated GPU-hours, and the preflight of its models
     (a model that cannot be built makes `fits` false, as a plan that does not fit does). Loads no weights."""
-    from m1.marl.planner import make_plan
-    from m1.marl.preflight import check_run
-    from m1.models.preflight import summary
-
     runs = stage_runs(exp)
     lines = [f"experiment {exp.name}: stages {' -> '.join(exp.stages)}; arms {list(exp.arms)}; seeds {exp.seeds}; "
              f"{len(runs)} stage runs in {exp.out_dir}"]

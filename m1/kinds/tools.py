@@ -24,10 +24,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from m1.agents.prompts import browser_prompt
+from m1.kinds import KindSettings
 from m1.models.base import Completion, VisionRequest
 from m1.schema import Question
-from m1.seeds import KindSettings
 from m1.text import format_span, format_time, parse_span, parse_timestamp
+from m1.tools.select import clip_spans
 from m1.video import VideoError, fps_indices, uniform_indices
 
 SAGE_MAX_GROUND_S = 600.0  # SAGE's ground-event window (< 10 min)
@@ -146,8 +148,6 @@ class SeedTools:
 
     def _request(self, ctx: Context, kind: str, question: Question, focus: str, idx: list[int],
                  tokens: int) -> VisionRequest:
-        from m1.agents.prompts import browser_prompt
-
         ts = ctx.video.timestamps(idx)
         return VisionRequest(frames=ctx.video.frames(idx), timestamps=ts,
                              prompt=browser_prompt(kind, question, focus, ts, tokens))
@@ -208,8 +208,6 @@ class SeedTools:
                                  indices=[best], span=(t, t)))
 
     def _temporal_count(self, ctx: Context, args: dict) -> Pending:
-        from m1.tools.select import clip_spans
-
         query = args["query"]
         s, e = ctx.span
         if e <= s:

@@ -115,9 +115,9 @@ class RolloutConfig(Strict):
     # With rollout.engine vllm the engine gets the whole step at once: auto is accepted there, a number is not.
     batch_episodes: PositiveInt | Literal["auto"] | None = None
     # Where the trained agents' rollouts are generated. hf: by each learner's own policy (Hugging Face generate).
-    # vllm: by a vLLM server per trained agent (m1/models/engine.py), weights synced after every update: M1 launches
-    # `engine_command` (default `vllm serve ...`) on the GPUs the plan gives each engine, or uses the servers the
-    # user runs at `engine_url` (one URL when one agent is trained, else {agent: URL}). All episodes of a step go to
+    # vllm: by a vLLM server per trained agent (m1/models/vllm_server.py), weights synced after every update: M1
+    # launches `engine_command` (default `vllm serve ...`) on the GPUs the plan gives each engine, or uses the servers
+    # the user runs at `engine_url` (one URL when one agent is trained, else {agent: URL}). All episodes of a step go to
     # each engine at once
     engine: Literal["hf", "vllm"] = "hf"
     engine_url: str | dict[str, str] | None = None

@@ -27,10 +27,13 @@ from m1.config import ModelSpec
 from m1.models.base import with_seeds
 from m1.marl.placement_plan import with_request_batches
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.marl.distributed import DistributedError, _require_ray
-from m1.models.engine import free_port
+from m1.marl.distributed import DistributedError, _require_ray, prepare_process_group
+from m1.models.vllm_server import free_port
 from m1.marl.learner import AgentLearner
 from m1.marl.rollout import Sample
+from m1.marl.cluster import cluster_gpus_from_ray
+from m1.marl.planner import make_plan
+from m1.models.hub import ModelHub
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +88,6 @@ class LearnerRank:
 
     def build(self, agent: str, key: str, spec: ModelSpec, cfg: LearnerConfig, grpo: GRPOSettings, seed: int,
               rank: int, world: int, addr: str, port: int) -> dict[str, Any]:
-        from m1.marl.distributed import prepare_process_group
-
         if world > 1:
             prepare_process_group(rank, world, addr, port)
         self.learner = AgentLearner(agent, key, spec, cfg, grpo, seed, rank=rank, world=world)
@@ -324,9 +325,6 @@ class RayPlacement:
 def reserve_placement(cfg) -> RayPlacement | None:
     """Start Ray, plan the run (`cfg`: a TrainConfig or SFTConfig) on the GPUs the cluster reports, refuse a plan
     that does not fit, and reserve its GPUs. None on a cluster without GPUs (CPU runs place actors freely)."""
-    from m1.marl.cluster import cluster_gpus_from_ray
-    from m1.marl.planner import make_plan
-
     ray_session(cfg.ray)
     info = cluster_gpus_from_ray(cfg.ray.address or "auto")
     if not info.gpus_per_node:
@@ -347,8 +345,6 @@ class ModelHost:
     the plan gave it, so it never shares a GPU with a learner."""
 
     def __init__(self, key: str, spec: ModelSpec):
-        from m1.models.hub import ModelHub
-
         self.model = getattr(ModelHub({key: spec}), spec.kind)(key)
 
     def attributes(self) -> dict[str, Any]:

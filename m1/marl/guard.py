@@ -10,6 +10,8 @@ import sys
 import typer
 
 from m1.errors import debug_requested, describe, fail
+from m1.locks import LockError
+from m1.models.base import ModelError
 
 
 def training_errors() -> tuple[type[Exception], ...]:
@@ -24,11 +26,9 @@ def training_errors() -> tuple[type[Exception], ...]:
     from m1.marl.cluster import PlanError
     from m1.marl.distributed import DistributedError
     from m1.marl.rollout import RolloutError
-    from m1.models.base import ModelError
 
     errors: tuple[type[Exception], ...] = (ConfigError, ModelError, DistributedError, PlanError, RolloutError,
                                            CheckpointError, OSError, ValueError, SafetensorError)
-    from m1.locks import LockError
 
     errors += (LockError,)
     if "ray" in sys.modules:  # only a run that started Ray can meet its errors; importing it costs seconds

@@ -5,10 +5,15 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-from m1.config import ConfigError, TeamConfig
+from m1.config import ConfigError, TeamConfig, load_team
+from m1.locks import hold_dir
 from m1.marl.checkpoint import find_latest_checkpoint, stop_on_signals, stopped
 from m1.marl.config import load_train_config
+from m1.marl.preflight import check_run
 from m1.marl.trainer import Trainer
+from m1.models.hf import HFChatModel
+from m1.models.preflight import require
+from m1.plots import plot_finished_run
 
 
 def trained_agent_overrides(team: TeamConfig, agents: list[str], root: Path,
@@ -73,9 +78,6 @@ def merge_adapters(team_ref: str, seat: list[str], agents: list[str], out: Path,
     rerun or a resumed run reuses it). Returns `seat` plus the overrides pointing at them (adapter cleared)."""
     import os
 
-    from m1.config import load_team
-    from m1.models.hf import HFChatModel
-
     seated = load_team(team_ref, seat)
     sets = list(seat)
     for agent in agents:
@@ -131,10 +133,6 @@ def run_training(cfg, make_trainer, total_steps: Callable[[Any], int], announce:
                  progress: Callable[[str], None]):
     """One `m1 train` / `m1 sft` run: its out_dir held against a second run, a first SIGTERM/SIGINT turned into a
     checkpointed stop (TrainingStopped), the trainer closed whatever happens; returns (trainer, rows)."""
-    from m1.locks import hold_dir
-    from m1.marl.preflight import check_run
-    from m1.models.preflight import require
-
     require(check_run(cfg))  # a model that cannot be built is named before any loads or GPUs are reserved
     with hold_dir(Path(cfg.out_dir), "training output folder"), stop_on_signals() as stop:
         trainer = make_trainer(cfg)
@@ -156,8 +154,6 @@ def train_main(config_path: str | Path, overrides: list[str] | None = None,
     TrainingStopped says "stopped at step N; rerun the same command to resume" (the command exits with 143 / 130);
     a second signal stops at once (StoppedAtOnce, no checkpoint). Rerunning the command resumes.
     """
-    from m1.plots import plot_finished_run
-
     cfg = load_train_config(config_path, overrides)
     seat_init(cfg, merge=False)  # a missing or unfinished SFT run is named before anything loads
 

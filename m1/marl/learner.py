@@ -33,7 +33,12 @@ from typing import Any
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
+from m1.marl.distributed import deepspeed_engine, resolve_ds_config
+from m1.marl.grpo import grpo_loss, token_logprobs
 from m1.marl.rollout import Sample, derive_seed
+from m1.models.base import ChatRequest, image_frames, prompt_ids, text_only
+from m1.models.hf import HFChatModel, HFVisionModel, resolve_device
+from m1.video import VideoPool
 
 VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")  # vision-language models the learner feeds pixel_values/image_grid_thw
 ZERO_SHARD = "zero-rank{rank}.pt"  # one rank's ZeRO-2 optimizer state in a learner's checkpoint folder
@@ -47,8 +52,6 @@ class AgentLearner:
                  seed: int = 0, rank: int = 0, world: int = 1):
         import torch
 
-        from m1.models.hf import HFChatModel, HFVisionModel, resolve_device
-
         self.agent, self.name, self.cfg, self.grpo = agent, model_key, cfg, grpo
         self.rank, self.world = rank, world
         if world > 1 and not cfg.deepspeed:
@@ -59,8 +62,6 @@ class AgentLearner:
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.startswith("cuda"))
         ds_cfg = None
         if cfg.deepspeed:
-            from m1.marl.distributed import resolve_ds_config
-
             ds_cfg = resolve_ds_config(cfg.deepspeed, micro_batch_size=cfg.micro_batch_size,
                                        max_grad_norm=cfg.max_grad_norm, bf16=self.bf16)
             self.bf16 = bool(ds_cfg.get("bf16", {}).get("enabled"))
@@ -118,8 +119,6 @@ class AgentLearner:
                                            eps=cfg.eps, weight_decay=cfg.weight_decay, **fused)
         self.engine = None
         if ds_cfg is not None:
-            from m1.marl.distributed import deepspeed_engine
-
             self.engine, self.optimizer = deepspeed_engine(policy, self.optimizer, ds_cfg)
         self.updates = 0
 
@@ -133,8 +132,6 @@ class AgentLearner:
         same conditional.
         """
         from dataclasses import replace
-
-        from m1.models.base import prompt_ids
 
         self.policy.eval()  # no dropout while sampling
         if not self.vl:  # a vision-language prompt's length is checked where its image tokens are known (_rows)
@@ -160,8 +157,6 @@ class AgentLearner:
     def sft_sample(self, ex) -> Sample:
         """An SFT example (m1/marl/sft.py) as this learner's `Sample`: its own chat rendering and tokenizer; the
         target ends with end-of-turn."""
-        from m1.models.base import ChatRequest, image_frames, text_only
-
         tok = self.tokenizer
         if self.vl:  # the frames stay images: the prompt ids carry their image-pad tokens
             frames = image_frames(ex.messages)
@@ -188,8 +183,6 @@ class AgentLearner:
     # -------------------------------------------------------------- images (vision-language policies)
     def _decode(self, video: str, frames: list[int]):
         """The frames as the team decoded them for the prompt (same reader, same indices)."""
-        from m1.video import VideoPool
-
         if self._videos is None:
             self._videos = VideoPool(max_bytes=256 << 20)
         return list(self._videos.open(video).frames(frames))
@@ -273,8 +266,6 @@ class AgentLearner:
         `generate` does."""
         import torch
 
-        from m1.marl.grpo import token_logprobs
-
         pad = self.tokenizer.pad_token_id
         p_len = max(len(p) for p, _ in rows)
         c_len = max(len(c) for _, c in rows)
@@ -343,8 +334,6 @@ class AgentLearner:
         import torch
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
-        from m1.marl.grpo import token_logprobs
-
         pad = self.tokenizer.pad_token_id
         which = {tuple(p): i for i, p in enumerate(prompts)}
         group = torch.tensor([which[tuple(p)] for p, _ in rows], device=self.device)
@@ -382,8 +371,6 @@ class AgentLearner:
         with gradient, so every completion token is scored by a pass that has one, while the prompt's keys and
         values are constants. Same values as the joint pass, a different (cheaper) gradient."""
         import torch
-
-        from m1.marl.grpo import token_logprobs
 
         pad = self.tokenizer.pad_token_id
         which = {tuple(p): i for i, p in enumerate(prompts)}
@@ -431,8 +418,6 @@ class AgentLearner:
         returned are the whole step's, on every rank.
         """
         import torch
-
-        from m1.marl.grpo import grpo_loss
 
         if objective not in ("grpo", "sft"):
             raise ValueError(f"objective must be 'grpo' or 'sft', got {objective!r}")

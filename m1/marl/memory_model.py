@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from m1.config import ModelSpec, TinySpec
 from m1.marl.config import LearnerConfig
 from m1.models.shapes import TextShape, VisionShape, text_shape, vision_parameters, vision_shape
+from m1.models.tiny import TINY_VL_SIZE
 
 GiB = float(2**30)
 ACT_PER_LAYER = 34  # bytes per token per hidden unit of one transformer layer's activations (bf16, fused attention)
@@ -190,8 +191,6 @@ def kv_fit(bases: list[tuple[MemoryEstimate, int, int]], usable_gb: float) -> in
 def driver_vision_shape(spec: ModelSpec) -> VisionShape:
     """The request-sizing shape of a vision driver model; a tiny one as m1/models/tiny.py builds it."""
     if spec.tiny is not None:
-        from m1.models.tiny import TINY_VL_SIZE
-
         return VisionShape(tiny_shape(spec.tiny), max(16, spec.tiny.hidden_size // 2), 4, 28 * 28, 2,
                            TINY_VL_SIZE["longest_edge"])
     return vision_shape(spec.path or "")

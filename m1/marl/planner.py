@@ -21,6 +21,7 @@ from m1.marl.memory_model import (VISION_PROMPT_TOKENS, MemoryEstimate, chat_sha
                                   needs_gpu, reference_bytes, request_frames, trained_weight_bytes,
                                   vision_request_bytes, weight_bytes)
 from m1.marl.placement_plan import GpuSlot, PlacementPlan, RequestBatch, RolloutBatch, Unit
+from m1.models.hf import DEFAULT_VISION_BATCH
 from m1.models.shapes import ShapeError, TextShape
 
 
@@ -424,8 +425,6 @@ def _vision_driver_memory(d: _Draft, key: str, spec: ModelSpec, team: TeamConfig
     Records the batch in `requests`; a GPU that cannot hold one request, or a set batch that does not fit, is a
     problem. None when the model's request size is unknown here (a note says so; the share-of-weights estimate
     stays)."""
-    from m1.models.hf import DEFAULT_VISION_BATCH
-
     cc, problems = d.cc, d.problems
     try:
         shape = driver_vision_shape(spec)

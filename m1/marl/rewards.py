@@ -300,7 +300,7 @@ def summarize(batch: Sequence[dict[str, RewardBreakdown]]) -> dict[str, float]:
 # ----------------------------------------------------------------------------- the seed kinds' rewards
 # (correct, format, tool) weights from the papers. Weaver: R = 0.7 R_corr + 0.2 R_format + 0.1 R_tool. VideoZoomer:
 # R = 0.9 R_acc + 0.1 R_format + 0.5 R_tool (its Table of RL settings), R_tool only when the answer is right in both.
-# Format is 1 when every policy turn parsed strictly (m1/seeds/parsers.py `ok`): VideoZoomer's definition (each
+# Format is 1 when every policy turn parsed strictly (m1/kinds/parsers.py `ok`): VideoZoomer's definition (each
 # turn <think> then a valid <video_zoom> or <answer>); Weaver's paper only asks for an <answer> tag, which its strict
 # parser checks along with every tool call, so a malformed call now costs the format part too.
 SEED_WEIGHTS = {"weaver": (0.7, 0.2, 0.1), "zoomer": (0.9, 0.1, 0.5)}

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from m1.config import AgentSpec, TeamConfig
+from m1.models.base import image_frames
 from m1.schema import Episode, Question, Topology
+from m1.team import topology as topo
 
 # A reward function maps the episodes of a step to {agent: reward} per episode; a value is a float or any object
 # with a `.total` (RewardBreakdown).
@@ -123,8 +125,6 @@ def derive_seed(*parts: Any) -> int:
 
 def sample_topology(agents: list[str], mode: str, edge_prob: float, dropout: float, rng: random.Random) -> Topology:
     """One DAG for a whole step (the paper's agent dropout); `complete` keeps everyone connected."""
-    from m1.team import topology as topo
-
     if mode == "complete":
         return topo.complete(agents)
     return topo.random_dag(agents, edge_prob, dropout, rng)
@@ -246,8 +246,6 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                   phases: Collection[str] | None = None) -> dict[str, list[Sample]]:
     """Per-agent samples: one per generation that `generation_credit` marks trained, carrying its reward and
     advantage."""
-    from m1.models.base import image_frames
-
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
     credit = generation_credit(batch, advantages, answer_advantages, phases)
     for g, group in enumerate(batch.episodes):

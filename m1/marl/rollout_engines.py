@@ -1,6 +1,6 @@
 """Rollout engines for training: a vLLM server per trained agent, its weights synced before every step.
 
-With `rollout.engine: vllm` the team generates through `EngineChat` clients (m1/models/engine.py) instead of the
+With `rollout.engine: vllm` the team generates through `EngineChat` clients (m1/models/vllm_server.py) instead of the
 learners' own Hugging Face `generate`. The servers are either the user's (`rollout.engine_url`) or launched here:
 on GPU clusters as Ray actors in the engine bundles of the placement plan, on a machine without a plan as local
 processes. Before each step's rollouts the learners' current weights go to their engines through shared storage:
@@ -32,8 +32,9 @@ from typing import Any
 from m1.config import ModelSpec
 from m1.marl.config import TrainConfig
 from m1.marl.rollout import RolloutError
-from m1.models.engine import (CPU_BIND_ENV, EngineChat, EngineError, EngineServer, cpu_core_shares,
-                              vllm_command)
+from m1.models.hf import HFChatModel, resolve_source
+from m1.models.vllm_server import (CPU_BIND_ENV, EngineChat, EngineError, EngineHost, EngineServer, cpu_core_shares,
+                                   free_port, vllm_command)
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,6 @@ WEIGHTS_DIR = "engine_weights"
 def _tokenizer(spec: ModelSpec, key: str):
     """The agent's own tokenizer (the learner's), so prompts are rendered and cut exactly as the learner scores."""
     from transformers import AutoTokenizer
-
-    from m1.models.hf import resolve_source
 
     source, local_only = resolve_source(spec, key)
     tok = AutoTokenizer.from_pretrained(source, local_files_only=local_only,
@@ -143,7 +142,6 @@ class RolloutEngines:
         weights than the ones trained; such a model is merged here too and written to <logs>/seated-<agent>."""
         if spec.adapter is None:
             return self._model_path(spec, key)
-        from m1.models.hf import HFChatModel
 
         target, tmp = logs / f"seated-{agent}", logs / f".seated-{agent}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -156,8 +154,6 @@ class RolloutEngines:
 
     @staticmethod
     def _model_path(spec: ModelSpec, key: str) -> str:
-        from m1.models.hf import resolve_source
-
         return resolve_source(spec, key)[0]
 
     def _argv(self, model: str) -> list[str]:
@@ -178,15 +174,12 @@ class RolloutEngines:
         if placement is not None and ("engine", agent, 0) in placement.bundles.index:
             import ray
 
-            from m1.models.engine import EngineHost
-
             if self.cfg.cluster.engine_gpus > 1:
                 raise EngineError(f"agent {agent}: a tensor-parallel engine ({self.cfg.cluster.engine_gpus} GPUs) "
                                   "is not launched by M1; run it yourself and give rollout.engine_url")
             host = ray.remote(EngineHost).options(**placement.options("engine", agent, 0)).remote(agent, str(logs))
             self._servers[agent] = host
             return ray.get(host.start.remote(model, argv=argv, dev_mode=dev_mode))
-        from m1.models.engine import free_port
 
         port = free_port()
         bind = self._cpu_binds.get(agent)

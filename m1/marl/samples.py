@@ -15,6 +15,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from m1.files import write_whole
+from m1.run import write_trace
+from m1.trace import INDEX_NAME, TraceIndex, _content
+
 SAMPLES_DIR = "samples"
 SAMPLES_FILE = "samples.jsonl"
 TABLE_COLUMNS = ["question_id", "rollout", "agent", "phase", "prompt", "completion", "reward", "advantage",
@@ -45,8 +49,6 @@ def _parts(value) -> dict[str, Any]:
 
 
 def _prompt_text(messages: list[dict]) -> list[dict[str, str]]:
-    from m1.trace import _content
-
     return [{"role": m.get("role", "?"), "content": _content(m.get("content"))} for m in messages]
 
 
@@ -56,10 +58,6 @@ def write_step_samples(out_dir: str | Path, step: int, batch, credit: dict, live
     no torn one, and a resumed run rewrites the step). `credit`: `m1.marl.rollout.generation_credit` of the step;
     `live` (dynamic sampling): agent -> per-question flags, False where the question's group tied and was dropped.
     Returns the folder and the rows."""
-    from m1.files import write_whole
-    from m1.run import write_trace
-    from m1.trace import INDEX_NAME, TraceIndex
-
     folder = step_dir(out_dir, step)
     folder.mkdir(parents=True, exist_ok=True)
     index = TraceIndex(folder)

@@ -31,10 +31,22 @@ from typing import Any, Callable
 
 from m1.files import write_whole
 from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
-from m1.marl.rewards import RewardConfig, batch_agent_rewards
+from m1.marl.rewards import RewardConfig, batch_agent_rewards, seed_rewards
 from m1.data.metrics import truth_letter
 from m1.marl.team_kinds import seed_phases
 from m1.schema import LETTERS, Episode, Question, Turn
+from m1.marl.checkpoint import (find_latest_checkpoint, load_checkpoint, naming_full_disk, resume_point,
+                                save_checkpoint)
+from m1.marl.groups import build_learners, host_driver_models, reserve_placement, stop_on_lost_ranks
+from m1.marl.launch import infer_command, run_training
+from m1.marl.learner import seed_everything
+from m1.marl.rollout import training_team_config
+from m1.marl.stream import MetricsLog, QuestionStream, load_questions
+from m1.marl.trackers import open_trackers, require_trackers
+from m1.models.hub import ModelHub
+from m1.plots import plot_finished_run
+from m1.team.cpp import make_team
+from m1.team.single import SingleAgentTeam
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +160,6 @@ def select_seed_examples(episodes: Sequence[Episode], kind: str,
     is the seed reward's `correct` (m1.data.metrics.is_correct on the final answer). A right episode that corrected
     a tool call on the way (`corrected_calls`) is kept like any other: these are VideoZoomer's reflection
     trajectories, counted in `kept_reflection_episodes`."""
-    from m1.marl.rewards import seed_rewards
-
     stats = {"episodes": len(episodes), "episodes_failed": 0, "episodes_wrong": 0, "kept": 0,
              "kept_episodes": 0, "kept_reflection_episodes": 0}
     examples: list[SFTExample] = []
@@ -180,8 +190,6 @@ def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, j
     `select_examples`); with `rotate`, rollout r of an MCQ question sees its options rotated by r places.
     A seed-kind teacher (m1/team/single.py) keeps every turn of its right episodes instead (`select_seed_examples`;
     `phases` at its default ["plan"] means all turns)."""
-    from m1.team.single import SingleAgentTeam
-
     kind = team.kind if isinstance(team, SingleAgentTeam) else None
     repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(rollouts)]
     bar = None
@@ -242,8 +250,6 @@ def _teacher_shard(cfg: SFTConfig, questions: list[Question]) -> tuple[list[SFTE
     """One worker process of `prepare_examples`: the teacher over some whole videos, on one torch thread."""
     import torch
 
-    from m1.team.cpp import make_team
-
     torch.set_num_threads(1)
     d = cfg.data
     return build_sft_data(make_team(cfg.teacher_config()), questions, cfg.rewards, None, d.phases,
@@ -263,9 +269,6 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
     """The SFT examples of `cfg`: read from `data.examples` when it exists (and, when its stats file records other
     data settings, built again), otherwise built by the teacher over `data.questions` and written with a
     `<examples>.stats.json` (keep-rule counts, examples per phase, the settings)."""
-    from m1.marl.stream import load_questions
-    from m1.team.cpp import make_team
-
     say = progress or (lambda msg: log.info("%s", msg))
     d = cfg.data
     path = examples_path(cfg)
@@ -339,14 +342,6 @@ class SFTTrainer:
     """Cross-entropy on kept teacher completions, one learner per student agent; checkpoints like MARL."""
 
     def __init__(self, cfg: SFTConfig, examples: list[SFTExample] | None = None, teacher_hub=None):
-        from m1.marl.rollout import training_team_config
-        from m1.marl.checkpoint import resume_point
-        from m1.marl.groups import build_learners, reserve_placement
-        from m1.marl.learner import seed_everything
-        from m1.marl.stream import QuestionStream
-
-        from m1.marl.trackers import require_trackers
-
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         require_trackers(cfg.log.backends)  # a tracker that is not installed is named before any model loads
@@ -374,8 +369,6 @@ class SFTTrainer:
         self.history: list[dict[str, Any]] = []
         self.tracker_ids: dict[str, str] = {}  # the tracker runs this run logs to (kept in its checkpoints)
         if resume is not None:
-            from m1.marl.checkpoint import load_checkpoint
-
             try:
                 state = load_checkpoint(resume, self.learners, self.trained, cfg.seed, verified=True)
             except BaseException:
@@ -387,9 +380,6 @@ class SFTTrainer:
 
     def _load_or_build(self, teacher_hub) -> list[SFTExample]:
         if teacher_hub is None and self.placement is not None and not examples_path(self.cfg).is_file():
-            from m1.marl.groups import host_driver_models
-            from m1.models.hub import ModelHub
-
             teacher = self.cfg.teacher_config()  # the teacher's tool models on their planned GPUs
             if teacher is not None:
                 teacher_hub = ModelHub(teacher.models)
@@ -405,11 +395,6 @@ class SFTTrainer:
     def train(self, stop_after: int | None = None, stop=None) -> list[dict[str, Any]]:
         """Train to the last step (or `stop_after` more). `stop` (a StopFlag set by a signal): end after the current
         step with a checkpoint of it."""
-        from m1.marl.checkpoint import naming_full_disk
-        from m1.marl.groups import stop_on_lost_ranks
-        from m1.marl.stream import MetricsLog
-        from m1.marl.trackers import open_trackers
-
         cfg = self.cfg
         last = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
         if stop is not None:
@@ -456,8 +441,6 @@ class SFTTrainer:
         return self.history
 
     def save_checkpoint(self, interim: bool = False) -> Path:
-        from m1.marl.checkpoint import save_checkpoint
-
         cfg = self.cfg
         folder = save_checkpoint(self.out, self.step, self.learners,
                                  {"step": self.step, "cursor": self.stream.cursor, "seed": cfg.seed,
@@ -480,9 +463,6 @@ def sft_main(config_path: str | Path, overrides: list[str] | None = None,
     SIGTERM / SIGINT: the current step finishes and is checkpointed, then TrainingStopped (exit status 143 / 130 from
     the command) says so; a second signal stops at once (StoppedAtOnce). Rerunning the command resumes.
     """
-    from m1.marl.launch import run_training
-    from m1.plots import plot_finished_run
-
     cfg = load_sft_config(config_path, overrides)
     trainer, rows = run_training(
         cfg, SFTTrainer, lambda tr: tr.total_steps,
@@ -491,8 +471,6 @@ def sft_main(config_path: str | Path, overrides: list[str] | None = None,
     if rows:
         progress(f"{cfg.name}: last loss {rows[-1]['loss']:.4f}; checkpoints in {Path(cfg.out_dir) / 'checkpoints'}")
     plot_finished_run(cfg.out_dir, progress)
-    from m1.marl.checkpoint import find_latest_checkpoint
-    from m1.marl.launch import infer_command
 
     root = find_latest_checkpoint(Path(cfg.out_dir))
     if root is not None:

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from m1.data.questions import read_questions
+
 log = logging.getLogger(__name__)
 
 
@@ -90,8 +92,6 @@ class QuestionStream:
 
 
 def load_questions(path: str | None, video_dir: str | None) -> list:
-    from m1.data.questions import read_questions
-
     if not path:
         raise ValueError("data.questions: no questions file given")
     qs, issues = read_questions(Path(path), Path(video_dir) if video_dir else None)

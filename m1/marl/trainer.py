@@ -40,6 +40,7 @@ from m1.marl.judge import LLMJudge, RubricJudge
 from m1.marl.learner import seed_everything
 from m1.marl.resolve import resolve
 from m1.marl.rollout import RewardFn, derive_seed, run_rollouts, score
+from m1.marl.rollout_engines import RolloutEngines
 from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples
 from m1.marl.stream import MetricsLog, QuestionStream, load_questions
 from m1.marl.trackers import open_trackers, require_trackers
@@ -128,8 +129,6 @@ class Trainer:
                                        {a: cfg.cluster.gpus_of(a, cfg.learner) for a in self.trained},
                                        self.placement)
         if cfg.rollout.engine == "vllm":  # each trained agent generates on a vLLM server, synced before every step
-            from m1.marl.engines import RolloutEngines  # the engine client needs vLLM's request helpers
-
             self.engines = RolloutEngines(cfg, specs, self.learners, self.placement)
         chats = self.engines.chat_models() if self.engines is not None else self.learners.chat_models()
         for agent, chat in chats.items():  # a vision-language policy is fetched as a vision model (m1/team/single.py)

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from m1.files import write_whole
 from m1.marl.samples import SAMPLES_DIR, SAMPLES_FILE
+from m1.plots import PLOTS_DIR, PlotError, plot_run, read_metrics
 from m1.trace import _CSS, INDEX_NAME, _e
 
 METRICS = "metrics.jsonl"
@@ -57,8 +59,6 @@ def _fmt(x) -> str:
 
 def render_run_index(run_dir: str | Path) -> str:
     """The page: the run's name and progress, its PNG plots, and one row per kept step linking its trace pages."""
-    from m1.plots import PLOTS_DIR, PlotError, read_metrics
-
     run_dir = Path(run_dir)
     try:
         metrics = {r.get("step"): r for r in read_metrics(run_dir)}
@@ -100,9 +100,6 @@ def render_run_index(run_dir: str | Path) -> str:
 
 def build_run_index(run_dir: str | Path) -> Path:
     """Draw the plots again when metrics are newer, then write <run_dir>/index.html; returns its path."""
-    from m1.files import write_whole
-    from m1.plots import PLOTS_DIR, PlotError, plot_run
-
     run_dir = Path(run_dir)
     if _stale(run_dir / PLOTS_DIR, run_dir / METRICS):
         try:

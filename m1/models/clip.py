@@ -15,6 +15,8 @@ import numpy as np
 
 from m1.config import ModelSpec
 from m1.models.base import ModelError
+from m1.models.hf import resolve_device, resolve_dtype
+from m1.models.tiny import CLIP_CHECKPOINT, clip_config_name, ensure_tiny
 
 
 def register_config(path: Path) -> str:
@@ -31,8 +33,6 @@ def register_config(path: Path) -> str:
 
 
 def _tiny_source(spec: ModelSpec) -> tuple[str, str]:
-    from m1.models.tiny import CLIP_CHECKPOINT, clip_config_name, ensure_tiny
-
     folder = ensure_tiny(spec.tiny)
     name = register_config(folder / f"{clip_config_name(spec.tiny)}.json")
     return name, str(folder / CLIP_CHECKPOINT)
@@ -52,8 +52,6 @@ class OpenClipModel:
             raise ModelError(f"model {name!r}: OpenClipModel needs kind 'clip', got {spec.kind!r}")
         import open_clip
         import torch
-
-        from m1.models.hf import resolve_device, resolve_dtype
 
         self.name = name
         self.spec = spec

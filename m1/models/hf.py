@@ -26,6 +26,7 @@ from typing import Any, Callable
 from m1.config import ModelSpec
 from m1.models.base import (ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, prompt_ids,
                             request_seeds)
+from m1.models.tiny import ensure_tiny
 
 
 def offline() -> bool:
@@ -35,8 +36,6 @@ def offline() -> bool:
 def resolve_source(spec: ModelSpec, name: str) -> tuple[str, bool]:
     """(folder or hub id, local_files_only) for a spec; builds the tiny model when asked."""
     if spec.tiny is not None:
-        from m1.models.tiny import ensure_tiny
-
         return str(ensure_tiny(spec.tiny)), True
     if not spec.path:
         raise ModelError(f"model {name!r}: needs `path` or `tiny`")

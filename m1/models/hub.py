@@ -21,7 +21,7 @@ BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
     ("open_clip", "clip"): ("m1.models.clip", "OpenClipModel"),
     ("openai", "chat"): ("m1.models.openai", "OpenAIChatModel"),
     ("openai", "vision"): ("m1.models.openai", "OpenAIVisionModel"),
-    ("vllm", "chat"): ("m1.models.vllm", "VLLMChatModel"),
+    ("vllm", "chat"): ("m1.models.vllm_offline", "VLLMChatModel"),
     ("synth", "vision"): ("m1.synth.vision", "SynthVisionModel"),
     ("synth", "chat"): ("m1.synth.teacher", "TeacherChatModel"),
 }

@@ -28,6 +28,7 @@ import numpy as np
 
 from m1.config import ModelSpec
 from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, request_seeds
+from m1.video import write_video
 
 log = logging.getLogger(__name__)
 
@@ -394,8 +395,6 @@ def encode_mp4(frames: np.ndarray, timestamps: list[float], target: Path | io.By
 
     H.264 in yuv420p needs even sides, so an odd height or width gets its last row or column repeated once.
     """
-    from m1.video import write_video
-
     arr = np.asarray(frames)
     if arr.dtype != np.uint8:
         arr = np.clip(arr, 0, 255).astype(np.uint8)

@@ -15,6 +15,7 @@ from typing import Any
 
 from m1.config import ModelSpec
 from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, request_seeds
+from m1.models.tiny import ensure_tiny
 
 
 @dataclass
@@ -103,8 +104,6 @@ class VLLMChatModel:
         if self.spec.path:
             return self.spec.path
         if self.spec.tiny is not None:
-            from m1.models.tiny import ensure_tiny
-
             return str(ensure_tiny(self.spec.tiny))
         raise ModelError(f"vllm model {self.name!r}: needs `path` or `tiny`")
 

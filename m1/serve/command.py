@@ -5,6 +5,7 @@ from pathlib import Path
 
 from typer import Option as typer_option  # typer is a core dependency (the CLI's)
 
+from m1.errors import fail
 from m1.serve.app import create_app
 from m1.serve.limits import Limits
 
@@ -50,7 +51,6 @@ def serve_command(
     Requests that arrive together run as one batch through the team. SIGTERM/SIGINT finish the requests in
     flight and refuse new ones. See docs/serving.md."""
     from m1.config import ConfigError
-    from m1.errors import fail
 
     try:
         import fastapi  # noqa: F401

@@ -34,6 +34,17 @@ from typing import Any
 
 import numpy as np
 
+from m1.config import ModelSpec, ToolsConfig
+from m1.models.clip import OpenClipModel, register_config
+from m1.schema import Question
+from m1.synth.make import make_dataset
+from m1.synth.render import render
+from m1.synth.world import Script, make_script
+from m1.tools.base import ToolContext
+from m1.tools.clip_index import ClipIndex
+from m1.tools.select import clip_spans, image_retrieval, video_retrieval
+from m1.video import VideoPool, fps_indices, index_to_time, probe, uniform_indices
+
 # Bump when the recipe (captions, loss, data) changes so cached folders are not reused by mistake.
 RECIPE_VERSION = 1
 CHECKPOINT = "open_clip_model.pt"
@@ -206,8 +217,6 @@ def model_files(model_dir: str | os.PathLike) -> tuple[Path, Path]:
 
 def model_spec(model_dir: str | os.PathLike):
     """The ModelSpec that loads this folder through OpenClipModel."""
-    from m1.config import ModelSpec
-
     cfg, ckpt = model_files(model_dir)
     return ModelSpec(kind="clip", backend="open_clip", clip_name=str(cfg), pretrained=str(ckpt),
                      device="cpu", dtype="float32")
@@ -290,8 +299,6 @@ def _build_model(params: dict[str, Any], folder: Path):
     """Write the config into `folder`, register it and build the random-init model + transform."""
     import open_clip
 
-    from m1.models.clip import register_config
-
     cfg_path = folder / f"{config_name(params)}.json"
     cfg_path.write_text(json.dumps(model_config(params), indent=2) + "\n")
     name = register_config(cfg_path)
@@ -309,10 +316,6 @@ def training_frames(params: dict[str, Any], preprocess, progress: bool = False
     import torch
     from PIL import Image
     from tqdm import tqdm
-
-    from m1.synth.render import render
-    from m1.synth.world import make_script
-    from m1.video import VideoPool
 
     p = params
     keep_rng = random.Random(f"m1-synth-clip/empty/{p['seed']}")
@@ -472,13 +475,6 @@ def _queries(script) -> list[Any]:
 
 
 def _score_model(clip_model, videos: list[tuple[Path, Any]], short: float, top_k: int) -> dict[str, Any]:
-    from m1.config import ToolsConfig
-    from m1.schema import Question
-    from m1.tools.base import ToolContext
-    from m1.tools.clip_index import ClipIndex
-    from m1.tools.select import clip_spans, image_retrieval, video_retrieval
-    from m1.video import VideoPool
-
     cfg = ToolsConfig(image_top_k=top_k)
     index = ClipIndex(clip_model)
     pool = VideoPool()
@@ -525,9 +521,6 @@ def _reference_rates(vids: list[tuple[Path, Any]], short: float, top_k: int
     an event none of them shows is missed even by a perfect model (first clip wins ties, as
     np.argmax does); Image Retrieval hits whenever a candidate frame lies in the event.
     """
-    from m1.tools.select import clip_spans
-    from m1.video import fps_indices, index_to_time, probe, uniform_indices
-
     rows_c, rows_o = [], []
     for path, script in vids:
         info = probe(path)
@@ -560,10 +553,6 @@ def evaluate_clip(model_dir: str | os.PathLike, videos: int = 4, seed: int = 100
     (see `_reference_rates`).
     """
     import torch
-
-    from m1.models.clip import OpenClipModel
-    from m1.synth.make import make_dataset
-    from m1.synth.world import Script
 
     spec = model_spec(model_dir)
     result: dict[str, Any] = {"videos": videos, "seed": seed, "duration": duration, "short": short,

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from m1.config import TeamConfig
+from m1.data.questions import read_questions
 from m1.models.base import ModelError
 from m1.models.tiny import SYNTH_AGENTS, SYNTH_BROWSER_TOKENS, _default_corpus
+from m1.synth.make import make_dataset
+from m1.team.cpp import Team
 
 
 def synth_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: float = 120.0) -> list[str]:
@@ -19,11 +23,6 @@ def synth_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: f
     tokenizer learns the words and lines the mini team reads. The world seed is fixed and apart
     from any training or evaluation seed; the built-in corpus is appended for general coverage.
     """
-    from m1.config import TeamConfig
-    from m1.data.questions import read_questions
-    from m1.synth.make import make_dataset
-    from m1.team.cpp import Team
-
     qfile = make_dataset(Path(workdir), videos, seed, duration=duration, questions_per_video=12, progress=False)
     questions, issues = read_questions(qfile, qfile.parent)
     if issues or not questions:

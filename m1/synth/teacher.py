@@ -23,6 +23,7 @@ from collections import Counter
 
 from m1.text import format_span, format_time, parse_span, parse_timestamp
 from m1.models.base import ChatRequest, Completion, SamplingParams
+from m1.synth import seed_rules
 
 GS, VR, TSR, IR = "Global Sampling", "Video Retrieval", "Time Stamp Retrieval", "Image Retrieval"
 RB, FB, SPACE, GROUND = "Rough Browser", "Fine Browser", "Space Tool", "Grounding Tool"
@@ -102,7 +103,6 @@ class TeacherChatModel:
 
     def generate(self, requests: list[ChatRequest], params: SamplingParams) -> list[Completion]:
         self.calls += 1
-        from m1.synth import seed_rules
 
         return [Completion(text=seed_rules.reply(r.messages, getattr(r, "images", None))
                            if seed_rules.seed_kind(r.messages) else self.reply(r.messages)) for r in requests]

@@ -19,6 +19,8 @@ import math
 from collections.abc import Callable
 
 from m1.models.base import ModelError, prompt_ids
+from m1.models.tiny import QWEN_SPLIT
+from m1.models.vllm_server import render_prompt
 
 # Qwen2 / Qwen2.5 / Qwen3 share one byte-level BPE of 151,643 ranks behind one pre-tokenizer split (QWEN_SPLIT: words,
 # single digits, punctuation runs, newlines). Measured once offline on 1,562 prompts of the rule-based teacher team on
@@ -45,8 +47,6 @@ def estimate_tokens(messages: list[dict]) -> int:
 def _qwen_split():
     import regex
 
-    from m1.models.tiny import QWEN_SPLIT
-
     return regex.compile(QWEN_SPLIT)
 
 
@@ -62,7 +62,6 @@ def token_counter(model) -> Callable[[list[dict]], int]:
     tok = getattr(model, "tokenizer", None)
     if tok is None or getattr(tok, "chat_template", None) is None:
         return estimate_tokens
-    from m1.models.engine import render_prompt
 
     def count(messages: list[dict]) -> int:
         return len(prompt_ids(tok, render_prompt(tok, messages)))  # remembered for the model's own tokenizing

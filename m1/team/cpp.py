@@ -27,10 +27,14 @@ from m1.agents.agent import PolicyAgent
 from m1.config import TeamConfig
 from m1.memory import SharedMemory
 from m1.models.base import ChatRequest, SamplingParams, VisionRequest
+from m1.models.hub import ModelHub
 from m1.schema import AgentAnswer, Decision, Episode, Generation, Phase, Question, Topology, Turn
 from m1.team import aggregate, budget, topology as topo
-from m1.tools import TOOL_NAMES
+from m1.team.single import SingleAgentTeam
+from m1.tools import TOOL_NAMES, browse
 from m1.tools.base import Focus, ToolContext, ToolError
+from m1.tools.clip_index import team_clip_index
+from m1.tools.select import SELECT, global_sampling
 from m1.video import VideoError, VideoPool
 
 
@@ -81,8 +85,6 @@ class Team:
     """A team of policy agents over shared models, tools and video pool."""
 
     def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
-        from m1.models.hub import ModelHub
-
         seeded = [a.name for a in cfg.agents if a.kind != "cpp"]
         if seeded:
             raise ValueError(f"team {cfg.name!r}: agent {seeded[0]!r} is a seed-system kind, which the CPP engine does "
@@ -203,11 +205,7 @@ class Team:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    from m1.tools import browse
-
                     if st.focus is None:  # a plan that browses first still needs frames
-                        from m1.tools.select import global_sampling
-
                         st.focus = global_sampling(ctx).focus
                     model_key = self._vision_key(tool)
                     req, idx = browse.prepare(tool, ctx, st.focus)
@@ -216,7 +214,6 @@ class Team:
                     self._write_turn(ep, name, st, tool, output="", error=f"{tool}: {exc}")
                 ep.timings["tools"] += time.perf_counter() - t0
                 ep.timings["decode"] += ep.video.decode_seconds - d0
-        from m1.tools import browse
 
         jobs = []
         for model_key, items in pending.items():
@@ -240,8 +237,6 @@ class Team:
         return acted
 
     def _run_select(self, ep: _Episode, name: str, st: _AgentState, tool: str, ctx: ToolContext) -> None:
-        from m1.tools.select import SELECT
-
         t0 = time.perf_counter()
         try:
             res = SELECT[tool](ctx)
@@ -439,8 +434,6 @@ class Team:
 
     def _clip(self):
         if self._clip_index is None:
-            from m1.tools.clip_index import team_clip_index
-
             self._clip_index = team_clip_index(self.cfg, self.hub)
         return self._clip_index
 
@@ -474,7 +467,6 @@ def make_team(cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
     shared = {k: v for k, v in (("hub", hub), ("pool", pool)) if v is not None}
     if all(a.kind == "cpp" for a in cfg.agents):
         return Team(cfg, **shared)
-    from m1.team.single import SingleAgentTeam
 
     return SingleAgentTeam(cfg, **shared)
 

@@ -6,7 +6,7 @@ results lines, traces and metrics are unchanged. Per turn, every episode in flig
 of the policy model, and the vision requests of all tool calls one batched call per vision model.
 
     turn 0    user: glance (uniform frames, each after its time) + question
-    turn k    policy reply -> parsed (m1/seeds/parsers.py) -> tool call(s) | answer
+    turn k    policy reply -> parsed (m1/kinds/parsers.py) -> tool call(s) | answer
               tool call -> observation text + the frames it returned, as the next user turn
     last turn the user turn says no tools are left; a reply without an answer leaves the question unanswered
 
@@ -24,12 +24,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from m1.config import TeamConfig
+from m1.kinds import prompts, settings_for
+from m1.kinds.parsers import parse_reply
+from m1.kinds.tools import Context, Observation, SeedTools
 from m1.models.base import ChatRequest, SamplingParams, text_only
+from m1.models.hub import ModelHub
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology, Turn
-from m1.seeds import prompts, settings_for
-from m1.seeds.parsers import parse_reply
-from m1.seeds.tools import Context, Observation, SeedTools
-from m1.text import format_span
+from m1.team import budget
+from m1.text import format_span, parse_span
+from m1.tools.clip_index import team_clip_index
 from m1.video import VideoError, VideoPool, uniform_indices
 
 
@@ -58,8 +61,6 @@ class SingleAgentTeam:
     """The engine of a weaver / zoomer / sage agent; the interface of m1.team.cpp.Team (run, run_batch, pool)."""
 
     def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
-        from m1.models.hub import ModelHub
-
         if len(cfg.agents) != 1 or cfg.agents[0].kind == "cpp":
             raise ValueError(f"team {cfg.name!r}: SingleAgentTeam runs one agent of kind weaver, zoomer or sage")
         self.cfg = cfg
@@ -123,8 +124,6 @@ class SingleAgentTeam:
         to trim (its observations are the history the policy acts on): over budget is a PromptBudgetError, or with
         `over_budget: drop` the end of that episode. Chats with images are counted where their image tokens are
         known (the learner); here only text chats are."""
-        from m1.team import budget
-
         lim = self.cfg.limits
         if lim.max_prompt_tokens is None or images:
             return runs
@@ -277,8 +276,6 @@ class SingleAgentTeam:
 
     def _clip(self):
         if self._clip_index is None:
-            from m1.tools.clip_index import team_clip_index
-
             self._clip_index = team_clip_index(self.cfg, self.hub)
         return self._clip_index
 
@@ -290,8 +287,6 @@ class SingleAgentTeam:
         memory = {name: AgentRecord(plan=list(r.tools_used), key_info="", turns=r.turns, answer=r.answer,
                                     reason=r.reason or None)}
         if r.question.task == "grounding" and r.answer is not None:
-            from m1.text import parse_span
-
             span = parse_span(r.answer)
             r.answer = format_span(span) if span else r.answer
         counts = {"policy": len(r.policy_frames), "tools": len(r.tool_frames),

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from m1.agents.prompts import browser_prompt
 from m1.models.base import Completion, VisionRequest
+from m1.text import format_span, parse_span
 from m1.tools.base import Focus, ToolContext, ToolResult
 from m1.video import fps_indices, uniform_indices
 
@@ -60,8 +62,6 @@ def max_tokens(tool: str, ctx: ToolContext) -> int:
 
 
 def prepare(tool: str, ctx: ToolContext, focus: Focus) -> tuple[VisionRequest, list[int]]:
-    from m1.agents.prompts import browser_prompt
-
     idx = frames_for(tool, ctx, focus)
     ts = ctx.video.timestamps(idx)
     prompt = browser_prompt(BROWSE[tool].kind, ctx.question, ctx.key_info, ts, max_tokens(tool, ctx))
@@ -77,8 +77,6 @@ def finish(tool: str, ctx: ToolContext, focus: Focus, completion: Completion, id
 
     A VLM given a clip may count time from the clip's start: a span that fits inside
     [0, clip length] but not inside the clip is shifted by the clip's start."""
-    from m1.text import format_span, parse_span
-
     text = completion.text.strip()
     m = _ANSWER.search(text)
     answer = m.group(1).strip()[:200] if m else None

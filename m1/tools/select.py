@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from m1.text import format_time
+from m1.text import format_time, parse_timestamp
 
 from m1.tools.base import Focus, ToolContext, ToolError, ToolResult
 from m1.video import fps_indices, uniform_indices
@@ -63,8 +63,6 @@ def video_retrieval(ctx: ToolContext) -> ToolResult:
 def time_stamp_retrieval(ctx: ToolContext) -> ToolResult:
     """`timestamp_window` seconds centred on the time stated in the key info or the question,
     clipped to the video at both ends."""
-    from m1.text import parse_timestamp
-
     t = parse_timestamp(ctx.key_info or "")
     if t is None:
         t = parse_timestamp(ctx.question.text)
