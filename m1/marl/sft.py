@@ -29,20 +29,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from m1.files import write_whole
-from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
-from m1.marl.rewards import RewardConfig, batch_agent_rewards, seed_rewards
 from m1.data.metrics import truth_letter
-from m1.marl.team_kinds import seed_phases
-from m1.schema import LETTERS, Episode, Question, Turn
-from m1.marl.checkpoint import (find_latest_checkpoint, load_checkpoint, naming_full_disk, resume_point,
-                                save_checkpoint)
-from m1.marl.groups import build_learners, host_driver_models, reserve_placement, stop_on_lost_ranks
+from m1.files import write_whole
+from m1.marl.checkpoint import find_latest_checkpoint, load_checkpoint, resume_point, save_checkpoint
+from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
+from m1.marl.groups import build_learners, host_driver_models, reserve_placement
 from m1.marl.launch import infer_command, run_training
 from m1.marl.learner import seed_everything
+from m1.marl.loop import run_steps
+from m1.marl.rewards import RewardConfig, batch_agent_rewards, seed_rewards
 from m1.marl.rollout import training_team_config
-from m1.marl.stream import MetricsLog, QuestionStream, load_questions
-from m1.marl.trackers import open_trackers, require_trackers
+from m1.marl.stream import QuestionStream, load_questions
+from m1.marl.team_kinds import seed_phases
+from m1.marl.trackers import require_trackers
+from m1.schema import LETTERS, Episode, Question, Turn
 from m1.models.hub import ModelHub
 from m1.plots import plot_finished_run
 from m1.team.cpp import make_team
@@ -368,6 +368,7 @@ class SFTTrainer:
         self.checkpointed = 0  # the step of the newest checkpoint on disk
         self.history: list[dict[str, Any]] = []
         self.tracker_ids: dict[str, str] = {}  # the tracker runs this run logs to (kept in its checkpoints)
+        self.trackers = None  # open while train() runs
         if resume is not None:
             try:
                 state = load_checkpoint(resume, self.learners, self.trained, cfg.seed, verified=True)
@@ -394,51 +395,24 @@ class SFTTrainer:
 
     def train(self, stop_after: int | None = None, stop=None) -> list[dict[str, Any]]:
         """Train to the last step (or `stop_after` more). `stop` (a StopFlag set by a signal): end after the current
-        step with a checkpoint of it."""
-        cfg = self.cfg
-        last = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
-        if stop is not None:
-            stop.reclaim()  # a Ray started while the models loaded took SIGTERM over
-        with naming_full_disk(self.out / "metrics.jsonl"):  # it drops the lines after the resumed step
-            logger = MetricsLog(self.out, self.total_steps, self.step, cfg.log.progress)
-        failed = True
-        try:
-            logger.trackers = open_trackers(cfg, self.placement, self.tracker_ids)
-            self.tracker_ids = logger.trackers.run_ids()
-            while self.step < last and not stop:
-                t0 = time.perf_counter()
-                batch = self.stream.take(cfg.batch_size)
-                try:
-                    samples = {a: self.learners.sft_samples(a, self._assigned(batch, a)) for a in self.trained}
-                    lr = cfg.learner.lr_at(self.step, self.total_steps)
-                    stats = self.learners.update(samples, lr, "sft")
-                except Exception as exc:
-                    stop_on_lost_ranks(self.learners, exc, f"SFT step {self.step + 1} of {self.total_steps}",
-                                       self.checkpointed)
-                    raise
-                self.step += 1
-                row: dict[str, Any] = {"step": self.step, "epoch": self.stream.epoch, "lr": lr}
-                for agent, st in stats.items():
-                    row.update({f"{agent}/{k}": v for k, v in st.items()})
-                losses = [st["loss"] for st in stats.values() if "loss" in st]
-                row["loss"] = sum(losses) / len(losses) if losses else float("nan")
-                row["time/step"] = time.perf_counter() - t0
-                with naming_full_disk(logger.path):
-                    logger.write(row)
-                self.history.append(row)
-                if self.step % cfg.checkpoint.every == 0 or self.step == self.total_steps:
-                    try:
-                        self.save_checkpoint()
-                    except Exception as exc:
-                        stop_on_lost_ranks(self.learners, exc, f"the checkpoint of SFT step {self.step}",
-                                           self.checkpointed)
-                        raise
-            if stop and self.step != self.checkpointed:
-                self.save_checkpoint(interim=True)
-            failed = False
-        finally:
-            logger.close(failed)
-        return self.history
+        step with a checkpoint of it (m1/marl/loop.py)."""
+        return run_steps(self, self.total_steps, self.train_step, "SFT step", stop_after, stop)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step per student on the next `batch_size` examples; the step's metrics row."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        batch = self.stream.take(cfg.batch_size)
+        samples = {a: self.learners.sft_samples(a, self._assigned(batch, a)) for a in self.trained}
+        lr = cfg.learner.lr_at(self.step, self.total_steps)
+        stats = self.learners.update(samples, lr, "sft")
+        self.step += 1
+        row: dict[str, Any] = {"step": self.step, "epoch": self.stream.epoch, "lr": lr}
+        for agent, st in stats.items():
+            row.update({f"{agent}/{k}": v for k, v in st.items()})
+        losses = [st["loss"] for st in stats.values() if "loss" in st]
+        row["loss"] = sum(losses) / len(losses) if losses else float("nan")
+        row["time/step"] = time.perf_counter() - t0
+        return row
 
     def save_checkpoint(self, interim: bool = False) -> Path:
         cfg = self.cfg

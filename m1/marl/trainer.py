@@ -35,15 +35,16 @@ from typing import Any
 from m1.marl.checkpoint import StopFlag, load_checkpoint, naming_full_disk, resume_point, save_checkpoint
 from m1.marl.config import TrainConfig
 from m1.marl.credit import CreditStrategy, StepCredit
-from m1.marl.groups import build_learners, host_driver_models, reserve_placement, stop_on_lost_ranks
+from m1.marl.groups import build_learners, host_driver_models, reserve_placement
 from m1.marl.judge import LLMJudge, RubricJudge
 from m1.marl.learner import seed_everything
+from m1.marl.loop import run_steps
 from m1.marl.resolve import resolve
 from m1.marl.rollout import RewardFn, derive_seed, run_rollouts, score
 from m1.marl.rollout_engines import RolloutEngines
 from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples
-from m1.marl.stream import MetricsLog, QuestionStream, load_questions
-from m1.marl.trackers import open_trackers, require_trackers
+from m1.marl.stream import QuestionStream, load_questions
+from m1.marl.trackers import require_trackers
 from m1.models.hub import ModelHub
 from m1.team.cpp import make_team
 from m1.video import VideoPool
@@ -140,43 +141,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self, stop_after: int | None = None, stop: StopFlag | None = None) -> list[dict[str, Any]]:
-        """Train until `cfg.steps` (or `stop_after` more steps, e.g. to simulate a killed run).
-
-        `stop`: once set (by a signal), the loop ends after the current step and checkpoints it (an interim checkpoint
-        when it is off the `checkpoint.every` schedule), so nothing done is lost.
-        """
-        cfg = self.cfg
-        last = cfg.steps if stop_after is None else min(cfg.steps, self.step + stop_after)
-        if stop is not None:
-            stop.reclaim()  # a Ray started while the models loaded took SIGTERM over
-        with naming_full_disk(self.out / "metrics.jsonl"):  # it drops the lines after the resumed step
-            logger = MetricsLog(self.out, cfg.steps, self.step, cfg.log.progress)
-        failed = True
-        try:
-            self.trackers = logger.trackers = open_trackers(cfg, self.placement, self.tracker_ids)
-            self.tracker_ids = self.trackers.run_ids()
-            while self.step < last and not stop:
-                try:
-                    row = self.train_step()
-                except Exception as exc:
-                    stop_on_lost_ranks(self.learners, exc, f"step {self.step + 1} of {cfg.steps}", self.checkpointed)
-                    raise
-                with naming_full_disk(logger.path):
-                    logger.write(row)
-                self.history.append(row)
-                if self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps:
-                    try:
-                        self.save_checkpoint()
-                    except Exception as exc:
-                        stop_on_lost_ranks(self.learners, exc, f"the checkpoint of step {self.step}", self.checkpointed)
-                        raise
-            if stop and self.step != self.checkpointed:
-                self.save_checkpoint(interim=True)
-            failed = False
-        finally:
-            self.trackers = None
-            logger.close(failed)
-        return self.history
+        """Train until `cfg.steps` (or `stop_after` more steps); `stop`, once set by a signal, ends the run after the
+        current step with a checkpoint of it (m1/marl/loop.py)."""
+        return run_steps(self, self.cfg.steps, self.train_step, "step", stop_after, stop)
 
     def train_step(self) -> dict[str, Any]:
         """One step: the step's questions and DAG, K episodes each with the current weights, credit, one optimizer
