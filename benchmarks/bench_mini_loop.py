@@ -1,10 +1,10 @@
-"""The mini team's learning loop on the same work, this checkout vs a baseline commit (issue #49), one torch thread.
+"""The mini team's learning loop on the same work, this checkout vs a baseline commit, one torch thread.
 
 SFT: `--sft-steps` steps of configs/sft/mini.yaml on a fixed examples file (the rule-based teacher's, built once for
 a 20-video world). MARL: `--marl-steps` steps of configs/marl/mini_recipe.yaml with `rollout.topology=complete`,
 from the shipped mini weights (assets/mini_team), on the same world. Both come from the same seeds, so both sides do
 the same work. Each side runs in its own process: the baseline from a git worktree of `--baseline` (default: the
-last commit before issue #49's changes), the current one from this checkout; the sides alternate, `--reps` times,
+last commit before the loop's profiling work), the current one from this checkout; the sides alternate, `--reps` times,
 after one untimed warm-up run that fills the on-disk caches (CLIP frame embeddings) both sides read. A step's
 seconds and its parts come from the run's own metrics (time/step, time/rollout, time/update). `--variant
 NAME=key=value,key=value` adds a configuration of the current code (e.g. a cheaper estimator) to time beside them.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from _common import REPO, Figure, Result, bench_dir, cli, finish
 
-BASELINE = "4abe367"  # main before issue #49: count-based micro-batches in episode order, no caches
+BASELINE = "4abe367"  # main before the loop's profiling work: count-based micro-batches in episode order, no caches
 AGENTS = ("qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small")
 WORLD = {"videos": 20, "seed": 1, "duration": 120}
 

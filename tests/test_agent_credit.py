@@ -1,4 +1,4 @@
-"""Per-agent credit (`rollout.credit: agent`, issue #39 item 4).
+"""Per-agent credit (`rollout.credit: agent`).
 
 With episode credit every agent samples at once, so an agent's advantage also measures its teammates' random
 draws. Agent credit gives each question one focus agent: it samples, its teammates decode greedily, and only its

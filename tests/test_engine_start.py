@@ -1,4 +1,4 @@
-"""Rollout engines launched by M1 (issue 44, 3), against the CPU stand-in server (tests/engine_standin.py): all
+"""Rollout engines launched by M1, against the CPU stand-in server (tests/engine_standin.py): all
 agents' engines start at once, a failed start names its agent and stops the others, and an agent seated with an SFT
 adapter is served its merged weights, not its base."""
 

@@ -1,4 +1,4 @@
-"""Experiments that survive restarts and machines (issue #49): each finished stage's committed record and each eval's
+"""Experiments that survive restarts and machines: each finished stage's committed record and each eval's
 compact rows under rows_dir, the report from those rows alone, a rerun without out_dir that skips what they record
 (and retrains only what a stage still to run needs), the load warning, and one SFT shared by several MARL seeds."""
 import hashlib

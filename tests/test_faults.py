@@ -1,4 +1,4 @@
-"""Faults a user can cause, on purpose, against every command (issue #41): each ends in exit 2 with one `error:` line
+"""Faults a user can cause, on purpose, against every command: each ends in exit 2 with one `error:` line
 naming the culprit and no traceback (or, for a bad line or a bad video, a named skip or an error row), the output
 files stay intact (every id once, no torn line, every checkpoint verifiable), and the rerun after the fix finishes.
 

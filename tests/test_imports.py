@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("serve", "demo"),
     ("cli", "__main__"),
 )
-# (importing module, imported module) -> why this upward import stays. Empty: every one found was moved (issue 43).
+# (importing module, imported module) -> why this upward import stays. Empty: every one found was moved.
 UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
 
 

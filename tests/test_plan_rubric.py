@@ -1,4 +1,4 @@
-"""Issue #39 options on R_col and R_res: the judge's plan rubric (cues / outcome / none), the grounding reward of the
+"""Options on R_col and R_res: the judge's plan rubric (cues / outcome / none), the grounding reward of the
 candidate recipe agreeing with how grounding is scored, and the tool-call penalty that the mini team can reach there.
 Hand-built episodes; no model is run."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training the seed kinds (issue #33, training slice): each seed's reward with its paper's numbers on hand-made
+"""Training the seed kinds: each seed's reward with its paper's numbers on hand-made
 episodes; GRPO of a single multi-turn Weaver policy with the MARL trainer (every turn a sample with the episode's
 advantage, tool observations in the prompt only, exact resume); SFT on the rule-based Weaver's trajectories.
 Tiny random text policies on a tiny M1-Synth world; each test runs in seconds."""

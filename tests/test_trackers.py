@@ -1,6 +1,6 @@
 """Trackers (`log.backends`) and the record of what each step trained on (`log.samples_every`).
 
-The done-when check of issue 43: a two-step run logging to TensorBoard and mlflow (file store) with samples every
+The end-to-end check: a two-step run logging to TensorBoard and mlflow (file store) with samples every
 step writes an mlflow run and samples/step-000001/ with trace pages; killed after step 1 (an exception in step 2)
 and rerun, it continues the same mlflow run. wandb runs offline and is read back from its transaction log; it is an
 optional extra, so its test skips where the package is not installed. mlflow is in the dev extra (mlflow-skinny).

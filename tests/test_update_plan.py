@@ -1,4 +1,4 @@
-"""How an update cuts its step into micro-batches (issue #49): samples sorted by length, micro-batches capped by padded
+"""How an update cuts its step into micro-batches: samples sorted by length, micro-batches capped by padded
 tokens, zero-advantage samples not run at beta 0. All of it must leave the mathematics alone: the same loss, gradient
 norm and weights as one joint micro-batch over the step in its own order. `learner.prompt_grad: false` is the one
 change of estimator here: same log-prob values, another gradient.
@@ -14,7 +14,7 @@ from test_prefix_sharing import ForwardLog, grouped_rows, learner, samples
 
 
 def old_path(**cfg):
-    """The update as it was before issue #49: one micro-batch in the step's order, every sample run."""
+    """The update as it was before the loop's profiling work: one micro-batch in the step's order, every sample run."""
     return learner("qwen2", micro_batch_tokens=None, skip_zero_advantage=False, micro_batch_size=64, **cfg)
 
 

@@ -1,5 +1,5 @@
 """A vision driver model answers a long request list in bounded generate calls, and the placement plan sizes and
-counts that bound (issue #44 (d): under rollout.engine vllm a step's 32 episodes sent ~128 browse requests in one
+counts that bound (under rollout.engine vllm a step's 32 episodes sent ~128 browse requests in one
 Hugging Face generate call)."""
 from __future__ import annotations
 
