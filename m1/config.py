@@ -192,6 +192,11 @@ class SeedSystemConfig(Strict):
     zoom_frames: int = Field(16, ge=1)  # zoomer: (end - start) * fps may not exceed this (VideoZoomer's B = 16)
     count_clips: int = Field(8, ge=1)  # weaver temporal_count: equal clips judged one by one (ours)
     reply_tokens: int = Field(512, ge=1)  # new tokens per policy turn
+    # ours: a vision model of the team (its key) that describes, in words, every frame put before the policy. A text
+    # policy reads `<frame k at t s>[description]` where a vision-language policy sees the image: how a text policy
+    # perceives the video. None: a text policy reads `[frame at t s]` alone
+    captioner: str | None = None
+    caption_tokens: int = Field(48, ge=1)  # new tokens of one frame's description
 
 
 class TopologyConfig(Strict):
@@ -297,6 +302,8 @@ class TeamConfig(Strict):
             raise ValueError(f"agents.{i}.kind: a {a.kind!r} agent runs alone (a team of one), but the team has "
                              f"{len(self.agents)} agents")
         kind = seeded[0][1].kind
+        if self.seed_system is not None and self.seed_system.captioner is not None:
+            self._need("seed_system.captioner", self.seed_system.captioner, "vision")
         known = DEFAULTS[kind].tools
         for t in (self.seed_system.tools or []) if self.seed_system else []:
             if t not in known:

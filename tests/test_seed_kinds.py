@@ -448,6 +448,43 @@ def test_text_only_models_see_frame_placeholders():
     msgs = [{"role": "user", "content": [{"type": "text", "text": "<frame 0 at 1.0s>"},
                                          {"type": "image", "time": 1.0, "frame": 4}, {"type": "text", "text": "Q"}]}]
     assert text_only(msgs) == [{"role": "user", "content": "<frame 0 at 1.0s>[frame at 1.0s]Q"}]
+    msgs[0]["content"][1]["caption"] = "a small red circle at the top left"
+    assert text_only(msgs)[0]["content"] == "<frame 0 at 1.0s>[a small red circle at the top left]Q"
+
+
+def test_a_captioner_describes_every_frame_a_text_policy_is_shown(world, rule_runs):
+    """seed_system.captioner: each image part of every policy prompt carries the synth vision model's description of
+    that frame's own pixels, which a text policy reads after the frame's time label (objects, colours, sizes, places; an empty frame says so); answers do not change, and a
+    text student reading the teacher's recorded prompt reads exactly those descriptions."""
+    from m1.kinds.prompts import CAPTION_PROMPT
+    from m1.models.base import SamplingParams, VisionRequest, text_only
+    from m1.synth.vision import SynthVisionModel
+    from m1.team.cpp import make_team
+    from m1.video import VideoPool
+
+    cfg = load_team("weaver_synth", RULE_TEAMS["weaver_synth"] + ["seed_system.captioner=vision"])
+    qs = world[2][:6]
+    eps = make_team(cfg).run(qs)
+    plain = {e.id: e.final_answer for e in rule_runs["weaver_synth"][1]}
+    assert [e.final_answer for e in eps] == [plain[q.id] for q in qs]  # descriptions are for text policies
+    pool, vision, seen = VideoPool(), SynthVisionModel(), 0
+    for e in eps:
+        video = pool.open(e.question.video)
+        for g in e.generations:
+            parts = [p for m in g.prompt if isinstance(m["content"], list) for p in m["content"]
+                     if p.get("type") == "image"]
+            assert parts and all(p.get("caption") for p in parts)
+            for p in parts[:3]:
+                want = vision.describe([VisionRequest(video.frames([p["frame"]]), [p["time"]], CAPTION_PROMPT)],
+                                       SamplingParams(max_new_tokens=48, temperature=0.0))[0].text
+                read = "".join(m["content"] for m in text_only(g.prompt))
+                assert p["caption"] == want and f"at {p['time']:.1f}s>[{want}]" in read
+                seen += want != "only the background"
+    assert seen > 0  # some frames show objects ("a large cyan square at the bottom left")
+    with pytest.raises(ValueError, match="seed_system.captioner: no model named 'nope'"):
+        load_team("weaver_synth", ["seed_system.captioner=nope"])
+    with pytest.raises(ValueError, match="seed_system.captioner: model 'policy' is a chat model, vision needed"):
+        load_team("weaver_synth", ["seed_system.captioner=policy"])
 
 
 def test_hf_vision_policy_takes_interleaved_frames(m1_cache):

@@ -297,13 +297,26 @@ def test_seed_configs_refuse_what_does_not_apply(tmp_path):
         load_sft_config("weaver_synth", ["data.phases=[plan, answer]"])
 
 
-def test_shipped_weaver_configs_load():
-    marl, sft = load_train_config("weaver_synth"), load_sft_config("weaver_synth")
+@pytest.mark.parametrize("kind", ["weaver", "zoomer", "sage"])
+def test_shipped_seed_kind_configs_load_with_one_loop_for_teacher_student_and_eval(kind):
+    """Each kind's SFT and GRPO configs train a tiny text policy that reads the frames' descriptions, in the same
+    loop as the rule-based teacher it learns from and the experiment that evaluates it; its replies fit the
+    learner's completion budget."""
+    from m1.experiment.config import load_experiment
+
+    marl, sft = load_train_config(f"{kind}_synth"), load_sft_config(f"{kind}_synth")
+    teacher = sft.teacher_config()
+    exp = load_experiment(f"seed_kinds_{kind}")
+    evaluated = load_team(exp.eval.team, exp.eval.overrides)
     for cfg in (marl, sft):
         team = cfg.team_config()
-        assert team.agents[0].kind == "weaver" and team.models[team.agents[0].model].kind == "chat"
-        assert team.models[team.agents[0].model].tiny is not None
-    assert sft.teacher_config().models["policy"].backend == "synth"
+        assert team.agents[0].kind == kind and team.models[team.agents[0].model].kind == "chat"
+        assert team.models[team.agents[0].model].tiny is not None and team.seed_system.captioner == "vision"
+        assert team.seed_system.reply_tokens == cfg.learner.max_completion_tokens
+        for other in (teacher, evaluated):
+            loop = {k: v for k, v in other.seed_system.model_dump().items() if k != "reply_tokens"}
+            assert loop == {k: v for k, v in team.seed_system.model_dump().items() if k != "reply_tokens"}
+    assert teacher.models["policy"].backend == evaluated.models["policy"].backend == "synth"  # the rules row
     assert marl.rollout.train_phases == ["plan", "communicate", "answer", "summary"]  # default: every turn
 
 

@@ -34,6 +34,8 @@ class KindSettings:
     zoom_frames: int
     count_clips: int
     reply_tokens: int
+    captioner: str | None = None  # the vision model that describes each frame for a text policy
+    caption_tokens: int = 48
 
 
 def settings_for(kind: str, section=None) -> KindSettings:
@@ -50,4 +52,5 @@ def settings_for(kind: str, section=None) -> KindSettings:
                         glance_frames=int(pick("glance_frames", d.glance_frames)),
                         max_turns=int(pick("max_turns", d.max_turns)), tool_fps=float(pick("tool_fps", d.tool_fps)),
                         max_tool_frames=int(pick("max_tool_frames", 64)), zoom_frames=int(pick("zoom_frames", 16)),
-                        count_clips=int(pick("count_clips", 8)), reply_tokens=int(pick("reply_tokens", 512)))
+                        count_clips=int(pick("count_clips", 8)), reply_tokens=int(pick("reply_tokens", 512)),
+                        captioner=pick("captioner", None), caption_tokens=int(pick("caption_tokens", 48)))

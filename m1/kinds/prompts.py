@@ -103,6 +103,18 @@ def system_prompt(kind: str, tools: Sequence[str], zoom_frames: int = 16) -> str
     raise ValueError(f"no system prompt for agent kind {kind!r}")
 
 
+# What a captioner (`seed_system.captioner`) is asked of each frame a text policy is shown
+CAPTION_PROMPT = "Describe this frame: every object you see, its colour, shape and size, and where it is."
+
+
+def caption_text(reply: str) -> str:
+    """A captioner's reply as one line for the policy's chat: without M1's `##Summary:` marker and line breaks."""
+    text = reply.strip()
+    if text.lower().startswith("##summary:"):
+        text = text[len("##summary:"):]
+    return " ".join(text.split())
+
+
 def frame_parts(indices: Sequence[int], times: Sequence[float], start: int = 0) -> list[dict]:
     """Each frame as a `<frame k at t s>` label followed by its image part (k counts from `start`)."""
     parts: list[dict] = []

@@ -65,16 +65,18 @@ def with_seeds(requests: list[ChatRequest], params: SamplingParams) -> list[Chat
 
 
 def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with every list content flattened to a string; an image part becomes a placeholder naming its time
-    (how a text-only chat model is shown the frames of a seed-kind conversation)."""
+    """Messages with every list content flattened to a string; an image part becomes its description in brackets when
+    it carries one (`seed_system.captioner`; the seed kinds label each frame with its time just before), else a
+    placeholder naming its time: how a text-only chat model is shown the frames of a seed-kind conversation."""
     out = []
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
             bits = []
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "image":
-                    bits.append(f"[frame at {float(part.get('time', 0.0)):.1f}s]")
+                if isinstance(part, dict) and part.get("type") == "image":  # a described frame: its description
+                    bits.append(f"[{part['caption']}]" if part.get("caption") else
+                                f"[frame at {float(part.get('time', 0.0)):.1f}s]")
                 elif isinstance(part, dict):
                     bits.append(str(part.get("text", "")))
                 else:

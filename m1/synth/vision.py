@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from m1.kinds.prompts import CAPTION_PROMPT
 from m1.models.base import Completion, ModelError, SamplingParams, VisionRequest
 from m1.schema import LETTERS
 from m1.synth.questions import MOTION_TEXT, RELATIONS
@@ -353,6 +354,8 @@ class _Answerer:
         if not self.seen:
             return Completion(text="No frames were given, so nothing can be seen.",
                               meta={"question": None, "seen": False})
+        if self.prompt == CAPTION_PROMPT:  # a seed-kind captioner: what each frame shows, in a few words
+            return Completion(text=self._caption(), meta={"question": "caption", "seen": True})
         low = self.prompt.lower()
         kind, m = next(((k, p.search(low)) for k, p in TEMPLATES if p.search(low)), (None, None))
         final, seen = "", False
@@ -387,6 +390,10 @@ class _Answerer:
             span = final.split(":", 1)[1].strip()
             return f"##Summary: {summary}\n##Answer: {span}\n{final}"
         return f"##Summary: {summary}" + (f"\n{final}" if final else "")
+
+    def _caption(self) -> str:
+        things = [f"a {b.size} {b.name} at the {self._where(b)}" for f in self.seen for b in f.blobs]
+        return "; ".join(things) if things else "only the background"
 
     def _where(self, b: Blob) -> str:
         f = self.seen[0]

@@ -27,7 +27,7 @@ from m1.config import TeamConfig
 from m1.kinds import prompts, settings_for
 from m1.kinds.parsers import parse_reply
 from m1.kinds.tools import Context, Observation, SeedTools
-from m1.models.base import ChatRequest, SamplingParams, text_only
+from m1.models.base import ChatRequest, SamplingParams, VisionRequest, text_only
 from m1.models.hub import ModelHub
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology, Turn
 from m1.team import budget
@@ -166,7 +166,43 @@ class SingleAgentTeam:
         r.timings["open_video"] = time.perf_counter() - t0
         return r
 
+    def _caption(self, runs: list[_Run]) -> None:
+        """Describe every frame of the runs' chats that has no description yet, in one call of the captioner, and
+        put each description on its image part (contents are replaced, never mutated: earlier snapshots keep theirs).
+        Done whatever the policy, so a teacher's recorded prompts read as its text student's."""
+        todo = []  # (run, message index, part index, frame)
+        for r in runs:
+            for i, m in enumerate(r.messages):
+                if isinstance(m.get("content"), list):
+                    todo += [(r, i, j, p["frame"]) for j, p in enumerate(m["content"])
+                             if isinstance(p, dict) and p.get("type") == "image" and "caption" not in p]
+        if not todo:
+            return
+        requests, slots = [], []
+        for r in runs:
+            mine = [t for t in todo if t[0] is r]
+            if not mine:
+                continue
+            t0, d0 = time.perf_counter(), r.video.decode_seconds
+            frames = r.video.frames([t[3] for t in mine])
+            times = r.video.timestamps([t[3] for t in mine])
+            requests += [VisionRequest(frames[k:k + 1], [times[k]], prompts.CAPTION_PROMPT) for k in range(len(mine))]
+            slots += mine
+            r.timings["decode"] += r.video.decode_seconds - d0
+            r.timings["caption"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        params = SamplingParams(max_new_tokens=self.settings.caption_tokens, temperature=0.0, logprobs=False)
+        outs = self.hub.vision(self.settings.captioner).describe(requests, params)
+        dt = (time.perf_counter() - t0) / len(slots)
+        for (r, i, j, _), out in zip(slots, outs):
+            content = list(r.messages[i]["content"])
+            content[j] = {**content[j], "caption": prompts.caption_text(out.text)}
+            r.messages[i] = {**r.messages[i], "content": content}
+            r.timings["caption"] += dt
+
     def _policy_turn(self, runs: list[_Run], turn: int, final: bool) -> None:
+        if self.settings.captioner is not None:
+            self._caption(runs)
         key = self.agent.model
         model = self.hub.vision(key) if self.cfg.models[key].kind == "vision" else self.hub.chat(key)
         images = getattr(model, "accepts_images", False)
