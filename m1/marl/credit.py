@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from m1.marl.grpo import baseline_advantages, multi_agent_advantages
 from m1.marl.rollout import (RolloutBatch, RolloutError, Sample, build_samples, focus_agents, focus_only,
-                             generation_credit, run_rollouts, score)
+                             generation_credit)
 
 Rewards = dict[str, list[list[float]]]  # agent -> [question][rollout]
 
@@ -276,8 +276,3 @@ class CreditStrategy:
                 break
             first, questions = self._take(need)
         return merge_batches(parts), rounds, flags, tied / groups if groups else 0.0
-
-
-def score_with(reward_fn, trained):
-    """`reward(batch)` for a CreditStrategy: fill the batch's rewards (and outcomes) for the trained agents."""
-    return lambda batch: score(batch, trained, reward_fn)
