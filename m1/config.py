@@ -47,8 +47,9 @@ class TinySpec(Strict):
     seed: int = 0
     # Tokenizer corpus (chat models): "default" = a built-in text; "synth" = the prompts and replies of a
     # teacher-team run on M1-Synth, so the world's prompts become short token runs (the mini team).
-    # Added for the mini team (m1/models/tiny.py handles it).
-    corpus: Literal["default", "synth"] = "default"
+    # "seed_kinds" = that run plus the rule-based Weaver / VideoZoomer / SAGE chats (their mini policies).
+    # m1/models/tiny.py builds them.
+    corpus: Literal["default", "synth", "seed_kinds"] = "default"
 
 
 class ModelSpec(Strict):

@@ -366,3 +366,28 @@ def test_sft_on_the_rule_weavers_trajectories_lowers_the_loss(world, tmp_path, m
         tr.close()
     losses = [r["loss"] for r in rows]
     assert len(losses) == 8 and sum(losses[-2:]) / 2 < 0.7 * sum(losses[:2]) / 2, losses
+
+
+@pytest.mark.slow
+def test_seed_kinds_tokenizer_halves_a_weaver_turn(m1_cache, monkeypatch):
+    """`corpus: seed_kinds` adds the rule-based seed kinds' chats to the synth corpus: a Weaver tool call (its JSON) and
+    the described glance cost fewer tokens than with the CPP team's tokenizer, and decode back exactly. Its models
+    get their own cache folders, which follow that corpus's version."""
+    from transformers import AutoTokenizer
+
+    from m1.config import TinySpec
+    from m1.models import tiny
+
+    turn = ('Step 1: the question needs a closer look, so I find when the purple cross is on screen.\n'
+            '<tool_call>{"tool_name": "temporal_grounding", "query": "the purple cross"}</tool_call>')
+    frames = "<frame 3 at 18.8s>[a small purple cross at the top left]<frame 4 at 26.2s>[only the background]"
+    spec = TinySpec(arch="qwen3", hidden_size=32, layers=1, heads=2, kv_heads=1, corpus="seed_kinds")
+    synth = spec.model_copy(update={"corpus": "synth"})
+    new, old = (AutoTokenizer.from_pretrained(tiny.ensure_tiny(s)) for s in (spec, synth))
+    for text, gain in ((turn, 1.6), (frames, 1.15)):  # measured: 43 vs 69 and 34 vs 42 tokens
+        n_new, n_old = len(new(text)["input_ids"]), len(old(text)["input_ids"])
+        assert n_new * gain < n_old, (text, n_new, n_old)
+        assert new.decode(new(text)["input_ids"]) == text
+    before = tiny.spec_hash(spec), tiny.spec_hash(synth)
+    monkeypatch.setitem(tiny.CORPUS_VERSIONS, "seed_kinds", tiny.CORPUS_VERSIONS["seed_kinds"] + 1)
+    assert tiny.spec_hash(spec) != before[0] and tiny.spec_hash(synth) == before[1]

@@ -53,7 +53,7 @@ def in_gb(n_bytes: float) -> float:
 
 def tiny_shape(tiny: TinySpec) -> TextShape:
     """The decoder of a tiny random model, as m1/models/tiny.py builds it (vocabulary: its BPE size)."""
-    vocab = 4096 if tiny.corpus == "synth" else 1024
+    vocab = 1024 if tiny.corpus == "default" else 4096
     arch = tiny.arch if tiny.arch in ("qwen2", "qwen3") else "qwen2"
     return TextShape(arch, tiny.hidden_size, tiny.layers, tiny.heads, tiny.kv_heads, tiny.hidden_size // tiny.heads,
                      tiny.intermediate_size or 2 * tiny.hidden_size, vocab, True)

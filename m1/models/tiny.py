@@ -143,6 +143,8 @@ def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024, qwe
 # Bump when the corpus or tokenizer recipe below changes: the tokenizer folder name carries it. Skip 3: it named
 # the digit trial (synth_tokenizer), whose folder may still sit in a cache.
 SYNTH_CORPUS_VERSION = 2
+# each corpus's recipe version (the tokenizer folder and the model hashes carry it)
+CORPUS_VERSIONS = {"synth": SYNTH_CORPUS_VERSION, "seed_kinds": 1}
 SYNTH_VOCAB = 4096  # BPE over Qwen-split words; this corpus has fewer distinct pieces than that
 PHRASE_VOCAB = 8192  # the line-level BPE that proposes multi-word phrases
 PHRASE_MIN_COUNT = 8
@@ -210,7 +212,8 @@ def synth_tokenizer(texts: list[str]):
 
 # Corpora that need a world to write them, found by name so that models never import the synthetic world
 # (as the hub finds backends): corpus name -> (module, function(workdir) -> list of texts)
-CORPORA: dict[str, tuple[str, str]] = {"synth": ("m1.synth.corpus", "synth_corpus")}
+CORPORA: dict[str, tuple[str, str]] = {"synth": ("m1.synth.corpus", "synth_corpus"),
+                                       "seed_kinds": ("m1.synth.corpus", "seed_kinds_corpus")}
 
 
 def _corpus(name: str):
@@ -220,17 +223,17 @@ def _corpus(name: str):
     return getattr(importlib.import_module(module), fn)
 
 
-def ensure_synth_tokenizer(root: Path) -> Path:
-    """The folder of the M1-Synth tokenizer under `root`, built once and shared by every model."""
+def ensure_synth_tokenizer(root: Path, corpus: str = "synth") -> Path:
+    """The folder of the M1-Synth tokenizer of `corpus` (CORPORA) under `root`, built once and shared by every model."""
     from transformers import AutoTokenizer  # noqa: F401  (fail early if transformers is missing)
 
-    final = Path(root) / f"tokenizer-synth-v{SYNTH_CORPUS_VERSION}"
+    final = Path(root) / f"tokenizer-{corpus}-v{CORPUS_VERSIONS[corpus]}"
     if (final / "tokenizer_config.json").is_file():
         return final
     Path(root).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        tok = synth_tokenizer(_corpus("synth")(tmp / "world"))
+        tok = synth_tokenizer(_corpus(corpus)(tmp / "world"))
         shutil.rmtree(tmp / "world")
         tok.save_pretrained(tmp)
         _publish(tmp, final, "tokenizer_config.json")
@@ -254,10 +257,10 @@ def _publish(tmp: Path, final: Path, marker: str) -> None:
 
 
 def _tokenizer_for(spec: TinySpec, root: Path):
-    if spec.corpus == "synth":
+    if spec.corpus in CORPORA:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(ensure_synth_tokenizer(root), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(ensure_synth_tokenizer(root, spec.corpus), local_files_only=True)
         tok.padding_side = "left"
         return tok
     return build_tokenizer()
@@ -273,6 +276,8 @@ def spec_hash(spec: TinySpec) -> str:
         fields.pop("corpus")
     if fields.get("corpus") == "synth":  # the model folder holds a copy of that tokenizer
         fields["synth_tokenizer"] = SYNTH_CORPUS_VERSION
+    elif fields.get("corpus") in CORPUS_VERSIONS:
+        fields["corpus_tokenizer"] = CORPUS_VERSIONS[fields["corpus"]]
     payload = json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 

@@ -11,8 +11,23 @@ from m1.config import TeamConfig
 from m1.data.questions import read_questions
 from m1.models.base import ModelError
 from m1.models.tiny import SYNTH_AGENTS, SYNTH_BROWSER_TOKENS, _default_corpus
+from m1.models.base import text_only
 from m1.synth.make import make_dataset
 from m1.team.cpp import Team
+from m1.team.single import SingleAgentTeam
+
+
+# a tiny random CLIP for retrieval: its notes read like the world's trained CLIP's, at no training cost
+CORPUS_CLIP = {"kind": "clip", "backend": "open_clip", "device": "cpu",
+               "tiny": {"arch": "open_clip", "hidden_size": 64, "layers": 2, "image_size": 64, "seed": 6}}
+
+
+def _world(workdir: Path, videos: int, seed: int, duration: float):
+    qfile = make_dataset(Path(workdir), videos, seed, duration=duration, questions_per_video=12, progress=False)
+    questions, issues = read_questions(qfile, qfile.parent)
+    if issues or not questions:
+        raise ModelError(f"synth tokenizer corpus: bad questions in {qfile}: {issues[:3]}")
+    return questions
 
 
 def synth_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: float = 120.0) -> list[str]:
@@ -23,17 +38,15 @@ def synth_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: f
     tokenizer learns the words and lines the mini team reads. The world seed is fixed and apart
     from any training or evaluation seed; the built-in corpus is appended for general coverage.
     """
-    qfile = make_dataset(Path(workdir), videos, seed, duration=duration, questions_per_video=12, progress=False)
-    questions, issues = read_questions(qfile, qfile.parent)
-    if issues or not questions:
-        raise ModelError(f"synth tokenizer corpus: bad questions in {qfile}: {issues[:3]}")
+    return _cpp_texts(_world(workdir, videos, seed, duration)) + _default_corpus()
+
+
+def _cpp_texts(questions) -> list[str]:
     teachers = {f"t{i}": {"kind": "chat", "backend": "synth", "error_rate": rate, "seed": i}
                 for i, rate in enumerate((0.0, 0.1, 0.2, 0.3))}
-    clip = {"kind": "clip", "backend": "open_clip", "device": "cpu",
-            "tiny": {"arch": "open_clip", "hidden_size": 64, "layers": 2, "image_size": 64, "seed": 6}}
     budget = SYNTH_BROWSER_TOKENS
     cfg = TeamConfig.model_validate({
-        "name": "corpus", "models": {**teachers, "vision": {"kind": "vision", "backend": "synth"}, "clip": clip},
+        "name": "corpus", "models": {**teachers, "vision": {"kind": "vision", "backend": "synth"}, "clip": CORPUS_CLIP},
         "agents": [{"name": name, "model": f"t{i}"} for i, name in enumerate(SYNTH_AGENTS)],
         "tools": {"browser": "vision", "clip": "clip", "rough_tokens": budget, "fine_tokens": budget,
                   "space_tokens": budget, "grounding_tokens": budget},
@@ -43,4 +56,35 @@ def synth_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: f
         for gen in ep.generations:
             texts += [m["content"] for m in gen.prompt if isinstance(m.get("content"), str)]
             texts.append(gen.completion)
-    return texts + _default_corpus()
+    return texts
+
+
+# The seed kinds' loop as their mini policies run it (configs/sft/<kind>_synth.yaml): described frames, a 16-frame
+# glance, short tool results. Written here, not read from those configs, so that editing a config never changes a
+# tokenizer quietly (CORPUS_VERSIONS in m1/models/tiny.py names this recipe).
+SEED_KIND_LOOPS = {
+    "weaver": {"glance_frames": 16, "max_turns": 4, "max_tool_frames": 16},
+    "zoomer": {"glance_frames": 16, "max_turns": 3},
+    "sage": {"glance_frames": 16, "max_turns": 4, "max_tool_frames": 16},
+}
+
+
+def seed_kinds_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: float = 120.0) -> list[str]:
+    """The synth corpus plus the rule-based Weaver, VideoZoomer and SAGE chats on the same world, as a text policy
+    reads them (frames as their descriptions, `text_only`): their system prompts, tool-call JSON and observation
+    lines become short token runs, which the CPP team's prompts alone do not teach (a Weaver tool call was 69
+    tokens with the synth tokenizer)."""
+    questions = _world(workdir, videos, seed, duration)
+    texts = _cpp_texts(questions) + _default_corpus()
+    for kind, loop in SEED_KIND_LOOPS.items():
+        cfg = TeamConfig.model_validate({
+            "name": f"corpus_{kind}", "models": {"policy": {"kind": "chat", "backend": "synth"},
+                                                 "vision": {"kind": "vision", "backend": "synth"}, "clip": CORPUS_CLIP},
+            "agents": [{"name": kind, "model": "policy", "kind": kind}],
+            "tools": {"clip": "clip", "browser": "vision"},
+            "seed_system": {**loop, "captioner": "vision"}, "limits": {"batch_episodes": 16}})
+        for ep in SingleAgentTeam(cfg).run(questions):
+            for gen in ep.generations:
+                texts += [m["content"] for m in text_only(gen.prompt) if isinstance(m.get("content"), str)]
+                texts.append(gen.completion)
+    return texts
