@@ -342,6 +342,25 @@ def test_rule_policies_answer_from_pixels(world, rule_runs, name):
         assert list(r["agents"]) == [cfg.agents[0].name] and r["agents"][cfg.agents[0].name]["parse_ok"]
 
 
+def test_rule_answers_state_their_evidence_and_the_chosen_option(world, rule_runs):
+    """A rule policy's answer turn says what the frames showed and, for a choice, the chosen option's words before
+    its letter: the reasoning an SFT student can copy its answer from."""
+    import re
+
+    for name in ("weaver_synth", "zoomer_synth", "sage_synth"):
+        _, eps = rule_runs[name]
+        mcq = [e for e in eps if e.question.task == "mcq" and e.error is None]
+        assert mcq, name
+        stated = 0
+        for e in mcq:
+            last = e.generations[-1].completion
+            letter = e.final_answer
+            option = e.question.options[ord(letter) - 65]
+            stated += f"The answer is {option}" in last
+            assert re.search(r"I read \d+ frames|frames show it|could see", last), (name, last)
+        assert stated == len(mcq), (name, stated, len(mcq))
+
+
 def test_each_kind_behaves_as_its_paper_says(world, rule_runs):
     """Weaver calls its tools by cue, VideoZoomer's zooms stay within 16 frames and 4 calls, SAGE answers at once
     when the glance shows the answer, the no-tool baseline sees exactly its 128 frames in one turn."""

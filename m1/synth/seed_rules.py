@@ -156,11 +156,24 @@ def _fallback(chat: Chat) -> str:
     return {"mcq": "A", "numeric": "0", "grounding": "[0.0 - 1.0]"}.get(chat.task, "unknown")
 
 
+def _evidence(r: Reading) -> str:
+    """What the frames showed about the question's objects, and the chosen option's words: the reasoning a student
+    can copy its answer from (an answer letter alone gives a tiny policy nothing to learn from)."""
+    if r.reader is None:
+        return ""
+    bits = [n.rstrip(".") for n in r.reader.notes]
+    letter = (r.answer or "").strip()
+    if len(letter) == 1 and "A" <= letter <= "Z" and ord(letter) - 65 < len(r.reader.options):
+        bits.append(f"The answer is {r.reader.options[ord(letter) - 65]}")
+    return "".join(f". {b}" for b in bits)
+
+
 def _answer_now(chat: Chat, prefer: str | None = None) -> tuple[str, str]:
     """(answer, why) from every frame seen; `prefer` (a tool's span) when the frames settle nothing."""
     r = read_frames(chat)
     if r.answer is not None and (r.seen or prefer is None):
-        return r.answer, f"I read {len(set(chat.times))} frames" + ("" if r.seen else " but could not see it")
+        return r.answer, (f"I read {len(set(chat.times))} frames" + ("" if r.seen else " but could not see it")
+                          + _evidence(r))
     if prefer is not None:
         return prefer, "the tool's result"
     return _fallback(chat), "a guess"
@@ -299,7 +312,7 @@ def sage_reply(chat: Chat) -> str:
     r = read_frames(chat)
     if r.seen or not chat.tools or chat.last_turn:
         answer = r.answer if r.answer is not None else _fallback(chat)
-        why = f"the {len(set(chat.times))} frames show it" if r.seen else "the evidence is thin; best guess"
+        why = (f"the {len(set(chat.times))} frames show it" if r.seen else "the evidence is thin; best guess") + _evidence(r)
         return _sage(answer, why, [], first)
     kind, objs, t = cue(chat.text)
     dur = chat.duration
@@ -328,7 +341,7 @@ def sage_reply(chat: Chat) -> str:
                 ("extract-video-parts", {"start": _hms(s), "end": _hms(e), "type": "frames"},
                  "look at the moment densely")], first)
     answer = r.answer if r.answer is not None else _fallback(chat)
-    return _sage(answer, "answering from what I could see", [], first)
+    return _sage(answer, "answering from what I could see" + _evidence(r), [], first)
 
 
 REPLIES = {"weaver": weaver_reply, "zoomer": zoomer_reply, "sage": sage_reply}
