@@ -116,6 +116,21 @@ def _plan_of(ep: Episode, agent: str) -> dict:
     return {"plan": list(rec.plan), "plan_ok": gen.parse_ok}
 
 
+def _zooms(ep: Episode) -> list[list[float]]:
+    """[segment seconds, fps] of each executed `video_zoom` call: how long and how densely VideoZoomer looked, what
+    its paper reports of its zooms (the span is the one run, its end cut to the video's; failed calls are left out)."""
+    out = []
+    for rec in ep.memory.values():
+        for t in rec.turns:
+            if t.tool == "video_zoom" and t.error is None and t.span is not None:
+                try:
+                    fps = float(json.loads(t.key_info)["fps"])
+                except (ValueError, KeyError, TypeError):  # args not as the zoomer's parser writes them
+                    continue
+                out.append([round(t.span[1] - t.span[0], 3), round(fps, 3)])
+    return out
+
+
 def result_row(ep: Episode) -> dict:
     """The results line of an episode: its answer, each agent's vote, timings and, with a truth, whether it is
     correct (the trace index shows the same answer/truth/correct)."""
@@ -132,6 +147,9 @@ def result_row(ep: Episode) -> dict:
     }
     if ep.frame_counts:  # seed kinds: frames the policy saw / tools read, turns, tool calls
         row["frame_counts"] = dict(ep.frame_counts)
+        zooms = _zooms(ep)
+        if zooms:
+            row["zooms"] = zooms
     trimmed = [g for g in ep.generations if g.trimmed]
     if trimmed:  # prompts whose peers' notes were trimmed to fit limits.max_prompt_tokens (m1/team/budget.py)
         row["prompts_trimmed"] = {"prompts": len(trimmed), "of": len(ep.generations),

@@ -91,6 +91,8 @@ class ArmResult:
     formats: dict[str, list[int]] = field(default_factory=dict)  # phase -> [strict, generations], from traces
     shared: dict[int, int] = field(default_factory=dict)  # seed -> the seed whose eval it is (sft_share)
     notes: list[str] = field(default_factory=list)  # why rows were left out
+    # seed -> id -> {frames, calls[, zooms]}: how a seed-kind team answered (`rows.behaviour`)
+    behaviour: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     def accuracy(self, seed: int, family: str) -> float | None:
         c, n = self.counts[seed].get(family, (0, 0))
@@ -151,6 +153,9 @@ def collect(exp: Experiment) -> tuple[list[ArmResult], list[str]]:
                 plans[row["id"]] = {i: (tools(p), bool(ok), bool(right))
                                     for i, (p, ok, right) in enumerate(row["agents"])}
                 res.family_of[row["id"]] = fam = row["family"]
+                if "frames" in row:
+                    res.behaviour.setdefault(seed, {})[row["id"]] = {k: row[k] for k in ("frames", "calls", "zooms")
+                                                                     if k in row}
                 for key in (ALL, fam):
                     c = counts.setdefault(key, [0, 0])
                     c[0] += row["correct"]
@@ -280,6 +285,56 @@ def strict_format(arms: list[ArmResult]) -> dict[str, dict[str, float]]:
     return {res.arm: {phase: ok / n for phase, (ok, n) in res.formats.items() if n} for res in arms if res.formats}
 
 
+BEHAVIOUR = ("frames", "calls", "no_tool", "zoom_s", "zoom_fps")
+
+
+def _mean(xs: list) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _behaviour_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per question: frames seen, tool calls, the share answered without a call; over every zoom: its length (s) and
+    fps. None where nothing was measured (never a zero that was not observed)."""
+    calls = [r["calls"] for r in rows if r.get("calls") is not None]
+    zooms = [z for r in rows for z in r.get("zooms", [])]
+    return {"questions": len(rows), "frames": _mean([r["frames"] for r in rows if r.get("frames") is not None]),
+            "calls": _mean(calls), "no_tool": _mean([c == 0 for c in calls]),
+            "zoom_s": _mean([z[0] for z in zooms]), "zoom_fps": _mean([z[1] for z in zooms])}
+
+
+def behaviour_table(arms: list[ArmResult], families: list[str]) -> list[dict[str, Any]]:
+    """How the seed-kind arms (Weaver, VideoZoomer, SAGE: those whose rows carry `frames`) behave, as their papers
+    measure it (`_behaviour_of`): per arm, family and seed, then the arm's mean over its seeds (seed "mean"; a seed
+    sharing another's eval counted once). A seed whose rows carry none of it (a record written before they did)
+    has questions 0 and every value None. Empty when no arm's rows carry `frames`."""
+    out = []
+    for res in arms:
+        if not any(res.behaviour.values()):
+            continue
+        seeds = [s for s in sorted(res.counts) if s not in res.shared]
+        for fam in families:
+            per = [{"arm": res.arm, "family": fam, "seed": s, **_behaviour_of(
+                [b for q, b in res.behaviour.get(s, {}).items() if fam in (ALL, res.family_of.get(q))])}
+                for s in seeds]
+            mean = {k: _mean([r[k] for r in per if r[k] is not None]) for k in BEHAVIOUR}
+            out += per + [{"arm": res.arm, "family": fam, "seed": "mean",
+                           "questions": sum(r["questions"] for r in per), **mean}]
+    return out
+
+
+def write_behaviour_csv(path: Path, table: list[dict[str, Any]]) -> Path:
+    """`behaviour_table` unrounded, one row per arm x family x seed (and "mean"); a value not measured is empty."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arm", "family", "seed", "questions", *BEHAVIOUR])
+        for r in table:
+            w.writerow([r["arm"], r["family"], r["seed"], r["questions"]]
+                       + ["" if r[k] is None else repr(r[k]) for k in BEHAVIOUR])
+    tmp.replace(path)
+    return path
+
+
 def shared_note(exp: Experiment) -> str | None:
     """The report's line on SFT runs shared by several seeds (`sft_share`), None where each seed has its own."""
     if exp.sft is None or exp.sft_share == 1:
@@ -344,7 +399,8 @@ def _signed(x: float) -> str:
 
 def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[str], notes: list[str],
                     changes: list[dict[str, Any]] | None = None,
-                    formats: dict[str, dict[str, float]] | None = None, plans: dict[str, Any] | None = None) -> str:
+                    formats: dict[str, dict[str, float]] | None = None, plans: dict[str, Any] | None = None,
+                    behaviour: list[dict[str, Any]] | None = None) -> str:
     arms = list(exp.arms)
     base = exp.base_arm
     by = {(r["arm"], r["family"]): r for r in rows}
@@ -408,6 +464,22 @@ def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[
                   "| arm | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
         for arm, f in formats.items():
             lines.append(f"| {arm} | " + " | ".join(f"{100 * f[p]:.0f}" if p in f else "n/a" for p in phases) + " |")
+    if behaviour:
+        zoom = any(r["zoom_s"] is not None for r in behaviour)
+        lines += ["", "## Behaviour of the seed-kind teams (all families)", "",
+                  "Per graded question: frames the team saw (policy and tools), tool calls, % answered without a "
+                  "tool call" + ("; over every executed zoom: its segment length (s) and fps" if zoom else "") +
+                  ". Mean: over the seeds; n/a: not recorded (rows written before these fields).", "",
+                  "| arm | seed | questions | frames | tool calls | no tool call % |"
+                  + (" zoom s | zoom fps |" if zoom else ""), "|---" * (8 if zoom else 6) + "|"]
+
+        def num(x: float | None, fmt: str) -> str:
+            return "n/a" if x is None else format(x, fmt)
+
+        for r in (r for r in behaviour if r["family"] == ALL):
+            lines.append(f"| {r['arm']} | {r['seed']} | {r['questions']} | {num(r['frames'], '.1f')} | "
+                         f"{num(r['calls'], '.2f')} | {_pct(r['no_tool'])} |"
+                         + (f" {num(r['zoom_s'], '.1f')} | {num(r['zoom_fps'], '.2f')} |" if zoom else ""))
     lines += ["", "## Per seed", "", "| arm | seed | " + " | ".join(families) + " |",
               "|---" * (len(families) + 2) + "|"]
     for arm in arms:
@@ -516,9 +588,9 @@ def plot_arms(exp: Experiment, out: Path) -> list[Path]:
 
 
 def write_report(exp: Experiment) -> dict[str, Any]:
-    """Write report.md, report.csv, plans.csv (when the results rows carry plans) and plots/<arm>.png (from the
-    training stages' metrics, where their run folders are here) into the experiment's out_dir; returns paths and
-    rows."""
+    """Write report.md, report.csv, plans.csv (when the results rows carry plans), behaviour.csv (when they carry
+    frames and tool calls: seed-kind teams) and plots/<arm>.png (from the training stages' metrics, where their run
+    folders are here) into the experiment's out_dir; returns paths and rows."""
     out = Path(exp.out_dir)
     collected = collect(exp)
     rows, families, notes = summarize(exp, collected)
@@ -530,11 +602,14 @@ def write_report(exp: Experiment) -> dict[str, Any]:
     references = frozenset(a for a, spec in exp.arms.items() if spec.eval_team is not None)
     family_of = {q: f for res in collected[0] for q, f in res.family_of.items()}
     choices = plan_choices(collected[0], families, family_of, references=references)
-    md = render_markdown(exp, rows, families, notes, changes, formats, choices)
+    acts = behaviour_table(collected[0], families)
+    md = render_markdown(exp, rows, families, notes, changes, formats, choices, acts)
     (out / "report.md").write_text(md)
     csv_path = write_csv(out / "report.csv", rows)
     if choices:
         write_plans_csv(out / "plans.csv", choices)
+    if acts:
+        write_behaviour_csv(out / "behaviour.csv", acts)
     plots = plot_arms(exp, out / "plots")
     return {"markdown": out / "report.md", "csv": csv_path, "plots": plots, "rows": rows, "text": md,
-            "notes": notes, "changes": changes, "formats": formats, "plans": choices}
+            "notes": notes, "changes": changes, "formats": formats, "plans": choices, "behaviour": acts}

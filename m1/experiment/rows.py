@@ -36,12 +36,24 @@ def read_results(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def behaviour(row: dict[str, Any]) -> dict[str, Any]:
+    """What a seed-kind team's results row says of how it answered, as those papers measure it: `frames` seen,
+    tool `calls`, and each zoom's [seconds, fps] (`zooms`, when it zoomed). Empty for other teams' rows (no
+    `frame_counts`), so their compact rows stay as they were."""
+    counts = row.get("frame_counts")
+    if not counts:
+        return {}
+    out = {"frames": row.get("frames_used"), "calls": counts.get("tool_calls")}
+    return {**out, "zooms": row["zooms"]} if row.get("zooms") else out
+
+
 def compact_eval(record: dict[str, Any], folder: Path, questions: list, source: str) -> dict[str, Any]:
     """What the report reads of a finished eval stage in `folder` (`record`, its stage.json; `questions`: the eval
     questions, named `source`): `rows`, one per graded question in the questions' order, {id, family, answer,
     correct, agents: [[first plan ("VR+FB"), strict format 0/1, the agent's own answer right 0/1], ...]} (about
-    150 bytes a question for four agents); `families` in the questions' order; `formats`, per phase [strict,
-    generations] of its traces (`eval.traces`); `agents`, the agents' names."""
+    150 bytes a question for four agents), and for seed-kind teams `behaviour`'s frames, calls and zooms;
+    `families` in the questions' order; `formats`, per phase [strict, generations] of its traces (`eval.traces`);
+    `agents`, the agents' names."""
     qs = questions
     order = {q.id: i for i, q in enumerate(qs)}
     question = {q.id: q for q in qs}
@@ -61,7 +73,7 @@ def compact_eval(record: dict[str, Any], folder: Path, questions: list, source: 
                               int(is_correct(q, v.get("answer")))])
                 agents += [name] if name not in agents else []
         rows.append({"id": row["id"], "family": family[row["id"]], "answer": row.get("answer"),
-                     "correct": bool(row["correct"]), "agents": plans})
+                     "correct": bool(row["correct"]), "agents": plans, **behaviour(row)})
     rows.sort(key=lambda r: order[r["id"]])
     formats: dict[str, list[int]] = {}
     traces = record.get("results", {}).get("traces")
