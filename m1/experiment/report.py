@@ -14,6 +14,7 @@ two-sided sign test: a gain made of few fixes and no breaks is learning, many ch
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 from m1.experiment.config import Experiment, ExperimentError
 from m1.experiment.rows import compact_eval, plan_name, read_results, tools
 from m1.experiment.runner import StageRun, eval_questions, read_record, read_stage, stage_identity, torn_results
+from m1.files import write_whole
 from m1.plots import PlotError, read_metrics
 
 ALL = "all"
@@ -262,20 +264,26 @@ def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str
     return {"best": best, "arms": table, "strict": {a: ok / n for a, (ok, n) in strict.items()}, "rates": rates}
 
 
+def _write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> Path:
+    """One CSV written whole (m1.files.write_whole): a reader never sees half a report."""
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(header)
+    w.writerows(rows)
+    write_whole(path, buf.getvalue().encode())
+    return path
+
+
 def write_plans_csv(path: Path, plans: dict[str, Any]) -> Path:
     """Every plan each arm chose, per family: its share of the arm's plans, and its success rate (and uses) over the
     pooled student arms: the whole distribution behind the report's compact plan table."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["arm", "family", "plan", "share", "plans", "success_rate", "success_uses"])
-        for arm, fams in plans["arms"].items():
-            for fam, c in fams.items():
-                for plan, share in c["shares"].items():
-                    rate, n = plans["rates"].get(fam, {}).get(plan, (float("nan"), 0))
-                    w.writerow([arm, fam, plan_name(plan), repr(share), c["n"], repr(rate), n])
-    tmp.replace(path)
-    return path
+    out = []
+    for arm, fams in plans["arms"].items():
+        for fam, c in fams.items():
+            for plan, share in c["shares"].items():
+                rate, n = plans["rates"].get(fam, {}).get(plan, (float("nan"), 0))
+                out.append([arm, fam, plan_name(plan), repr(share), c["n"], repr(rate), n])
+    return _write_csv(path, ["arm", "family", "plan", "share", "plans", "success_rate", "success_uses"], out)
 
 
 def strict_format(arms: list[ArmResult]) -> dict[str, dict[str, float]]:
@@ -324,15 +332,9 @@ def behaviour_table(arms: list[ArmResult], families: list[str]) -> list[dict[str
 
 def write_behaviour_csv(path: Path, table: list[dict[str, Any]]) -> Path:
     """`behaviour_table` unrounded, one row per arm x family x seed (and "mean"); a value not measured is empty."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["arm", "family", "seed", "questions", *BEHAVIOUR])
-        for r in table:
-            w.writerow([r["arm"], r["family"], r["seed"], r["questions"]]
-                       + ["" if r[k] is None else repr(r[k]) for k in BEHAVIOUR])
-    tmp.replace(path)
-    return path
+    return _write_csv(path, ["arm", "family", "seed", "questions", *BEHAVIOUR],
+                      [[r["arm"], r["family"], r["seed"], r["questions"]]
+                       + ["" if r[k] is None else repr(r[k]) for k in BEHAVIOUR] for r in table])
 
 
 def shared_note(exp: Experiment) -> str | None:
@@ -499,17 +501,11 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
     """Fractions, unrounded: arm, family, seeds and accuracies (';'-joined), mean, sd, and the paired difference."""
     cols = ["arm", "family", "n_seeds", "seeds", "accuracy", "graded", "mean", "sd", "diff", "diff_mean",
             "diff_low", "diff_high"]
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for r in rows:
-            w.writerow([r["arm"], r["family"], len(r["seeds"]), ";".join(map(str, r["seeds"])),
-                        ";".join(repr(a) for a in r["accuracy"]), r["graded"], repr(r["mean"]), repr(r["sd"]),
-                        ";".join(repr(d) for d in r.get("diff", []))]
-                       + [repr(r[k]) if k in r else "" for k in ("diff_mean", "diff_low", "diff_high")])
-    tmp.replace(path)
-    return path
+    return _write_csv(path, cols, [
+        [r["arm"], r["family"], len(r["seeds"]), ";".join(map(str, r["seeds"])),
+         ";".join(repr(a) for a in r["accuracy"]), r["graded"], repr(r["mean"]), repr(r["sd"]),
+         ";".join(repr(d) for d in r.get("diff", []))]
+        + [repr(r[k]) if k in r else "" for k in ("diff_mean", "diff_low", "diff_high")] for r in rows])
 
 
 # Panels drawn per training stage: (stage, [(metric, label), ...] the first one present, moving-average window).
