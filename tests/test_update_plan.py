@@ -143,3 +143,37 @@ def test_prompt_without_gradient_keeps_the_values_and_changes_the_gradient(m1_ca
     with torch.no_grad():
         lrn.completion_logprobs(lrn.policy, rows, 0.7)
     assert log.shapes[-2] == (4, 12)
+
+
+@pytest.mark.slow
+def test_prompt_loss_adds_the_prompts_token_mean_and_keeps_the_completions(m1_cache):
+    """`learner.prompt_loss: w` (SFT): loss = completion NLL mean + w x prompt NLL mean, each over the step's own
+    tokens; the completion's log-probs are exactly the completion-only path's, and the prompt's are the model's
+    next-token log-probs of the unpadded prompt (its first token unscored)."""
+    import torch
+
+    from m1.marl.grpo import token_logprobs
+
+    rows = grouped_rows(seed=11)
+    lrn = learner("qwen3", micro_batch_size=64, micro_batch_tokens=None)
+    lrn.policy.eval()
+    with torch.no_grad():
+        want, want_mask = lrn._joint_logprobs(lrn.policy, rows, 1.0)
+        c_logp, c_mask, p_logp, p_mask = lrn._sequence_logprobs(lrn.policy, rows)
+        torch.testing.assert_close(c_logp * c_mask, want * want_mask, atol=1e-5, rtol=0)
+        assert torch.equal(c_mask, want_mask)
+        assert p_mask.sum() == sum(len(p) - 1 for p, _ in rows)
+        p, _ = rows[0]  # one prompt alone, unpadded: its own next-token log-probs
+        alone = token_logprobs(lrn.policy(input_ids=torch.tensor([p])).logits[:, :-1], torch.tensor([p[1:]]))
+        got = p_logp[0][p_mask[0] > 0]
+        torch.testing.assert_close(got, alone[0], atol=1e-5, rtol=0)
+        n_c, n_p = float(c_mask.sum()), float(p_mask.sum())
+        expect = float(-(c_logp * c_mask).sum() / n_c - 0.5 * (p_logp * p_mask).sum() / n_p)
+    batch = samples(rows)
+    lrn.cfg.prompt_loss = 0.5
+    stats = lrn.update(batch, lr=1e-2, objective="sft")
+    assert stats["loss"] == pytest.approx(expect, rel=1e-5)
+    assert stats["prompt_nll"] == pytest.approx(float(-(p_logp * p_mask).sum() / n_p), rel=1e-5)
+    plain = learner("qwen3", micro_batch_size=64, micro_batch_tokens=None)
+    assert plain.update(samples(rows), lr=1e-2, objective="sft")["loss"] == pytest.approx(
+        float(-(c_logp * c_mask).sum() / n_c), rel=1e-5)

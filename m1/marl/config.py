@@ -76,6 +76,11 @@ class LearnerConfig(Strict):
     # not the prompt's keys and values. About 2.8x less update work on the mini team; chosen on dev
     # like any other setting.
     prompt_grad: bool = True
+    # SFT only: also predict the prompt's tokens (frame descriptions, tool observations, the question), weighted
+    # against the completion's per-token mean. A tiny student trained from scratch sees ~30 completion tokens per
+    # example but ~800 prompt tokens, many of them repeats (an object seen on several frames), which is where copying
+    # a phrase from the context is learnt. 0: completion-only loss, as TRL's default.
+    prompt_loss: float = Field(0.0, ge=0.0)
 
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.finetune]

@@ -299,6 +299,35 @@ class AgentLearner:
         logp = token_logprobs(logits, input_ids[:, p_len:], temperature)
         return logp, torch.tensor(cmask, device=self.device)
 
+    def _sequence_logprobs(self, model, rows: list[tuple[list[int], list[int]]]):
+        """For `learner.prompt_loss`: one forward over prompt + completion with every position's logits. Returns the
+        completion's log-probs and mask [B, C] (as `completion_logprobs` at temperature 1) and the prompt's [B, P-1]
+        (token j of a left-padded prompt scored from the logits at j-1; a row's first token is not scored)."""
+        import torch
+
+        if self.vl:
+            raise ValueError(f"agent {self.agent!r}: learner.prompt_loss is for text students; a vision-language "
+                             "prompt's image-pad tokens are not text to predict (set it to 0)")
+        pad = self.tokenizer.pad_token_id
+        p_len = max(len(p) for p, _ in rows)
+        c_len = max(len(c) for _, c in rows)
+        ids, attn, cmask, pmask = [], [], [], []
+        for p, c in rows:
+            lp, rc = p_len - len(p), c_len - len(c)
+            ids.append([pad] * lp + p + c + [pad] * rc)
+            attn.append([0] * lp + [1] * (len(p) + len(c)) + [0] * rc)
+            cmask.append([1.0] * len(c) + [0.0] * rc)
+            pmask.append([0.0] * lp + [0.0] + [1.0] * (len(p) - 1))  # tokens 1..P-1 of the padded prompt row
+        input_ids = torch.tensor(ids, device=self.device)
+        attention = torch.tensor(attn, device=self.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False)
+        logp = token_logprobs(out.logits[:, :-1], input_ids[:, 1:], 1.0)  # column j scores token j+1
+        p_logp = logp[:, :p_len - 1]
+        c_logp = logp[:, p_len - 1:]
+        p_mask = torch.tensor([m[1:] for m in pmask], device=self.device)
+        return c_logp, torch.tensor(cmask, device=self.device), p_logp, p_mask
+
     def _can_share_prompt(self, model) -> bool:
         """Whether a prompt's cache can be carried into a second forward with gradient intact.
 
@@ -429,6 +458,7 @@ class AgentLearner:
         rows = self._rows(samples)
         n_samples = len(samples)
         n_tokens = sum(len(c) for _, c in rows)  # the step's weights count every sample, run or not
+        n_prompt_tokens = sum(len(p) - 1 for p, _ in rows)  # a prompt's first token has nothing to predict it
         g = self.grpo
         run = range(n_samples)
         if objective == "grpo" and g.beta == 0 and self.cfg.skip_zero_advantage:
@@ -450,12 +480,19 @@ class AgentLearner:
             # each sample is scored at the temperature it was sampled with
             temps = [s.temperature for s in micro]
             temperature = temps[0] if len(set(temps)) == 1 else temps
+            prompt_loss = objective == "sft" and self.cfg.prompt_loss > 0
             with self._autocast():
-                logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
+                if prompt_loss:
+                    logp, mask, p_logp, p_mask = self._sequence_logprobs(self._forward_model(), micro_rows)
+                else:
+                    logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
             tokens = float(mask.sum())
             if objective == "sft":
                 loss = -(logp * mask).sum() / max(n_tokens, 1)  # token mean over the whole step
                 add("nll", float(-(logp.detach() * mask).sum()), 1.0 / max(n_tokens, 1))
+                if prompt_loss:  # the prompt's own token mean over the step, weighted against the completion's
+                    loss = loss - self.cfg.prompt_loss * (p_logp * p_mask).sum() / max(n_prompt_tokens, 1)
+                    add("prompt_nll", float(-(p_logp.detach() * p_mask).sum()), 1.0 / max(n_prompt_tokens, 1))
             else:
                 ref = None
                 if g.beta > 0:
