@@ -70,13 +70,24 @@ def _run_guarded(run, out: Path, debug: bool = False):
 
 def _check_team_models(cfg) -> None:
     """Every model the team loads is built from its config (no weights) before any loads: a model that cannot be
-    built stops the command with one `error:` line naming it (m1/models/preflight.py)."""
-    from m1.models.preflight import PreflightError, check_models, require, team_models
+    built stops the command with one `error:` line naming it (m1/models/preflight.py). Then the servers of its API
+    models are asked: each problem is one `error:` line (all of them, so that every endpoint can be fixed before the
+    next try), a server too busy to answer a probe one `warning:` line."""
+    from m1.models.preflight import PreflightError, check_endpoints, check_models, require, team_models
 
     try:
         require(check_models(team_models(cfg)))
     except PreflightError as exc:
         fail(str(exc))
+    checks = check_endpoints(cfg)
+    for c in checks:
+        if c.status == "unchecked":
+            typer.secho(f"warning: {c.line()}", fg=typer.colors.YELLOW, err=True)
+    bad = [c.line() for c in checks if c.status == "refused"]
+    for line in bad[:-1]:
+        typer.secho(f"error: {line}", fg=typer.colors.RED, err=True)
+    if bad:
+        fail(bad[-1])
 
 
 @app.command()

@@ -5,6 +5,8 @@ that points nowhere is a ConfigError naming the file and the key.
 """
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,7 +57,9 @@ class TinySpec(Strict):
 class ModelSpec(Strict):
     """Where a model comes from and how to run it. One instance is shared by all its users."""
 
-    kind: Literal["chat", "vision", "clip"]
+    # team: a whole M1 team behind `m1 serve`, one agent of this team (m1/team/member.py): backend openai, `path` =
+    # the served team's model name (its /v1/models id), `base_url` = its URL, video_input: video_url
+    kind: Literal["chat", "vision", "clip", "team"]
     # eagle: Eagle2.5 through its own remote code (m1/models/eagle.py), a vision tool only
     backend: Literal["hf", "vllm", "openai", "open_clip", "synth", "eagle"] = "hf"
     path: str | None = None  # local folder or hub id (hf, vllm); model name (openai)
@@ -118,14 +122,27 @@ class ModelSpec(Strict):
         if self.adapter is not None and (self.kind != "chat" or self.backend not in ("hf", "vllm")):
             raise ValueError(f"`adapter` applies to chat models of backend hf or vllm, not a {self.kind} model "
                              f"of backend {self.backend!r}")
+        if self.kind == "team" and (self.backend != "openai" or not self.path or self.tiny is not None):
+            raise ValueError("kind team is a served M1 team (`m1 serve`) asked over HTTP: backend openai, `path` = "
+                             "the team's model name (its /v1/models id), `base_url` = where it is served")
+        if self.kind == "team" and self.video_input != "video_url":
+            raise ValueError("kind team sends each question's whole video: set video_input: video_url "
+                             "(video_transport: file sends a file:// URL the server reads under its "
+                             "--allowed-media-root; data inlines the video file)")
         self._check_video()
         return self
 
     def _check_video(self) -> None:
-        """video_url settings apply only to an openai vision model, and file transport needs its folder."""
-        if self.video_input == "video_url" and (self.kind != "vision" or self.backend != "openai"):
-            raise ValueError(f"video_input: video_url applies to a vision model of backend openai, not a {self.kind} "
-                             f"model of backend {self.backend!r}")
+        """video_url settings apply only to an openai vision or team model, and a vision model's file transport needs
+        its folder."""
+        if self.video_input == "video_url" and (self.kind not in ("vision", "team") or self.backend != "openai"):
+            raise ValueError(f"video_input: video_url applies to a vision model of backend openai (or a team model), "
+                             f"not a {self.kind} model of backend {self.backend!r}")
+        if self.kind == "team":  # the question's own video is sent (its file:// URL or its bytes): nothing written
+            if self.video_root is not None:
+                raise ValueError("video_root: a team model sends each question's video where it lies; leave "
+                                 "video_root unset (the server must read that path, or use video_transport: data)")
+            return
         if self.video_input == "frames":
             for key, default in (("video_transport", "data"), ("video_root", None)):
                 if getattr(self, key) != default:
@@ -265,7 +282,9 @@ class TeamConfig(Strict):
         self._check_kinds()
         for i, a in enumerate(self.agents):
             if a.kind == "cpp":
-                self._need(f"agents.{i}.model", a.model, "chat")
+                spec = self.models.get(a.model)
+                if spec is None or spec.kind != "team":  # a team model: a served M1 team as one agent
+                    self._need(f"agents.{i}.model", a.model, "chat")
             else:  # a seed system's policy: a vision-language model, or a chat model that reads frames as text
                 spec = self.models.get(a.model)
                 if spec is None:
@@ -281,6 +300,10 @@ class TeamConfig(Strict):
             ref = getattr(self.aggregation, key)
             if ref is not None and ref not in names:
                 raise ValueError(f"aggregation.{key}: no agent named {ref!r} (agents: {names})")
+        if self.aggregation.summarizer in self.served_teams:
+            raise ValueError(f"aggregation.summarizer: agent {self.aggregation.summarizer!r} is a served team (model "
+                             f"kind team), which answers questions but writes no summaries; name an agent of a "
+                             f"chat model")
         for t in self.tools.enabled:
             if t not in TOOL_NAMES:
                 raise ValueError(f"tools.enabled: unknown tool {t!r} (known: {list(TOOL_NAMES)})")
@@ -325,8 +348,16 @@ class TeamConfig(Strict):
                                        "agents": [a.model_copy(update={"temperature": None}) for a in self.agents]})
 
     @property
+    def served_teams(self) -> list[str]:
+        """The agents whose model is a served M1 team (`kind: team`, m1/team/member.py)."""
+        return [a.name for a in self.agents if a.model in self.models and self.models[a.model].kind == "team"]
+
+    @property
     def summarizer(self) -> str:
-        return self.aggregation.summarizer or self.agents[0].name
+        """aggregation.summarizer, else the first agent that is not a served team (else the first agent: a team of
+        served teams only, whose engine falls back to the vote rule)."""
+        local = [a.name for a in self.agents if a.name not in self.served_teams]
+        return self.aggregation.summarizer or (local or [self.agents[0].name])[0]
 
 
 def resolve_config_path(path: str | Path, group: str = "team") -> Path:
@@ -427,10 +458,43 @@ def load_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^${}]*))?\}")
+
+
+def expand_env(data: Any, source: str, where: str = "") -> Any:
+    """`${NAME}` and `${NAME:-default}` in a config's string values, from the environment, so one shipped YAML
+    (configs/team/hosted.yaml) points at whatever endpoints and model names a user exports. Defaults may hold
+    references (`${A:-${B:-x}}`: the innermost is read first). An unset `${NAME}` without a default is an error
+    naming the file and field: a URL or model name must never silently be empty. Keys are not expanded, and the
+    values of secrets are never here (a config names the variable that holds a key, `api_key_env`)."""
+    if isinstance(data, dict):
+        return {k: expand_env(v, source, f"{where}.{k}" if where else str(k)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [expand_env(v, source, f"{where}.{i}") for i, v in enumerate(data)]
+    if not isinstance(data, str) or "${" not in data:
+        return data
+
+    def one(m: re.Match) -> str:
+        value = os.environ.get(m.group(1))
+        if value:
+            return value
+        if m.group(2) is not None:
+            return m.group(2)
+        raise ConfigError(f"{source}: {where}: the environment variable {m.group(1)} is not set (the field reads "
+                          f"{data!r}); export it, or give a default as ${{{m.group(1)}:-value}}")
+
+    text = data
+    while True:
+        expanded = _ENV_REF.sub(one, text)
+        if expanded == text:
+            return text
+        text = expanded
+
+
 def load_config(model: type[BaseModel], path: str | Path, overrides: list[str] | None = None,
                 group: str = "team") -> Any:
     p = resolve_config_path(path, group)
-    data = apply_overrides(load_yaml(p), list(overrides or []), str(p))
+    data = expand_env(apply_overrides(load_yaml(p), list(overrides or []), str(p)), str(p))
     try:
         return model.model_validate(data)
     except ValidationError as exc:

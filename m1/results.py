@@ -154,6 +154,8 @@ def result_row(ep: Episode) -> dict:
     if trimmed:  # prompts whose peers' notes were trimmed to fit limits.max_prompt_tokens (m1/team/budget.py)
         row["prompts_trimmed"] = {"prompts": len(trimmed), "of": len(ep.generations),
                                   "entries_left_out": sum(g.trimmed for g in trimmed)}
+    if ep.usage:  # served models: tokens per agent and per tool model (m1/team/cpp.py add_usage)
+        row["usage"] = ep.usage
     if ep.question.answer is not None:
         row["truth"] = ep.question.answer
         row["correct"] = is_correct(ep.question, ep.final_answer)

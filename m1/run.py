@@ -157,6 +157,8 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSign
     team = team or make_team(cfg)
     if hasattr(team, "over_budget_rows"):  # a question too long for a model is its own error row, not a stop
         team.over_budget_rows = True
+    if hasattr(team, "server_error_rows"):  # a served model that stops answering: error rows for the batch in flight
+        team.server_error_rows = True
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=f"team {cfg.name}", unit="q", disable=not progress)
     last_index = [time.monotonic()]  # when the index was last written (first: INDEX_EVERY_S into the run)

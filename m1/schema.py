@@ -131,3 +131,6 @@ class Episode(Record):
     frame_counts: dict[str, int] = Field(default_factory=dict, exclude_if=lambda v: not v)
     timings: dict[str, float] = Field(default_factory=dict)
     error: str | None = None
+    # served models (backend openai): per agent (its chat calls) and per tool model key (its vision calls), the
+    # served model's name, calls and the tokens the server reported; left out of dumps when no server reported any
+    usage: dict[str, dict[str, Any]] = Field(default_factory=dict, exclude_if=lambda v: not v)

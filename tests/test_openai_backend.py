@@ -42,9 +42,13 @@ class FakeServer:
     JSON body to such a step, for behaviour that depends on the request instead of its order.
     `video_url` parts are decoded like vLLM does: a `data:video/mp4;base64,` URL, or a `file://` path
     only under `media_root` (vLLM's --allowed-local-media-path); anything else is a 400.
+    GET /models lists `served`; with `key` set, a request whose bearer token differs gets a 401.
     """
 
-    def __init__(self, script=(), delay: float = 0.0, per_request=None, logprobs=True, media_root=None):
+    def __init__(self, script=(), delay: float = 0.0, per_request=None, logprobs=True, media_root=None,
+                 served=("served-model",), key=None):
+        self.served = list(served)
+        self.key = key
         self.media_root = Path(media_root).resolve() if media_root is not None else None
         self.videos: list[dict] = []  # what each decoded video_url part held
         self.script = list(script)
@@ -63,9 +67,26 @@ class FakeServer:
             def log_message(self, *args):  # keep pytest output clean
                 pass
 
+            def _key_rejected(self) -> bool:
+                if fake.key is None or self.headers.get("Authorization") == f"Bearer {fake.key}":
+                    return False
+                self._send(401, {"error": {"message": "Incorrect API key provided", "type": "auth"}}, {})
+                return True
+
+            def do_GET(self):
+                if self._key_rejected():
+                    return
+                if self.path.rstrip("/").endswith("/models"):
+                    data = [{"id": m, "object": "model", "created": 0, "owned_by": "test"} for m in fake.served]
+                    self._send(200, {"object": "list", "data": data}, {})
+                else:
+                    self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}}, {})
+
             def do_POST(self):
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
+                if self._key_rejected():
+                    return
                 with fake.lock:
                     fake.bodies.append(body)
                     fake.auth.append(self.headers.get("Authorization"))

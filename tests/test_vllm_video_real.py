@@ -4,9 +4,9 @@ tests/test_openai_backend.py checks the mp4 and its timing against the stand-in 
 reads the clip: more frames make a longer prompt, the file:// and data: forms give the same answer, and the clip's
 frame rate reaches the model (the same frames at another rate change the log-probs: Qwen2.5-VL's temporal positions).
 
-vLLM hands videos to transformers' Qwen2VLVideoProcessor, which needs torchvision, and `.venv-vllm` has none (the PyPI
-wheel is built against CUDA torch). docs/video_input.md gives the recipe for a venv that has it; name its
-python in env M1_VLLM_VIDEO_PYTHON. Without one these tests skip, saying why.
+vLLM hands videos to transformers' Qwen2VLVideoProcessor, which needs torchvision; `make test-vllm` puts the PyPI wheel
+(built against CUDA torch) into `.venv-vllm` with two fake-kernel registrations guarded (docs/video_input.md). Another
+python may be named by env M1_VLLM_VIDEO_PYTHON. Without torchvision these tests skip, saying why.
 """
 from __future__ import annotations
 

@@ -93,6 +93,9 @@ def training_team_config(team: TeamConfig, temperature: float) -> TeamConfig:
     Two agents naming the same model key would share weights during generation; with one learner per agent each
     needs its own copy, so shared keys are split into `<key>@<agent>` entries with the same spec.
     """
+    if team.served_teams:  # its weights are behind someone else's server: nothing here could train it
+        raise ValueError(f"team {team.name!r}: agent {team.served_teams[0]!r} is a served team (model kind team), "
+                         "which training cannot update or score per token; train a team of local agents")
     models = dict(team.models)
     agents: list[AgentSpec] = []
     users: dict[str, int] = {}

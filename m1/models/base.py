@@ -185,3 +185,9 @@ class ClipModel(Protocol):
 
 class ModelError(RuntimeError):
     """A model could not be loaded or called; the message names the model and the cause."""
+
+
+class ServerUnavailable(ModelError):
+    """A served model (an OpenAI-compatible endpoint) that stopped answering: connection refused, timeouts or 5xx
+    until its retries ran out. Inference may record the questions in flight as error rows and go on
+    (m1/team/cpp.py `Team.run`); anything else stops on it like any ModelError."""

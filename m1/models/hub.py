@@ -21,6 +21,7 @@ BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
     ("open_clip", "clip"): ("m1.models.clip", "OpenClipModel"),
     ("openai", "chat"): ("m1.models.openai", "OpenAIChatModel"),
     ("openai", "vision"): ("m1.models.openai", "OpenAIVisionModel"),
+    ("openai", "team"): ("m1.models.served_team", "ServedTeamModel"),  # a served M1 team as one agent
     ("vllm", "chat"): ("m1.models.vllm_offline", "VLLMChatModel"),
     ("synth", "vision"): ("m1.synth.vision", "SynthVisionModel"),
     ("synth", "chat"): ("m1.synth.teacher", "TeacherChatModel"),
@@ -44,14 +45,18 @@ class ModelHub:
     def clip(self, key: str) -> ClipModel:
         return self._get(key, "clip")
 
+    def team(self, key: str) -> Any:
+        """A served M1 team (`kind: team`): asked whole questions (m1/team/member.py)."""
+        return self._get(key, "team")
+
     def register(self, key: str, model: Any, kind: str | None = None) -> None:
         """Use an already built model (a fake in tests, a model shared with a trainer) for `key`."""
         if kind is None:
             spec = self.specs.get(key)
             kind = spec.kind if spec is not None else _guess_kind(model)
-        if kind not in ("chat", "vision", "clip"):
-            raise ModelError(f"register({key!r}): cannot tell whether the model is chat, vision or "
-                             f"clip; pass kind=")
+        if kind not in ("chat", "vision", "clip", "team"):
+            raise ModelError(f"register({key!r}): cannot tell whether the model is chat, vision, clip "
+                             f"or team; pass kind=")
         with self._lock:
             self._models[key] = (kind, model)
 
@@ -103,6 +108,8 @@ class ModelHub:
 
 
 def _guess_kind(model: Any) -> str | None:
+    if hasattr(model, "ask"):
+        return "team"
     if hasattr(model, "generate"):
         return "chat"
     if hasattr(model, "describe"):

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from m1.config import ModelSpec
-from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, request_seeds
+from m1.models.base import (ChatRequest, Completion, ModelError, SamplingParams, ServerUnavailable, VisionRequest,
+                            request_seeds)
 from m1.video import write_video
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ class _OpenAIBackend:
         return text if len(text) <= MAX_DETAIL_CHARS else text[:MAX_DETAIL_CHARS] + "..."
 
     # -- one request -----------------------------------------------------------------------
-    def _body(self, messages: list[dict[str, Any]], params: SamplingParams, seed: int | None) -> dict:
+    def _body(self, messages: list[dict[str, Any]], params: SamplingParams, seed: int | None,
+              extra_body: dict[str, Any] | None = None) -> dict:
         body: dict[str, Any] = {
             "model": self.model_name,
             "messages": messages,
@@ -173,6 +175,8 @@ class _OpenAIBackend:
             body["seed"] = int(seed)
         if params.logprobs and self._send_logprobs:
             body["logprobs"] = True
+        if extra_body:  # fields of the server's own (the openai client sends them as they are)
+            body["extra_body"] = extra_body
         return body
 
     def _attempt(self, body: dict[str, Any]) -> tuple[Any, Exception | None]:
@@ -226,10 +230,11 @@ class _OpenAIBackend:
         return random.uniform(0.0, min(self.backoff_cap, self.backoff_base * (2 ** attempt)))
 
     def _complete(self, messages: list[dict[str, Any]], params: SamplingParams,
-                  seed: int | None, stop: threading.Event | None = None) -> Completion:
+                  seed: int | None, stop: threading.Event | None = None,
+                  extra_body: dict[str, Any] | None = None) -> Completion:
         """One chat with retries; gives up early once `stop` is set (a sibling request failed)."""
         stop = stop or threading.Event()
-        body = self._body(messages, params, seed)
+        body = self._body(messages, params, seed, extra_body)
         adaptations = 0
         attempt = 0
         while True:
@@ -249,7 +254,7 @@ class _OpenAIBackend:
             if not isinstance(failure, _Retryable):
                 raise failure
             if attempt >= self.spec.max_retries:
-                raise ModelError(f"{self._where()}: failed after {attempt + 1} attempt(s); "
+                raise ServerUnavailable(f"{self._where()}: failed after {attempt + 1} attempt(s); "
                                  f"last error: {failure.detail}")
             delay = self._backoff(attempt, failure.retry_after)
             log.warning("%s: %s; retry %d/%d in %.2f s", self._where(), failure.detail,

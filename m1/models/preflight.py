@@ -14,11 +14,18 @@ What is checked depends on where a model comes from:
   (KNOWN_HUB_CONFIGS) are checked against the backend's class, and a native VLM's processor class against the role;
   its files are not ("checked by class").
 - any other hub id not in the cache: reported as not checked; nothing is downloaded (the check runs offline).
-- tiny specs: their shapes. API models (openai), M1-Synth's models and open_clip names: nothing to build here.
+- tiny specs: their shapes. M1-Synth's models and open_clip names: nothing to build here.
+- API models (openai): nothing to build, but their servers are asked (`check_endpoints`, `m1 infer` and `m1 eval`
+  only, after `check_models`), since a wrong URL, key or model name otherwise fails the first question, and a
+  text-only model in a vision role fails every browse. Once per endpoint (base_url and key variable): GET /models
+  (is it reachable, is the key accepted, is each model served); once per vision model: one chat with one small
+  JPEG and max_tokens 1 (and with `video_input: video_url` one small mp4). Requests wait at most ENDPOINT_TIMEOUT;
+  the key is never shown (the backend's scrubbing). A team without openai models asks nothing.
 """
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
@@ -67,7 +74,8 @@ class PreflightError(ModelError):
 @dataclass(frozen=True)
 class ModelCheck:
     """The outcome for one model: ok (built from its files), class (checked by class only), unchecked (nothing known
-    about it here), skipped (nothing to build: an API, synth or open_clip model), refused."""
+    about it here), skipped (nothing to build: an API, synth or open_clip model), refused. For an API model's server
+    (check_endpoints): ok (served, takes what its role sends), unchecked (the server was busy or slow), refused."""
 
     key: str
     source: str
@@ -319,3 +327,194 @@ def _check_known(spec: ModelSpec, roles: set[str], result) -> ModelCheck:
                                      f"{' + '.join(sorted(roles))} needs (from its public config)")
         parts = f"; {name} has {' and '.join(needs)}"
     return result("class", f"{auto} builds model_type {model_type!r}{parts}; files not in the cache, not checked")
+
+
+# -- API models: their servers are asked (check_endpoints) ------------------------------------------------------
+ENDPOINT_TIMEOUT = 10.0  # seconds: the most a start-up request waits (less when the model's own timeout is less)
+SHORT_DETAIL = 200  # characters of a server's error message kept in a line
+TRANSIENT = (408, 429)  # with 5xx: a busy server, not a wrong setting; the run's retries handle it
+
+
+def check_endpoints(team: TeamConfig) -> list[ModelCheck]:
+    """Ask the servers of the team's openai models whether a run could use them, before any question.
+
+    Rows: refused, one per problem (several for a model with several); unchecked where a server was busy or slow to
+    answer a probe (the run's own retries may still get through); ok for a model without problems. No openai model:
+    no rows and no network."""
+    models = {k: v for k, v in team_models(team).items() if v[0].backend == "openai"}
+    if not models:
+        return []
+    from m1.models.openai import OpenAIChatModel, OpenAIVisionModel
+
+    rows: list[ModelCheck] = []
+    built: dict[str, object] = {}
+    endpoints: dict[tuple[str | None, str], list[str]] = defaultdict(list)
+    for key, (spec, _) in models.items():
+        cls = OpenAIVisionModel if spec.kind == "vision" else OpenAIChatModel
+        try:  # the run's own constructor: a missing key, path or video_root is refused with its message
+            built[key] = cls(spec, key)
+        except ModelError as exc:
+            rows.append(_api_row(team, key, spec, "refused",
+                                 str(exc).removeprefix(f"openai model {key!r} ({spec.path}): ")))
+            continue
+        endpoints[(built[key].base_url, spec.api_key_env)].append(key)
+    probed: dict[tuple, tuple[Status, str] | None] = {}
+    try:
+        for keys in endpoints.values():
+            rows += _check_endpoint(team, models, built, keys, probed)
+    finally:
+        for model in built.values():
+            model.close()
+    order = list(models)
+    return sorted(rows, key=lambda c: order.index(c.key))
+
+
+def _api_row(team: TeamConfig, key: str, spec: ModelSpec, status: Status, why: str) -> ModelCheck:
+    """A row naming the model, its URL and who uses it; the key, should any text hold it, shown as ***."""
+    from m1.models.openai import DEFAULT_BASE_URL, PLACEHOLDER_KEY
+
+    url = spec.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+    source, secret = f"{spec.path} at {url}", os.environ.get(spec.api_key_env)
+    if secret and secret != PLACEHOLDER_KEY:
+        source, why = source.replace(secret, "***"), why.replace(secret, "***")
+    return ModelCheck(key, source, _users(team, key), status, why)
+
+
+def _users(team: TeamConfig, key: str) -> tuple[str, ...]:
+    """Who asks the model: its agents by name, then the tools (by name where the team enables them by name)."""
+    users = [f"agent {a.name}" if a.kind == "cpp" else f"{a.kind} agent {a.name}" for a in team.agents
+             if a.model == key]
+    t, enabled = team.tools, team.tools.enabled
+    if any(a.kind != "cpp" for a in team.agents):  # a seed kind's tools reach their models through tools.*
+        return tuple(users + ([BROWSE] if key in (t.browser, t.space, t.grounding) else []))
+    uses = {"Rough Browser": t.browser, "Fine Browser": t.browser, "Space Tool": t.space or t.browser,
+            "Grounding Tool": t.grounding or t.browser}
+    return tuple(users + [tool for tool in enabled if uses.get(tool) == key])
+
+
+def _short(model, exc: BaseException) -> str:
+    """A server's error message, scrubbed of the key and cut short (without the client's "Error code: 400 - ", as
+    the line names the status)."""
+    text = re.sub(r"^Error code: \d+ - ", "", model._detail(exc))
+    return text if len(text) <= SHORT_DETAIL else text[:SHORT_DETAIL] + "..."
+
+
+def _check_endpoint(team: TeamConfig, models, built, keys: list[str], probed) -> list[ModelCheck]:
+    """GET /models once for the endpoint's models (through the first one's client), then each vision model's probes."""
+    import openai
+
+    first = built[keys[0]]
+    var = first.spec.api_key_env
+    wait = min([ENDPOINT_TIMEOUT] + [models[k][0].timeout for k in keys])
+
+    def every(status: Status, why: str) -> list[ModelCheck]:
+        return [_api_row(team, k, models[k][0], status, why) for k in keys]
+
+    hint = "; is the server up, and is base_url right?"
+    try:
+        page = first._client.models.list(timeout=wait)
+    except openai.APITimeoutError:
+        return every("refused", f"unreachable (no answer within {wait:g} s){hint}")
+    except openai.APIConnectionError as exc:
+        cause = exc.__cause__
+        return every("refused", f"unreachable ({_short(first, cause) if cause is not None else _short(first, exc)})"
+                                f"{hint}")
+    except openai.APIStatusError as exc:
+        status, detail = exc.status_code, _short(first, exc)
+        if status in (401, 403):
+            unset = "" if first._secret is not None else " is not set, and the server asks for a key"
+            return every("refused", f"key rejected (env {var}{unset}): HTTP {status}: {detail}")
+        if status == 404:
+            return every("refused", f"GET /models answered HTTP 404: no OpenAI-compatible API at this URL (base_url "
+                                    f"usually ends in /v1): {detail}")
+        if status in TRANSIENT or status >= 500:
+            return every("unchecked", f"not checked: GET /models answered HTTP {status}: {detail}")
+        return every("refused", f"GET /models answered HTTP {status}: {detail}")
+    except openai.OpenAIError as exc:
+        return every("refused", f"GET /models failed: {type(exc).__name__}: {_short(first, exc)}")
+    try:
+        served = [str(m.id) for m in page.data]
+    except (AttributeError, TypeError):
+        return every("refused", "GET /models answered something that is not a list of models; is this an "
+                                "OpenAI-compatible server?")
+    rows = []
+    for key in keys:
+        spec = models[key][0]
+        if spec.path not in served:
+            shown = ", ".join(served[:20]) + (f", ... ({len(served)} in all)" if len(served) > 20 else "")
+            rows.append(_api_row(team, key, spec, "refused",
+                                 f"model {spec.path!r} is not served there; served: {shown or 'none'}"))
+            continue
+        problems = _probe_vision(first, built[key], probed) if spec.kind == "vision" else []
+        rows += [_api_row(team, key, spec, status, why) for status, why in problems]
+        if not any(status == "refused" for status, _ in problems):
+            takes = {"frames": "; takes images", "video_url": "; takes images and video"}[spec.video_input]
+            probed_ok = spec.kind == "vision" and not problems  # an unchecked probe: served, the input not known
+            rows.append(_api_row(team, key, spec, "ok", f"served{takes if probed_ok else ''}"))
+    return rows
+
+
+def _probe_vision(client_model, model, probed) -> list[tuple[Status, str]]:
+    """One tiny chat with one small JPEG (max_tokens 1), and with video_url one with a small mp4; each asked once per
+    endpoint, served model and way of sending."""
+    import numpy as np
+
+    from m1.models.base import VisionRequest
+    from m1.models.openai import video_messages, vision_messages
+
+    spec = model.spec
+    written: list = []  # a probe clip written under video_root, removed once asked
+    where = (model.base_url, spec.api_key_env, spec.path)
+    frame = np.full((1, 64, 64, 3), 128, dtype=np.uint8)
+    image = VisionRequest(frames=frame, timestamps=[0.0], prompt="Say yes.")
+    probes = [("image", where, lambda: vision_messages(image),
+               "does not accept images (a text-only model in the vision role?)")]
+    if spec.video_input == "video_url":
+        clip = VisionRequest(frames=np.repeat(frame, 4, axis=0), timestamps=[0.0, 0.5, 1.0, 1.5], prompt="Say yes.")
+
+        def video() -> list:
+            return video_messages(clip, model._video_url(clip, written))
+
+        probes.append(("video", (*where, spec.video_transport, spec.video_root), video,
+                       f"does not accept video (video_input: video_url, video_transport: {spec.video_transport})"))
+    out = []
+    try:
+        for what, cache_key, messages, refusal in probes:
+            cache_key = (what, *cache_key)
+            if cache_key not in probed:
+                probed[cache_key] = _ask(client_model, model, messages(), what, refusal)
+            if probed[cache_key] is not None:
+                out.append(probed[cache_key])
+    except ModelError as exc:  # the clip could not be encoded or written under video_root
+        out.append(("refused", str(exc).removeprefix(model._where() + ": ")))
+    finally:
+        for path in written:
+            path.unlink(missing_ok=True)
+    return out
+
+
+def _ask(client_model, model, messages: list, what: str, refusal: str) -> tuple[Status, str] | None:
+    """One chat of max_tokens 1 through the endpoint's client: None when answered, else (status, why). A 4xx is
+    the model refusing the input; a busy or slow server leaves it unchecked."""
+    import openai
+
+    spec = model.spec
+    body = {"model": spec.path, "messages": messages, "max_tokens": 1}
+    wait = min(spec.timeout, ENDPOINT_TIMEOUT)
+    for _ in range(2):  # once more with max_completion_tokens, for servers that want that field
+        try:
+            client_model._client.chat.completions.create(**body, timeout=wait)
+            return None
+        except openai.APIStatusError as exc:
+            status, detail = exc.status_code, _short(model, exc)
+        except openai.APITimeoutError:
+            return "unchecked", f"not checked whether it takes {what}s: no answer within {wait:g} s"
+        except openai.OpenAIError as exc:
+            return "unchecked", f"not checked whether it takes {what}s: {type(exc).__name__}: {_short(model, exc)}"
+        if status == 400 and "max_tokens" in body and "max_completion_tokens" in detail.lower():
+            body["max_completion_tokens"] = body.pop("max_tokens")
+            continue
+        if status in TRANSIENT or status >= 500:
+            return "unchecked", f"not checked whether it takes {what}s: HTTP {status}: {detail}"
+        return "refused", f"{refusal}: HTTP {status}: {detail}"
+    return "refused", f"{refusal}: HTTP {status}: {detail}"

@@ -5,7 +5,7 @@ execute + communicate, then answer and aggregate. In every phase the requests of
 all episodes in flight are gathered and each model gets **one batched call** (per distinct
 sampling temperature). Browsers are batched the same way per vision model. Frames come from one
 shared VideoPool, CLIP embeddings from one ClipIndex per CLIP model, so nothing is decoded or
-embedded twice.
+embedded twice. An agent whose model is a served M1 team (`kind: team`, m1/team/member.py) only answers.
 
 Errors: a bad video ends that episode with `error` set; a failing tool becomes an error turn in
 memory; an unreadable reply is a format failure with a fallback. Every prompt fits `limits.max_prompt_tokens`
@@ -13,7 +13,9 @@ memory; an unreadable reply is a format failure with a fallback. Every prompt fi
 PromptBudgetError, or with `limits.over_budget: drop` ends its episode with `error` set; so does a prompt over the room
 a model's context leaves, budget or not. When answering (`over_budget_rows`: m1 infer, eval, serve) either ends only
 that question's episode, as its error row. A model that cannot be called (ModelError) stops the run: retrying belongs
-to the backend, and a resumed run picks up there.
+to the backend, and a resumed run picks up there. One exception when answering (`server_error_rows`: m1 infer, eval):
+a served model that stopped answering ends the batch in flight as error rows and the run goes on, until a second
+batch in a row fails so.
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ from typing import Callable, Iterable
 from m1.agents.agent import PolicyAgent
 from m1.config import TeamConfig
 from m1.memory import SharedMemory
-from m1.models.base import ChatRequest, SamplingParams, VisionRequest
+from m1.models.base import ChatRequest, SamplingParams, ServerUnavailable, VisionRequest
 from m1.models.hub import ModelHub
 from m1.schema import AgentAnswer, Decision, Episode, Generation, Phase, Question, Topology, Turn
 from m1.team import aggregate, budget, topology as topo
+from m1.team.member import ServedMembers
 from m1.team.single import SingleAgentTeam
 from m1.tools import TOOL_NAMES, browse
 from m1.tools.base import Focus, ToolContext, ToolError
@@ -66,6 +69,7 @@ class _Episode:
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     # agent -> the temperature it decodes with in this episode, over its own (per-agent credit: teammates at 0)
     temperatures: dict[str, float] = field(default_factory=dict)
+    usage: dict[str, dict] = field(default_factory=dict)  # Episode.usage
 
 
 @dataclass
@@ -93,6 +97,8 @@ class Team:
         self.hub = hub if hub is not None else ModelHub(cfg.models)
         self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20)
         self.agents = [PolicyAgent(a, cfg.tools.enabled) for a in cfg.agents]
+        self.served = ServedMembers(cfg, self.hub)  # agents that are whole served teams: they only answer
+        self.policies = [a for a in self.agents if a.name not in self.served.names]  # the agents that plan here
         self.by_name = {a.name: a for a in self.agents}
         self.order = [a.name for a in self.agents]
         self._clip_index = None
@@ -102,6 +108,10 @@ class Team:
         # answering (m1 infer / eval / serve) rather than training: a question whose prompt does not fit ends its own
         # episode with a "prompt too long:" error (an error row, a 400), whatever limits.over_budget says
         self.over_budget_rows = False
+        # m1 infer / eval: a served model that stops answering (ServerUnavailable) ends the questions of the batch in
+        # flight as error rows and the run goes on; a second batch in a row failing so stops the run (the server is
+        # down: a rerun answers the error rows and the rest). Training always stops on it.
+        self.server_error_rows = False
         self._rooms: dict[tuple[str, int], int | None] = {}
 
     def reseed(self, seed: int) -> None:
@@ -120,11 +130,21 @@ class Team:
         rng = rng or random.Random(self.cfg.topology.seed)
         out: list[Episode] = []
         n = self.cfg.limits.batch_episodes
+        failed_before = False
         for start in range(0, len(questions), n):
             chunk = questions[start:start + n]
             tops = topologies[start:start + n] if topologies else [
                 topo.sample(self.order, self.cfg.topology, rng) for _ in chunk]
-            for ep in self.run_batch(chunk, tops, temperatures[start:start + n] if temperatures else None):
+            try:
+                eps = self.run_batch(chunk, tops, temperatures[start:start + n] if temperatures else None)
+                failed_before = False
+            except ServerUnavailable as exc:
+                if not self.server_error_rows or failed_before:
+                    raise
+                failed_before = True
+                eps = [self._finish(_Episode(question=q, topology=t, memory=SharedMemory(self.order), agents={},
+                                             error=str(exc))) for q, t in zip(chunk, tops)]
+            for ep in eps:
                 out.append(ep)
                 if on_episode:
                     on_episode(ep)
@@ -171,9 +191,10 @@ class Team:
         return ep
 
     def _plan_phase(self, eps: list[_Episode]) -> None:
+        self.served.start(eps)  # served teams work on the questions while this team plans and browses
         calls = [self._budgeted(_Call(e, a, "plan", [], self.cfg.limits.plan_tokens),
                                 lambda _k, e=e, a=a: a.plan_messages(e.question), -1)
-                 for e in eps for a in self.agents]
+                 for e in eps for a in self.policies]
         for call, gen in self._generate(calls):
             parsed = call.agent.read_plan(gen.completion, call.ep.question)
             gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
@@ -227,9 +248,11 @@ class Team:
             replies = model.describe([i[5] for i in items], params)
             return replies, (time.perf_counter() - t0) / len(items)
 
-        for (_, items, _), (replies, dt) in zip(jobs, _map_models(one, jobs, [j[0] for j in jobs])):
+        keys = list(pending)
+        for key, (model, items, _), (replies, dt) in zip(keys, jobs, _map_models(one, jobs, [j[0] for j in jobs])):
             for (ep, name, tool, ctx, focus, _req, idx), reply in zip(items, replies):
                 ep.timings["vision"] += dt
+                add_usage(ep.usage, key, model, reply)
                 res = browse.finish(tool, ctx, focus, reply, idx)
                 ep.frames.update(idx)
                 self._write_turn(ep, name, ep.agents[name], tool, res.output, timestamps=ctx.video.timestamps(idx),
@@ -275,7 +298,7 @@ class Team:
     def _answer_phase(self, eps: list[_Episode]) -> None:
         calls = []
         for ep in eps:
-            for a in self.agents:
+            for a in self.policies:
                 visible = ep.topology.visible_to(a.name)
 
                 def build(k, ep=ep, a=a, visible=visible):
@@ -291,6 +314,7 @@ class Team:
             call.ep.answers.append(AgentAnswer(agent=call.agent.name, answer=parsed.answer, reason=parsed.reason,
                                                parse_ok=parsed.ok))
             call.ep.memory.set_answer(call.agent.name, parsed.answer, parsed.reason)
+        self.served.finish(add_usage)
 
     def _aggregate_phase(self, eps: list[_Episode]) -> None:
         agg = self.cfg.aggregation
@@ -314,6 +338,12 @@ class Team:
             if ep not in need_summary:
                 ep.reason = aggregate.agreeing_reason(ep.answers, ep.final)
         if not need_summary:
+            return
+        if self.cfg.summarizer in self.served.names:  # served teams only: nobody here writes summaries
+            for ep in need_summary:
+                ep.final = ep.final or aggregate.fallback_answer(ep.question.task, ep.answers, self.order)
+                ep.reason = aggregate.agreeing_reason(ep.answers, ep.final)
+                ep.aggregation += " (no summarizer: fallback)"
             return
         summarizer = self.by_name[self.cfg.summarizer]
         calls = [self._budgeted(
@@ -407,9 +437,10 @@ class Team:
 
         results = _map_models(one, jobs, [j[0] for j in jobs])
         done: dict[int, Generation] = {}
-        for (_, group, _), (outs, dt) in zip(jobs, results):
+        for (model, group, _), (outs, dt) in zip(jobs, results):
             for c, o in zip(group, outs):
                 c.ep.timings["llm"] += dt
+                add_usage(c.ep.usage, c.agent.name, model, o)
                 gen = Generation(agent=c.agent.name, phase=c.phase, step=c.step, prompt=c.messages,
                                  completion=o.text, prompt_ids=o.prompt_ids, completion_ids=o.completion_ids,
                                  logprobs=o.logprobs, weight_version=o.meta.get("weight_version"),
@@ -454,7 +485,7 @@ class Team:
         return Episode(id=ep.question.id, question=ep.question, topology=ep.topology, memory=ep.memory.to_dict(),
                        generations=ep.generations, answers=ep.answers, final_answer=ep.final,
                        final_reason=ep.reason, aggregation=ep.aggregation, frames_used=len(ep.frames),
-                       timings=dict(ep.timings), error=ep.error)
+                       timings=dict(ep.timings), error=ep.error, usage=ep.usage)
 
     @property
     def generate_calls(self) -> int:
@@ -469,6 +500,20 @@ def make_team(cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
         return Team(cfg, **shared)
 
     return SingleAgentTeam(cfg, **shared)
+
+
+def add_usage(table: dict[str, dict], role: str, model, completion) -> None:
+    """Count one reply's server-reported tokens under `role` (an agent, or a tool's model key) in `table`
+    (Episode.usage), with the served model's name: what a question cost per role on a hosted team. A local model
+    reports none and adds nothing."""
+    used = completion.meta.get("usage")
+    if not used:
+        return
+    row = table.setdefault(role, {"model": getattr(model, "model_name", None), "calls": 0, "prompt_tokens": 0,
+                                  "completion_tokens": 0})
+    row["calls"] += 1
+    row["prompt_tokens"] += int(used.get("prompt_tokens") or 0)
+    row["completion_tokens"] += int(used.get("completion_tokens") or 0)
 
 
 def _map_models(fn: Callable, jobs: list, models: list) -> list:
