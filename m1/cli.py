@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from m1.data.cli import app as data_app
-from m1.errors import GuardedGroup, describe, fail
+from m1.errors import GuardedGroup, describe, fail, report_startup
 from m1.experiment.cli import app as experiment_app
 from m1.files import WriteError
 from m1.locks import LockError
@@ -69,25 +69,14 @@ def _run_guarded(run, out: Path, debug: bool = False):
 
 
 def _check_team_models(cfg) -> None:
-    """Every model the team loads is built from its config (no weights) before any loads: a model that cannot be
-    built stops the command with one `error:` line naming it (m1/models/preflight.py). Then the servers of its API
-    models are asked: each problem is one `error:` line (all of them, so that every endpoint can be fixed before the
-    next try), a server too busy to answer a probe one `warning:` line."""
-    from m1.models.preflight import PreflightError, check_endpoints, check_models, require, team_models
+    """Every model the team loads is built from its config (no weights), then the servers of its API models are
+    asked, before anything loads: each problem is one `error:` line (m1/models/preflight.py `startup_problems`)."""
+    from m1.models.preflight import PreflightError, startup_problems
 
     try:
-        require(check_models(team_models(cfg)))
+        report_startup(*startup_problems(cfg))
     except PreflightError as exc:
         fail(str(exc))
-    checks = check_endpoints(cfg)
-    for c in checks:
-        if c.status == "unchecked":
-            typer.secho(f"warning: {c.line()}", fg=typer.colors.YELLOW, err=True)
-    bad = [c.line() for c in checks if c.status == "refused"]
-    for line in bad[:-1]:
-        typer.secho(f"error: {line}", fg=typer.colors.RED, err=True)
-    if bad:
-        fail(bad[-1])
 
 
 @app.command()

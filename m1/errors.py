@@ -15,6 +15,17 @@ from m1.files import WriteError
 from m1.locks import LockError
 
 
+def report_startup(warnings: list[str], errors: list[str]) -> None:
+    """Print a command's start-up check (m1/models/preflight.py `startup_problems`): each warning as a `warning:`
+    line, then, if any, each error as an `error:` line and stop (exit 2), before any question runs."""
+    for line in warnings:
+        typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
+    for line in errors[:-1]:
+        typer.secho(f"error: {line}", fg=typer.colors.RED, err=True)
+    if errors:
+        fail(errors[-1])
+
+
 def debug_requested(flag: bool = False) -> bool:
     """--debug, or M1_DEBUG=1 in the environment: show the traceback behind an `error:` line."""
     return flag or os.environ.get("M1_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")

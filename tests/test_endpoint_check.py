@@ -193,3 +193,24 @@ def test_a_server_that_never_answers_is_unreachable_within_the_timeout(key_env):
         lines = _problems(team)
         assert time.monotonic() - t0 < 5
     assert len(lines) == 2 and all("unreachable (no answer within 0.5 s)" in line for line in lines)
+
+
+def test_serve_stops_before_listening_on_a_wrong_url(tmp_path, key_env, servers, monkeypatch):
+    """`m1 serve` runs the same start-up check: a hosted team with a dead endpoint never opens its port."""
+    pytest.importorskip("fastapi")
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from m1.cli import app
+
+    srv = servers(served=["served-model", "served-vlm"])
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    team = tmp_path / "team.yaml"
+    team.write_text(yaml.safe_dump(_team(srv.url, vision_url=dead)))
+    started = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: started.append(a))
+    result = CliRunner().invoke(app, ["serve", "--team", str(team), "--port", str(free_port())])
+    assert result.exit_code == 2 and started == [], result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: model 'browser' (served-vlm at {dead}, ")
+    assert SECRET not in result.output

@@ -15,8 +15,8 @@ What is checked depends on where a model comes from:
   its files are not ("checked by class").
 - any other hub id not in the cache: reported as not checked; nothing is downloaded (the check runs offline).
 - tiny specs: their shapes. M1-Synth's models and open_clip names: nothing to build here.
-- API models (openai): nothing to build, but their servers are asked (`check_endpoints`, `m1 infer` and `m1 eval`
-  only, after `check_models`), since a wrong URL, key or model name otherwise fails the first question, and a
+- API models (openai): nothing to build, but their servers are asked (`check_endpoints`, `m1 infer`, `m1 eval`
+  and `m1 serve` only, after `check_models`), since a wrong URL, key or model name otherwise fails the first question, and a
   text-only model in a vision role fails every browse. Once per endpoint (base_url and key variable): GET /models
   (is it reachable, is the key accepted, is each model served); once per vision model: one chat with one small
   JPEG and max_tokens 1 (and with `video_input: video_url` one small mp4). Requests wait at most ENDPOINT_TIMEOUT;
@@ -333,6 +333,17 @@ def _check_known(spec: ModelSpec, roles: set[str], result) -> ModelCheck:
 ENDPOINT_TIMEOUT = 10.0  # seconds: the most a start-up request waits (less when the model's own timeout is less)
 SHORT_DETAIL = 200  # characters of a server's error message kept in a line
 TRANSIENT = (408, 429)  # with 5xx: a busy server, not a wrong setting; the run's retries handle it
+
+
+def startup_problems(team: TeamConfig) -> tuple[list[str], list[str]]:
+    """What `m1 infer`, `m1 eval` and `m1 serve` check before the first question: (warning lines, error lines).
+
+    Every model must build from its config (`check_models`; the first that cannot raises PreflightError), then the
+    servers of its API models are asked (`check_endpoints`): every refusal is an error line, so each endpoint can be
+    fixed before the next try; a server too busy to answer a probe is a warning line."""
+    require(check_models(team_models(team)))
+    checks = check_endpoints(team)
+    return ([c.line() for c in checks if c.status == "unchecked"], [c.line() for c in checks if c.status == "refused"])
 
 
 def check_endpoints(team: TeamConfig) -> list[ModelCheck]:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from typer import Option as typer_option  # typer is a core dependency (the CLI's)
 
-from m1.errors import fail
+from m1.errors import fail, report_startup
 from m1.serve.app import create_app
 from m1.serve.limits import Limits
 
@@ -16,6 +16,7 @@ def serve(team_name: str, host: str, port: int, limits: Limits, api_key_env: str
     import uvicorn
 
     from m1.config import load_team
+    from m1.models.preflight import PreflightError, startup_problems
     from m1.team.cpp import make_team
 
     api_key = None
@@ -24,6 +25,10 @@ def serve(team_name: str, host: str, port: int, limits: Limits, api_key_env: str
         if not api_key:
             raise ValueError(f"--api-key-env {api_key_env}: that variable is not set or empty")
     cfg = load_team(team_name, overrides or [])
+    try:  # a wrong endpoint, key or model of a hosted team: said before the port opens, not at the first request
+        report_startup(*startup_problems(cfg))
+    except PreflightError as exc:
+        fail(str(exc))
     app = create_app(make_team(cfg), limits, api_key)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(limits.timeout_s) + 5)
 
