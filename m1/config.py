@@ -459,6 +459,7 @@ def load_yaml(path: Path) -> dict[str, Any]:
 
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^${}]*))?\}")
+_HELD = re.compile(r"\x00(\d+)\x00")  # a variable's value, held aside while the references around it are read
 
 
 def expand_env(data: Any, source: str, where: str = "") -> Any:
@@ -474,10 +475,13 @@ def expand_env(data: Any, source: str, where: str = "") -> Any:
     if not isinstance(data, str) or "${" not in data:
         return data
 
+    held: list[str] = []
+
     def one(m: re.Match) -> str:
         value = os.environ.get(m.group(1))
-        if value:
-            return value
+        if value:  # taken as it is: a `${` or a brace inside it is text, never read as part of a reference
+            held.append(value)
+            return f"\x00{len(held) - 1}\x00"
         if m.group(2) is not None:
             return m.group(2)
         raise ConfigError(f"{source}: {where}: the environment variable {m.group(1)} is not set (the field reads "
@@ -487,7 +491,7 @@ def expand_env(data: Any, source: str, where: str = "") -> Any:
     while True:
         expanded = _ENV_REF.sub(one, text)
         if expanded == text:
-            return text
+            return _HELD.sub(lambda h: held[int(h.group(1))], text)
         text = expanded
 
 

@@ -26,6 +26,9 @@ def test_env_references_defaults_and_nesting(clean_env):
                                           "f": "plain $HOME {x}"}
     clean_env.setenv("M1_T_EMPTY", "")  # empty counts as unset, as the shell's :- does
     assert expand_env({"g": "${M1_T_EMPTY:-fallback}"}, "t.yaml") == {"g": "fallback"}
+    clean_env.setenv("M1_T_REF", "pa${M1_T_SET}s{s}")  # a value is text: a reference or brace in it is not read
+    assert expand_env({"h": "${M1_T_REF}", "i": "${M1_T_UNSET:-${M1_T_REF}}", "j": "${M1_T_SET:-${M1_T_REF}}"},
+                      "t.yaml") == {"h": "pa${M1_T_SET}s{s}", "i": "pa${M1_T_SET}s{s}", "j": "from-env"}
 
 
 def test_an_unset_reference_without_default_names_the_file_field_and_variable(clean_env):
