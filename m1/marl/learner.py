@@ -264,19 +264,7 @@ class AgentLearner:
         """One forward over prompt + completion for every row (no sharing). A vision-language model is given no
         position ids: it derives its multimodal rotary positions from the ids, the image grids and the mask, as
         `generate` does."""
-        import torch
-
-        pad = self.tokenizer.pad_token_id
-        p_len = max(len(p) for p, _ in rows)
-        c_len = max(len(c) for _, c in rows)
-        ids, attn, cmask = [], [], []
-        for p, c in rows:
-            lp, rc = p_len - len(p), c_len - len(c)
-            ids.append([pad] * lp + p + c + [pad] * rc)
-            attn.append([0] * lp + [1] * (len(p) + len(c)) + [0] * rc)
-            cmask.append([1.0] * len(c) + [0.0] * rc)
-        input_ids = torch.tensor(ids, device=self.device)
-        attention = torch.tensor(attn, device=self.device)
+        input_ids, attention, cmask, p_len, c_len = self._padded_rows(rows)
         if self.vl and vision is not None:
             # Only the prompts' image pads take image features and 3D positions. A sampled reply may hold an image-
             # or video-pad token too (a random policy does): the sampler embedded it as text, so here it is hidden
@@ -284,7 +272,7 @@ class AgentLearner:
             config = self.chat.model.config
             placed = input_ids.clone()
             reply = placed[:, p_len:]
-            reply[(reply == config.image_token_id) | (reply == config.video_token_id)] = pad
+            reply[(reply == config.image_token_id) | (reply == config.video_token_id)] = self.tokenizer.pad_token_id
             types = (placed == config.image_token_id).int() + 2 * (placed == config.video_token_id).int()
             embeds = getattr(model, "module", model).get_input_embeddings()(input_ids)
             out = model(input_ids=placed, inputs_embeds=embeds, attention_mask=attention, mm_token_type_ids=types,
@@ -297,36 +285,39 @@ class AgentLearner:
                         logits_to_keep=c_len + 1, use_cache=False)
         logits = out.logits[:, :-1]  # the logits at column P-1+t score completion token t
         logp = token_logprobs(logits, input_ids[:, p_len:], temperature)
-        return logp, torch.tensor(cmask, device=self.device)
+        return logp, cmask
 
-    def _sequence_logprobs(self, model, rows: list[tuple[list[int], list[int]]]):
-        """For `learner.prompt_loss`: one forward over prompt + completion with every position's logits. Returns the
-        completion's log-probs and mask [B, C] (as `completion_logprobs` at temperature 1) and the prompt's [B, P-1]
-        (token j of a left-padded prompt scored from the logits at j-1; a row's first token is not scored)."""
+    def _padded_rows(self, rows: list[tuple[list[int], list[int]]]):
+        """(input ids, attention mask, completion mask [B, C], P, C) of rows joined as prompt + completion, prompts
+        left-padded and completions right-padded to the longest, so every completion starts at column P."""
         import torch
 
-        if self.vl:
-            raise ValueError(f"agent {self.agent!r}: learner.prompt_loss is for text students; a vision-language "
-                             "prompt's image-pad tokens are not text to predict (set it to 0)")
         pad = self.tokenizer.pad_token_id
         p_len = max(len(p) for p, _ in rows)
         c_len = max(len(c) for _, c in rows)
-        ids, attn, cmask, pmask = [], [], [], []
+        ids, attn, cmask = [], [], []
         for p, c in rows:
             lp, rc = p_len - len(p), c_len - len(c)
             ids.append([pad] * lp + p + c + [pad] * rc)
             attn.append([0] * lp + [1] * (len(p) + len(c)) + [0] * rc)
             cmask.append([1.0] * len(c) + [0.0] * rc)
-            pmask.append([0.0] * lp + [0.0] + [1.0] * (len(p) - 1))  # tokens 1..P-1 of the padded prompt row
-        input_ids = torch.tensor(ids, device=self.device)
-        attention = torch.tensor(attn, device=self.device)
+        return (torch.tensor(ids, device=self.device), torch.tensor(attn, device=self.device),
+                torch.tensor(cmask, device=self.device), p_len, c_len)
+
+    def _sequence_logprobs(self, model, rows: list[tuple[list[int], list[int]]]):
+        """For `learner.prompt_loss`: one forward over prompt + completion with every position's logits. Returns the
+        completion's log-probs and mask [B, C] (as `completion_logprobs` at temperature 1) and the prompt's [B, P-1]
+        (token j of a left-padded prompt scored from the logits at j-1; a row's first token is not scored)."""
+        if self.vl:
+            raise ValueError(f"agent {self.agent!r}: learner.prompt_loss is for text students; a vision-language "
+                             "prompt's image-pad tokens are not text to predict (set it to 0)")
+        input_ids, attention, cmask, p_len, _ = self._padded_rows(rows)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False)
         logp = token_logprobs(out.logits[:, :-1], input_ids[:, 1:], 1.0)  # column j scores token j+1
-        p_logp = logp[:, :p_len - 1]
-        c_logp = logp[:, p_len - 1:]
-        p_mask = torch.tensor([m[1:] for m in pmask], device=self.device)
-        return c_logp, torch.tensor(cmask, device=self.device), p_logp, p_mask
+        # prompt token j (j >= 1) is scored at column j-1 when both it and the token before it are real
+        p_mask = (attention[:, 1:p_len] * attention[:, :p_len - 1]).float()
+        return logp[:, p_len - 1:], cmask, logp[:, :p_len - 1], p_mask
 
     def _can_share_prompt(self, model) -> bool:
         """Whether a prompt's cache can be carried into a second forward with gradient intact.
