@@ -17,7 +17,10 @@ log-probs are at temperature 1, as vLLM computes them. One lock serialises model
 concurrent requests are handled one at a time, each with its own seeded torch Generator.
 
     python tests/engine_standin.py --model FOLDER --port P [--host 127.0.0.1] [--served-model-name NAME]
-                                   [--stale-reload]
+                                   [--stale-reload] [--latency-ms L]
+
+`--latency-ms L` adds L ms of waiting to every completion request, outside the model lock (requests overlap in it),
+as a GPU engine's decoding time would: the asynchronous-rollout benchmark's fixed engine latency.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def _error(status: int, message: str, kind: str):
 class Engine:
     """The base model, LoRA-adapted copies of it by name, and the sampling loop."""
 
-    def __init__(self, folder: str, served_name: str, stale_reload: bool = False) -> None:
+    def __init__(self, folder: str, served_name: str, stale_reload: bool = False, latency_s: float = 0.0) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,6 +52,7 @@ class Engine:
         self.served_name = served_name
         self.folder = str(Path(folder).absolute())
         self.stale_reload = stale_reload
+        self.latency_s = latency_s
         self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         self.base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
         self.eos = self._eos_ids(self.base)
@@ -183,6 +187,8 @@ def build_app(engine: Engine, dev_mode: bool):
         n_prompt_logprobs = body.get("prompt_logprobs")
         if n_prompt_logprobs is None and echo and n_logprobs is not None:
             n_prompt_logprobs = n_logprobs
+        if engine.latency_s and max_tokens > 0:
+            time.sleep(engine.latency_s)
         with engine.lock:
             model = engine.model_for(name)
             if model is None:
@@ -268,13 +274,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--stale-reload", action="store_true",
                         help="reload_weights answers success and loads nothing (vLLM 0.32's silent stale reload)")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="wait this long in every completion request, outside the model lock")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import uvicorn
 
     torch.set_num_threads(1)
-    engine = Engine(args.model, args.served_model_name or args.model, args.stale_reload)  # loaded before the port opens
+    engine = Engine(args.model, args.served_model_name or args.model, args.stale_reload, args.latency_ms / 1000)  # loaded before the port opens
     dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "") in ("1", "true", "True")
     uvicorn.run(build_app(engine, dev_mode), host=args.host, port=args.port, log_level="warning")
 

@@ -185,10 +185,10 @@ def test_prompt_budget_trainer_logs_the_share_of_trimmed_prompts():
     from m1.marl.team_kinds import CppKind
 
     batch = SimpleNamespace(flat=[ok, dropped], breakdowns=[], rewards={"a": [[1.0, math.nan]]})
-    me = SimpleNamespace(step=1, data=SimpleNamespace(epoch=0), lr_at=lambda s: 0.0, kind=CppKind(), trained=["a"],
+    me = SimpleNamespace(step=1, lr_at=lambda s: 0.0, kind=CppKind(), trained=["a"],
                          team_cfg=SimpleNamespace(tools=SimpleNamespace(enabled=[])))
     credit = StepCredit(batch, {"a": torch.zeros(1, 2)}, None, rounds=[])
-    row = Trainer._metrics(me, credit, {}, top, {})
+    row = Trainer._metrics(me, credit, {}, top, {}, 0)
     assert row["prompts/trimmed"] == 0.5 and row["prompts/dropped"] == 1
 
 

@@ -227,9 +227,11 @@ def _disk_full(exc: BaseException, where: Path) -> bool:
 
 
 def save_checkpoint(out_dir: Path, step: int, learners, state: dict[str, Any], keep_last: int,
-                    interim: bool = False) -> Path:
+                    interim: bool = False, folders: dict[str, Path] | None = None) -> Path:
     """Write <out>/checkpoints/step-NNNNNN atomically (temp folder, manifest last, then rename); keep the newest
     `keep_last` of the schedule. `interim`: written off the schedule by a stop; removed once a later one exists.
+    `folders`: more to keep, {path inside the checkpoint: folder copied there} (an asynchronous run's older weight
+    versions that its next steps sample with).
 
     A write that fails (ENOSPC is raised as an OSError naming the checkpoint) leaves nothing behind: the temp folder
     is removed, and the earlier checkpoints and the `latest` marker are untouched.
@@ -245,6 +247,8 @@ def save_checkpoint(out_dir: Path, step: int, learners, state: dict[str, Any], k
     try:  # everything that takes space happens before the commit below
         tmp.mkdir()
         learners.save(tmp / "agents")
+        for rel, source in (folders or {}).items():
+            shutil.copytree(source, tmp / rel)
         torch.save(_rng_state(), tmp / "rng.pt")
         (tmp / STATE).write_text(json.dumps({**state, "manifest": True, "interim": interim}, indent=2))
         write_manifest(tmp)

@@ -70,8 +70,10 @@ class RolloutEngines:
         self.cfg, self.learners = cfg, learners
         self.out = Path(cfg.out_dir).resolve()
         self.lora = cfg.learner.finetune == "lora"
-        self.version: int | None = None
-        self._loaded: dict[str, tuple[str, Path]] = {}  # agent -> (served name, weights folder) of the version
+        self.version: int | None = None  # the version the engines serve
+        # agent -> version -> (weights folder, the learner's probe log-probs for a full reload) staged on its engine
+        self._staged: dict[str, dict[int, tuple[Path, Any]]] = {}
+        self._adapters: dict[str, list[int]] = {}  # agent -> versions whose LoRA adapters were activated, not unloaded
         self._servers: dict[str, Any] = {}  # agent -> a local EngineServer or a Ray EngineHost actor
         self._cpu_binds: dict[str, str] = {}  # agent -> cores of the engine launched here (VLLM_CPU_OMP_THREADS_BIND)
         self._model_dirs: dict[str, Path] = {}  # agent -> the model folder its launched engine serves from
@@ -88,7 +90,7 @@ class RolloutEngines:
                 raise EngineError(f"agent {agent}: rollout engine {urls[agent]} serves no model")
             chat.serve(names[0], -1)  # version -1 until the first sync: never the version of a step
             self.chats[agent] = chat
-            self._loaded[agent] = (chat.served_model, None)
+            self._staged[agent], self._adapters[agent] = {}, []
 
     # ------------------------------------------------------------------ servers
     def _urls(self, specs: dict[str, tuple[str, ModelSpec]], placement) -> dict[str, str]:
@@ -229,31 +231,83 @@ class RolloutEngines:
         """Put the learners' current weights into their engines as `version`; seconds per agent."""
         if version == self.version:
             return {}
-        with ThreadPoolExecutor(max_workers=max(1, len(self.chats))) as pool:
-            seconds = dict(zip(self.chats, pool.map(lambda a: self._sync_one(a, version), list(self.chats))))
+        staged = self.stage(version)
+        active = self.activate(version)
+        self.prune(version)
+        return {agent: staged[agent] + active[agent] for agent in staged}
+
+    def stage(self, version: int) -> dict[str, float]:
+        """Export the learners' current weights as `version` and get the engines ready to switch to it, without
+        switching: LoRA adapters are loaded under a new name while requests on the old one go on; full weights are
+        written to disk with the learner's probe log-probs (the reload itself waits for `activate`, as it cannot
+        overlap requests). Runs where the learners live (the trainer's thread); seconds per agent."""
+        return self._each(lambda agent: self._stage_one(agent, version, self.out / WEIGHTS_DIR / agent /
+                                                        f"v{version:06d}", export=True))
+
+    def stage_from(self, version: int, folders: dict[str, Path]) -> dict[str, float]:
+        """Stage `version` from weights saved earlier (a resumed asynchronous run's checkpoint): {agent: folder}."""
+        return self._each(lambda agent: self._stage_one(agent, version, folders[agent], export=False))
+
+    def activate(self, version: int) -> dict[str, float]:
+        """Later requests of every engine use the staged `version`: switch the served adapter, or reload the full
+        weights (checked with the probe); adapters of older versions are unloaded. Call between requests of the
+        caller's own (the producer's thread in an asynchronous run); seconds per agent."""
+        seconds = self._each(lambda agent: self._activate_one(agent, version))
         self.version = version
         return seconds
 
-    def _sync_one(self, agent: str, version: int) -> float:
+    def prune(self, below: int) -> None:
+        """Remove the weight folders of versions older than `below` (kept until then so a checkpoint can copy
+        them)."""
+        for agent in self.chats:
+            for v in [v for v in self._staged[agent] if v < below]:
+                folder, _ = self._staged[agent].pop(v)
+                if folder.is_relative_to(self.out / WEIGHTS_DIR):
+                    shutil.rmtree(folder, ignore_errors=True)
+
+    def newest_staged(self) -> int:
+        """The newest version staged on every engine (-1: none)."""
+        return min((max(v, default=-1) for v in self._staged.values()), default=-1)
+
+    def staged_folder(self, agent: str, version: int) -> Path:
+        """The folder `version`'s weights of `agent` were staged from (a checkpoint copies it)."""
+        return self._staged[agent][version][0]
+
+    def _each(self, fn) -> dict[str, float]:
+        with ThreadPoolExecutor(max_workers=max(1, len(self.chats))) as pool:
+            return dict(zip(self.chats, pool.map(fn, list(self.chats))))
+
+    def _stage_one(self, agent: str, version: int, folder: Path, export: bool) -> float:
         t0 = time.perf_counter()
         chat = self.chats[agent]
-        folder = self.out / WEIGHTS_DIR / agent / f"v{version:06d}"
-        shutil.rmtree(folder, ignore_errors=True)
-        self.learners.export_weights(agent, folder)
-        old_name, old_folder = self._loaded[agent]
+        if export:
+            shutil.rmtree(folder, ignore_errors=True)
+            self.learners.export_weights(agent, folder)
+        probe = None
+        if self.lora:
+            chat.load_adapter(f"{agent}-v{version}", folder)
+        elif export:  # the learner's log-probs at these weights, computed now: by activate it may have moved on
+            probe = self._probe_logprobs(agent, chat.probe())
+        self._staged[agent][version] = (folder, probe)
+        return time.perf_counter() - t0
+
+    def _activate_one(self, agent: str, version: int) -> float:
+        t0 = time.perf_counter()
+        chat = self.chats[agent]
+        if version not in self._staged[agent]:
+            raise RolloutError(f"agent {agent}: weight version {version} was never staged on its engine "
+                               f"(staged: {sorted(self._staged[agent])})")
+        folder, probe = self._staged[agent][version]
         if self.lora:
             name = f"{agent}-v{version}"
-            chat.load_adapter(name, folder)
             chat.serve(name, version)
-            if old_folder is not None:  # the adapter of the previous version
-                chat.unload_adapter(old_name)
+            for old in [v for v in self._adapters[agent] if v < version]:  # no request of ours names it any more
+                chat.unload_adapter(f"{agent}-v{old}")
+                self._adapters[agent].remove(old)
+            self._adapters[agent].append(version)
         else:
-            name = chat.served_model
-            expect, tolerance = self._probe_logprobs(agent, chat.probe())
+            expect, tolerance = probe if probe is not None else (None, 0.0)
             chat.reload_weights(folder, version, expect=expect, tolerance=tolerance)
-        if old_folder is not None and old_folder != folder:
-            shutil.rmtree(old_folder, ignore_errors=True)
-        self._loaded[agent] = (name, folder)
         return time.perf_counter() - t0
 
     def _probe_logprobs(self, agent: str, probe: tuple[list[int], list[int]]) -> tuple[list[float] | None, float]:

@@ -39,8 +39,9 @@ from m1.marl.groups import build_learners, host_driver_models, reserve_placement
 from m1.marl.judge import LLMJudge, RubricJudge
 from m1.marl.learner import seed_everything
 from m1.marl.loop import run_steps
+from m1.marl.producer import Producer, StepItem, sampling_version
 from m1.marl.resolve import resolve
-from m1.marl.rollout import RewardFn, derive_seed, run_rollouts, score
+from m1.marl.rollout import RewardFn, RolloutError, derive_seed, run_rollouts, score
 from m1.marl.rollout_engines import RolloutEngines
 from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples
 from m1.marl.stream import QuestionStream, load_questions
@@ -97,9 +98,15 @@ class Trainer:
         self.hub = hub if hub is not None else ModelHub(self.team_cfg.models)
         self.hub.specs.update(self.team_cfg.models)  # split keys of agents that shared a model
         self.pool = VideoPool()
+        # the sample pages' own pool when a producer thread decodes frames for rollouts at the same time
+        self.page_pool = VideoPool() if cfg.rollout.max_staleness > 0 else self.pool
         self.data = QuestionStream(questions if questions is not None else
                                    load_questions(cfg.data.questions, cfg.data.video_dir), cfg.seed, cfg.data.shuffle)
         self.step = self.checkpointed = 0  # checkpointed: the newest checkpoint's step (a stop writes one if behind)
+        self.rollout_step = 0  # the step whose rollouts run now (ahead of `step` when rollouts are asynchronous)
+        self.cursor_trained = 0  # the data cursor after the questions of the steps trained on (what a checkpoint keeps)
+        self.producer: Producer | None = None
+        self.resumed_from: Path | None = None
         self.history: list[dict[str, Any]] = []
         self.tracker_ids: dict[str, str] = {}  # the tracker runs this run logs to (kept in its checkpoints)
         self.trackers = self.engines = self.learners = None
@@ -142,33 +149,86 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self, stop_after: int | None = None, stop: StopFlag | None = None) -> list[dict[str, Any]]:
         """Train until `cfg.steps` (or `stop_after` more steps); `stop`, once set by a signal, ends the run after the
-        current step with a checkpoint of it (m1/marl/loop.py)."""
-        return run_steps(self, self.cfg.steps, self.train_step, "step", stop_after, stop)
+        current step with a checkpoint of it (m1/marl/loop.py). With rollout.max_staleness k > 0 a producer thread
+        samples up to k steps ahead of the updates (m1/marl/producer.py)."""
+        k = self.cfg.rollout.max_staleness
+        if k == 0:
+            return run_steps(self, self.cfg.steps, self.train_step, "step", stop_after, stop)
+        last = self.cfg.steps if stop_after is None else min(self.cfg.steps, self.step + stop_after)
+        self.producer = Producer(self, k, self.step, last)
+        try:
+            self._stage_for_resume(k)
+            self.producer.begin(self.engines.newest_staged())
+            return run_steps(self, self.cfg.steps, self.async_step, "step", stop_after, stop)
+        finally:
+            self.producer.stop()
+            self.producer = None
 
     def train_step(self) -> dict[str, Any]:
-        """One step: the step's questions and DAG, K episodes each with the current weights, credit, one optimizer
-        step per trained agent, and the step's metrics row."""
-        cfg, step, clock = self.cfg, self.step, StepClock()
+        """One synchronous step: the step's questions and DAG, K episodes each with the current weights, credit,
+        one optimizer step per trained agent, and the step's metrics row."""
+        started = time.perf_counter()
+        synced = self.engines.sync(self.step) if self.engines is not None else {}  # engines get the current weights
+        seconds = {"sync": time.perf_counter() - started}
+        item = self.produce_step(self.step, self.step)
+        row = self._learn(item, {**seconds, **item.seconds}, started)
+        row.update({f"{agent}/sync_seconds": s for agent, s in synced.items()})
+        return row
+
+    def async_step(self) -> dict[str, Any]:
+        """One asynchronous step: the producer's next step (sampled with weights min(step, k) updates old), one
+        optimizer step per trained agent, and the new weights staged on the engines for the producer."""
+        started = time.perf_counter()
+        item = self.producer.get(self.step)
+        seconds = {**{k: v for k, v in item.seconds.items() if k != "reward"}, "reward": item.seconds["reward"],
+                   "wait_rollout": time.perf_counter() - started}
+        row = self._learn(item, seconds, started)
+        t0 = time.perf_counter()
+        staged = {}
+        if self.step + self.cfg.rollout.max_staleness < self.cfg.steps:  # step (this version + k) samples with it
+            staged = self.engines.stage(self.step)
+            self.producer.publish(self.step)
+        self.engines.prune(sampling_version(self.step, self.cfg.rollout.max_staleness))
+        row["time/stage"] = time.perf_counter() - t0
+        row.update({f"{agent}/sync_seconds": s for agent, s in staged.items()})
+        row["async/staleness"] = item.step - item.version
+        row["async/queued"] = self.producer.queued
+        return row
+
+    def produce_step(self, step: int, version: int) -> StepItem:
+        """Step `step`'s rollouts with weight version `version` on the engines: its questions and DAG, K episodes
+        each, rewards, advantages and samples. Runs in the producer's thread when rollouts are asynchronous."""
+        cfg, clock = self.cfg, StepClock()
+        if self.engines is not None and self.engines.version != version:
+            self.engines.activate(version)
+        clock.lap("activate")
         first = self.data.cursor  # the run's number of the step's first question
         questions = self.data.take(cfg.rollout.questions_per_step)
         topology = self.kind.topology(self.run.agents, cfg.rollout, cfg.seed, step)
-        synced = self.engines.sync(step) if self.engines is not None else {}  # engines get the current weights
-        clock.lap("sync")
+        self.rollout_step = step
         credit = self.credit.step(questions, first, topology, clock)  # laps rollout
         samples = credit.samples(self.run.temperatures, self.run.phases)
         if self.engines is not None:
-            self.engines.check_versions(samples, step)
+            self.engines.check_versions(samples, version)
         clock.lap("reward")
-        stats = self.learners.update(samples, self.lr_at(step), "grpo")
+        if self.engines is None or cfg.rollout.max_staleness == 0:
+            clock.seconds.pop("activate")
+        return StepItem(step, version, credit, samples, topology, self.data.cursor, self.data.epoch,
+                        dict(clock.seconds))
+
+    def _learn(self, item: StepItem, seconds: dict[str, float], started: float) -> dict[str, Any]:
+        """Update every trained agent on the step's samples, write them when due, and return the metrics row."""
+        t0 = time.perf_counter()
+        stats = self.learners.update(item.samples, self.lr_at(self.step), "grpo")
         self.step += 1
-        clock.lap("update")
-        clock.seconds["step"] = clock.last - clock.start
-        if due(cfg.log.samples_every, self.step):  # what this step trained on, for a person to read
-            self.write_samples(credit)
-            clock.lap("samples")
-        row = self._metrics(credit, stats, topology, clock.seconds)
-        row.update({f"{agent}/sync_seconds": seconds for agent, seconds in synced.items()})
-        return row
+        self.cursor_trained = item.cursor
+        seconds["update"] = time.perf_counter() - t0
+        seconds["step"] = time.perf_counter() - started
+        if due(self.cfg.log.samples_every, self.step):  # what this step trained on, for a person to read
+            t0 = time.perf_counter()
+            self.write_samples(item.credit)
+            seconds["samples"] = time.perf_counter() - t0
+        return self._metrics(item.credit, stats, item.topology, seconds, item.epoch)
 
     def _rollouts(self, questions, k: int, topology, focus=None, greedy: bool = False):
         """K episodes per question on the run's team (`greedy`: its greedily decoding copy)."""
@@ -187,16 +247,16 @@ class Trainer:
             cfg = self.team_cfg.greedy() if greedy else self.team_cfg
             self.teams[name] = [make_team(cfg, hub=self.hub, pool=self.pool), None]
         team, seeded = self.teams[name]
-        if seeded != self.step:
-            team.reseed(derive_seed(self.cfg.seed, self.step, name))
-            self.teams[name][1] = self.step
+        if seeded != self.rollout_step:
+            team.reseed(derive_seed(self.cfg.seed, self.rollout_step, name))
+            self.teams[name][1] = self.rollout_step
         return team
 
     def write_samples(self, credit: StepCredit) -> Path:
         """<out_dir>/samples/step-NNNNNN/ (samples.jsonl and trace pages) and the trackers' samples table."""
         with naming_full_disk(self.out / "samples"):
             folder, rows = write_step_samples(self.out, self.step, credit.batch,
-                                              credit.generation_credit(self.run.phases), credit.live, self.pool)
+                                              credit.generation_credit(self.run.phases), credit.live, self.page_pool)
         if self.trackers is not None:
             self.trackers.table("samples", TABLE_COLUMNS, table_rows(rows), self.step)
         return folder
@@ -204,9 +264,9 @@ class Trainer:
     def lr_at(self, step: int) -> float:
         return self.cfg.learner.lr_at(step, self.cfg.steps)
 
-    def _metrics(self, credit: StepCredit, stats, topology, seconds) -> dict[str, Any]:
+    def _metrics(self, credit: StepCredit, stats, topology, seconds, epoch: int) -> dict[str, Any]:
         batch, rewards = credit.batch, credit.batch.rewards
-        row: dict[str, Any] = {"step": self.step, "epoch": self.data.epoch, "lr": self.lr_at(self.step - 1)}
+        row: dict[str, Any] = {"step": self.step, "epoch": epoch, "lr": self.lr_at(self.step - 1)}
         losses = [s["loss"] for s in stats.values() if "loss" in s]  # a NaN loss shows as NaN
         row["loss"] = sum(losses) / len(losses) if losses else float("nan")
         row["reward/mean"] = _mean([r for a in rewards for g in rewards[a] for r in g])
@@ -232,17 +292,49 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, interim: bool = False) -> Path:
         folder = save_checkpoint(self.out, self.step, self.learners, self._state(), self.cfg.checkpoint.keep_last,
-                                 interim)
+                                 interim, self._version_folders())
         self.checkpointed = self.step
         return folder
 
     def _state(self) -> dict[str, Any]:
-        return {"step": self.step, "cursor": self.data.cursor, "seed": self.cfg.seed, "agents": self.trained,
-                "name": self.cfg.name, "config": self.cfg.model_dump(mode="json"), "trackers": self.tracker_ids}
+        state = {"step": self.step, "cursor": self.cursor_trained, "seed": self.cfg.seed, "agents": self.trained,
+                 "name": self.cfg.name, "config": self.cfg.model_dump(mode="json"), "trackers": self.tracker_ids}
+        k = self.cfg.rollout.max_staleness
+        if k > 0:
+            state["async"] = {"max_staleness": k, "versions": self._pending_versions()}
+        return state
+
+    def _pending_versions(self) -> list[int]:
+        """The older weight versions the next k steps sample with (asynchronous rollouts): a resume needs them."""
+        k = self.cfg.rollout.max_staleness
+        steps = range(self.step, min(self.step + k, self.cfg.steps))
+        return sorted({sampling_version(t, k) for t in steps} - {self.step})
+
+    def _version_folders(self) -> dict[str, Path]:
+        return {f"versions/{agent}/v{v:06d}": self.engines.staged_folder(agent, v)
+                for v in (self._pending_versions() if self.cfg.rollout.max_staleness > 0 else [])
+                for agent in self.trained}
+
+    def _stage_for_resume(self, k: int) -> None:
+        """Before an asynchronous run's producer starts: the versions its first k steps sample with on the engines,
+        from the checkpoint it resumed from (older ones) and from the learners (the current one)."""
+        for v in self._pending_versions():
+            if self.resumed_from is None:
+                raise RolloutError(f"step {self.step}: weight version {v} is needed and no checkpoint holds it")
+            self.engines.stage_from(v, {a: self.resumed_from / "versions" / a / f"v{v:06d}" for a in self.trained})
+        if self.step + k < self.cfg.steps or self.step == 0:
+            self.engines.stage(self.step)
 
     def load_checkpoint(self, folder: Path, verified: bool = False) -> None:
         state = load_checkpoint(folder, self.learners, self.trained, self.cfg.seed, verified)
+        saved_k = (state.get("async") or {}).get("max_staleness", 0)
+        if saved_k != self.cfg.rollout.max_staleness:
+            raise ValueError(f"{folder}: the run was trained with rollout.max_staleness {saved_k}, the config says "
+                             f"{self.cfg.rollout.max_staleness}; resume with the same value (the steps after the "
+                             "checkpoint sample with weights it chose)")
         self.step, self.data.cursor = int(state["step"]), int(state["cursor"])
+        self.cursor_trained = self.data.cursor
+        self.resumed_from = Path(folder)
         self.tracker_ids = dict(state.get("trackers") or {})
         self.checkpointed = self.step
         log.info("resumed from %s (step %d)", folder, self.step)
