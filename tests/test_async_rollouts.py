@@ -92,8 +92,11 @@ def _cfg(out, k, steps=3):
 
 
 @pytest.mark.slow
-def test_k1_on_engines_lags_one_version_and_resumes_to_the_same_losses(tmp_path, video, m1_cache):
+def test_k1_on_engines_lags_one_version_stops_mid_flight_and_resumes_to_the_same_losses(tmp_path, video, m1_cache):
+    import signal
+
     from test_engine_training import make
+    from m1.marl.checkpoint import StopFlag
 
     sync = make(_cfg(tmp_path / "sync", 0, steps=1), video)
     try:
@@ -110,24 +113,62 @@ def test_k1_on_engines_lags_one_version_and_resumes_to_the_same_losses(tmp_path,
     # step 0 samples with version 0 in both modes: the same samples, the same loss
     assert want[0]["loss"] == pytest.approx(want0[0]["loss"], abs=1e-7)
     assert all(r["time/wait_rollout"] >= 0 and r["time/wait_weights"] >= 0 for r in want)
+    assert not (tmp_path / "whole" / "engine_weights" / "alpha" / "v000000").exists()  # pruned once unused
 
+    # a stop (SIGTERM) while the producer is sampling step 2: the run checkpoints the step it finished and returns
     cut = make(_cfg(tmp_path / "cut", 1), video)
+    flag = StopFlag()
+    real = cut.produce_step
+
+    def stopped_mid_flight(step, version):
+        if step == 2:
+            flag.signum = signal.SIGTERM
+        return real(step, version)
+
+    cut.produce_step = stopped_mid_flight
     try:
-        first = cut.train(stop_after=2)
+        first = cut.train(stop=flag)
     finally:
         cut.close()
-    ckpt = tmp_path / "cut" / "checkpoints" / "step-000002"
-    assert sorted(p.name for p in (ckpt / "versions" / "alpha").iterdir()) == ["v000001"]  # step 2 samples with it
+    assert 1 <= len(first) <= 2
+    ckpt = tmp_path / "cut" / "checkpoints" / f"step-{len(first):06d}"
+    # the checkpoint keeps the older version its next step samples with
+    assert sorted(p.name for p in (ckpt / "versions" / "alpha").iterdir()) == [f"v{len(first) - 1:06d}"]
 
     with pytest.raises(ValueError, match=r"max_staleness 1, the config says 0"):
         make(_cfg(tmp_path / "cut", 0), video)
     again = make(_cfg(tmp_path / "cut", 1), video)
     try:
-        assert again.step == 2
+        assert again.step == len(first)
         rest = again.train()
     finally:
         again.close()
-    assert len(first) == 2 and len(rest) == 1
+    assert len(first) + len(rest) == 3
     for got, ref in zip(first + rest, want):
         assert got["loss"] == pytest.approx(ref["loss"], abs=1e-7)
         assert got["alpha/grad_norm"] == pytest.approx(ref["alpha/grad_norm"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_an_engine_dying_mid_flight_is_one_error_naming_the_agent(tmp_path, video, m1_cache):
+    from test_engine_training import make
+    from m1.models.vllm_server import EngineError
+
+    tr = make(_cfg(tmp_path / "dies", 1), video)
+    server = tr.engines._servers["beta"]
+    real = tr.produce_step
+
+    def dies(step, version):
+        if step == 1:
+            server.proc.kill()
+            server.proc.wait()
+        return real(step, version)
+
+    tr.produce_step = dies
+    try:
+        # raised by the producer (sampling step 2) or by the trainer (staging version 1), whichever reaches it first
+        with pytest.raises((RolloutError, EngineError), match=r"agent beta: rollout engine .* is not answering"):
+            tr.train()
+    finally:
+        tr.close()
+    assert not any(t.name == "m1-rollout-producer" and t.is_alive() for t in threading.enumerate())

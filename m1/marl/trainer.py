@@ -27,12 +27,13 @@ models load (a damaged one stops the run with an error naming the file, see m1/m
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from m1.marl.checkpoint import StopFlag, load_checkpoint, naming_full_disk, resume_point, save_checkpoint
+from m1.marl.checkpoint import STATE, StopFlag, load_checkpoint, naming_full_disk, resume_point, save_checkpoint
 from m1.marl.config import TrainConfig
 from m1.marl.credit import CreditStrategy, StepCredit
 from m1.marl.groups import build_learners, host_driver_models, reserve_placement
@@ -90,6 +91,8 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         # the checkpoint to resume from, verified before anything loads: a damaged one is reported in seconds
         resume = resume_point(self.out, cfg.checkpoint.resume_from) if cfg.checkpoint.resume else None
+        if resume is not None:
+            _same_staleness(resume, cfg.rollout.max_staleness)
         seed_everything(cfg.seed)
         # on GPUs (placement ray): the plan's GPUs reserved before anything loads
         self.placement = reserve_placement(cfg) if cfg.placement == "ray" else None
@@ -327,11 +330,7 @@ class Trainer:
 
     def load_checkpoint(self, folder: Path, verified: bool = False) -> None:
         state = load_checkpoint(folder, self.learners, self.trained, self.cfg.seed, verified)
-        saved_k = (state.get("async") or {}).get("max_staleness", 0)
-        if saved_k != self.cfg.rollout.max_staleness:
-            raise ValueError(f"{folder}: the run was trained with rollout.max_staleness {saved_k}, the config says "
-                             f"{self.cfg.rollout.max_staleness}; resume with the same value (the steps after the "
-                             "checkpoint sample with weights it chose)")
+        _same_staleness(folder, self.cfg.rollout.max_staleness, state)
         self.step, self.data.cursor = int(state["step"]), int(state["cursor"])
         self.cursor_trained = self.data.cursor
         self.resumed_from = Path(folder)
@@ -346,6 +345,17 @@ class Trainer:
             self.learners.shutdown()
         if self.placement is not None:
             self.placement.release()
+
+
+def _same_staleness(folder: Path, k: int, state: dict | None = None) -> None:
+    """Refuse to resume a checkpoint under another rollout.max_staleness: its next steps sample with the weight
+    versions its own k chose (and it holds only those)."""
+    if state is None:
+        state = json.loads((Path(folder) / STATE).read_text())
+    saved = (state.get("async") or {}).get("max_staleness", 0)
+    if saved != k:
+        raise ValueError(f"{folder}: the run was trained with rollout.max_staleness {saved}, the config says {k}; "
+                         "resume with the same value")
 
 
 def _mean(values) -> float:

@@ -1,0 +1,143 @@
+"""Asynchronous rollouts vs the synchronous step: wall seconds per MARL step at rollout.max_staleness k vs 0.
+
+Two LoRA agents (tiny Qwen3 and Qwen2, hidden 128, 2 layers) train on a generated video; their rollouts run on the
+CPU stand-in engines (tests/engine_standin.py, vLLM's HTTP API) with a fixed latency added to every request, as a
+GPU engine's decoding time would be, and the update runs in this process. Each arm runs in its own process, the arms
+alternate `--reps` times; a step's wall time is the time between two finished steps, the first `--skip` steps
+dropped (engine warm-up, and at k > 0 the pipeline filling). With perfect overlap a k = 1 step costs
+max(rollout, update) instead of their sum; `--latency-ms` is chosen so the two are about equal (printed).
+
+    python benchmarks/bench_async.py [--latency-ms 150] [--steps 8] [--skip 2] [--reps 2] [--k 1] [--json out.json]
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, Figure, Result, bench_video, cli, finish
+
+STANDIN = REPO / "tests" / "engine_standin.py"
+
+
+def _team() -> dict:
+    tiny = {"hidden_size": 128, "layers": 2, "heads": 4, "kv_heads": 2}
+    return {
+        "name": "async-bench",
+        "models": {"qa": {"kind": "chat", "device": "cpu", "tiny": {"arch": "qwen3", "seed": 1, **tiny}},
+                   "qb": {"kind": "chat", "device": "cpu", "tiny": {"arch": "qwen2", "seed": 2, **tiny}},
+                   "vlm": {"kind": "vision", "backend": "synth"}},
+        "agents": [{"name": "alpha", "model": "qa"}, {"name": "beta", "model": "qb"}],
+        "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm", "global_frames": 4,
+                  "rough_frames": 4},
+        "limits": {"max_turns": 2, "max_tool_calls": 3, "plan_tokens": 16, "comm_tokens": 8, "answer_tokens": 8,
+                   "summary_tokens": 8, "batch_episodes": 16},
+    }
+
+
+def _reward(episodes):
+    """Rewards that differ between rollouts (random tiny models seldom answer right): completion ids mod 7."""
+    out = []
+    for e in episodes:
+        ids: dict[str, int] = {}
+        for g in e.generations:
+            ids[g.agent] = ids.get(g.agent, 0) + sum(g.completion_ids)
+        out.append({a: float(n % 7) for a, n in ids.items()})
+    return out
+
+
+def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
+    """One arm: `steps` steps at max_staleness k; prints each step's finish time and time parts as one JSON line."""
+    import torch
+
+    from m1.marl.config import TrainConfig
+    from m1.marl.trainer import Trainer
+    from m1.schema import Question
+
+    torch.set_num_threads(1)
+    video, _ = bench_video("async", 20, 2, 64, 64)
+    questions = [Question(id=f"q{i}", video=str(video), text=f"What colour is the square in scene {i}?",
+                          options=["white", "red"], task="mcq", answer="A") for i in range(64)]
+    cfg = TrainConfig.model_validate({
+        "team": _team(), "steps": steps, "out_dir": out, "seed": 0,
+        "rollout": {"num_generations": 4, "questions_per_step": 2, "max_staleness": k, "engine": "vllm",
+                    "engine_command": [sys.executable, str(STANDIN), "--model", "{model}", "--port", "{port}",
+                                       "--host", "{host}", "--latency-ms", str(latency_ms)]},
+        "grpo": {"beta": 0.0}, "judge": {"kind": "rubric"},
+        "learner": {"finetune": "lora", "lr": 1e-3, "micro_batch_size": 8, "max_completion_tokens": 16},
+        "checkpoint": {"every": 100000, "keep_last": 1}, "log": {"progress": False, "backends": []}})
+    trainer = Trainer(cfg, questions=questions, reward_fn=_reward)
+    done: list[float] = []
+    step_fn = trainer.async_step if k > 0 else trainer.train_step
+
+    def timed_step():
+        row = step_fn()
+        done.append(time.perf_counter())
+        return row
+
+    if k > 0:
+        trainer.async_step = timed_step
+    else:
+        trainer.train_step = timed_step
+    try:
+        rows = trainer.train()
+    finally:
+        trainer.close()
+    parts = [{key: v for key, v in r.items() if key.startswith("time/")} for r in rows]
+    print("BENCH " + json.dumps({"done": done, "parts": parts}), flush=True)
+
+
+def run_arm(k: int, steps: int, latency_ms: float) -> dict:
+    out = tempfile.mkdtemp(prefix=f"async-k{k}-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(k), "--steps", str(steps),
+           "--latency-ms", str(latency_ms), "--out", out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"arm k={k} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("BENCH "):])
+
+
+def main() -> None:
+    p = cli(__doc__.splitlines()[0])
+    p.add_argument("--latency-ms", type=float, default=150.0)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip", type=int, default=2)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--k", type=int, default=1)
+    p.add_argument("--worker", type=int, help="(internal) run one arm at this k")
+    p.add_argument("--out", help="(internal)")
+    args = p.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.steps, args.latency_ms, args.out)
+        return
+    res = Result("bench_async.py")
+    arms = {0: [], args.k: []}
+    for rep in range(args.reps):
+        for k in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
+            run = run_arm(k, args.steps, args.latency_ms)
+            done = run["done"][args.skip:]
+            per = (done[-1] - done[0]) / (len(done) - 1)
+            arms[k].append((per, run["parts"][args.skip:]))
+            print(f"rep {rep + 1} k={k}: {per:.2f} s per step (load {os.getloadavg()[0]:.2f})", flush=True)
+    med = {k: statistics.median(p for p, _ in runs) for k, runs in arms.items()}
+    for k, runs in arms.items():
+        parts = runs[-1][1]
+        for key in sorted({key for r in parts for key in r}):
+            res.add(f"k={k} {key} (s per step, last rep)", statistics.mean(r.get(key, 0.0) for r in parts))
+    ratio = med[args.k] / med[0]
+    res.figures.append(Figure(
+        f"MARL step, rollouts {args.k} version(s) ahead vs synchronous (2 LoRA agents, stand-in engines "
+        f"+{args.latency_ms:.0f} ms per request, {args.steps - args.skip} steps x {args.reps} reps)",
+        f"{med[0]:.2f} s", f"{med[args.k]:.2f} s", ratio, "async / sync", "<= 0.6", ratio <= 0.6))
+    finish(res, args.json)
+
+
+if __name__ == "__main__":
+    main()
