@@ -76,11 +76,52 @@ def test_stop_ends_the_thread_while_it_waits_for_weights():
     assert not any(t.name == "m1-rollout-producer" and t.is_alive() for t in threading.enumerate())
 
 
-def test_max_staleness_needs_the_engines():
+def test_max_staleness_refuses_the_learners_own_log_probs_and_hf_samplers_under_ray():
     from test_trainer import team_dict
 
-    with pytest.raises(ValueError, match=r"rollout.max_staleness 1 needs rollout.engine: vllm"):
-        TrainConfig.model_validate({"team": team_dict(), "rollout": {"max_staleness": 1}})
+    with pytest.raises(ValueError, match=r"grpo.old_logprobs: 'policy' with rollout.max_staleness 1"):
+        TrainConfig.model_validate({"team": team_dict(), "rollout": {"max_staleness": 1},
+                                    "grpo": {"old_logprobs": "policy"}})
+    with pytest.raises(ValueError, match=r"rollout.max_staleness 2 with rollout.engine hf needs placement: local"):
+        TrainConfig.model_validate({"team": team_dict(), "rollout": {"max_staleness": 2}, "placement": "ray"})
+
+
+@pytest.mark.slow
+def test_hf_k1_samples_with_a_copy_one_version_behind_and_resumes_to_the_same_losses(tmp_path, video, m1_cache):
+    """On the hf engine the producer samples with copies of the learners' models: step 0 equals the synchronous
+    run's (same weights, same samples), later steps are one version behind (the IS weight corrects them), and a run
+    cut after step 2 resumes from the checkpoint's saved sampler weights to the uninterrupted run's losses."""
+    from test_trainer import make_trainer, train_cfg
+
+    def cfg(out, k, steps=3):
+        return train_cfg(out, finetune="lora", steps=steps, rollout={"max_staleness": k},
+                         learner={"lr": 5e-2}, grpo={"old_logprobs": "sampler"})
+
+    sync = make_trainer(cfg(tmp_path / "sync", 0, steps=1), video)
+    want0 = sync.train()
+    whole = make_trainer(cfg(tmp_path / "whole", 1), video)
+    try:
+        want = whole.train()
+    finally:
+        whole.close()
+    assert [r["async/staleness"] for r in want] == [0, 1, 1]
+    assert want[0]["loss"] == pytest.approx(want0[0]["loss"], abs=1e-6)
+    assert want[0]["alpha/is/ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # the copy at version 0 = the learner
+    assert abs(want[2]["alpha/is/ratio_mean"] - 1.0) > 1e-4  # one update behind: the weights differ
+
+    cut = make_trainer(cfg(tmp_path / "cut", 1), video)
+    try:
+        first = cut.train(stop_after=2)
+    finally:
+        cut.close()
+    assert (tmp_path / "cut" / "checkpoints" / "step-000002" / "versions" / "alpha" / "v000001").is_dir()
+    again = make_trainer(cfg(tmp_path / "cut", 1), video)
+    try:
+        rest = again.train()
+    finally:
+        again.close()
+    for got, ref in zip(first + rest, want):
+        assert got["loss"] == pytest.approx(ref["loss"], abs=1e-7)
 
 
 # ------------------------------------------------------------------------------------------------ stand-in engines

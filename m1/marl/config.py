@@ -155,8 +155,8 @@ class RolloutConfig(Strict):
     # Asynchronous rollouts (m1/marl/producer.py): 0 = the synchronous step (rollouts, then the update). k > 0: a
     # producer thread runs step t's rollouts with the weights after update max(0, t - k) while the learners update
     # the steps before it, so sampling and updating overlap; every sample of step t is min(t, k) versions old and
-    # the loss corrects for it with the sampler's log-probs (grpo.old_logprobs sampler, the default with engine
-    # vllm, or rollout). Needs rollout.engine vllm
+    # the loss corrects for it with the sampler's log-probs (grpo.old_logprobs sampler, the default then, or rollout).
+    # On the hf engine a copy of each learner's model samples (placement local only)
     max_staleness: int = Field(0, ge=0)
 
 
@@ -358,10 +358,13 @@ class TrainConfig(Strict):
         if isinstance(r.engine_url, dict) and sorted(r.engine_url) != sorted(trained):
             raise ValueError(f"rollout.engine_url: needs exactly the trained agents {sorted(trained)}, got "
                              f"{sorted(r.engine_url)}")
-        if r.max_staleness > 0 and r.engine != "vllm":
-            raise ValueError(f"rollout.max_staleness {r.max_staleness} needs rollout.engine: vllm (the producer "
-                             "samples on the engines while the learners update; sampling from a copy of the learners "
-                             "on the hf engine is not built)")
+        if r.max_staleness > 0 and self.grpo.old_logprobs == "policy":
+            raise ValueError(f"grpo.old_logprobs: 'policy' with rollout.max_staleness {r.max_staleness} would treat "
+                             "samples of older weights as the learner's own; use sampler (the default) or rollout")
+        if r.max_staleness > 0 and r.engine == "hf" and self.placement == "ray":
+            raise ValueError(f"rollout.max_staleness {r.max_staleness} with rollout.engine hf needs placement: local "
+                             "(the sampler copies live beside the learners in the driver); under Ray use "
+                             "rollout.engine: vllm")
         if self.grpo.loss_type == "dr_grpo" and self.learner.max_completion_tokens < 1:
             raise ValueError("grpo.loss_type dr_grpo needs learner.max_completion_tokens")
         _budget_check(team, self.learner)

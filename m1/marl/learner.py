@@ -131,21 +131,26 @@ class AgentLearner:
         ids a sample carries are exactly the context and the tokens that get trained: sampler and learner score the
         same conditional.
         """
+        self.policy.eval()  # no dropout while sampling
+        return self.generate_with(self.chat, requests, params)
+
+    def generate_with(self, chat, requests, params):
+        """`generate` on `chat`, this learner's chat model or a copy of it at older weights (asynchronous rollouts on
+        the hf engine, m1/marl/rollout_engines.py HFSamplers)."""
         from dataclasses import replace
 
-        self.policy.eval()  # no dropout while sampling
         if not self.vl:  # a vision-language prompt's length is checked where its image tokens are known (_rows)
             for i, r in enumerate(requests):
-                n = len(prompt_ids(self.tokenizer, self.chat.render(r)))  # tokenized once for budget, check, model
+                n = len(prompt_ids(chat.tokenizer, chat.render(r)))  # tokenized once for budget, check, model
                 if n > self.cfg.max_prompt_tokens:
                     raise ValueError(f"agent {self.agent!r}: prompt {i} of this call is {n} tokens, over "
                                      f"learner.max_prompt_tokens={self.cfg.max_prompt_tokens}; prompts are never cut: "
                                      "set the team's limits.max_prompt_tokens at or below it so the team trims them")
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.cfg.max_completion_tokens))
         cap = self.cfg.max_prompt_tokens + params.max_new_tokens
-        self.chat.context_length = cap if self._context_length is None else min(self._context_length, cap)
+        chat.context_length = cap if self._context_length is None else min(self._context_length, cap)
         with self._autocast():
-            return self.chat.generate(requests, params)
+            return chat.generate(requests, params)
 
     def _autocast(self):
         import torch

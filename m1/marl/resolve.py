@@ -35,7 +35,8 @@ class RunSettings:
 def resolve(cfg: TrainConfig, plan=None) -> RunSettings:
     """`cfg` as it will train; `plan`: the placement plan reserved on GPUs (it sizes the rollout batch)."""
     if cfg.grpo.old_logprobs is None:
-        old = "sampler" if cfg.rollout.engine == "vllm" else "policy"
+        # an engine's numerics, or weights up to max_staleness updates old: the sampler's log-probs correct for both
+        old = "sampler" if cfg.rollout.engine == "vllm" or cfg.rollout.max_staleness > 0 else "policy"
         cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"old_logprobs": old})})
     team = training_team_config(cfg.team_config(), cfg.rollout.temperature)
     team = team.model_copy(update={"limits": team.limits.model_copy(update=_limits(cfg, team, plan))})

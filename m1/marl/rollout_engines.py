@@ -334,12 +334,139 @@ class RolloutEngines:
         return logp[0, :len(probe[1])].tolist(), 1e-3 if dtype == torch.float32 else 0.1
 
     def check_versions(self, samples: dict[str, list], version: int) -> None:
-        """Refuse to train on samples that other weights than the learners' current ones generated."""
-        for agent, rows in samples.items():
-            if agent not in self.chats:
-                continue
-            stale = sorted({s.weight_version for s in rows if s.weight_version != version}, key=str)
-            if stale:
-                raise RolloutError(f"agent {agent}: samples from weight versions {stale}, the learner is at "
-                                   f"version {version}; the engine did not take the synced weights")
+        check_versions(samples, version, self.chats)
 
+
+def check_versions(samples: dict[str, list], version: int, agents) -> None:
+    """Refuse to train on samples of `agents` that other weights than version `version` generated."""
+    for agent, rows in samples.items():
+        if agent not in agents:
+            continue
+        stale = sorted({s.weight_version for s in rows if s.weight_version != version}, key=str)
+        if stale:
+            raise RolloutError(f"agent {agent}: samples from weight versions {stale}, expected version {version}; "
+                               "the engine did not take the synced weights")
+
+
+# ------------------------------------------------------------------------------------------------ hf samplers
+class HFSampler:
+    """A trained agent's chat model for asynchronous rollouts on the hf engine: a copy of its learner's model at a
+    staged weight version, generating under the learner's caps (`AgentLearner.generate_with`) and stamping the
+    version on every completion, so the learners update their own weights while the producer samples."""
+
+    def __init__(self, learner):
+        import copy
+
+        self.learner, self.name, self.accepts_images = learner, learner.name, learner.accepts_images
+        self.chat = copy.copy(learner.chat)  # the same settings; its own model and tokenizer below
+        self.chat.tokenizer = copy.deepcopy(learner.chat.tokenizer)  # a fast tokenizer is not safe across threads
+        if hasattr(self.chat, "processor"):
+            self.chat.processor = self.chat.tokenizer if learner.chat.processor is learner.chat.tokenizer else \
+                copy.deepcopy(learner.chat.processor)
+        self.chat.model = copy.deepcopy(learner.policy).eval().requires_grad_(False)
+        self.version = -1
+
+    def trainable_state(self) -> dict[str, Any]:
+        """A copy of the learner's trainable tensors now (LoRA: the adapter; full fine-tuning: every weight)."""
+        return {n: p.detach().clone() for n, p in self.learner.policy.named_parameters() if p.requires_grad}
+
+    def load(self, state: dict[str, Any], version: int) -> None:
+        missing = set(state) - {n for n, _ in self.chat.model.named_parameters()}
+        if missing:
+            raise RolloutError(f"agent {self.learner.agent}: staged weights name parameters the sampler copy lacks: "
+                               f"{sorted(missing)[:3]}")
+        params = dict(self.chat.model.named_parameters())
+        import torch
+
+        with torch.no_grad():
+            for n, t in state.items():
+                params[n].copy_(t)
+        self.version = version
+
+    def generate(self, requests, params):
+        outs = self.learner.generate_with(self.chat, requests, params)
+        for o in outs:
+            o.meta["weight_version"] = self.version
+        return outs
+
+
+class HFSamplers:
+    """The engines' interface (stage, activate, prune, versions) for asynchronous rollouts on the hf engine: one
+    `HFSampler` per trained agent, in this process. Staged versions are kept in memory; a checkpoint writes the ones
+    it needs (`staged_folder`)."""
+
+    FILE = "sampler_weights.pt"
+
+    def __init__(self, learners, out_dir: str | Path):
+        local = getattr(learners, "learners", None)
+        if local is None:
+            raise ValueError("rollout.max_staleness > 0 with rollout.engine hf needs placement: local (the sampler "
+                             "copies live beside the learners in this process); use rollout.engine vllm under Ray")
+        self.samplers = {agent: HFSampler(learner) for agent, learner in local.items()}
+        self.out = Path(out_dir).resolve()
+        self.version: int | None = None
+        self._staged: dict[str, dict[int, dict[str, Any]]] = {a: {} for a in self.samplers}
+
+    def chat_models(self) -> dict[str, HFSampler]:
+        return dict(self.samplers)
+
+    def stage(self, version: int) -> dict[str, float]:
+        seconds = {}
+        for agent, sampler in self.samplers.items():
+            t0 = time.perf_counter()
+            self._staged[agent][version] = sampler.trainable_state()
+            seconds[agent] = time.perf_counter() - t0
+        return seconds
+
+    def stage_from(self, version: int, folders: dict[str, Path]) -> dict[str, float]:
+        import torch
+
+        seconds = {}
+        for agent in self.samplers:
+            t0 = time.perf_counter()
+            self._staged[agent][version] = torch.load(Path(folders[agent]) / self.FILE, weights_only=True)
+            seconds[agent] = time.perf_counter() - t0
+        return seconds
+
+    def activate(self, version: int) -> dict[str, float]:
+        seconds = {}
+        for agent, sampler in self.samplers.items():
+            t0 = time.perf_counter()
+            if version not in self._staged[agent]:
+                raise RolloutError(f"agent {agent}: weight version {version} was never staged on its sampler "
+                                   f"(staged: {sorted(self._staged[agent])})")
+            sampler.load(self._staged[agent][version], version)
+            seconds[agent] = time.perf_counter() - t0
+        self.version = version
+        return seconds
+
+    def sync(self, version: int) -> dict[str, float]:
+        staged = self.stage(version)
+        active = self.activate(version)
+        self.prune(version)
+        return {a: staged[a] + active[a] for a in staged}
+
+    def prune(self, below: int) -> None:
+        for agent, versions in self._staged.items():
+            for v in [v for v in versions if v < below]:
+                del versions[v]
+                shutil.rmtree(self.out / WEIGHTS_DIR / agent / f"v{v:06d}", ignore_errors=True)
+
+    def newest_staged(self) -> int:
+        return min((max(v, default=-1) for v in self._staged.values()), default=-1)
+
+    def staged_folder(self, agent: str, version: int) -> Path:
+        """The staged weights written to a folder of their own (a checkpoint copies it)."""
+        import torch
+
+        folder = self.out / WEIGHTS_DIR / agent / f"v{version:06d}"
+        if not (folder / self.FILE).is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(self._staged[agent][version], folder / self.FILE)
+        return folder
+
+    def check_versions(self, samples: dict[str, list], version: int) -> None:
+        check_versions(samples, version, self.samplers)
+
+    def close(self) -> None:
+        pass

@@ -43,7 +43,7 @@ from m1.marl.loop import run_steps
 from m1.marl.producer import Producer, StepItem, sampling_version
 from m1.marl.resolve import resolve
 from m1.marl.rollout import RewardFn, RolloutError, derive_seed, run_rollouts, score
-from m1.marl.rollout_engines import RolloutEngines
+from m1.marl.rollout_engines import HFSamplers, RolloutEngines
 from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples
 from m1.marl.stream import QuestionStream, load_questions
 from m1.marl.trackers import require_trackers
@@ -141,6 +141,8 @@ class Trainer:
                                        self.placement)
         if cfg.rollout.engine == "vllm":  # each trained agent generates on a vLLM server, synced before every step
             self.engines = RolloutEngines(cfg, specs, self.learners, self.placement)
+        elif cfg.rollout.max_staleness > 0:  # hf, asynchronous: copies of the learners' models sample
+            self.engines = HFSamplers(self.learners, cfg.out_dir)
         chats = self.engines.chat_models() if self.engines is not None else self.learners.chat_models()
         for agent, chat in chats.items():  # a vision-language policy is fetched as a vision model (m1/team/single.py)
             self.hub.register(keys[agent], chat, kind=models[keys[agent]].kind)
