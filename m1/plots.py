@@ -71,6 +71,14 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, list[tuple[str, str]]]:
         "importance_ratio": [(f"{a}/is/ratio_mean", a) for a in agents if f"{a}/is/ratio_mean" in have],
         "agent_rewards": [(f"{a}/reward", a) for a in agents if f"{a}/reward" in have],
         "sft_nll": [(f"{a}/nll", a) for a in agents if f"{a}/nll" in have],
+        # asynchronous rollouts (rollout.max_staleness): how old the sampling weights were, and who waited
+        "staleness": [("async/staleness", "versions behind the learners")],
+        "throughput": [(k, lbl) for k, lbl in (("throughput/episodes_per_s", "episodes per second"),
+                                              ("throughput/tokens_per_s", "sampled tokens per second"))],
+        "wait_times": [(k, lbl) for k, lbl in (("time/wall", "step (wall)"), ("time/rollout", "rollouts"),
+                                              ("time/update", "update"),
+                                              ("time/wait_rollout", "learners waiting for rollouts"),
+                                              ("time/wait_weights", "producer waiting for weights"))],
     }
     drawn = {name: [(k, lbl) for k, lbl in lines if _series(rows, k)[0]] for name, lines in specs.items()}
     return {name: lines for name, lines in drawn.items() if lines}
@@ -79,7 +87,8 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, list[tuple[str, str]]]:
 TITLES = {"rewards": "Reward parts (mean over agents and episodes)",
           "team_result": "Team result on the training questions", "loss": "Loss", "kl": "KL to the reference",
           "importance_ratio": "Engine -> trainer importance ratio (mean)", "agent_rewards": "Reward per agent",
-          "sft_nll": "SFT negative log-likelihood per token"}
+          "sft_nll": "SFT negative log-likelihood per token", "staleness": "Staleness of the sampled weights",
+          "throughput": "Throughput", "wait_times": "Seconds per step"}
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:

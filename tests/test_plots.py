@@ -31,6 +31,20 @@ def test_marl_run_gets_reward_team_kl_and_agent_figures(tmp_path):
             assert im.size == (700, 400) and len(set(im.convert("L").getdata())) > 10  # a drawn chart
 
 
+def test_async_run_gets_staleness_throughput_and_wait_figures():
+    rows = [{"step": s, "loss": 0.1, "async/staleness": min(s - 1, 1), "throughput/episodes_per_s": 2.0,
+             "throughput/tokens_per_s": 90.0, "time/wall": 3.0, "time/rollout": 2.5, "time/update": 2.0,
+             "time/wait_rollout": 0.4, "time/wait_weights": 0.1} for s in (1, 2, 3)]
+    figs = figures(rows)
+    assert {"staleness", "throughput", "wait_times"} <= set(figs)
+    assert figures(rows)["staleness"] == [("async/staleness", "versions behind the learners")]
+    assert [k for k, _ in figs["wait_times"]] == ["time/wall", "time/rollout", "time/update", "time/wait_rollout",
+                                                 "time/wait_weights"]
+    sync = [{k: v for k, v in r.items() if not k.startswith(("async/", "time/wait"))} for r in rows]
+    assert "staleness" not in figures(sync) and [k for k, _ in figures(sync)["wait_times"]] == [
+        "time/wall", "time/rollout", "time/update"]
+
+
 def test_sft_run_and_errors(tmp_path):
     _write(tmp_path / "sft", [{"step": s, "loss": 2.0 / s, "alpha/loss": 2.0 / s, "alpha/nll": 2.0 / s,
                                "alpha/samples": 4} for s in (1, 2)])

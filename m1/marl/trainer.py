@@ -110,6 +110,7 @@ class Trainer:
         self.cursor_trained = 0  # the data cursor after the questions of the steps trained on (what a checkpoint keeps)
         self.producer: Producer | None = None
         self.resumed_from: Path | None = None
+        self._step_ended: float | None = None  # when the previous step of this process ended (throughput)
         self.history: list[dict[str, Any]] = []
         self.tracker_ids: dict[str, str] = {}  # the tracker runs this run logs to (kept in its checkpoints)
         self.trackers = self.engines = self.learners = None
@@ -233,7 +234,22 @@ class Trainer:
             t0 = time.perf_counter()
             self.write_samples(item.credit)
             seconds["samples"] = time.perf_counter() - t0
-        return self._metrics(item.credit, stats, item.topology, seconds, item.epoch)
+        row = self._metrics(item.credit, stats, item.topology, seconds, item.epoch)
+        row.update(self._throughput(item.credit, started))
+        return row
+
+    def _throughput(self, credit: StepCredit, started: float) -> dict[str, float]:
+        """Episodes and sampled tokens per second of wall time since the previous step ended (this step's start for
+        the first): with asynchronous rollouts a step's parts overlap, so their sum is not its cost."""
+        now = time.perf_counter()
+        wall = now - (self._step_ended if self._step_ended is not None else started)
+        self._step_ended = now
+        episodes = [e for batch in credit.rounds for e in batch.flat]
+        if credit.greedy is not None:
+            episodes += credit.greedy.flat
+        tokens = sum(len(g.completion_ids or []) for e in episodes for g in e.generations)
+        return {"throughput/episodes_per_s": len(episodes) / wall, "throughput/tokens_per_s": tokens / wall,
+                "time/wall": wall}
 
     def _rollouts(self, questions, k: int, topology, focus=None, greedy: bool = False):
         """K episodes per question on the run's team (`greedy`: its greedily decoding copy)."""
