@@ -23,6 +23,13 @@ from pathlib import Path
 from _common import REPO, Figure, Result, bench_video, cli, finish
 
 STANDIN = REPO / "tests" / "engine_standin.py"
+# The engines on the first core and the trainer (update and producer) on the second, in both arms: as GPU engines
+# would, the engines' compute does not take the update's core (on a machine with one core, nothing is pinned)
+CORES = sorted(os.sched_getaffinity(0))  # read by the parent; the worker is already pinned to the trainer's core
+
+
+def _pin(core: str | None) -> list[str]:
+    return ["taskset", "-c", core] if core is not None else []
 
 
 def _team() -> dict:
@@ -35,8 +42,8 @@ def _team() -> dict:
         "agents": [{"name": "alpha", "model": "qa"}, {"name": "beta", "model": "qb"}],
         "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm", "global_frames": 4,
                   "rough_frames": 4},
-        "limits": {"max_turns": 2, "max_tool_calls": 3, "plan_tokens": 16, "comm_tokens": 8, "answer_tokens": 8,
-                   "summary_tokens": 8, "batch_episodes": 16},
+        "limits": {"max_turns": 2, "max_tool_calls": 3, "plan_tokens": 8, "comm_tokens": 4, "answer_tokens": 4,
+                   "summary_tokens": 4, "batch_episodes": 16},
     }
 
 
@@ -66,9 +73,9 @@ def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
     cfg = TrainConfig.model_validate({
         "team": _team(), "steps": steps, "out_dir": out, "seed": 0,
         "rollout": {"num_generations": 4, "questions_per_step": 2, "max_staleness": k, "engine": "vllm",
-                    "engine_command": [sys.executable, str(STANDIN), "--model", "{model}", "--port", "{port}",
-                                       "--host", "{host}", "--latency-ms", str(latency_ms)]},
-        "grpo": {"beta": 0.0}, "judge": {"kind": "rubric"},
+                    "engine_command": _pin(os.environ.get("M1_BENCH_ENGINE_CORE")) + [sys.executable, str(STANDIN), "--model", "{model}", "--port",
+                                                      "{port}", "--host", "{host}", "--latency-ms", str(latency_ms)]},
+        "grpo": {"beta": 0.04}, "judge": {"kind": "rubric"},
         "learner": {"finetune": "lora", "lr": 1e-3, "micro_batch_size": 8, "max_completion_tokens": 16},
         "checkpoint": {"every": 100000, "keep_last": 1}, "log": {"progress": False, "backends": []}})
     trainer = Trainer(cfg, questions=questions, reward_fn=_reward)
@@ -95,8 +102,12 @@ def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
 def run_arm(k: int, steps: int, latency_ms: float) -> dict:
     out = tempfile.mkdtemp(prefix=f"async-k{k}-")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(k), "--steps", str(steps),
-           "--latency-ms", str(latency_ms), "--out", out]
+    pinned = len(CORES) > 1
+    if pinned:
+        env["M1_BENCH_ENGINE_CORE"] = str(CORES[0])
+    cmd = _pin(str(CORES[1]) if pinned else None) + [
+        sys.executable, str(Path(__file__).resolve()), "--worker", str(k), "--steps", str(steps),
+        "--latency-ms", str(latency_ms), "--out", out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH ")), None)
     if proc.returncode != 0 or line is None:
@@ -106,10 +117,10 @@ def run_arm(k: int, steps: int, latency_ms: float) -> dict:
 
 def main() -> None:
     p = cli(__doc__.splitlines()[0])
-    p.add_argument("--latency-ms", type=float, default=150.0)
+    p.add_argument("--latency-ms", type=float, default=30.0)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2)
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--k", type=int, default=1)
     p.add_argument("--worker", type=int, help="(internal) run one arm at this k")
     p.add_argument("--out", help="(internal)")
