@@ -3,11 +3,17 @@
 Two LoRA agents (tiny Qwen3 and Qwen2, hidden 128, 2 layers) train on a generated video; their rollouts run on the
 CPU stand-in engines (tests/engine_standin.py, vLLM's HTTP API) with a fixed latency added to every request, as a
 GPU engine's decoding time would be, and the update runs in this process. Each arm runs in its own process, the arms
-alternate `--reps` times; a step's wall time is the time between two finished steps, the first `--skip` steps
-dropped (engine warm-up, and at k > 0 the pipeline filling). With perfect overlap a k = 1 step costs
+alternate `--reps` times; a step's wall time is the time between two finished steps (`time/wall`), the first
+`--skip` steps dropped (engine warm-up, and at k > 0 the pipeline filling). With perfect overlap a k = 1 step costs
 max(rollout, update) instead of their sum; `--latency-ms` is chosen so the two are about equal (printed).
 
-    python benchmarks/bench_async.py [--latency-ms 150] [--steps 8] [--skip 2] [--reps 2] [--k 1] [--json out.json]
+`--scenario mini`: the mini team (4 full fine-tuned agents, configs/marl/mini_recipe.yaml on bench_mini_loop.py's
+world) on the hf engine, all in one process on the machine's 2 cores: the synchronous arm with 2 torch threads,
+the asynchronous one with 1 thread for the producer (sampling with copies of the learners' models) and 1 for the
+update. A step's wall time is `time/wall` of its metrics row.
+
+    python benchmarks/bench_async.py [--scenario standin|mini] [--latency-ms 30] [--steps 8] [--skip 2] [--reps 3]
+        [--k 1] [--json out.json]
 """
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from _common import REPO, Figure, Result, bench_video, cli, finish
@@ -59,7 +64,8 @@ def _reward(episodes):
 
 
 def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
-    """One arm: `steps` steps at max_staleness k; prints each step's finish time and time parts as one JSON line."""
+    """One arm: `steps` steps at max_staleness k; prints each step's time parts (`time/wall` among them) as one
+    JSON line."""
     import torch
 
     from m1.marl.config import TrainConfig
@@ -79,24 +85,12 @@ def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
         "learner": {"finetune": "lora", "lr": 1e-3, "micro_batch_size": 8, "max_completion_tokens": 16},
         "checkpoint": {"every": 100000, "keep_last": 1}, "log": {"progress": False, "backends": []}})
     trainer = Trainer(cfg, questions=questions, reward_fn=_reward)
-    done: list[float] = []
-    step_fn = trainer.async_step if k > 0 else trainer.train_step
-
-    def timed_step():
-        row = step_fn()
-        done.append(time.perf_counter())
-        return row
-
-    if k > 0:
-        trainer.async_step = timed_step
-    else:
-        trainer.train_step = timed_step
     try:
         rows = trainer.train()
     finally:
         trainer.close()
     parts = [{key: v for key, v in r.items() if key.startswith("time/")} for r in rows]
-    print("BENCH " + json.dumps({"done": done, "parts": parts}), flush=True)
+    print("BENCH " + json.dumps({"parts": parts}), flush=True)
 
 
 def run_arm(k: int, steps: int, latency_ms: float) -> dict:
@@ -115,6 +109,25 @@ def run_arm(k: int, steps: int, latency_ms: float) -> dict:
     return json.loads(line[len("BENCH "):])
 
 
+def run_mini_arm(k: int, steps: int, threads: int) -> dict:
+    """The mini team (configs/marl/mini_recipe.yaml, complete graph, shipped weights, bench_mini_loop's 20-video
+    world) on the hf engine, `threads` torch threads; each step's parts from its metrics."""
+    from bench_mini_loop import work_dir
+
+    d = work_dir()
+    out = tempfile.mkdtemp(prefix=f"async-mini-k{k}-")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    sets = [f"out_dir={out}", f"steps={steps}", "log.progress=false", "checkpoint.every=100000",
+            "rollout.topology=complete", f"rollout.max_staleness={k}"]
+    cmd = [sys.executable, "-m", "m1", "train", "--config", "mini_recipe"] + [x for s in sets for x in ("--set", s)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=d)
+    metrics = Path(out) / "metrics.jsonl"
+    if proc.returncode != 0 or not metrics.is_file():
+        raise RuntimeError(f"mini arm k={k} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return {"parts": [{key: v for key, v in r.items() if key.startswith("time/")} for r in rows]}
+
+
 def main() -> None:
     p = cli(__doc__.splitlines()[0])
     p.add_argument("--latency-ms", type=float, default=30.0)
@@ -122,6 +135,7 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--k", type=int, default=1)
+    p.add_argument("--scenario", choices=["standin", "mini"], default="standin")
     p.add_argument("--worker", type=int, help="(internal) run one arm at this k")
     p.add_argument("--out", help="(internal)")
     args = p.parse_args()
@@ -129,24 +143,33 @@ def main() -> None:
         worker(args.worker, args.steps, args.latency_ms, args.out)
         return
     res = Result("bench_async.py")
+    mini = args.scenario == "mini"
     arms = {0: [], args.k: []}
     for rep in range(args.reps):
         for k in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
-            run = run_arm(k, args.steps, args.latency_ms)
-            done = run["done"][args.skip:]
-            per = (done[-1] - done[0]) / (len(done) - 1)
-            arms[k].append((per, run["parts"][args.skip:]))
+            # the mini sync arm gets both cores' threads; the async arm one thread per side (producer, learners)
+            run = run_mini_arm(k, args.steps, 1 if k else 2) if mini else run_arm(k, args.steps, args.latency_ms)
+            parts = run["parts"][args.skip:]
+            per = statistics.mean(r["time/wall"] for r in parts)
+            arms[k].append((per, parts))
             print(f"rep {rep + 1} k={k}: {per:.2f} s per step (load {os.getloadavg()[0]:.2f})", flush=True)
     med = {k: statistics.median(p for p, _ in runs) for k, runs in arms.items()}
     for k, runs in arms.items():
         parts = runs[-1][1]
         for key in sorted({key for r in parts for key in r}):
             res.add(f"k={k} {key} (s per step, last rep)", statistics.mean(r.get(key, 0.0) for r in parts))
+        res.add(f"k={k} s per step, each rep", " / ".join(f"{p:.2f}" for p, _ in runs))
     ratio = med[args.k] / med[0]
-    res.figures.append(Figure(
-        f"MARL step, rollouts {args.k} version(s) ahead vs synchronous (2 LoRA agents, stand-in engines "
-        f"+{args.latency_ms:.0f} ms per request, {args.steps - args.skip} steps x {args.reps} reps)",
-        f"{med[0]:.2f} s", f"{med[args.k]:.2f} s", ratio, "async / sync", "<= 0.6", ratio <= 0.6))
+    if mini:
+        what = (f"mini team MARL step on 2 cores, rollouts {args.k} version(s) ahead (1 thread each side) vs "
+                f"synchronous (2 threads), hf engine, {args.steps - args.skip} steps x {args.reps} reps")
+        target = 0.65
+    else:
+        what = (f"MARL step, rollouts {args.k} version(s) ahead vs synchronous (2 LoRA agents, stand-in engines "
+                f"+{args.latency_ms:.0f} ms per request, {args.steps - args.skip} steps x {args.reps} reps)")
+        target = 0.6
+    res.figures.append(Figure(what, f"{med[0]:.2f} s", f"{med[args.k]:.2f} s", ratio, "async / sync",
+                              f"<= {target}", ratio <= target))
     finish(res, args.json)
 
 

@@ -151,6 +151,8 @@ def test_k1_on_engines_lags_one_version_stops_mid_flight_and_resumes_to_the_same
     finally:
         whole.close()
     assert [r["async/staleness"] for r in want] == [0, 1, 1]
+    # every model that shaped a sample's prompt (teammates' replies too) was that old, per agent
+    assert [(r["alpha/staleness_max"], r["beta/staleness_mean"]) for r in want] == [(0, 0), (1, 1), (1, 1)]
     # step 0 samples with version 0 in both modes: the same samples, the same loss
     assert want[0]["loss"] == pytest.approx(want0[0]["loss"], abs=1e-7)
     assert all(r["time/wait_rollout"] >= 0 and r["time/wait_weights"] >= 0 for r in want)

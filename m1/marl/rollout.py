@@ -63,6 +63,9 @@ class Sample:
     advantage: float
     temperature: float = 1.0
     weight_version: int | None = None  # rollout engines: the weights that sampled it (the trainer checks it)
+    # agent -> the oldest weight version among that agent's generations of the episode up to this one: every model
+    # that shaped this prompt (teammates' replies included); asynchronous rollouts count staleness from it
+    versions: dict[str, int] | None = None
     # a multimodal prompt (seed kinds): its video and the frame of each image part, in order. A vision-language
     # learner decodes and processes them again for its forward pass; a text learner ignores them (the prompt ids
     # hold placeholders). Pixels are never stored.
@@ -253,7 +256,10 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
     credit = generation_credit(batch, advantages, answer_advantages, phases)
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
+            seen: dict[str, int] = {}
             for i, gen in enumerate(ep.generations):
+                if gen.weight_version is not None:
+                    seen[gen.agent] = min(seen.get(gen.agent, gen.weight_version), gen.weight_version)
                 c = credit.get((g, k, i))
                 if c is None or not c.trained:  # a failed episode (e.g. dropped over the prompt budget): nothing
                     continue
@@ -270,5 +276,5 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                     logprobs=list(gen.logprobs) if gen.logprobs is not None else None,
                     reward=c.reward, advantage=c.advantage,
                     temperature=temperatures[gen.agent], weight_version=gen.weight_version,
-                    video=ep.question.video if frames else None, frames=frames))
+                    versions=dict(seen) or None, video=ep.question.video if frames else None, frames=frames))
     return out

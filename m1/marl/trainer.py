@@ -198,6 +198,11 @@ class Trainer:
         row["time/stage"] = time.perf_counter() - t0
         row.update({f"{agent}/sync_seconds": s for agent, s in staged.items()})
         row["async/staleness"] = item.step - item.version
+        for agent, rows in item.samples.items():  # the oldest weights that shaped each sample's prompt, per agent
+            ages = [item.step - min(s.versions.values()) for s in rows if s.versions]
+            if ages:
+                row[f"{agent}/staleness_max"] = max(ages)
+                row[f"{agent}/staleness_mean"] = sum(ages) / len(ages)
         row["async/queued"] = self.producer.queued
         return row
 
