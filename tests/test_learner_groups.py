@@ -207,3 +207,29 @@ def test_bf16_learner_dtypes_without_deepspeed(finetune, m1_cache):
     else:
         assert learner.weights_dtype == "float32" and not frozen
         assert {p.dtype for p in learner.ref.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_async_rollouts_with_a_two_rank_ray_group_and_engines(ray_cluster, tmp_path, video):
+    """rollout.max_staleness 1 under the placement plan: alpha's learner a 2-rank ZeRO-2 LoRA group of Ray actors,
+    its rollouts on a stand-in vLLM engine; the producer samples step 1 with version 0 while the group updates, and
+    the adapter rank 0 exports is what the engine serves next."""
+    from test_engine_training import STANDIN
+    from m1.marl.trainer import Trainer
+
+    cfg = TrainConfig.model_validate({
+        "team": team_dict(), "train_agents": ["alpha"], "judge": {"kind": "rubric"}, "grpo": {"beta": 0.05},
+        "rollout": {"num_generations": 2, "questions_per_step": 2, "max_staleness": 1, "engine": "vllm",
+                    "engine_command": [sys.executable, STANDIN, "--model", "{model}", "--port", "{port}",
+                                       "--host", "{host}"]},
+        "learner": {**LEARNER, "finetune": "lora", "gpus": 2}, "placement": "ray", "steps": 3,
+        "out_dir": str(tmp_path), "checkpoint": {"every": 1, "keep_last": 2}, "log": {"progress": False,
+                                                                                   "backends": []}})
+    tr = Trainer(cfg, questions=questions(video), reward_fn=varied_reward)
+    try:
+        rows = tr.train()
+        assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+        assert all(r["alpha/samples"] > 0 and r["loss"] == r["loss"] for r in rows)
+        assert tr.engines.chats["alpha"].served_model == "alpha-v1"  # step 2 sampled with rank 0's adapter v1
+    finally:
+        tr.close()
