@@ -52,22 +52,13 @@ def _team() -> dict:
     }
 
 
-def _reward(episodes):
-    """Rewards that differ between rollouts (random tiny models seldom answer right): completion ids mod 7."""
-    out = []
-    for e in episodes:
-        ids: dict[str, int] = {}
-        for g in e.generations:
-            ids[g.agent] = ids.get(g.agent, 0) + sum(g.completion_ids)
-        out.append({a: float(n % 7) for a, n in ids.items()})
-    return out
-
-
 def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
     """One arm: `steps` steps at max_staleness k; prints each step's time parts (`time/wall` among them) as one
     JSON line."""
     import torch
 
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import varied_reward  # rewards that differ between rollouts (random tiny models seldom answer right)
     from m1.marl.config import TrainConfig
     from m1.marl.trainer import Trainer
     from m1.schema import Question
@@ -84,7 +75,7 @@ def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
         "grpo": {"beta": 0.04}, "judge": {"kind": "rubric"},
         "learner": {"finetune": "lora", "lr": 1e-3, "micro_batch_size": 8, "max_completion_tokens": 16},
         "checkpoint": {"every": 100000, "keep_last": 1}, "log": {"progress": False, "backends": []}})
-    trainer = Trainer(cfg, questions=questions, reward_fn=_reward)
+    trainer = Trainer(cfg, questions=questions, reward_fn=varied_reward)
     try:
         rows = trainer.train()
     finally:
