@@ -70,8 +70,9 @@ def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
     cfg = TrainConfig.model_validate({
         "team": _team(), "steps": steps, "out_dir": out, "seed": 0,
         "rollout": {"num_generations": 4, "questions_per_step": 2, "max_staleness": k, "engine": "vllm",
-                    "engine_command": _pin(os.environ.get("M1_BENCH_ENGINE_CORE")) + [sys.executable, str(STANDIN), "--model", "{model}", "--port",
-                                                      "{port}", "--host", "{host}", "--latency-ms", str(latency_ms)]},
+                    "engine_command": _pin(os.environ.get("M1_BENCH_ENGINE_CORE")) + [
+                        sys.executable, str(STANDIN), "--model", "{model}", "--port", "{port}", "--host", "{host}",
+                        "--latency-ms", str(latency_ms)]},
         "grpo": {"beta": 0.04}, "judge": {"kind": "rubric"},
         "learner": {"finetune": "lora", "lr": 1e-3, "micro_batch_size": 8, "max_completion_tokens": 16},
         "checkpoint": {"every": 100000, "keep_last": 1}, "log": {"progress": False, "backends": []}})
