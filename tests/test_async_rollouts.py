@@ -12,6 +12,14 @@ from m1.marl.producer import Producer, StepItem, sampling_version
 from m1.marl.rollout import RolloutError
 
 
+def _trained(trainer, **train):
+    """Train `trainer` and close it; its metrics rows."""
+    try:
+        return trainer.train(**train)
+    finally:
+        trainer.close()
+
+
 def test_sampling_version_lags_by_k_from_version_zero():
     assert [sampling_version(t, 0) for t in range(4)] == [0, 1, 2, 3]
     assert [sampling_version(t, 1) for t in range(4)] == [0, 0, 1, 2]
@@ -97,29 +105,16 @@ def test_hf_k1_samples_with_a_copy_one_version_behind_and_resumes_to_the_same_lo
         return train_cfg(out, finetune="lora", steps=steps, rollout={"max_staleness": k},
                          learner={"lr": 5e-2}, grpo={"old_logprobs": "sampler"})
 
-    sync = make_trainer(cfg(tmp_path / "sync", 0, steps=1), video)
-    want0 = sync.train()
-    whole = make_trainer(cfg(tmp_path / "whole", 1), video)
-    try:
-        want = whole.train()
-    finally:
-        whole.close()
+    want0 = _trained(make_trainer(cfg(tmp_path / "sync", 0, steps=1), video))
+    want = _trained(make_trainer(cfg(tmp_path / "whole", 1), video))
     assert [r["async/staleness"] for r in want] == [0, 1, 1]
     assert want[0]["loss"] == pytest.approx(want0[0]["loss"], abs=1e-6)
     assert want[0]["alpha/is/ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # the copy at version 0 = the learner
     assert abs(want[2]["alpha/is/ratio_mean"] - 1.0) > 1e-4  # one update behind: the weights differ
 
-    cut = make_trainer(cfg(tmp_path / "cut", 1), video)
-    try:
-        first = cut.train(stop_after=2)
-    finally:
-        cut.close()
+    first = _trained(make_trainer(cfg(tmp_path / "cut", 1), video), stop_after=2)
     assert (tmp_path / "cut" / "checkpoints" / "step-000002" / "versions" / "alpha" / "v000001").is_dir()
-    again = make_trainer(cfg(tmp_path / "cut", 1), video)
-    try:
-        rest = again.train()
-    finally:
-        again.close()
+    rest = _trained(make_trainer(cfg(tmp_path / "cut", 1), video))
     for got, ref in zip(first + rest, want):
         assert got["loss"] == pytest.approx(ref["loss"], abs=1e-7)
 
@@ -139,17 +134,8 @@ def test_k1_on_engines_lags_one_version_stops_mid_flight_and_resumes_to_the_same
     from test_engine_training import make
     from m1.marl.checkpoint import StopFlag
 
-    sync = make(_cfg(tmp_path / "sync", 0, steps=1), video)
-    try:
-        want0 = sync.train()
-    finally:
-        sync.close()
-
-    whole = make(_cfg(tmp_path / "whole", 1), video)
-    try:
-        want = whole.train()
-    finally:
-        whole.close()
+    want0 = _trained(make(_cfg(tmp_path / "sync", 0, steps=1), video))
+    want = _trained(make(_cfg(tmp_path / "whole", 1), video))
     assert [r["async/staleness"] for r in want] == [0, 1, 1]
     # every model that shaped a sample's prompt (teammates' replies too) was that old, per agent
     assert [(r["alpha/staleness_max"], r["beta/staleness_mean"]) for r in want] == [(0, 0), (1, 1), (1, 1)]

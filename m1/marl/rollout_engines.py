@@ -63,7 +63,28 @@ def _fill(argv: list[str], **fields: Any) -> list[str]:
     return out
 
 
-class RolloutEngines:
+class StagedVersions:
+    """What the trainer and the producer ask of the samplers of an asynchronous run, whatever they are: `_staged`
+    maps agent -> version -> what was staged for it."""
+
+    _staged: dict[str, dict[int, Any]]
+
+    def newest_staged(self) -> int:
+        """The newest version staged for every agent (-1: none)."""
+        return min((max(v, default=-1) for v in self._staged.values()), default=-1)
+
+    def check_versions(self, samples: dict[str, list], version: int) -> None:
+        """Refuse to train on samples of these agents that other weights than version `version` generated."""
+        for agent, rows in samples.items():
+            if agent not in self._staged:
+                continue
+            stale = sorted({s.weight_version for s in rows if s.weight_version != version}, key=str)
+            if stale:
+                raise RolloutError(f"agent {agent}: samples from weight versions {stale}, expected version "
+                                   f"{version}; the engine did not take the synced weights")
+
+
+class RolloutEngines(StagedVersions):
     """One engine per trained agent: the team's chat models for those agents, and the weight sync."""
 
     def __init__(self, cfg: TrainConfig, specs: dict[str, tuple[str, ModelSpec]], learners, placement=None):
@@ -265,10 +286,6 @@ class RolloutEngines:
                 if folder.is_relative_to(self.out / WEIGHTS_DIR):
                     shutil.rmtree(folder, ignore_errors=True)
 
-    def newest_staged(self) -> int:
-        """The newest version staged on every engine (-1: none)."""
-        return min((max(v, default=-1) for v in self._staged.values()), default=-1)
-
     def staged_folder(self, agent: str, version: int) -> Path:
         """The folder `version`'s weights of `agent` were staged from (a checkpoint copies it)."""
         return self._staged[agent][version][0]
@@ -333,20 +350,6 @@ class RolloutEngines:
         dtype = next(policy.parameters()).dtype
         return logp[0, :len(probe[1])].tolist(), 1e-3 if dtype == torch.float32 else 0.1
 
-    def check_versions(self, samples: dict[str, list], version: int) -> None:
-        check_versions(samples, version, self.chats)
-
-
-def check_versions(samples: dict[str, list], version: int, agents) -> None:
-    """Refuse to train on samples of `agents` that other weights than version `version` generated."""
-    for agent, rows in samples.items():
-        if agent not in agents:
-            continue
-        stale = sorted({s.weight_version for s in rows if s.weight_version != version}, key=str)
-        if stale:
-            raise RolloutError(f"agent {agent}: samples from weight versions {stale}, expected version {version}; "
-                               "the engine did not take the synced weights")
-
 
 # ------------------------------------------------------------------------------------------------ hf samplers
 class HFSampler:
@@ -371,12 +374,13 @@ class HFSampler:
         return {n: p.detach().clone() for n, p in self.learner.policy.named_parameters() if p.requires_grad}
 
     def load(self, state: dict[str, Any], version: int) -> None:
-        missing = set(state) - {n for n, _ in self.chat.model.named_parameters()}
+        import torch
+
+        params = dict(self.chat.model.named_parameters())
+        missing = set(state) - set(params)
         if missing:
             raise RolloutError(f"agent {self.learner.agent}: staged weights name parameters the sampler copy lacks: "
                                f"{sorted(missing)[:3]}")
-        params = dict(self.chat.model.named_parameters())
-        import torch
 
         with torch.no_grad():
             for n, t in state.items():
@@ -390,7 +394,7 @@ class HFSampler:
         return outs
 
 
-class HFSamplers:
+class HFSamplers(StagedVersions):
     """The engines' interface (stage, activate, prune, versions) for asynchronous rollouts on the hf engine: one
     `HFSampler` per trained agent, in this process. Staged versions are kept in memory; a checkpoint writes the ones
     it needs (`staged_folder`)."""
@@ -411,49 +415,42 @@ class HFSamplers:
         return dict(self.samplers)
 
     def stage(self, version: int) -> dict[str, float]:
-        seconds = {}
-        for agent, sampler in self.samplers.items():
-            t0 = time.perf_counter()
-            self._staged[agent][version] = sampler.trainable_state()
-            seconds[agent] = time.perf_counter() - t0
-        return seconds
+        return self._each(lambda agent: self._put(agent, version, self.samplers[agent].trainable_state()))
 
     def stage_from(self, version: int, folders: dict[str, Path]) -> dict[str, float]:
         import torch
 
-        seconds = {}
-        for agent in self.samplers:
-            t0 = time.perf_counter()
-            self._staged[agent][version] = torch.load(Path(folders[agent]) / self.FILE, weights_only=True)
-            seconds[agent] = time.perf_counter() - t0
-        return seconds
+        return self._each(lambda agent: self._put(
+            agent, version, torch.load(Path(folders[agent]) / self.FILE, weights_only=True)))
 
     def activate(self, version: int) -> dict[str, float]:
-        seconds = {}
-        for agent, sampler in self.samplers.items():
-            t0 = time.perf_counter()
-            if version not in self._staged[agent]:
-                raise RolloutError(f"agent {agent}: weight version {version} was never staged on its sampler "
-                                   f"(staged: {sorted(self._staged[agent])})")
-            sampler.load(self._staged[agent][version], version)
-            seconds[agent] = time.perf_counter() - t0
+        seconds = self._each(lambda agent: self._load(agent, version))
         self.version = version
         return seconds
 
-    def sync(self, version: int) -> dict[str, float]:
-        staged = self.stage(version)
-        active = self.activate(version)
-        self.prune(version)
-        return {a: staged[a] + active[a] for a in staged}
+    def _put(self, agent: str, version: int, state: dict[str, Any]) -> None:
+        self._staged[agent][version] = state
+
+    def _load(self, agent: str, version: int) -> None:
+        if version not in self._staged[agent]:
+            raise RolloutError(f"agent {agent}: weight version {version} was never staged on its sampler "
+                               f"(staged: {sorted(self._staged[agent])})")
+        self.samplers[agent].load(self._staged[agent][version], version)
+
+    def _each(self, fn) -> dict[str, float]:
+        """fn(agent) for every agent in turn (one process: nothing to overlap); seconds per agent."""
+        seconds = {}
+        for agent in self.samplers:
+            t0 = time.perf_counter()
+            fn(agent)
+            seconds[agent] = time.perf_counter() - t0
+        return seconds
 
     def prune(self, below: int) -> None:
         for agent, versions in self._staged.items():
             for v in [v for v in versions if v < below]:
                 del versions[v]
                 shutil.rmtree(self.out / WEIGHTS_DIR / agent / f"v{v:06d}", ignore_errors=True)
-
-    def newest_staged(self) -> int:
-        return min((max(v, default=-1) for v in self._staged.values()), default=-1)
 
     def staged_folder(self, agent: str, version: int) -> Path:
         """The staged weights written to a folder of their own (a checkpoint copies it)."""
@@ -464,9 +461,6 @@ class HFSamplers:
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(self._staged[agent][version], folder / self.FILE)
         return folder
-
-    def check_versions(self, samples: dict[str, list], version: int) -> None:
-        check_versions(samples, version, self.samplers)
 
     def close(self) -> None:
         pass

@@ -163,7 +163,7 @@ class Trainer:
         last = self.cfg.steps if stop_after is None else min(self.cfg.steps, self.step + stop_after)
         self.producer = Producer(self, k, self.step, last)
         try:
-            self._stage_for_resume(k)
+            self._stage_for_resume()
             self.producer.begin(self.engines.newest_staged())
             return run_steps(self, self.cfg.steps, self.async_step, "step", stop_after, stop)
         finally:
@@ -186,12 +186,11 @@ class Trainer:
         optimizer step per trained agent, and the new weights staged on the engines for the producer."""
         started = time.perf_counter()
         item = self.producer.get(self.step)
-        seconds = {**{k: v for k, v in item.seconds.items() if k != "reward"}, "reward": item.seconds["reward"],
-                   "wait_rollout": time.perf_counter() - started}
+        seconds = {**item.seconds, "wait_rollout": time.perf_counter() - started}
         row = self._learn(item, seconds, started)
         t0 = time.perf_counter()
         staged = {}
-        if self.step + self.cfg.rollout.max_staleness < self.cfg.steps:  # step (this version + k) samples with it
+        if self._sampled_later(self.step):
             staged = self.engines.stage(self.step)
             self.producer.publish(self.step)
         self.engines.prune(sampling_version(self.step, self.cfg.rollout.max_staleness))
@@ -336,19 +335,24 @@ class Trainer:
         steps = range(self.step, min(self.step + k, self.cfg.steps))
         return sorted({sampling_version(t, k) for t in steps} - {self.step})
 
+    def _sampled_later(self, version: int) -> bool:
+        """Whether a step of this run samples with weight version `version` (asynchronous rollouts): version 0 by
+        steps 0..k, version n > 0 by step n + k."""
+        return sampling_version(self.cfg.steps - 1, self.cfg.rollout.max_staleness) >= version
+
     def _version_folders(self) -> dict[str, Path]:
         return {f"versions/{agent}/v{v:06d}": self.engines.staged_folder(agent, v)
                 for v in (self._pending_versions() if self.cfg.rollout.max_staleness > 0 else [])
                 for agent in self.trained}
 
-    def _stage_for_resume(self, k: int) -> None:
+    def _stage_for_resume(self) -> None:
         """Before an asynchronous run's producer starts: the versions its first k steps sample with on the engines,
         from the checkpoint it resumed from (older ones) and from the learners (the current one)."""
         for v in self._pending_versions():
             if self.resumed_from is None:
                 raise RolloutError(f"step {self.step}: weight version {v} is needed and no checkpoint holds it")
             self.engines.stage_from(v, {a: self.resumed_from / "versions" / a / f"v{v:06d}" for a in self.trained})
-        if self.step + k < self.cfg.steps or self.step == 0:
+        if self._sampled_later(self.step):
             self.engines.stage(self.step)
 
     def load_checkpoint(self, folder: Path, verified: bool = False) -> None:
