@@ -142,6 +142,8 @@ def test_k1_on_engines_lags_one_version_stops_mid_flight_and_resumes_to_the_same
     # step 0 samples with version 0 in both modes: the same samples, the same loss
     assert want[0]["loss"] == pytest.approx(want0[0]["loss"], abs=1e-7)
     assert all(r["time/wait_rollout"] >= 0 and r["time/wait_weights"] >= 0 for r in want)
+    # each side's own CPU seconds: the learners' forward and backward run on the trainer's thread
+    assert all(0 < r["time/producer_cpu"] and 0 < r["time/learner_cpu"] <= r["time/update"] + 1 for r in want)
     assert not (tmp_path / "whole" / "engine_weights" / "alpha" / "v000000").exists()  # pruned once unused
 
     # a stop (SIGTERM) while the producer is sampling step 2: the run checkpoints the step it finished and returns

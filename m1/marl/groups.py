@@ -62,6 +62,9 @@ class LocalLearners:
     def export_weights(self, agent: str, folder: Path) -> None:
         self.learners[agent].export_weights(folder)
 
+    def probe_logprobs(self, agent: str, probe: tuple[list[int], list[int]]) -> tuple[list[float], float]:
+        return self.learners[agent].probe_logprobs(probe)
+
     def load(self, folder: Path) -> None:
         for agent, learner in self.learners.items():
             learner.load(Path(folder) / agent)
@@ -123,6 +126,9 @@ class LearnerRank:
 
     def export_weights(self, folder: str) -> None:
         self.learner.export_weights(folder)
+
+    def probe_logprobs(self, probe):
+        return self.learner.probe_logprobs(probe)
 
     def parameters(self) -> dict[str, Any]:
         return self.learner.parameters()
@@ -217,6 +223,11 @@ class RayLearners:
     def export_weights(self, agent: str, folder: Path) -> None:
         ray = _require_ray()
         ray.get(self.groups[agent][0].export_weights.remote(str(Path(folder).resolve())))
+
+    def probe_logprobs(self, agent: str, probe: tuple[list[int], list[int]]) -> tuple[list[float], float]:
+        """Rank 0's log-probs of a reload probe (AgentLearner.probe_logprobs)."""
+        ray = _require_ray()
+        return ray.get(self.groups[agent][0].probe_logprobs.remote(probe))
 
     def parameters(self, agent: str) -> dict[str, Any]:
         ray = _require_ray()

@@ -642,6 +642,23 @@ class AgentLearner:
             self.policy.save_pretrained(folder)
             self._processor().save_pretrained(folder)
 
+    def probe_logprobs(self, probe: tuple[list[int], list[int]]) -> tuple[list[float], float]:
+        """The log-probs (temperature 1) of a rollout engine's reload probe at these weights, and how close the
+        engine's must be after it loads them: float32 1e-3, else 0.1 (bf16 rounding), far below what a layer left
+        at its old weights changes. Any rank can answer: every rank holds the whole weights (ZeRO-2 shards only
+        gradients and optimizer state)."""
+        import torch
+
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with torch.no_grad():
+                logp, _ = self.completion_logprobs(self.policy, [probe], 1.0)
+        finally:
+            self.policy.train(was_training)
+        dtype = next(self.policy.parameters()).dtype
+        return logp[0, :len(probe[1])].tolist(), 1e-3 if dtype == torch.float32 else 0.1
+
     def _processor(self):
         """What a saved folder needs to be loaded again: the tokenizer, or a VL model's whole processor (its image
         and video processors too)."""

