@@ -314,6 +314,23 @@ def sft(
 
 
 @app.command()
+def pretrain(
+    config: str = typer.Option(..., "--config", "-c", help="Pretraining config: a YAML path or a name in "
+                                                            "configs/pretrain/."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
+    debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
+) -> None:
+    """Train a student from scratch to read the synth world's texts (reading drills and the world's texts), the base
+    that SFT starts from; writes OUT_DIR/base with its record.
+
+    Exit status as for `m1 train`: 0, 2 (an error), 143 / 130 (stopped by SIGTERM / SIGINT after checkpointing the
+    last step; rerun to resume)."""
+    from m1.pretrain.train import pretrain_main
+
+    train_guarded(lambda: pretrain_main(config, list(overrides or []), progress=typer.echo), debug)
+
+
+@app.command()
 def plot(
     run_dir: Path = typer.Argument(..., help="The out_dir of an `m1 train` or `m1 sft` run (holds metrics.jsonl)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for the PNGs (default: RUN_DIR/plots)."),

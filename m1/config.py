@@ -51,7 +51,12 @@ class TinySpec(Strict):
     # teacher-team run on M1-Synth, so the world's prompts become short token runs (the mini team).
     # "seed_kinds" = that run plus the rule-based Weaver / VideoZoomer / SAGE chats (their mini policies).
     # m1/models/tiny.py builds them.
-    corpus: Literal["default", "synth", "seed_kinds"] = "default"
+    # "reading" = the seed_kinds texts with the students' tokenizer (m1/models/tiny.py `reading_tokenizer`): whole
+    # words, no multi-word phrases, so a word is the same token in a question, an option, a caption and a note.
+    corpus: Literal["default", "synth", "seed_kinds", "reading"] = "default"
+    # the weights' init std; None = INIT_STD (0.2), which random test models need for varied outputs. Students
+    # trained from scratch use the usual 0.02 (STUDENT_INIT_STD).
+    init_std: float | None = Field(default=None, gt=0)
 
 
 class ModelSpec(Strict):

@@ -144,7 +144,7 @@ def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024, qwe
 # the digit trial (synth_tokenizer), whose folder may still sit in a cache.
 SYNTH_CORPUS_VERSION = 2
 # each corpus's recipe version (the tokenizer folder and the model hashes carry it)
-CORPUS_VERSIONS = {"synth": SYNTH_CORPUS_VERSION, "seed_kinds": 1}
+CORPUS_VERSIONS = {"synth": SYNTH_CORPUS_VERSION, "seed_kinds": 1, "reading": 1}
 SYNTH_VOCAB = 4096  # BPE over Qwen-split words; this corpus has fewer distinct pieces than that
 PHRASE_VOCAB = 8192  # the line-level BPE that proposes multi-word phrases
 PHRASE_MIN_COUNT = 8
@@ -210,17 +210,68 @@ def synth_tokenizer(texts: list[str]):
     return tok
 
 
+# The students' tokenizer: words are never merged with each other, with punctuation or with digits. A BPE trained on
+# pieces split this way (letters with at most one leading space; one digit; a punctuation run with at most one
+# leading space; whitespace) learns no merge across those borders, so loading it under Qwen's split (which qwen2
+# folders impose) cuts the same tokens.
+WORD_SPLIT = r""" ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s*[\r\n]+|\s+(?!\S)|\s+"""
+READING_VOCAB = 8192  # more than the corpus's distinct pieces: every word it holds becomes one token
+
+
+def reading_tokenizer(texts: list[str], apart: frozenset[str] = frozenset()):
+    """The students' tokenizer: every word of the corpus one token (with its leading space), punctuation apart, the
+    numbers 10-120 and clock times whole, so that a lookup matches the same tokens in the question, the options, a
+    caption, a tool note and the memory.
+
+    Recurring phrases become single tokens only when none of their words is in `apart` (the world's lookup words:
+    colours, shapes, positions, motions): boilerplate such as a system prompt's sentences stays short, while
+    `A: bottom left` or `white square` stay words. `synth_tokenizer` merges both kinds.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if not texts:
+        raise ModelError("reading_tokenizer: the corpus is empty")
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(WORD_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(list(texts), trainers.BpeTrainer(
+        vocab_size=READING_VOCAB, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([  # what transformers' Qwen2Tokenizer applies anyway
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  unk_token=None, additional_special_tokens=SPECIAL_TOKENS[1:], padding_side="left")
+    tok.chat_template = CHAT_TEMPLATE
+    import re
+
+    phrases = [p for p in mine_phrases(texts) if not {w.lower() for w in re.findall(r"[A-Za-z]+", p)} & apart]
+    extra = phrases + [f"{m:02d}:{s:02d}" for m in range(21) for s in range(60)] + [str(i) for i in range(10, 121)]
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in extra])
+    return tok
+
+
 # Corpora that need a world to write them, found by name so that models never import the synthetic world
-# (as the hub finds backends): corpus name -> (module, function(workdir) -> list of texts)
-CORPORA: dict[str, tuple[str, str]] = {"synth": ("m1.synth.corpus", "synth_corpus"),
-                                       "seed_kinds": ("m1.synth.corpus", "seed_kinds_corpus")}
+# (as the hub finds backends): corpus name -> (module, function(workdir) -> list of texts, tokenizer recipe, the
+# module's set of words the recipe keeps apart or None)
+CORPORA: dict[str, tuple[str, str, Any, str | None]] = {
+    "synth": ("m1.synth.corpus", "synth_corpus", synth_tokenizer, None),
+    "seed_kinds": ("m1.synth.corpus", "seed_kinds_corpus", synth_tokenizer, None),
+    "reading": ("m1.synth.corpus", "seed_kinds_corpus", reading_tokenizer, "LOOKUP_WORDS")}
 
 
-def _corpus(name: str):
+def build_corpus_tokenizer(name: str, workdir: Path):
+    """The tokenizer of corpus `name` (CORPORA): its texts written in `workdir`, then its recipe."""
     import importlib
 
-    module, fn = CORPORA[name]
-    return getattr(importlib.import_module(module), fn)
+    module_name, fn, recipe, apart = CORPORA[name]
+    module = importlib.import_module(module_name)
+    texts = getattr(module, fn)(workdir)
+    return recipe(texts, frozenset(getattr(module, apart))) if apart else recipe(texts)
 
 
 def ensure_synth_tokenizer(root: Path, corpus: str = "synth") -> Path:
@@ -233,7 +284,7 @@ def ensure_synth_tokenizer(root: Path, corpus: str = "synth") -> Path:
     Path(root).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        tok = synth_tokenizer(_corpus(corpus)(tmp / "world"))
+        tok = build_corpus_tokenizer(corpus, tmp / "world")
         shutil.rmtree(tmp / "world")
         tok.save_pretrained(tmp)
         _publish(tmp, final, "tokenizer_config.json")
@@ -274,6 +325,8 @@ def spec_hash(spec: TinySpec) -> str:
     fields = spec.model_dump()
     if fields.get("corpus") == "default":  # keeps the hashes (cache folders) of specs older than the field
         fields.pop("corpus")
+    if fields.get("init_std") is None:  # the same for init_std
+        fields.pop("init_std", None)
     if fields.get("corpus") == "synth":  # the model folder holds a copy of that tokenizer
         fields["synth_tokenizer"] = SYNTH_CORPUS_VERSION
     elif fields.get("corpus") in CORPUS_VERSIONS:
@@ -315,8 +368,10 @@ def ensure_tiny(spec: TinySpec, cache_dir: Path | None = None) -> Path:
 
 
 # With the usual 0.02 a tiny random model repeats one token forever; 0.2 gives varied outputs,
-# so tests comparing batched and single generation compare something.
+# so tests comparing batched and single generation compare something. A spec's `init_std` overrides it.
 INIT_STD = 0.2
+# what students trained from scratch start from (`m1 pretrain`'s bases): the usual transformer init
+STUDENT_INIT_STD = 0.02
 
 
 def _intermediate(spec: TinySpec) -> int:
@@ -338,7 +393,7 @@ def _text_common(spec: TinySpec, tok, max_positions: int) -> dict[str, Any]:
                 num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                 max_position_embeddings=max_positions, bos_token_id=None,
                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                initializer_range=INIT_STD)
+                initializer_range=spec.init_std or INIT_STD)
 
 
 def _build_text(spec: TinySpec, out: Path) -> None:
@@ -388,7 +443,7 @@ def _build_vl(spec: TinySpec, out: Path) -> None:
                    out_hidden_size=spec.hidden_size, window_size=112, fullatt_block_indexes=[1],
                    tokens_per_second=2)
     cfg = Qwen2_5_VLConfig(text_config=text_cfg, vision_config=vis_cfg, tie_word_embeddings=True,
-                           initializer_range=INIT_STD,
+                           initializer_range=spec.init_std or INIT_STD,
                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                            vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"])

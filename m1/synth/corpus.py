@@ -13,9 +13,16 @@ from m1.models.base import ModelError
 from m1.models.tiny import SYNTH_AGENTS, SYNTH_BROWSER_TOKENS, _default_corpus
 from m1.models.base import text_only
 from m1.synth.make import make_dataset
+from m1.synth.questions import MOTION_TEXT, RELATIONS
+from m1.synth.world import BACKGROUNDS, CELLS, COLOURS, MOTIONS, SHAPES, SIZES
 from m1.team.cpp import Team
 from m1.team.single import SingleAgentTeam
 
+
+# The words a reading student looks up (m1/models/tiny.py `reading_tokenizer` never merges them into a phrase): the
+# world's colours, backgrounds, shapes, sizes, motions, positions and relations.
+LOOKUP_WORDS = frozenset(w for text in (*COLOURS, *BACKGROUNDS, *SHAPES, *SIZES, *MOTIONS, *CELLS.values(),
+                                        *RELATIONS, *MOTION_TEXT.values()) for w in text.split())
 
 # a tiny random CLIP for retrieval: its notes read like the world's trained CLIP's, at no training cost
 CORPUS_CLIP = {"kind": "clip", "backend": "open_clip", "device": "cpu",

@@ -1,0 +1,274 @@
+"""`m1 pretrain`: a student trained from scratch to read the synth world's texts, once, then shipped as a base.
+
+Each step draws a fresh batch by the config's mix: reading drills (m1/pretrain/drills.py, written from worlds whose
+seeds evaluation never uses) and plain next-token modelling on the world's texts (a rule-based teacher team's
+prompts and replies: captions, tool outputs, memory notes). The loss is next-token cross-entropy over every token of
+a sequence plus, weighted, over its target. Held-out drills are graded by greedy decoding every `eval.every` steps.
+
+Resumable like an experiment stage: `checkpoint.pt` holds the weights, the optimizer, the step, every random state
+and the CPU seconds spent so far; `metrics.jsonl` keeps one row per evaluation and a rerun drops rows past the
+checkpoint, so a killed run resumes without duplicated or lost rows. SIGTERM/SIGINT finish the step, checkpoint and
+stop (exit 143/130). The finished base is `<out_dir>/base/` (weights and tokenizer, loadable as a model `path`)
+with `record.json` (the config, steps, curves' last rows, held-out accuracy per family, core-hours).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from m1.pretrain.config import TEXT, PretrainConfig
+from m1.pretrain.drills import CHAINS, Drill, DrillSource
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+
+
+def grade(drill: Drill, generated: str) -> bool:
+    """The last step the student wrote (after its last `->`, up to the line's end) against the drill's answer."""
+    line = generated.split("\n")[0]
+    return line.split("->")[-1].strip() == drill.answer.split("->")[-1].strip()
+
+
+class Pretrainer:
+    def __init__(self, cfg: PretrainConfig, progress: Callable[[str], None] = print):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from m1.models.tiny import ensure_tiny
+
+        self.cfg, self.progress = cfg, progress
+        self.out = Path(cfg.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(cfg.threads)
+        folder = ensure_tiny(cfg.student)
+        self.tok = AutoTokenizer.from_pretrained(folder)
+        self.tok.padding_side = "left"
+        torch.manual_seed(cfg.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.train_drills = DrillSource("train", cfg.seed, cfg.world_duration)
+        self.rng = random.Random(cfg.seed + 1)  # the mix's draws
+        self.step, self.cpu_seconds = 0, 0.0
+        self._texts: list[list[int]] | None = None
+        self._resume()
+
+    # ------------------------------------------------------------------------------------------ data
+    def texts(self) -> list[list[int]]:
+        """The world's texts as token ids, written once per out_dir (a teacher team's run, ~1 min)."""
+        if self._texts is None:
+            path = self.out / "texts.json"
+            if not path.is_file():
+                import tempfile
+
+                from m1.synth.corpus import seed_kinds_corpus
+
+                with tempfile.TemporaryDirectory() as tmp:
+                    texts = seed_kinds_corpus(Path(tmp) / "world")
+                tmp_path = path.with_suffix(".tmp")
+                tmp_path.write_text(json.dumps(texts))
+                os.replace(tmp_path, path)
+            texts = json.loads(path.read_text())
+            self._texts = [ids for ids in self.tok(texts, add_special_tokens=False)["input_ids"] if len(ids) > 8]
+        return self._texts
+
+    def _encode(self, drill: Drill) -> tuple[list[int], int]:
+        prompt = self.tok(drill.prompt, add_special_tokens=False)["input_ids"]
+        target = self.tok(drill.target + "\n", add_special_tokens=False)["input_ids"]
+        return prompt + target, len(prompt)
+
+    def batch(self) -> list[tuple[list[int], int]]:
+        """(ids, where the target starts; len(ids) for texts) for one step, by the mix."""
+        names = [k for k, w in self.cfg.mix.items() if w > 0]
+        weights = [self.cfg.mix[k] for k in names]
+        frames = self.cfg.frames_at(self.step)
+        out = []
+        while len(out) < self.cfg.batch_size:
+            family = self.rng.choices(names, weights)[0]
+            if family == TEXT:  # a window of one of the world's texts
+                ids = self.rng.choice(self.texts())
+                at = self.rng.randrange(max(1, len(ids) - self.cfg.text_tokens + 1))
+                ids = ids[at: at + self.cfg.text_tokens]
+                out.append((ids, len(ids)))
+                continue
+            ids, start = self._encode(self.train_drills.draw(family, frames, self.cfg.steps_written))
+            if len(ids) <= self.cfg.max_tokens:
+                out.append((ids, start))
+        return out
+
+    # ------------------------------------------------------------------------------------------ training
+    def lr_at(self, step: int) -> float:
+        cfg = self.cfg
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        f = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
+
+    def train_step(self) -> dict[str, float]:
+        import torch
+        import torch.nn.functional as F
+
+        rows = self.batch()
+        width = max(len(ids) for ids, _ in rows)
+        pad = self.tok.pad_token_id
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
+        labels = ids.clone()
+        labels[mask == 0] = -100
+        target = torch.full_like(labels, -100)
+        for b, (r, start) in enumerate(rows):
+            target[b, start:len(r)] = labels[b, start:len(r)]
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        flat = logits.reshape(-1, logits.shape[-1])
+        every = F.cross_entropy(flat, labels[:, 1:].reshape(-1), ignore_index=-100)
+        has_target = bool((target[:, 1:] != -100).any())
+        tgt = F.cross_entropy(flat, target[:, 1:].reshape(-1), ignore_index=-100) if has_target else every * 0
+        loss = every + self.cfg.target_weight * tgt
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(self.step)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": every.item(), "target_loss": tgt.item(), "grad_norm": norm.item()}
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self, drills_per_family: int, seed: int = 12345) -> dict[str, float]:
+        """Held-out accuracy per family: greedy decoding of each drill's target, graded on its last step. The same
+        drills at every evaluation (the held-out worlds drawn from `seed`)."""
+        import torch
+
+        source = DrillSource("held_out", seed, self.cfg.world_duration)
+        self.model.eval()
+        acc = {}
+        try:
+            for family in self.cfg.eval.families:
+                drills = [source.draw(family, self.cfg.eval.frames, self.cfg.steps_written)
+                          for _ in range(drills_per_family)]
+                hits = 0
+                for i in range(0, len(drills), 32):
+                    chunk = drills[i:i + 32]
+                    longest = max(len(self.tok(d.target)["input_ids"]) for d in chunk) + 2
+                    enc = self.tok([d.prompt for d in chunk], return_tensors="pt", padding=True,
+                                   add_special_tokens=False)
+                    with torch.no_grad():
+                        out = self.model.generate(**enc, max_new_tokens=longest, do_sample=False,
+                                                  pad_token_id=self.tok.pad_token_id)
+                    texts = self.tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                    hits += sum(grade(d, t) for d, t in zip(chunk, texts))
+                acc[family] = hits / len(drills)
+        finally:
+            self.model.train()
+        return acc
+
+    # ------------------------------------------------------------------------------------------ state
+    def _resume(self) -> None:
+        import torch
+
+        path = self.out / CHECKPOINT
+        if not path.is_file():
+            (self.out / METRICS).unlink(missing_ok=True)
+            return
+        state = torch.load(path, weights_only=False)
+        if state["config"] != self.cfg.model_dump(mode="json"):
+            raise ValueError(f"{path}: written by another config; use a new out_dir or the same config to resume")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.cpu_seconds = state["step"], state["cpu_seconds"]
+        self.rng.setstate(state["mix_rng"])
+        self.train_drills.rng.setstate(state["drill_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        metrics = self.out / METRICS
+        if metrics.is_file():  # rows written after the checkpoint are written again by this run
+            keep = [r for r in metrics.read_text().splitlines() if r and json.loads(r)["step"] <= self.step]
+            metrics.write_text("".join(r + "\n" for r in keep))
+        self.progress(f"pretrain: resuming {self.out} at step {self.step}")
+
+    def save(self, cpu_now: float) -> None:
+        import torch
+
+        state = {"config": self.cfg.model_dump(mode="json"), "model": self.model.state_dict(),
+                 "optimizer": self.opt.state_dict(), "step": self.step, "cpu_seconds": cpu_now,
+                 "mix_rng": self.rng.getstate(), "drill_rng": self.train_drills.rng.getstate(),
+                 "torch_rng": torch.get_rng_state()}
+        tmp = self.out / (CHECKPOINT + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.out / CHECKPOINT)
+
+    def log(self, row: dict[str, Any]) -> None:
+        with (self.out / METRICS).open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    # ------------------------------------------------------------------------------------------ the run
+    def run(self, stop=lambda: False) -> dict[str, Any] | None:
+        """Train to `cfg.steps` (from the checkpoint if any); the record, or None when `stop()` ended it early."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        started, spent = time.process_time(), self.cpu_seconds
+        cpu = lambda: spent + time.process_time() - started  # noqa: E731
+        recent: list[dict[str, float]] = []
+        wall = time.time()
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True)
+        try:
+            while self.step < cfg.steps:
+                recent.append(self.train_step())
+                bar.update(1)
+                if self.step % cfg.eval.every == 0 or self.step == cfg.steps:
+                    acc = self.evaluate(cfg.eval.drills)
+                    row = {"step": self.step, "frames": cfg.frames_at(self.step),
+                           **{k: round(sum(r[k] for r in recent) / len(recent), 4) for k in recent[0]},
+                           "lr": self.lr_at(self.step - 1), "cpu_s": round(cpu(), 1),
+                           "wall_s": round(time.time() - wall, 1), "held_out": acc}
+                    recent = []
+                    self.log(row)
+                    bar.set_postfix_str(" ".join(f"{k[:4]}={v:.2f}" for k, v in acc.items() if k in CHAINS))
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or stop():
+                    self.save(cpu())
+                if stop():
+                    return None
+        finally:
+            bar.close()
+        return self.finish(cpu())
+
+    def finish(self, cpu_seconds: float) -> dict[str, Any]:
+        """Save the base and its record (held-out accuracy on `eval.final_drills` per family)."""
+        base = self.out / "base"
+        self.model.save_pretrained(base)
+        self.tok.save_pretrained(base)
+        acc = self.evaluate(self.cfg.eval.final_drills, seed=54321)
+        rows = [json.loads(r) for r in (self.out / METRICS).read_text().splitlines() if r]
+        record = {"config": self.cfg.recorded(), "steps": self.step, "held_out": acc,
+                  "graded": {f: acc[f] for f in self.cfg.graded}, "cpu_seconds": round(cpu_seconds, 1),
+                  "core_hours": round(cpu_seconds / 3600, 3),
+                  "threads": self.cfg.threads, "curve": rows,
+                  "params": sum(p.numel() for p in self.model.parameters())}
+        (base / "record.json").write_text(json.dumps(record, indent=1) + "\n")
+        self.progress(f"pretrain: base in {base}; held-out " +
+                      ", ".join(f"{k} {v:.1%}" for k, v in acc.items()) + f"; {record['core_hours']} core-hours")
+        return record
+
+
+def pretrain_main(config_path: str | Path, overrides: list[str] | None = None,
+                  progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """`m1 pretrain --config PATH --set key=value ...`: train (or resume) a base; SIGTERM / SIGINT finish the step,
+    checkpoint it and raise TrainingStopped (exit 143 / 130); a rerun resumes."""
+    from m1.marl.checkpoint import TrainingStopped, stop_on_signals
+    from m1.pretrain.config import load_pretrain_config
+
+    cfg = load_pretrain_config(config_path, overrides)
+    with stop_on_signals() as flag:
+        trainer = Pretrainer(cfg, progress)
+        progress(f"pretrain: {cfg.steps} steps of {cfg.batch_size} into {trainer.out} (starting at {trainer.step})")
+        record = trainer.run(stop=lambda: bool(flag))
+        if record is None:
+            progress(f"pretrain: {flag.name} received; step {trainer.step} is checkpointed in "
+                     f"{trainer.out / CHECKPOINT}")
+            raise TrainingStopped(trainer.step, flag, trainer.out / CHECKPOINT)
+    return record
