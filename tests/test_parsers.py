@@ -210,6 +210,18 @@ def test_mcq_strict_and_free_text():
     assert r.answer == "B" and r.reason == "blue paint" and r.lenient
 
 
+def test_evidence_first_answers_parse_as_strictly_as_answer_first():
+    """A reply that states what it read before its answer (the reason first) is in the strict format too."""
+    r = parse_answer("##Reason: the browser saw a green car at 00:12\n##Answer: C", MCQ)
+    assert (r.answer, r.reason, r.ok, r.lenient) == ("C", "the browser saw a green car at 00:12", True, False)
+    r = parse_answer("##Reason: he sits from 3 s\n##Timestamp: [3 - 7.5]", GROUND)
+    assert r.ok and r.span == (3.0, 7.5)
+    r = parse_summary("##Reason Summary: most agents read green\n##Final Answer: C", MCQ)
+    assert (r.answer, r.ok) == ("C", True)
+    r = parse_answer("##Reason: the car\n##Answer: green car", MCQ)  # not a letter: lenient, the value named
+    assert not r.ok and "not in the exact form" in r.error
+
+
 def test_answer_missing_reason_is_not_ok():
     r = parse_answer("##Answer: B\n##Reason:", MCQ)
     assert r.answer == "B" and not r.ok and r.lenient

@@ -447,6 +447,8 @@ def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
     if task == "grounding" and not summary:
         # the span may sit in ##Timestamp (what the prompt asks) or, equally exact, in ##Answer
         layouts = [("Timestamp", "Reason"), ("Answer", "Timestamp", "Reason"), ("Answer", "Reason")]
+    # evidence first: the reason (what was read) before the answer is as strict as the answer first
+    layouts += [(lab[-1], *lab[:-1]) for lab in layouts]
     for labels in layouts:
         got = _strict_sections(raw, labels)
         if got is None:
@@ -457,7 +459,8 @@ def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
         sv = _strict_value(value, question)
         if sv is not None and reason:
             return AnswerParse(sv[0], _squash(reason), sv[1], ok=True, lenient=False)
-        strict_note = (f"{labels[-2]} value {value[:40]!r} is not in the exact form for a {task} answer"
+        strict_note = (f"{'Timestamp' if 'Timestamp' in fields else ans_lab} value {value[:40]!r} is not in the exact "
+                       f"form for a {task} answer"
                        if sv is None else f"empty ##{rsn_lab}")
         break
     else:
