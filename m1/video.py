@@ -783,6 +783,14 @@ class VideoReader:
                 self.decoded += len(missing)
         return np.stack([got[i] for i in order])
 
+    def check_frames(self) -> None:
+        """Decode the first frame (kept in the cache): a video whose frames cannot be read is a VideoError before
+        any model is asked about it, never an answer from zero frames."""
+        try:
+            self.frames([0])
+        except VideoError as exc:
+            raise VideoError(self.path, f"no frame can be read ({exc.reason})") from exc
+
     def timestamps(self, indices: Iterable[int]) -> list[float]:
         """Start time in seconds of each frame."""
         return [index_to_time(self.info, i) for i in self._check(list(indices))]

@@ -185,6 +185,7 @@ class Team:
         t0 = time.perf_counter()
         try:
             ep.video = self.pool.open(q.video)
+            ep.video.check_frames()
         except VideoError as exc:
             ep.error = str(exc)
         ep.timings["open_video"] = time.perf_counter() - t0
@@ -482,7 +483,15 @@ class Team:
                                       timestamps=list(timestamps or []), answer=answer, span=span, error=error))
 
     def _finish(self, ep: _Episode) -> Episode:
-        return Episode(id=ep.question.id, question=ep.question, topology=ep.topology, memory=ep.memory.to_dict(),
+        note = None
+        if ep.error is None and ep.final is not None and not ep.frames:  # no answer from nothing (docs/cli.md)
+            failed = [t.error for r in ep.memory.to_dict().values() for t in r.turns
+                      if t.error and "cannot read video" in t.error]
+            if failed:
+                ep.error = f"no frame could be read, so no answer is given: {failed[0]}"
+            else:
+                note = "answered without reading any frame: no agent's plan browsed the video"
+        return Episode(note=note, id=ep.question.id, question=ep.question, topology=ep.topology, memory=ep.memory.to_dict(),
                        generations=ep.generations, answers=ep.answers, final_answer=ep.final,
                        final_reason=ep.reason, aggregation=ep.aggregation, frames_used=len(ep.frames),
                        timings=dict(ep.timings), error=ep.error, usage=ep.usage)

@@ -151,6 +151,7 @@ class SingleAgentTeam:
         t0 = time.perf_counter()
         try:
             r.video = self.pool.open(q.video)
+            r.video.check_frames()
             info = r.video.info
             idx = uniform_indices(info, self.settings.glance_frames)
             r.ctx = Context(question=q, video=r.video, span=(0.0, info.duration))
