@@ -287,12 +287,13 @@ _Orientation = tuple[bool, bool, bool]  # (transpose, flip rows, flip columns), 
 def _orientation(matrix: Sequence[int] | None, path: Path) -> _Orientation:
     if matrix is None:
         return (False, False, False)
-    a, b, c, d = (int(round(v / 65536)) for v in (matrix[0], matrix[1], matrix[3], matrix[4]))
+    units = [v / 65536 for v in (matrix[0], matrix[1], matrix[3], matrix[4])]
+    a, b, c, d = (round(u) if abs(u - round(u)) < 0.01 else None for u in units)  # exactly -1, 0 or 1, or not
     if b == 0 and c == 0 and abs(a) == 1 and abs(d) == 1:
         return (False, d < 0, a < 0)
     if a == 0 and d == 0 and abs(b) == 1 and abs(c) == 1:
         return (True, b < 0, c < 0)
-    angle = math.degrees(math.atan2(matrix[1], matrix[0]))
+    angle = -math.degrees(math.atan2(matrix[1], matrix[0]))  # counter-clockwise, as FFmpeg reports it
     raise VideoError(path, f"its display matrix turns the picture by {angle:.0f} degrees, not a quarter turn; "
                            "M1 cannot show it as a player does (re-encode it upright, e.g. ffmpeg -i IN OUT)")
 
@@ -534,6 +535,12 @@ class FrameCache:
     def nbytes(self) -> int:
         with self._lock:
             return self._nbytes
+
+    def drop(self, path: str) -> None:
+        """Remove every frame of one video."""
+        with self._lock:
+            for key in [k for k in self._items if k[0] == str(path)]:
+                self._nbytes -= self._items.pop(key).nbytes
 
     def clear(self) -> None:
         with self._lock:
@@ -862,6 +869,18 @@ class VideoPool:
                 self._failures.pop(key, None)
                 self._readers[key] = reader
             return reader
+
+    def forget(self, path: str | os.PathLike) -> None:
+        """Close the reader of a file that is gone for good (an upload `m1 serve` deleted) and drop its frames,
+        so a long-running server keeps nothing per request."""
+        key = str(Path(path).resolve())
+        with self._lock:
+            reader = self._readers.pop(key, None)
+            self._failures.pop(key, None)
+            self._path_locks.pop(key, None)
+        if reader is not None:
+            reader.close()
+        self.cache.drop(key)
 
     def probe(self, path: str | os.PathLike) -> VideoInfo:
         """The info of an opened (and verified) video."""

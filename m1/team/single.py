@@ -311,6 +311,12 @@ class SingleAgentTeam:
         else:
             r.messages.append({"role": "user", "content": [{"type": "text", "text": text}]})
 
+    def forget_video(self, path: str) -> None:
+        """Drop what the team keeps of a video that is gone for good (its reader, frames and CLIP rows)."""
+        self.pool.forget(path)
+        if self._clip_index is not None:
+            self._clip_index.forget(path)
+
     def _clip(self):
         if self._clip_index is None:
             self._clip_index = team_clip_index(self.cfg, self.hub)
