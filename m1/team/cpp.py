@@ -490,12 +490,13 @@ class Team:
 
     def _finish(self, ep: _Episode) -> Episode:
         note = None
-        if ep.error is None and ep.final is not None and not ep.frames:  # no answer from nothing (docs/cli.md)
+        if ep.error is None and not ep.frames:  # no answer from nothing (docs/cli.md)
             failed = [t.error for r in ep.memory.to_dict().values() for t in r.turns
                       if t.error and "cannot read video" in t.error]
             if failed:
                 ep.error = f"no frame could be read, so no answer is given: {failed[0]}"
-            else:
+                ep.final, ep.reason = None, ""
+            elif ep.final is not None:
                 note = "answered without reading any frame: no agent's plan browsed the video"
         return Episode(note=note, id=ep.question.id, question=ep.question, topology=ep.topology, memory=ep.memory.to_dict(),
                        generations=ep.generations, answers=ep.answers, final_answer=ep.final,
