@@ -120,7 +120,7 @@ def test_every_command_over_bad_inputs(work, tmp_path, m1_cache):
     # m1 merge: a missing part names its ids
     sh = tmp_path / "sh.jsonl"
     assert invoke("infer", w, "--questions", w / "questions_bad_bytes.jsonl", "--out", sh,
-                  "--shard", "0/2").exit_code == 0
+                  "--shard", "0/2").exit_code == 1  # its skipped line: exit 1
     one_error(invoke("merge", sh), "sh.jsonl.part-1-of-2.jsonl (ids 'q2')", "--shard 1/2")
     assert not sh.exists()
 
@@ -433,8 +433,8 @@ def test_read_only_and_full_file_systems(work, tmp_path, mount, m1_cache):
     for p in traces.glob("*.json"):
         json.loads(p.read_text())  # whole traces only
     subprocess.run(["mount", "-o", "remount,size=8m", str(full)], check=True)
-    r = invoke("infer", w, "--questions", q, "--out", out, "--trace-dir", traces)
-    assert r.exit_code == 0, r.output
+    r = invoke("infer", w, "--questions", q, "--out", out, "--trace-dir", traces, "--allow-errors")
+    assert r.exit_code == 0, r.output  # its skipped line alone would exit 1
     assert [x["id"] for x in intact(out)] == ["q0", "q2"]
 
     # a training checkpoint on a full disk: torch's own writer fails; the checkpoints on disk stay verifiable
