@@ -10,9 +10,20 @@ By default the team's CLIP is a tiny random one (the world's CLIP trains for ~4 
 changes what Image Retrieval returns, not the serving path); `--synth-clip` uses the shipped config unchanged.
 
     python benchmarks/bench_serve.py [--clients 16] [--questions 64] [--synth-clip] [--json out.json]
+
+`--soak`: does the server's memory stay flat? `--clients` (default 4) clients send requests for `--minutes`
+(default 10; at most `--max-requests`) to 127.0.0.1 only, cycling over the questions, every fourth one sending its
+video inline as a `data:` URL (an upload, removed after its answer) and the rest as `file://` URLs. The process's
+RSS is sampled every 5 s; reported: RSS at 0, 10, 25, 50, 75 and 100 % of the run (0/60/150/300/450/600 s for 10
+minutes), p50/p95 latency, errors, and what the server holds at the end. Target: RSS grows by at most 10 % from the
+first minute (or the first tenth of a shorter run) to the end.
+
+    python benchmarks/bench_serve.py --soak [--clients 4] [--minutes 10] [--json out.json]
 """
 from __future__ import annotations
 
+import base64
+import itertools
 import json
 import queue
 import socket
@@ -50,10 +61,16 @@ def text_of(q) -> str:
 
 def main() -> None:
     p = cli(__doc__.splitlines()[0])
-    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--clients", type=int, default=None, help="default 16 (--soak: 4)")
     p.add_argument("--questions", type=int, default=64)
     p.add_argument("--synth-clip", action="store_true", help="the team's own CLIP (trained on first use)")
+    p.add_argument("--soak", action="store_true", help="memory over a long run (see the module docstring)")
+    p.add_argument("--minutes", type=float, default=10.0, help="--soak: how long the clients send requests")
+    p.add_argument("--max-requests", type=int, default=100_000, help="--soak: stop after this many requests")
     args = p.parse_args()
+    args.clients = args.clients or (4 if args.soak else 16)
+    if args.soak:
+        return soak(args)
 
     import uvicorn
     from openai import OpenAI
@@ -135,6 +152,115 @@ def main() -> None:
         f"m1 serve, {args.clients} clients x {len(qs)} questions on mini_trained vs m1 infer", f"{infer_s:.2f} s",
         f"{serve_s:.2f} s", ratio, "throughput served / infer", ">= 0.8", ratio >= 0.8 and not errors,
         note=f"p50 {p50:.2f} s, p95 {p95:.2f} s, errors {len(errors)}"))
+    finish(res, args.json)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def start_server(app):
+    """uvicorn on 127.0.0.1 (a free port) in a thread of this process; returns (server, thread, port)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, th, port
+
+
+def soak(args) -> None:
+    from openai import OpenAI
+
+    from m1.config import load_team
+    from m1.serve import Limits, create_app
+    from m1.team.cpp import make_team
+
+    clients = args.clients
+    folder, qs = world(args.questions)
+    cfg = load_team("mini_trained", [] if args.synth_clip else [TINY_CLIP])
+    team = make_team(cfg)
+    team.run(qs[:2])  # loads the models
+    app = create_app(team, Limits(allowed_roots=[folder.resolve()], max_queue=4 * clients, timeout_s=600))
+    server, th, port = start_server(app)
+
+    inline = {q.video: "data:video/mp4;base64," + base64.b64encode(Path(q.video).read_bytes()).decode()
+              for q in qs}
+    counter, lock = itertools.count(), threading.Lock()
+    latencies, errors, samples = [], [], []
+    duration = args.minutes * 60
+    t0 = time.perf_counter()
+    deadline = t0 + duration
+
+    def sampler():
+        while True:
+            samples.append((time.perf_counter() - t0, rss_mb()))
+            if time.perf_counter() >= deadline:
+                return
+            time.sleep(min(5.0, max(0.0, deadline - time.perf_counter())))
+
+    def client():
+        c = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        while time.perf_counter() < deadline:
+            k = next(counter)
+            if k >= args.max_requests:
+                return
+            q = qs[k % len(qs)]
+            url = inline[q.video] if k % 4 == 3 else Path(q.video).resolve().as_uri()
+            extra = {} if q.options else {"m1": {"question": q.text, "options": q.options, "task": q.task}}
+            t = time.perf_counter()
+            try:
+                c.chat.completions.create(model=cfg.name, messages=[{"role": "user", "content": [
+                    {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": text_of(q)}]}],
+                    max_tokens=16, temperature=0.0, extra_body=extra)
+                with lock:
+                    latencies.append(time.perf_counter() - t)
+            except Exception as exc:  # counted and reported
+                with lock:
+                    errors.append(f"{q.id}: {type(exc).__name__}: {exc}")
+
+    sampling = threading.Thread(target=sampler, daemon=True)
+    sampling.start()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    [c.start() for c in threads]
+    [c.join() for c in threads]
+    wall = time.perf_counter() - t0
+    sampling.join(10)
+    samples.append((wall, rss_mb()))
+    server.should_exit = True
+    th.join(30)
+
+    def at(frac: float) -> tuple[float, float]:
+        """The sample nearest to a fraction of the run."""
+        return min(samples, key=lambda s: abs(s[0] - frac * duration))
+
+    marks = [at(f) for f in (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)]
+    first, last = marks[1][1], samples[-1][1]
+    growth = last / first - 1
+    lat = sorted(latencies)
+    p50 = statistics.median(lat) if lat else float("nan")
+    p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else float("nan")
+    pool = team.pool
+    res = Result("bench_serve.py --soak")
+    res.add("clients, minutes", f"{clients}, {args.minutes:g} (wall {wall:.0f} s)")
+    res.add("requests (every 4th an inline upload)", f"{len(lat) + len(errors)} ({len(lat) / wall:.2f}/s)")
+    res.add("RSS MB at " + " / ".join(f"{t:.0f}" for t, _ in marks) + " s", " / ".join(f"{m:.0f}" for _, m in marks))
+    res.add("RSS samples (s: MB)", ", ".join(f"{t:.0f}: {m:.0f}" for t, m in samples[::6]))
+    res.add("latency p50 / p95", f"{p50:.2f} s / {p95:.2f} s")
+    res.add("errors", str(len(errors)) + (f" (first: {errors[0]})" if errors else ""))
+    res.add("held at the end", f"{len(app.state.traces)} traces ({app.state.traces.nbytes / 2**20:.1f} MB), "
+                               f"{len(pool.readers)} video readers, frame cache {pool.cache.nbytes / 2**20:.0f} MB")
+    res.figures.append(Figure(
+        f"m1 serve soak, {clients} clients x {args.minutes:g} min on mini_trained: RSS growth after the first "
+        f"tenth", f"{first:.0f} MB", f"{last:.0f} MB", growth, "RSS end / RSS at 10 % - 1", "<= 0.10",
+        growth <= 0.10 and not errors, note=f"p50 {p50:.2f} s, p95 {p95:.2f} s, {len(lat)} requests, "
+                                           f"errors {len(errors)}"))
     finish(res, args.json)
 
 

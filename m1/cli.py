@@ -39,10 +39,12 @@ _SHARD_HELP = ("Worker i of n (i = 0..n-1): answer the questions whose index in 
 
 
 def _exit_for_errors(summary, allow_errors: bool) -> None:
-    """Exit 1 when this run wrote error rows (docs/cli.md), so a script sees a run that did not answer everything."""
-    if summary.errors and not allow_errors:
-        typer.secho(f"exit 1: {len(summary.errors)} questions ended as error rows (--allow-errors exits 0)",
-                    fg=typer.colors.YELLOW, err=True)
+    """Exit 1 when this run wrote error rows or skipped input lines (docs/cli.md), so a script sees a run that did
+    not answer everything."""
+    if (summary.errors or summary.skipped) and not allow_errors:
+        what = [f"{len(summary.errors)} questions ended as error rows"] if summary.errors else []
+        what += [f"{len(summary.skipped)} input lines were skipped"] if summary.skipped else []
+        typer.secho(f"exit 1: {' and '.join(what)} (--allow-errors exits 0)", fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(1)
 
 
@@ -121,6 +123,7 @@ def infer(
     summary = _run_guarded(lambda: run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit, shard=split,
                                                  stop_on_signals=True, keep_errors=keep_errors,
                                                  keep_stale=keep_stale), out, debug)
+    summary.skipped = list(issues)
     typer.echo(summary.describe())
     if split:
         typer.echo(f"part {split[0]} of {split[1]} written; when every part is done: m1 merge {out}")
@@ -171,6 +174,7 @@ def eval_(
     summary = _run_guarded(lambda: run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit, shard=split,
                                                  stop_on_signals=True, keep_errors=keep_errors,
                                                  keep_stale=keep_stale), preds_path, debug)
+    summary.skipped = [str(issue) for issue in issues]
     typer.echo(summary.describe())
     if split:  # a part is not scored; the merged predictions are
         typer.echo(f"part {split[0]} of {split[1]} written; when every part is done: m1 merge {preds_path}, "

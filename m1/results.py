@@ -145,6 +145,8 @@ def result_row(ep: Episode) -> dict:
         "latency": {k: round(v, 4) for k, v in t.items() if k in ("llm", "vision", "tools", "decode", "open_video")},
         "error": ep.error,
     }
+    if ep.note:  # an answer that stands on no frame says so
+        row["note"] = ep.note
     if ep.frame_counts:  # seed kinds: frames the policy saw / tools read, turns, tool calls
         row["frame_counts"] = dict(ep.frame_counts)
         zooms = _zooms(ep)

@@ -42,10 +42,16 @@ class RunSummary:
     kept_errors: int = 0  # earlier error lines left as they are (--keep-errors)
     changed: int = 0  # done questions asked differently since their line was written, answered again
     kept_stale: int = 0  # of those, left as they are (--keep-stale)
+    skipped: list[str] = field(default_factory=list)  # input lines skipped unread (the command's `skipped:` lines)
+    # folder -> ids of the questions that failed because their videos folder was gone when they were asked
+    vanished: dict[str, list[str]] = field(default_factory=dict)
+
+    SKIPPED_SHOWN = 10  # skipped lines repeated in the closing summary (they scroll away above the progress bar)
 
     def describe(self) -> str:
-        lines = [f"{self.answered} answered, {self.skipped_done} already done, {len(self.errors)} errors "
-                 f"in {self.seconds:.1f}s -> {self.out}"]
+        lines = [f"{self.answered} answered, {self.skipped_done} already done, {len(self.errors)} errors"
+                 + (f", {len(self.skipped)} input lines skipped" if self.skipped else "")
+                 + f" in {self.seconds:.1f}s -> {self.out}"]
         if self.retried:
             lines.append(f"retried {self.retried} earlier errors: {self.retried - self.retried_failed} now answered, "
                          f"{self.retried_failed} still errors")
@@ -60,7 +66,18 @@ class RunSummary:
                          f"(--keep-stale); rerun without it to answer them again")
         if self.graded:
             lines.append(f"accuracy {self.correct}/{self.graded} = {self.correct / self.graded:.1%}")
-        lines += [f"  error: {e}" for e in self.errors]
+        gone = {qid for ids in self.vanished.values() for qid in ids}
+        for folder, ids in self.vanished.items():  # one message for a whole folder, not one line per question
+            lines.append(f"  error: the videos folder {folder} was gone when {len(ids)} questions were asked: they "
+                         f"are error rows in {self.out}; rerun the same command once the folder is back to answer "
+                         f"them")
+        lines += [f"  error: {e}" for e in self.errors if e.split(": ", 1)[0] not in gone]
+        if self.skipped:
+            lines.append(f"{len(self.skipped)} input lines skipped (not answered, not in {self.out}); fix them and "
+                         f"rerun:")
+            lines += [f"  skipped: {m}" for m in self.skipped[:self.SKIPPED_SHOWN]]
+            if len(self.skipped) > self.SKIPPED_SHOWN:
+                lines.append(f"  ... and {len(self.skipped) - self.SKIPPED_SHOWN} more (listed above)")
         return "\n".join(lines)
 
 
@@ -182,6 +199,9 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSign
         bar.update(1)
         if ep.error:
             summary.errors.append(f"{ep.id}: {ep.error}")
+            folder = Path(ep.question.video).parent
+            if ep.question.video and not folder.is_dir():  # the whole folder went away (an unmounted disk, a move)
+                summary.vanished.setdefault(str(folder), []).append(ep.id)
         else:
             summary.answered += 1
         if "correct" in row and not ep.error:

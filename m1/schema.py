@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Task = Literal["mcq", "open", "grounding", "numeric"]
 Phase = Literal["plan", "communicate", "answer", "summary", "act"]  # act: a seed-kind turn that calls tools
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+MAX_QUESTION_CHARS = 1 << 20  # a question's text and options together (m1 serve's --max-text-kb default)
 
 
 class Record(BaseModel):
@@ -28,6 +29,13 @@ class Question(Record):
     task: Task = "mcq"
     answer: str | None = None
     meta: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("options")
+    @classmethod
+    def _lettered(cls, options: list[str]) -> list[str]:
+        if len(options) > len(LETTERS):  # every option needs its letter
+            raise ValueError(f"{len(options)} options: at most {len(LETTERS)} (A-Z)")
+        return options
 
     def options_block(self) -> str:
         return "\n".join(f"{LETTERS[i]}: {o}" for i, o in enumerate(self.options))
@@ -131,6 +139,8 @@ class Episode(Record):
     frame_counts: dict[str, int] = Field(default_factory=dict, exclude_if=lambda v: not v)
     timings: dict[str, float] = Field(default_factory=dict)
     error: str | None = None
+    # why an answer stands on no frame (the team's plans read none); left out of dumps when None
+    note: str | None = Field(None, exclude_if=lambda v: v is None)
     # served models (backend openai): per agent (its chat calls) and per tool model key (its vision calls), the
     # served model's name, calls and the tokens the server reported; left out of dumps when no server reported any
     usage: dict[str, dict[str, Any]] = Field(default_factory=dict, exclude_if=lambda v: not v)

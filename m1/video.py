@@ -4,13 +4,21 @@ Every agent, tool and episode asks for frames of the same few videos, so decodin
 shared `FrameCache` and one `VideoReader` per file (`VideoPool`): a frame is decoded once. Backend
 failures of every kind surface as `VideoError`, which names the file and the cause.
 
-Time convention: frame i is on screen during [i/fps, (i+1)/fps). `index_to_time(i)` is the start
-of that interval and `time_to_index(t)` is the frame on screen at t (the frame whose interval
-centre is nearest to t), so sampling by time never depends on the decoding backend.
+Time convention: frame i is on screen from its start time until the next frame's, on the clock a player shows
+(0 at the start of the file). For a constant-rate stream that starts at 0 the start of frame i is i/fps; a stream
+whose frames are not on that grid (variable frame rate, screen recordings, gaps, video that starts after the audio,
+a header whose rate contradicts its packets) keeps each frame's own start (`VideoInfo.times`), read from the
+packets' timestamps, never from the header. `index_to_time(i)` is the start of frame i and `time_to_index(t)` the
+frame on screen at t, so sampling by time never depends on the decoding backend.
+
+Orientation: a phone stores a portrait video as a landscape picture plus a display matrix (mp4 `tkhd`) that tells a
+player to turn it. Frames come out as a player shows them: turned (and mirrored) by that matrix, with
+`VideoInfo.width`/`height` the shown size; a matrix that is not a quarter turn is a VideoError that says so.
 """
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import os
 import re
@@ -75,7 +83,9 @@ def _av_errors() -> tuple[type[BaseException], ...]:
 
 @dataclass(frozen=True)
 class VideoInfo:
-    """What sampling needs to know about a video. duration = num_frames / fps."""
+    """What sampling needs to know about a video, as a player shows it. duration = num_frames / fps for a
+    constant-rate stream (`times` None); otherwise `times` holds each frame's start in seconds, duration is the end
+    of the last frame and fps the average rate. width x height is the shown size (after `rotation`)."""
 
     path: str
     duration: float
@@ -83,6 +93,9 @@ class VideoInfo:
     num_frames: int
     width: int
     height: int
+    times: tuple[float, ...] | None = None
+    rotation: int = 0  # degrees clockwise a player turns the stored picture (0, 90, 180, 270)
+    mirrored: bool = False  # the display matrix also mirrors the picture
 
 
 def _check_file(path: Path) -> None:
@@ -265,6 +278,88 @@ def _check_complete(path: Path, info: VideoInfo, layout: _BmffLayout, held: floa
         raise VideoError(path, f"incomplete or still being written: {said}the file holds {held:.1f} s")
 
 
+
+# A display matrix (9 int32, 16.16 fixed point; FFmpeg's layout [a b u; c d v; x y w]) maps a stored pixel at
+# (column x, row y) to the shown (a*x + c*y, b*x + d*y). Players honour the eight quarter-turn/mirror matrices.
+_Orientation = tuple[bool, bool, bool]  # (transpose, flip rows, flip columns), applied in that order
+
+
+def _orientation(matrix: Sequence[int] | None, path: Path) -> _Orientation:
+    if matrix is None:
+        return (False, False, False)
+    units = [v / 65536 for v in (matrix[0], matrix[1], matrix[3], matrix[4])]
+    a, b, c, d = (round(u) if abs(u - round(u)) < 0.01 else None for u in units)  # exactly -1, 0 or 1, or not
+    if b == 0 and c == 0 and abs(a) == 1 and abs(d) == 1:
+        return (False, d < 0, a < 0)
+    if a == 0 and d == 0 and abs(b) == 1 and abs(c) == 1:
+        return (True, b < 0, c < 0)
+    angle = -math.degrees(math.atan2(matrix[1], matrix[0]))  # counter-clockwise, as FFmpeg reports it
+    raise VideoError(path, f"its display matrix turns the picture by {angle:.0f} degrees, not a quarter turn; "
+                           "M1 cannot show it as a player does (re-encode it upright, e.g. ffmpeg -i IN OUT)")
+
+
+def _turn(orientation: _Orientation) -> tuple[int, bool]:
+    """(degrees clockwise, mirrored) of an orientation, as docs and errors name it."""
+    transpose, rows, cols = orientation
+    table = {(False, False, False): (0, False), (True, False, True): (90, False), (False, True, True): (180, False),
+             (True, True, False): (270, False), (False, False, True): (0, True), (True, False, False): (90, True),
+             (False, True, False): (180, True), (True, True, True): (270, True)}
+    return table[(transpose, rows, cols)]
+
+
+def _orientation_of(info: VideoInfo) -> _Orientation:
+    return next(o for o in itertools.product((False, True), repeat=3) if _turn(o) == (info.rotation, info.mirrored))
+
+
+def orient(frame: np.ndarray, orientation: _Orientation) -> np.ndarray:
+    """A stored (H, W, 3) picture as a player shows it."""
+    transpose, rows, cols = orientation
+    if transpose:
+        frame = frame.transpose(1, 0, 2)
+    if rows:
+        frame = frame[::-1]
+    if cols:
+        frame = frame[:, ::-1]
+    return np.ascontiguousarray(frame) if orientation != (False, False, False) else frame
+
+
+def _display_matrix(path: Path, stream_index: int) -> list[int] | None:
+    """The display matrix FFmpeg attaches to the first decoded frame (from mp4 `tkhd`, mkv projection, ...)."""
+    import av
+
+    with av.open(str(path), metadata_errors="ignore") as container:
+        stream = container.streams[stream_index]
+        for frame in container.decode(stream):
+            for side in frame.side_data:
+                if side.type.name == "DISPLAYMATRIX":
+                    raw = bytes(side)
+                    return list(np.frombuffer(raw[:36], dtype="<i4")) if len(raw) >= 36 else None
+            return None
+    return None
+
+
+def _frame_times(container, stream, pts: list[int], fps: float) -> tuple[float, ...] | None:
+    """Each frame's start on the player's clock (0 = the file's start), or None when the frames sit on the
+    i/fps grid (a quarter frame of slack: container timescales round)."""
+    if not pts or not stream.time_base:
+        return None
+    tb = float(stream.time_base)
+    zero = container.start_time / 1_000_000 if container.start_time is not None else pts[0] * tb
+    times = tuple(max(0.0, p * tb - zero) for p in pts)
+    if all(abs(t - i / fps) <= 0.25 / fps for i, t in enumerate(times)):
+        return None
+    return times
+
+
+def _with_times(info: VideoInfo, times: tuple[float, ...] | None) -> VideoInfo:
+    if times is None:
+        return info
+    gaps = sorted(b - a for a, b in zip(times, times[1:]) if b > a)
+    last = gaps[len(gaps) // 2] if gaps else 1 / info.fps  # the last frame lasts a typical frame
+    duration = times[-1] + last
+    return replace(info, times=times, duration=duration, fps=info.num_frames / duration)
+
+
 def _make_info(path: Path, stream, container, num_frames: int) -> VideoInfo:
     if num_frames <= 0:
         raise VideoError(path, "the video stream has no frames")
@@ -275,8 +370,16 @@ def _make_info(path: Path, stream, container, num_frames: int) -> VideoInfo:
     return VideoInfo(str(path), num_frames / fps, fps, int(num_frames), int(width), int(height))
 
 
+def _oriented(info: VideoInfo, orientation: _Orientation) -> VideoInfo:
+    degrees, mirrored = _turn(orientation)
+    if orientation[0]:
+        info = replace(info, width=info.height, height=info.width)
+    return replace(info, rotation=degrees, mirrored=mirrored)
+
+
 def probe(path: str | os.PathLike) -> VideoInfo:
-    """Read a video's header (PyAV). Cheap; full verification happens when a VideoReader opens it."""
+    """Read a video as a player would show it (PyAV): the packets' timestamps (demuxed, not decoded) and the first
+    frame's display matrix. Full verification happens when a VideoReader opens it."""
     import av
 
     path = Path(path).resolve()
@@ -286,16 +389,19 @@ def probe(path: str | os.PathLike) -> VideoInfo:
             stream = _video_stream(container, path)
             # mp4, mov, m4v, 3gp (FFmpeg's "mov" demuxer): ISO BMFF boxes, checked for a cut below
             layout = _bmff_layout(path) if "mov" in (container.format.name or "").split(",") else None
-            num_frames, pts = stream.frames, None
+            # the packets' timestamps (demux only, no decoding): the time axis, read from the stream, not the header
+            pts = _packet_table(container, stream, to_eof=layout is not None and layout.torn is not None)[0]
+            num_frames = stream.frames
             if not num_frames or (layout is not None and layout.fragmented):
-                # e.g. mkv/webm; and fragmented mp4, whose moov counts only the samples before the first fragment:
-                # count packets (demux only, no decoding)
-                pts = _packet_table(container, stream, to_eof=layout is not None and layout.torn is not None)[0]
+                # e.g. mkv/webm; and fragmented mp4, whose moov counts only the samples before the first fragment
                 num_frames = len(pts)
             info = _make_info(path, stream, container, num_frames)
             if layout is not None:
                 _check_complete(path, info, layout, _held_seconds(info, stream, pts))
-            return info
+            if len(pts) == info.num_frames:
+                info = _with_times(info, _frame_times(container, stream, pts, info.fps))
+            index = stream.index
+        return _oriented(info, _orientation(_display_matrix(path, index), path))
     except _av_errors() as exc:
         try:  # FFmpeg gives up on a file cut inside a `moof` (EOF): say that it is cut when the boxes show it
             layout = _bmff_layout(path)
@@ -317,13 +423,15 @@ def index_to_time(info: VideoInfo, i: int) -> float:
     """Start time in seconds of frame i."""
     if not 0 <= i < info.num_frames:
         raise IndexError(f"frame {i} out of range [0, {info.num_frames}) for {info.path}")
-    return i / info.fps
+    return info.times[i] if info.times is not None else i / info.fps
 
 
 def time_to_index(info: VideoInfo, t: float) -> int:
     """The frame on screen at time t, clipped to the video."""
     if not math.isfinite(t):
         raise ValueError(f"time must be finite, got {t!r}")
+    if info.times is not None:  # the last frame that started by t (the first before the video's first frame)
+        return min(max(bisect.bisect_right(info.times, t + _EPS) - 1, 0), info.num_frames - 1)
     return min(max(int(math.floor(t * info.fps + _EPS)), 0), info.num_frames - 1)
 
 
@@ -428,6 +536,12 @@ class FrameCache:
         with self._lock:
             return self._nbytes
 
+    def drop(self, path: str) -> None:
+        """Remove every frame of one video."""
+        with self._lock:
+            for key in [k for k in self._items if k[0] == str(path)]:
+                self._nbytes -= self._items.pop(key).nbytes
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
@@ -453,13 +567,23 @@ class _DecordBackend:
             raise VideoError(path, f"decord could not open it: {_cause(exc)}") from exc
         if num_frames <= 0:
             raise VideoError(path, "the video stream has no frames")
-        self.info = replace(header, num_frames=num_frames, fps=fps, duration=num_frames / fps)
+        if header.mirrored:  # decord turns a picture by the matrix's angle but never mirrors it
+            raise VideoError(path, "decord cannot show a mirrored display matrix")
+        if header.times is not None:  # frames off the i/fps grid: the packets' own times, if decord sees them all
+            if num_frames != header.num_frames:
+                raise VideoError(path, f"decord sees {num_frames} frames, the packets {header.num_frames}")
+            self.info = header
+        else:
+            self.info = replace(header, num_frames=num_frames, fps=fps, duration=num_frames / fps)
 
     def read(self, indices: list[int]) -> dict[int, np.ndarray]:
         try:
             batch = self._vr.get_batch(indices).asnumpy()
         except _decord_errors() as exc:
             raise VideoError(self.path, f"decord failed to decode frames: {_cause(exc)}") from exc
+        if batch.shape[1:] != (self.info.height, self.info.width, 3):  # decord did not turn it as a player does
+            raise VideoError(self.path, f"decord decoded frames of {batch.shape[2]}x{batch.shape[1]}, the video "
+                                        f"shows {self.info.width}x{self.info.height}")
         return {i: batch[k] for k, i in enumerate(indices)}
 
     def close(self) -> None:
@@ -487,7 +611,10 @@ class _PyAVBackend:
             if declared and len(self._pts) < declared:
                 raise VideoError(path, f"the header lists {declared} frames but only {len(self._pts)} "
                                        "are in the file (truncated?)")
-            self.info = _make_info(path, self._stream, self._container, len(self._pts))
+            info = _make_info(path, self._stream, self._container, len(self._pts))
+            info = _with_times(info, _frame_times(self._container, self._stream, self._pts, info.fps))
+            self._orientation = _orientation_of(header)
+            self.info = _oriented(info, self._orientation)
         except BaseException as exc:
             self._container.close()
             if isinstance(exc, _av_errors()):
@@ -517,7 +644,7 @@ class _PyAVBackend:
             i = self._index_of(frame)
             self._pos = i
             if i in wanted and i not in out:
-                out[i] = np.ascontiguousarray(frame.to_ndarray(format="rgb24"))
+                out[i] = orient(np.ascontiguousarray(frame.to_ndarray(format="rgb24")), self._orientation)
             if i >= target:
                 return
         self._gen = None  # end of stream
@@ -663,6 +790,14 @@ class VideoReader:
                 self.decoded += len(missing)
         return np.stack([got[i] for i in order])
 
+    def check_frames(self) -> None:
+        """Decode the first frame (kept in the cache): a video whose frames cannot be read is a VideoError before
+        any model is asked about it, never an answer from zero frames."""
+        try:
+            self.frames([0])
+        except VideoError as exc:
+            raise VideoError(self.path, f"no frame can be read ({exc.reason})") from exc
+
     def timestamps(self, indices: Iterable[int]) -> list[float]:
         """Start time in seconds of each frame."""
         return [index_to_time(self.info, i) for i in self._check(list(indices))]
@@ -734,6 +869,18 @@ class VideoPool:
                 self._failures.pop(key, None)
                 self._readers[key] = reader
             return reader
+
+    def forget(self, path: str | os.PathLike) -> None:
+        """Close the reader of a file that is gone for good (an upload `m1 serve` deleted) and drop its frames,
+        so a long-running server keeps nothing per request."""
+        key = str(Path(path).resolve())
+        with self._lock:
+            reader = self._readers.pop(key, None)
+            self._failures.pop(key, None)
+            self._path_locks.pop(key, None)
+        if reader is not None:
+            reader.close()
+        self.cache.drop(key)
 
     def probe(self, path: str | os.PathLike) -> VideoInfo:
         """The info of an opened (and verified) video."""

@@ -450,7 +450,7 @@ def test_bad_bytes_empty_files_and_folders_as_files_are_one_line(tmp_path, monke
                       + (good[2] + "\n").encode())
     out = tmp_path / "results.jsonl"
     r = CliRunner().invoke(app, ["infer", str(tmp_path), "--questions", str(qfile), "--out", str(out)])
-    assert r.exit_code == 0 and "2 answered" in r.stdout, r.output
+    assert r.exit_code == 1 and "2 answered" in r.stdout and "1 input lines skipped" in r.stdout, r.output
     assert f"skipped: {qfile}:2: malformed question (not UTF-8: byte 0xff at column" in r.stderr
     assert _ids(out) == ["q0", "q2"]
     empty = tmp_path / "empty.jsonl"

@@ -498,3 +498,73 @@ def test_sigterm_finishes_the_request_in_flight_then_exits_and_the_key_is_never_
         if proc.poll() is None:
             proc.kill()
     assert "k3y-never-logged" not in log.read_text()
+
+
+def test_uploads_leave_nothing_behind_and_traces_are_bounded(world, cfg, tmp_path):
+    """Case 4 of issue 66 (memory grew ~4 MB a request): an uploaded video's reader, frames and CLIP rows are
+    dropped once it is answered, and the trace pages are kept compressed, without token ids, within a byte bound."""
+    from m1.serve.app import TraceStore
+
+    folder, _, qs = world
+    team = make_team(cfg)
+    client = _client(team, allowed_roots=[Path(folder).resolve()])
+    data = "data:video/mp4;base64," + base64.b64encode(Path(qs[0].video).read_bytes()).decode()
+    for q in qs[:3]:
+        r = client.post("/v1/chat/completions", json=_body(q, url=data, **_extra(q)))
+        assert r.status_code == 200, r.text
+        assert client.get(r.json()["m1"]["trace_url"].split("testserver", 1)[1]).status_code == 200
+    r = client.post("/v1/chat/completions", json=_body(qs[0], **_extra(qs[0])))  # a file:// video stays cached
+    assert r.status_code == 200, r.text
+    assert list(team.pool.readers) == [str(Path(qs[0].video).resolve())]
+    assert {path for path, _ in team.pool.cache._items} == {str(Path(qs[0].video).resolve())}
+    store = client.app.state.traces
+    assert len(store) == 4 and store.nbytes < 200_000
+    episode = store.get(next(iter(store._items)))
+    assert all(g.prompt_ids is None and g.logprobs is None for g in episode.generations)
+
+    small = TraceStore(count=10, max_bytes=3 * len(zlib_size(episode)))
+    for k in range(6):
+        small.add(str(k), episode)
+    assert len(small) == 3 and small.nbytes <= small.max_bytes and small.get("0") is None and small.get("5")
+
+
+def zlib_size(episode) -> bytes:
+    import zlib
+
+    lean = {"generations": {"__all__": {"prompt_ids", "completion_ids", "logprobs"}}}
+    return zlib.compress(episode.model_dump_json(exclude=lean).encode(), 6)
+
+
+@pytest.mark.slow
+def test_sigint_answers_what_is_in_flight_and_exits_130(world, tmp_path):
+    """Case 5 of issue 66: SIGINT (Ctrl-C) exited 0 where docs/serving.md says 130."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    folder, _, _ = world
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "m1", "serve", "--team", "synth_teacher", "--port", str(port),
+                                 "--allowed-media-root", str(folder), *sum((["--set", o] for o in NO_CLIP), [])],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError(log.read_text())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "stopped by SIGINT" in log.read_text()

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, get_args
 from pydantic import ValidationError
 
 from m1.text import format_span as format_answer_span
-from m1.schema import LETTERS, Question, Task
+from m1.schema import LETTERS, MAX_QUESTION_CHARS, Question, Task
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,8 @@ def _utf8_lines(path: Path, issues: list[LoadIssue]) -> Iterator[tuple[int, str]
     with path.open("rb") as fh:
         for n, raw in enumerate(fh, start=1):
             try:
-                yield n, raw.decode("utf-8")
+                text = raw.decode("utf-8")
+                yield n, text.removeprefix("\ufeff") if n == 1 else text  # a byte-order mark, as Notepad writes
             except UnicodeDecodeError as e:
                 issues.append(LoadIssue(f"line {n}", str(path), f"line {n}: not UTF-8 text (byte "
                                                                  f"0x{raw[e.start]:02x} at column {e.start + 1})"))
@@ -147,7 +148,7 @@ def _utf8_lines(path: Path, issues: list[LoadIssue]) -> Iterator[tuple[int, str]
 
 def _read_json(path: Path, *, allow_trailing_commas: bool = False) -> Any:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not part of the JSON
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise ValueError(f"{path}: not UTF-8 text (line {line}: {e.reason}); save it as UTF-8") from None
@@ -297,7 +298,8 @@ def _guess_id(rec: dict, where: str) -> str:
 
 
 def _short_validation(e: ValidationError) -> str:
-    parts = [f"{'.'.join(str(p) for p in err['loc']) or 'record'}: {err['msg']}" for err in e.errors()]
+    parts = [f"{'.'.join(str(p) for p in err['loc']) or 'record'}: {err['msg'].removeprefix('Value error, ')}"
+             for err in e.errors()]
     return "; ".join(parts)
 
 
@@ -684,6 +686,19 @@ TASKS = get_args(Task)
 INVALID = "m1_invalid"  # meta key of a stand-in Question: why the record is not a valid question
 
 
+def _check_limits(q: Question) -> None:
+    """What `m1 serve` refuses in a request is refused in a questions line too: an empty question or option, and a
+    text (with its options) over MAX_QUESTION_CHARS. The option count is the Question's own check (26 letters)."""
+    if not q.text.strip():
+        raise _Bad("field 'text': the question is empty")
+    empty = [i for i, o in enumerate(q.options) if not o.strip()]
+    if empty:
+        raise _Bad(f"field 'options': option {LETTERS[empty[0]]} is empty")
+    size = len(q.text) + sum(len(o) for o in q.options)
+    if size > MAX_QUESTION_CHARS:
+        raise _Bad(f"field 'text': the question and its options are {size} characters, at most {MAX_QUESTION_CHARS}")
+
+
 def check_question(rec: Any) -> tuple[Question | None, str | None]:
     """Validate one question record. Returns (question, None) when it is valid; (stand-in, problem) when it is not
     but has an id, the stand-in being an unvalidated Question with `meta[INVALID] = problem` that a run writes as an
@@ -701,6 +716,7 @@ def check_question(rec: Any) -> tuple[Question | None, str | None]:
     else:
         try:
             q = Question.model_validate(rec)
+            _check_limits(q)
             q.answer = _check_task_answer(q.task, q.options, q.answer)
             return q, None
         except ValidationError as e:

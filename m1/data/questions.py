@@ -81,6 +81,8 @@ def text_lines(path: Path, issues: list[str], what: str = "record") -> list[str 
     `path:n: not UTF-8 ...` goes to `issues`, so bad bytes on one line skip that line only."""
     out: list[str | None] = []
     for n, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+        if n == 1:
+            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Notepad, Excel) is not text
         try:
             out.append(raw.decode("utf-8").rstrip("\r"))
         except UnicodeDecodeError as exc:

@@ -12,7 +12,9 @@ import hmac
 import json
 import logging
 import tempfile
+import threading
 import uuid
+import zlib
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -35,6 +37,35 @@ def parse_request(body: object, team_name: str, limits: Limits, tmp: Path) -> Qu
     return q.model_copy(update={"video": str(video_file(req, limits, tmp))})
 
 
+class TraceStore:
+    """The episodes of the last requests, for their trace pages, bounded in count and bytes: each kept as compressed
+    JSON without token ids and log-probs (a page shows neither), the oldest dropped first. Holding whole episodes
+    made a server grow by ~4 MB per request."""
+
+    def __init__(self, count: int = 1000, max_bytes: int = 64 << 20):
+        self.count, self.max_bytes, self.nbytes = count, max_bytes, 0
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, tid: str, ep: Episode) -> None:
+        lean = {"generations": {"__all__": {"prompt_ids", "completion_ids", "logprobs"}}}
+        blob = zlib.compress(ep.model_dump_json(exclude=lean).encode(), 6)
+        with self._lock:
+            self._items[tid] = blob
+            self.nbytes += len(blob)
+            while self._items and (len(self._items) > self.count or self.nbytes > self.max_bytes):
+                self.nbytes -= len(self._items.popitem(last=False)[1])
+
+    def get(self, tid: str) -> Episode | None:
+        with self._lock:
+            blob = self._items.get(tid)
+        return None if blob is None else Episode.model_validate_json(zlib.decompress(blob))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
 def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: int = 1000):
     """The FastAPI app serving `team`. `api_key`: the key clients must send as `Authorization: Bearer KEY`."""
     from fastapi import FastAPI, Request
@@ -45,7 +76,7 @@ def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: in
 
     name = team.cfg.name
     state = {"draining": False}
-    traces: OrderedDict[str, Episode] = OrderedDict()
+    traces = TraceStore(traces_kept)
     batcher = Batcher(team, limits)
 
     @asynccontextmanager
@@ -99,7 +130,7 @@ def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: in
     async def trace(trace_id: str):
         from m1.trace import render_html
 
-        ep = traces.get(trace_id)
+        ep = await asyncio.get_running_loop().run_in_executor(None, traces.get, trace_id)
         if ep is None:
             return error(ApiError(404, f"no trace {trace_id!r} (the server keeps the last {traces_kept})",
                                   kind="not_found_error"))
@@ -146,9 +177,7 @@ def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: in
                     raise bad(msg, "messages")
                 raise bad(f"unreadable video: {msg}", "messages")
             tid = uuid.uuid4().hex
-            traces[tid] = ep
-            while len(traces) > traces_kept:
-                traces.popitem(last=False)
+            await loop.run_in_executor(None, traces.add, tid, ep)
             base = str(request.base_url).rstrip("/")
             return JSONResponse(ChatCompletionResponse.from_episode(ep, name, f"{base}/traces/{tid}").model_dump())
         except ApiError as exc:

@@ -97,6 +97,9 @@ class Batcher:
                         j.future.set_exception(exc)
             finally:
                 for j in jobs:
+                    uploaded = j.tmp is not None and Path(j.tmp) in Path(j.question.video).parents
+                    if uploaded and hasattr(self.team, "forget_video"):  # its reader, frames, CLIP rows: dropped
+                        self.team.forget_video(j.question.video)
                     cleanup(j.tmp)
                 with self._cv:
                     self._busy = 0

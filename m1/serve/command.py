@@ -1,8 +1,10 @@
 """The `m1 serve` command (registered in m1/cli.py): load a team and serve it with uvicorn."""
 
 import os
+import signal
 from pathlib import Path
 
+import typer
 from typer import Option as typer_option  # typer is a core dependency (the CLI's)
 
 from m1.errors import fail, report_startup
@@ -30,7 +32,43 @@ def serve(team_name: str, host: str, port: int, limits: Limits, api_key_env: str
     except PreflightError as exc:
         fail(str(exc))
     app = create_app(make_team(cfg), limits, api_key)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(limits.timeout_s) + 5)
+
+    class Server(uvicorn.Server):
+        received: list[int] = []
+
+        def handle_exit(self, sig, frame):  # remember what stopped it: SIGINT exits 130 once drained
+            self.received.append(sig)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                   timeout_graceful_shutdown=int(limits.timeout_s) + 5))
+    try:
+        server.run()  # once drained, uvicorn raises the signal it caught again: SIGTERM ends the process (143)
+    except KeyboardInterrupt:  # ... and SIGINT comes back as KeyboardInterrupt
+        pass
+    if signal.SIGINT in server.received:
+        typer.secho("stopped by SIGINT: the requests in flight were answered", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130)
+
+
+def exposure(host: str, port: int, limits: Limits, api_key_env: str | None) -> str | None:
+    """What anyone who can reach the port gets when `m1 serve` binds `host` with no API key, or None when only this
+    machine can connect (a loopback address) or a key is required."""
+    import ipaddress
+    import socket
+
+    if api_key_env:
+        return None
+    try:
+        if all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+               for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)):
+            return None
+    except (OSError, ValueError):
+        pass  # a name that does not resolve here: uvicorn will say so; assume it is reachable
+    roots = ", ".join(str(r) for r in limits.allowed_roots) or "none (--allowed-media-root not given)"
+    return (f"--host {host} with no --api-key-env: anyone who can reach port {port} can ask the team questions "
+            f"on this machine's CPU/GPU, about any video under the allowed media roots ({roots}) named by a "
+            f"file:// URL, and see its frames as thumbnails on the trace pages")
 
 
 def serve_command(
@@ -50,11 +88,14 @@ def serve_command(
     gather_ms: float = typer_option(50.0, "--gather-ms", min=0.0,
                                     help="How long the first request of a batch waits for others to join it."),
     overrides: list[str] = typer_option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
+    insecure: bool = typer_option(False, "--insecure", help="Serve on an address other than loopback without an "
+                                  "API key (refused without this flag; a warning names what becomes reachable)."),
 ) -> None:
     """Serve a team on an OpenAI-compatible chat endpoint (POST /v1/chat/completions, GET /v1/models).
 
     Requests that arrive together run as one batch through the team. SIGTERM/SIGINT finish the requests in
-    flight and refuse new ones. See docs/serving.md."""
+    flight and refuse new ones, then exit 143/130. An address other than loopback without an API key is refused
+    unless --insecure. See docs/serving.md."""
     from m1.config import ConfigError
 
     try:
@@ -69,6 +110,11 @@ def serve_command(
         roots.append(Path(r).resolve())
     limits = Limits(allowed_roots=roots, max_body_bytes=int(max_body_mb * (1 << 20)), max_queue=max_queue,
                     timeout_s=timeout, gather_s=gather_ms / 1000, max_text_chars=int(max_text_kb * 1024))
+    exposed = exposure(host, port, limits, api_key_env)
+    if exposed and not insecure:
+        fail(f"{exposed}. Set a key (--api-key-env VAR), serve on 127.0.0.1, or pass --insecure to accept this")
+    if exposed:
+        typer.secho(f"warning: {exposed} (--insecure)", fg=typer.colors.YELLOW, err=True)
     try:
         serve(team, host, port, limits, api_key_env, overrides)
     except (ConfigError, ValueError) as exc:

@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from m1.schema import MAX_QUESTION_CHARS
+
 
 @dataclass
 class Limits:
@@ -10,7 +12,8 @@ class Limits:
 
     allowed_roots: list[Path] = field(default_factory=list)
     max_body_bytes: int = 64 << 20
-    max_text_chars: int = 1 << 20  # the question's text and options, all together (a bound on tokenizing's cost)
+    # the question's text and options, all together (a bound on tokenizing's cost; questions files share it)
+    max_text_chars: int = MAX_QUESTION_CHARS
     max_frames: int = 512
     max_queue: int = 64
     timeout_s: float = 300.0

@@ -185,6 +185,7 @@ class Team:
         t0 = time.perf_counter()
         try:
             ep.video = self.pool.open(q.video)
+            ep.video.check_frames()
         except VideoError as exc:
             ep.error = str(exc)
         ep.timings["open_video"] = time.perf_counter() - t0
@@ -463,6 +464,12 @@ class Team:
         return ToolContext(question=ep.question, video=ep.video, key_info=st.key_info, cfg=self.cfg.tools,
                            focus=st.focus, clip=clip)
 
+    def forget_video(self, path: str) -> None:
+        """Drop what the team keeps of a video that is gone for good (its reader, frames and CLIP rows)."""
+        self.pool.forget(path)
+        if self._clip_index is not None:
+            self._clip_index.forget(path)
+
     def _clip(self):
         if self._clip_index is None:
             self._clip_index = team_clip_index(self.cfg, self.hub)
@@ -482,7 +489,16 @@ class Team:
                                       timestamps=list(timestamps or []), answer=answer, span=span, error=error))
 
     def _finish(self, ep: _Episode) -> Episode:
-        return Episode(id=ep.question.id, question=ep.question, topology=ep.topology, memory=ep.memory.to_dict(),
+        note = None
+        if ep.error is None and not ep.frames:  # no answer from nothing (docs/cli.md)
+            failed = [t.error for r in ep.memory.to_dict().values() for t in r.turns
+                      if t.error and "cannot read video" in t.error]
+            if failed:
+                ep.error = f"no frame could be read, so no answer is given: {failed[0]}"
+                ep.final, ep.reason = None, ""
+            elif ep.final is not None:
+                note = "answered without reading any frame: no agent's plan browsed the video"
+        return Episode(note=note, id=ep.question.id, question=ep.question, topology=ep.topology, memory=ep.memory.to_dict(),
                        generations=ep.generations, answers=ep.answers, final_answer=ep.final,
                        final_reason=ep.reason, aggregation=ep.aggregation, frames_used=len(ep.frames),
                        timings=dict(ep.timings), error=ep.error, usage=ep.usage)

@@ -151,6 +151,7 @@ class SingleAgentTeam:
         t0 = time.perf_counter()
         try:
             r.video = self.pool.open(q.video)
+            r.video.check_frames()
             info = r.video.info
             idx = uniform_indices(info, self.settings.glance_frames)
             r.ctx = Context(question=q, video=r.video, span=(0.0, info.duration))
@@ -309,6 +310,12 @@ class SingleAgentTeam:
             last["content"] = list(last["content"]) + [{"type": "text", "text": "\n" + text}]
         else:
             r.messages.append({"role": "user", "content": [{"type": "text", "text": text}]})
+
+    def forget_video(self, path: str) -> None:
+        """Drop what the team keeps of a video that is gone for good (its reader, frames and CLIP rows)."""
+        self.pool.forget(path)
+        if self._clip_index is not None:
+            self._clip_index.forget(path)
 
     def _clip(self):
         if self._clip_index is None:

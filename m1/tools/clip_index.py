@@ -112,11 +112,22 @@ class ClipIndex:
                 self._save(entry, path)
             return np.stack([entry.rows[i] for i in indices])
 
+    MAX_TEXTS = 4096  # text embeddings kept (least recently used dropped): a server sees ever new key infos
+
     def text_embedding(self, text: str) -> np.ndarray:
         with self._lock:
-            if text not in self._texts:
-                self._texts[text] = self.model.encode_texts([text])[0]
-            return self._texts[text]
+            row = self._texts.pop(text, None)
+            if row is None:
+                row = self.model.encode_texts([text])[0]
+            self._texts[text] = row  # most recently used last
+            while len(self._texts) > self.MAX_TEXTS:
+                del self._texts[next(iter(self._texts))]
+            return row
+
+    def forget(self, path: str) -> None:
+        """Drop the rows of a video that is gone for good (an upload `m1 serve` deleted)."""
+        with self._lock:
+            self._videos.pop(str(path), None)
 
     def scores(self, video, indices: list[int], text: str) -> np.ndarray:
         return self.frame_embeddings(video, indices) @ self.text_embedding(text)
