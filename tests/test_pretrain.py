@@ -30,9 +30,24 @@ def test_chains_write_their_steps_before_the_answer():
             d = make_drill(family, script, rng, frames=16, steps=True)
             if d is not None:
                 seen[family] = d
-    assert seen["attribute"].target.count("->") == 1 and " at the " in seen["attribute"].target
-    assert seen["timestamp"].target.count("->") == 2  # seconds -> colour -> letter
-    assert seen["grounding"].target.startswith(" [") and seen["grounding"].target.endswith("]")
+    att, ts, gr = seen["attribute"], seen["timestamp"], seen["grounding"]
+    # each lookup quotes the context: the caption after the object's name, the frame at that second, the note
+    assert att.target.count("->") == 1 and att.target.split(" ->")[0] in att.prompt
+    assert ts.target.count("->") == 3  # seconds -> the frame, quoted -> its colour -> the letter
+    assert ts.target.split(" -> ")[1] in ts.prompt
+    assert gr.target.startswith(" The ") and gr.target.endswith(gr.answer) and gr.target[1:] in gr.prompt
+
+
+def test_grading_reads_the_answer_at_the_end_of_the_first_line():
+    from m1.pretrain.drills import Drill
+    from m1.pretrain.train import grade
+
+    d = Drill("attribute", "...", " red cross at the bottom left -> C", " C")
+    assert grade(d, " red cross at the bottom left -> C\nmore")
+    assert grade(d, " C") and not grade(d, " blue cross at the top left -> B") and not grade(d, " red cross -> AC")
+    g = Drill("grounding", "...", " [1.0 - 2.0]", " [1.0 - 2.0]")
+    assert grade(g, " The red cross is seen from 00:01 to 00:02. ##Timestamp: [1.0 - 2.0]")
+    assert not grade(g, " [1.0 - 2.5]")
 
 
 def test_held_out_worlds_are_never_drawn_in_training():

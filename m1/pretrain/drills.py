@@ -6,17 +6,23 @@ should write next) and its family. The frames are described from the world's scr
 model uses (`a small red cross at the bottom left`), so no video is rendered and drills are fresh every step; held-out
 drills come from worlds whose seeds training never draws (`split`).
 
+Every lookup is written as a quote: the student first writes the key it looks for (copied from the question), then
+the words that follow that key where the context holds it, so that finding a fact is continuing a text already seen
+(what induction heads do) rather than jumping to it.
+
 Single steps (each supervised on its own):
-- `find`:    described frames + an object -> the position words after its name
+- `find`:    described frames + an object -> ` red cross at the bottom left` (its caption, quoted)
 - `option`:  options + a value -> its letter
 - `clock`:   a clock time -> seconds
-- `at_time`: described frames + a time in seconds -> the colour of the shape shown then
-- `span`:    agents' grounding notes + an object -> the span written for it
+- `at_time`: described frames + a time in seconds -> ` 78.8s>[a small red cross at the top left] -> red`
+- `span`:    agents' grounding notes + an object -> the note's sentence about it, ending with its span
 
-Chains (the evaluated families; `steps=True` writes each intermediate step before the answer):
-- `attribute`: find -> option          ("Where in the frame does the red cross appear?")
-- `timestamp`: clock -> at_time -> option ("What colour is the shape that appears at 01:18?")
-- `grounding`: span                      ("When is the red cross on screen?")
+Chains (the evaluated families; `steps=True` writes each step before the answer, `False` the answer alone):
+- `attribute`: find -> option            (` red cross at the bottom left -> C`)
+- `timestamp`: clock -> at_time -> option (` 78 -> 78.8s>[a small red cross at the top left] -> red -> B`)
+- `grounding`: span                       (` The red cross is seen from 00:59 to 01:11. ##Timestamp: [59.2 - 71.4]`)
+
+A drill's `answer` is what is graded: the target always ends with it.
 """
 from __future__ import annotations
 
@@ -103,7 +109,7 @@ def make_drill(family: str, script: Script, rng: random.Random, frames: int = 16
         opts, letter = _options(value, POSITIONS if value in POSITIONS else colours, rng)
         return Drill(family, f"Options:\n{opts}\nWhich option says {value}?\n<answer>", f" {letter}", f" {letter}")
     if family in ("span", "grounding"):
-        return _span(family, script, rng)
+        return _span(family, script, rng, steps)
     seen = glance(script, rng, frames)
     body = describe(seen)
     if family in ("find", "attribute"):
@@ -113,7 +119,7 @@ def make_drill(family: str, script: Script, rng: random.Random, frames: int = 16
         name = rng.choice(names)
         pos = next(iter(_where(seen)[name]))
         if family == "find":
-            return Drill(family, f"{body}\nWhere is the {name}?", f" {pos}", f" {pos}")
+            return Drill(family, f"{body}\nWhere is the {name}?", f" {name} at the {pos}", f" {pos}")
         opts, letter = _options(pos, POSITIONS, rng)
         head = f"{body}\nQuestion: Where in the frame does the {name} appear?\nOptions:\n{opts}\n<answer>"
         return Drill(family, head, f" {name} at the {pos} -> {letter}" if steps else f" {letter}", f" {letter}")
@@ -121,14 +127,17 @@ def make_drill(family: str, script: Script, rng: random.Random, frames: int = 16
     if not cands:
         return None
     t, colour = rng.choice(cands)
+    frame = next(f"{t:.1f}s>[{describe([(t, things)]).split('>[', 1)[1]}" for ft, things in seen if ft == t)
     if family == "at_time":
-        return Drill(family, f"{body}\nWhat is shown at {_seconds(t)} seconds?", f" {colour}", f" {colour}")
+        return Drill(family, f"{body}\nWhat is shown at {_seconds(t)} seconds?", f" {frame} -> {colour}",
+                     f" {colour}")
     opts, letter = _options(colour, colours, rng)
     head = f"{body}\nQuestion: What colour is the shape that appears at {fmt_time(_seconds(t))}?\nOptions:\n{opts}\n<answer>"
-    return Drill(family, head, f" {_seconds(t)} -> {colour} -> {letter}" if steps else f" {letter}", f" {letter}")
+    return Drill(family, head, f" {_seconds(t)} -> {frame} -> {colour} -> {letter}" if steps else f" {letter}",
+                 f" {letter}")
 
 
-def _span(family: str, script: Script, rng: random.Random) -> Drill | None:
+def _span(family: str, script: Script, rng: random.Random, steps: bool) -> Drill | None:
     """Agents' grounding notes, one per object (2-4 of the world's objects), and the span to copy for one of them."""
     by_name: dict[str, list] = {}
     for e in script.events:
@@ -144,11 +153,12 @@ def _span(family: str, script: Script, rng: random.Random) -> Drill | None:
         notes.append((name, f"[{s:.1f} - {t:.1f}]",
                       f"{rng.choice(AGENT_TAGS)} Grounding Tool: The {name} is seen from {fmt_time(e.start)} to "
                       f"{fmt_time(e.end)}. ##Timestamp: [{s:.1f} - {t:.1f}]"))
-    name, span, _ = rng.choice(notes)
+    name, span, note = rng.choice(notes)
     body = "\n".join(n for _, _, n in notes)
     question = "When is the {} on screen?" if family == "grounding" else "Which span was written for the {}?"
     prompt = f"{body}\nQuestion: {question.format(name)}\n<answer>"
-    return Drill(family, prompt, f" {span}", f" {span}")
+    quote = " " + note.split("Grounding Tool: ", 1)[1]  # ` The red cross is seen from ... ##Timestamp: [a - b]`
+    return Drill(family, prompt, quote if family == "span" or steps else f" {span}", f" {span}")
 
 
 class DrillSource:

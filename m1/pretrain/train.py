@@ -29,9 +29,10 @@ METRICS = "metrics.jsonl"
 
 
 def grade(drill: Drill, generated: str) -> bool:
-    """The last step the student wrote (after its last `->`, up to the line's end) against the drill's answer."""
-    line = generated.split("\n")[0]
-    return line.split("->")[-1].strip() == drill.answer.split("->")[-1].strip()
+    """Whether the first line the student wrote ends with the drill's answer (at a word or bracket boundary): the
+    quoted steps before it are how it got there, not what is graded."""
+    line, answer = generated.split("\n")[0].rstrip(), drill.answer.strip()
+    return line.endswith(answer) and (len(line) == len(answer) or line[-len(answer) - 1] in " >:")
 
 
 class Pretrainer:
