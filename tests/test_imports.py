@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("trace", "results"),
     ("run",),
-    ("marl", "synth"),
+    ("marl", "synth", "pretrain"),
     ("experiment",),
     ("serve", "demo"),
     ("cli", "__main__"),
