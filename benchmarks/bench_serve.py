@@ -72,7 +72,6 @@ def main() -> None:
     if args.soak:
         return soak(args)
 
-    import uvicorn
     from openai import OpenAI
 
     from m1.config import load_team
@@ -92,14 +91,7 @@ def main() -> None:
         rows = {json.loads(x)["id"]: json.loads(x) for x in (Path(tmp) / "r.jsonl").read_text().splitlines()}
 
     app = create_app(team, Limits(allowed_roots=[folder.resolve()], max_queue=4 * args.clients, timeout_s=600))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.05)
+    server, th, port = start_server(app)
 
     todo: queue.Queue = queue.Queue()
     for q in qs:
