@@ -121,6 +121,12 @@ def test_pretrain_config_names_what_is_wrong(tmp_path):
     with pytest.raises(ValidationError, match="first stage must start at step 0"):
         _cfg(tmp_path, curriculum=[{"start": 5, "frames": 4}])
     assert _cfg(tmp_path).frames_at(3) == 2 and _cfg(tmp_path).frames_at(4) == 4
+    staged = _cfg(tmp_path, curriculum=[{"start": 0, "frames": 2, "mix": {"option": 1}}, {"start": 4, "frames": 4},
+                                        {"start": 6, "mix": {"find": 1, "text": 1}}])
+    assert staged.mix_at(5) == {"option": 1} and staged.mix_at(6) == {"find": 1, "text": 1}
+    assert _cfg(tmp_path).mix_at(5) == _cfg(tmp_path).mix
+    with pytest.raises(ValidationError, match=r"curriculum\[1\]\.mix: unknown families"):
+        _cfg(tmp_path, curriculum=[{"start": 0}, {"start": 2, "mix": {"lookup": 1}}])
 
 
 @pytest.mark.slow

@@ -12,10 +12,12 @@ TEXT = "text"  # the mix's name for plain next-token modelling on the world's te
 
 
 class Stage(Strict):
-    """From step `start` on: frames per described glance (the context-length curriculum)."""
+    """From step `start` on: frames per described glance (the context-length curriculum) and, when given, the mix of
+    families (single steps alone first, then their chains); a stage without a mix keeps the one before it."""
 
     start: int = Field(ge=0)
     frames: PositiveInt = 16
+    mix: dict[str, float] | None = None
 
 
 class EvalSettings(Strict):
@@ -55,11 +57,13 @@ class PretrainConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> PretrainConfig:
-        unknown = sorted(set(self.mix) - set(FAMILIES) - {TEXT})
-        if unknown:
-            raise ValueError(f"mix: unknown families {unknown}; known: {[*FAMILIES, TEXT]}")
-        if not any(w > 0 for w in self.mix.values()):
-            raise ValueError("mix: at least one family needs a weight above 0")
+        for where, mix in [("mix", self.mix)] + [(f"curriculum[{i}].mix", s.mix) for i, s in
+                                                 enumerate(self.curriculum) if s.mix is not None]:
+            unknown = sorted(set(mix) - set(FAMILIES) - {TEXT})
+            if unknown:
+                raise ValueError(f"{where}: unknown families {unknown}; known: {[*FAMILIES, TEXT]}")
+            if not any(w > 0 for w in mix.values()):
+                raise ValueError(f"{where}: at least one family needs a weight above 0")
         bad = sorted(set(self.eval.families) - set(FAMILIES))
         if bad:
             raise ValueError(f"eval.families: unknown {bad}; known: {list(FAMILIES)}")
@@ -73,6 +77,9 @@ class PretrainConfig(Strict):
 
     def frames_at(self, step: int) -> int:
         return [s.frames for s in self.curriculum if s.start <= step][-1]
+
+    def mix_at(self, step: int) -> dict[str, float]:
+        return ([self.mix] + [s.mix for s in self.curriculum if s.start <= step and s.mix is not None])[-1]
 
     @property
     def graded(self) -> list[str]:

@@ -85,8 +85,9 @@ class Pretrainer:
 
     def batch(self) -> list[tuple[list[int], int]]:
         """(ids, where the target starts; len(ids) for texts) for one step, by the mix."""
-        names = [k for k, w in self.cfg.mix.items() if w > 0]
-        weights = [self.cfg.mix[k] for k in names]
+        mix = self.cfg.mix_at(self.step)
+        names = [k for k, w in mix.items() if w > 0]
+        weights = [mix[k] for k in names]
         frames = self.cfg.frames_at(self.step)
         out = []
         while len(out) < self.cfg.batch_size:
