@@ -105,11 +105,14 @@ QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024, qwen_split: bool = False):
+def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024, qwen_split: bool = False,
+                    train_split: str | None = None, repeat: int = 4):
     """Train a byte-level BPE with Qwen-style special tokens and chat template (deterministic).
 
     `qwen_split`: pre-tokenize (and normalise, NFC) exactly as transformers' Qwen2Tokenizer does, so
-    the trained merges survive loading the tokenizer through a qwen2 model folder.
+    the trained merges survive loading the tokenizer through a qwen2 model folder. `train_split` (with
+    `qwen_split`): learn the merges on pieces cut by this finer regex instead, then pre-tokenize by Qwen's;
+    no merge crosses a border the finer split draws. `repeat`: how often the corpus is fed.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -117,12 +120,14 @@ def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024, qwe
     texts = list(corpus) if corpus is not None else _default_corpus()
     if not texts:
         raise ModelError("build_tokenizer: the corpus is empty")
+    def split(regex: str):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
     bpe = Tokenizer(models.BPE())
     if qwen_split:
         bpe.normalizer = normalizers.NFC()
-        bpe.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        bpe.pre_tokenizer = split(train_split or QWEN_SPLIT)
     else:
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -130,7 +135,9 @@ def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 1024, qwe
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     # Repeat the corpus so frequent words win merges over one-off strings.
-    bpe.train_from_iterator(texts * 4, trainer)
+    bpe.train_from_iterator(texts * repeat, trainer)
+    if qwen_split and train_split:
+        bpe.pre_tokenizer = split(QWEN_SPLIT)  # what transformers' Qwen2Tokenizer applies anyway
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", unk_token=None,
                                   additional_special_tokens=SPECIAL_TOKENS[1:],
@@ -191,6 +198,10 @@ def mine_phrases(texts: list[str], vocab_size: int = PHRASE_VOCAB, min_count: in
     return sorted(set(out), key=lambda p: (-len(p), p))
 
 
+# "01:15" as one token, and the numbers 10-120 (Qwen's split would cut every number into single digits)
+WHOLE_NUMBERS = [f"{m:02d}:{s:02d}" for m in range(21) for s in range(60)] + [str(i) for i in range(10, 121)]
+
+
 def synth_tokenizer(texts: list[str]):
     """Words by Qwen's split (valid for every arch), plus recurring phrases, clock times, agent tags as tokens.
 
@@ -202,10 +213,7 @@ def synth_tokenizer(texts: list[str]):
     from tokenizers import AddedToken
 
     tok = build_tokenizer(texts, vocab_size=SYNTH_VOCAB, qwen_split=True)
-    extra = mine_phrases(texts)
-    extra += [f"{m:02d}:{s:02d}" for m in range(21) for s in range(60)]  # "01:15" as one token
-    extra += [str(i) for i in range(10, 121)]  # Qwen's split would cut every number into single digits
-    extra += [f"[{a}]" for a in SYNTH_AGENTS]
+    extra = mine_phrases(texts) + WHOLE_NUMBERS + [f"[{a}]" for a in SYNTH_AGENTS]
     tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in extra])
     return tok
 
@@ -227,31 +235,15 @@ def reading_tokenizer(texts: list[str], apart: frozenset[str] = frozenset()):
     colours, shapes, positions, motions): boilerplate such as a system prompt's sentences stays short, while
     `A: bottom left` or `white square` stay words. `synth_tokenizer` merges both kinds.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    import re
+
+    from tokenizers import AddedToken
 
     if not texts:
         raise ModelError("reading_tokenizer: the corpus is empty")
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(WORD_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(list(texts), trainers.BpeTrainer(
-        vocab_size=READING_VOCAB, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([  # what transformers' Qwen2Tokenizer applies anyway
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  unk_token=None, additional_special_tokens=SPECIAL_TOKENS[1:], padding_side="left")
-    tok.chat_template = CHAT_TEMPLATE
-    import re
-
+    tok = build_tokenizer(texts, vocab_size=READING_VOCAB, qwen_split=True, train_split=WORD_SPLIT, repeat=1)
     phrases = [p for p in mine_phrases(texts) if not {w.lower() for w in re.findall(r"[A-Za-z]+", p)} & apart]
-    extra = phrases + [f"{m:02d}:{s:02d}" for m in range(21) for s in range(60)] + [str(i) for i in range(10, 121)]
-    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in extra])
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in phrases + WHOLE_NUMBERS])
     return tok
 
 

@@ -57,6 +57,7 @@ class Pretrainer:
         self.rng = random.Random(cfg.seed + 1)  # the mix's draws
         self.step, self.cpu_seconds = 0, 0.0
         self._texts: list[list[int]] | None = None
+        self._eval_sets: dict[tuple[int, int], dict[str, list[Drill]]] = {}
         self._resume()
 
     # ------------------------------------------------------------------------------------------ data
@@ -146,13 +147,15 @@ class Pretrainer:
         drills at every evaluation (the held-out worlds drawn from `seed`)."""
         import torch
 
-        source = DrillSource("held_out", seed, self.cfg.world_duration)
+        key = (drills_per_family, seed)
+        if key not in self._eval_sets:  # drawn once: every evaluation grades the same drills
+            source = DrillSource("held_out", seed, self.cfg.world_duration)
+            self._eval_sets[key] = {f: [source.draw(f, self.cfg.eval.frames, self.cfg.steps_written)
+                                        for _ in range(drills_per_family)] for f in self.cfg.eval.families}
         self.model.eval()
         acc = {}
         try:
-            for family in self.cfg.eval.families:
-                drills = [source.draw(family, self.cfg.eval.frames, self.cfg.steps_written)
-                          for _ in range(drills_per_family)]
+            for family, drills in self._eval_sets[key].items():
                 hits = 0
                 for i in range(0, len(drills), 32):
                     chunk = drills[i:i + 32]
