@@ -39,72 +39,81 @@ class Strict(BaseModel):
 class TinySpec(Strict):
     """A tiny random model built offline from a config (tests and smoke runs only)."""
 
-    arch: Literal["qwen2", "qwen3", "qwen2_5_vl", "open_clip"]
-    hidden_size: int = 64
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate_size: int | None = None
-    image_size: int = 64  # open_clip only
-    seed: int = 0
-    # Tokenizer corpus (chat models): "default" = a built-in text; "synth" = the prompts and replies of a
-    # teacher-team run on M1-Synth, so the world's prompts become short token runs (the mini team).
-    # "seed_kinds" = that run plus the rule-based Weaver / VideoZoomer / SAGE chats (their mini policies).
-    # m1/models/tiny.py builds them.
-    # "reading" = the seed_kinds texts with the students' tokenizer (m1/models/tiny.py `reading_tokenizer`): whole
-    # words, no multi-word phrases, so a word is the same token in a question, an option, a caption and a note.
-    corpus: Literal["default", "synth", "seed_kinds", "reading"] = "default"
-    # the weights' init std; None = INIT_STD (0.2), which random test models need for varied outputs. Students
-    # trained from scratch use the usual 0.02 (STUDENT_INIT_STD).
-    init_std: float | None = Field(default=None, gt=0)
+    arch: Literal["qwen2", "qwen3", "qwen2_5_vl", "open_clip"] = Field(
+        description="Architecture of the random model (its Hugging Face config class, or an open_clip model).")
+    hidden_size: int = Field(default=64, description="Width of the hidden states.")
+    layers: int = Field(default=2, description="Number of transformer layers.")
+    heads: int = Field(default=4, description="Attention heads per layer.")
+    kv_heads: int = Field(default=2, description="Key/value heads per layer (grouped-query attention).")
+    intermediate_size: int | None = Field(default=None, description="Width of the MLP; None: twice hidden_size.")
+    image_size: int = Field(default=64, description="open_clip only: side of the square input image in pixels.")
+    seed: int = Field(default=0, description="Seed of the random weights.")
+    corpus: Literal["default", "synth", "seed_kinds", "reading"] = Field(default="default", description=(
+        "Text the tokenizer of a chat model is trained on (m1/models/tiny.py). default: a built-in text. synth: a "
+        "teacher team's prompts and replies on M1-Synth, so the world's prompts are short token runs (the mini "
+        "team). seed_kinds: synth plus the rule-based Weaver / VideoZoomer / SAGE chats. reading: the seed_kinds "
+        "texts with the students' tokenizer (whole words, no multi-word phrases), so a word is one token wherever "
+        "it appears."))
+    init_std: float | None = Field(default=None, gt=0, description=(
+        "Std of the initial weights. None: INIT_STD (0.2), which random test models need for varied output; "
+        "students trained from scratch use 0.02 (STUDENT_INIT_STD)."))
 
 
 class ModelSpec(Strict):
     """Where a model comes from and how to run it. One instance is shared by all its users."""
 
-    # team: a whole M1 team behind `m1 serve`, one agent of this team (m1/team/member.py): backend openai, `path` =
-    # the served team's model name (its /v1/models id), `base_url` = its URL, video_input: video_url
-    kind: Literal["chat", "vision", "clip", "team"]
-    # eagle: Eagle2.5 through its own remote code (m1/models/eagle.py), a vision tool only
-    backend: Literal["hf", "vllm", "openai", "open_clip", "synth", "eagle"] = "hf"
-    path: str | None = None  # local folder or hub id (hf, vllm); model name (openai)
-    tiny: TinySpec | None = None  # build a tiny random model instead of loading `path`
-    # a peft LoRA adapter folder applied on top of `path`/`tiny` (chat, hf or vllm): what `m1 train` with
-    # `learner.finetune: lora` saves as <checkpoint>/agents/<agent>/adapter. hf merges it into the weights once
-    # at load; vllm serves it as a LoRA request
-    adapter: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"  # auto: cuda when available, else cpu
-    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = None
-    # run the model's own code from its hub folder (needed by e.g. nvidia/Eagle2.5-8B); off unless a config says so.
-    trust_remote_code: bool = False
-    max_pixels: int | None = None  # vision: cap on pixels per frame given to the processor
-    # hf / eagle vision: most requests in one `generate` call; a longer list is answered in batches of this many, in
-    # order. auto: the placement plan's number (what fits the model's GPU after its weights) when the run has a plan
-    # that placed it, else DEFAULT_VISION_BATCH (m1/models/hf.py)
-    max_batch_requests: PositiveInt | Literal["auto"] = "auto"
-    clip_name: str | None = None  # open_clip architecture, e.g. ViT-B-16
-    pretrained: str | None = None  # open_clip pretrained tag or checkpoint path
-    base_url: str | None = None  # openai
-    api_key_env: str = "OPENAI_API_KEY"  # openai: the *name* of the variable holding the key
-    concurrency: int = 8
-    timeout: float = 120.0
-    max_retries: int = 5
-    gpu_memory_utilization: float = 0.85  # vllm
-    tensor_parallel_size: int = 1  # vllm
-    error_rate: float = Field(0.0, ge=0.0, le=1.0)  # synth teacher: share of deliberately poor plans
-    # synth teacher: `uniform` draws every plan uniformly from the valid select x browse pairs (key info still from
-    # the question): a teacher that answers well but plans at random, the weak-plan SFT start of docs/weak_plan.md
-    plans: Literal["rules", "uniform"] = "rules"
-    seed: int = 0  # synth teacher: seeds its error draws
-    # openai vision: how a clip reaches the server. `frames`: one JPEG image_url part per frame, its time in a text
-    # part (any server). `video_url`: the clip as one mp4 video_url part at its own frame rate, timing kept (vLLM,
-    # SGLang). For video_url, `video_transport: data` inlines the mp4 as a base64 data URL; `file` writes it under
-    # `video_root` (a folder the server reads, e.g. vLLM's --allowed-local-media-path) and sends a file:// URL, the
-    # file removed once the batch is answered
-    video_input: Literal["frames", "video_url"] = "frames"
-    video_transport: Literal["data", "file"] = "data"
-    video_root: str | None = None
+    kind: Literal["chat", "vision", "clip", "team"] = Field(description=(
+        "What the model is: a chat (text) model, a vision-language model, a CLIP embedder, or team: a whole M1 team "
+        "served by `m1 serve`, used as one agent (backend openai, `path` its /v1/models id, `base_url` its URL, "
+        "video_input video_url; m1/team/member.py)."))
+    backend: Literal["hf", "vllm", "openai", "open_clip", "synth", "eagle"] = Field(default="hf", description=(
+        "How the model runs. eagle: Eagle2.5 through its own remote code, as a vision tool only (m1/models/eagle.py)."))
+    path: str | None = Field(default=None, description="Local folder or hub id (hf, vllm, eagle); the model name "
+                                                       "(openai). `./x` is relative to the YAML file.")
+    tiny: TinySpec | None = Field(default=None, description="Build a tiny random model instead of loading `path`.")
+    adapter: str | None = Field(default=None, description=(
+        "A peft LoRA adapter folder put on top of `path`/`tiny` (chat models, hf or vllm), as `m1 train` with "
+        "learner.finetune lora saves it (<checkpoint>/agents/<agent>/adapter). hf merges it once at load; vllm "
+        "serves it as a LoRA request."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto",
+                                                                     description="Weight dtype; auto: bfloat16 on cuda, float32 on cpu.")
+    device: str = Field(default="auto", description="Where the model runs; auto: cuda when available, else cpu.")
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = Field(
+        default=None, description="Attention kernel of an hf model; None: the library's default.")
+    trust_remote_code: bool = Field(default=False, description=(
+        "Run the model's own code from its hub folder (needed by e.g. nvidia/Eagle2.5-8B); off unless a config "
+        "asks for it."))
+    max_pixels: int | None = Field(default=None, description="Vision: cap on the pixels per frame given to the "
+                                                             "processor.")
+    max_batch_requests: PositiveInt | Literal["auto"] = Field(default="auto", description=(
+        "hf / eagle vision: the most requests in one `generate` call; longer lists are answered in batches, in "
+        "order. auto: what the placement plan fits on the model's GPU when the run has a plan that placed it, else "
+        "DEFAULT_VISION_BATCH (m1/models/hf.py)."))
+    clip_name: str | None = Field(default=None, description="open_clip architecture, e.g. ViT-B-16.")
+    pretrained: str | None = Field(default=None, description="open_clip pretrained tag or checkpoint path.")
+    base_url: str | None = Field(default=None, description="openai: the server's URL.")
+    api_key_env: str = Field(default="OPENAI_API_KEY", description=(
+        "openai: the *name* of the environment variable holding the API key (never the key itself)."))
+    concurrency: int = Field(default=8, description="openai: requests in flight at once.")
+    timeout: float = Field(default=120.0, description="openai: seconds before a request is given up and retried.")
+    max_retries: int = Field(default=5, description="openai: retries of a failed request before it is an error.")
+    gpu_memory_utilization: float = Field(default=0.85, description="vllm: share of GPU memory the engine may take.")
+    tensor_parallel_size: int = Field(default=1, description="vllm: GPUs the model is split over.")
+    error_rate: float = Field(0.0, ge=0.0, le=1.0, description="synth teacher: share of deliberately poor plans.")
+    plans: Literal["rules", "uniform"] = Field(default="rules", description=(
+        "synth teacher: rules plans by the question's cues; uniform draws each plan uniformly from the valid "
+        "select x browse pairs (key info still from the question), a teacher that answers well but plans at random "
+        "(the weak-plan SFT start, docs/weak_plan.md)."))
+    seed: int = Field(default=0, description="synth teacher: seed of its error draws.")
+    video_input: Literal["frames", "video_url"] = Field(default="frames", description=(
+        "openai vision: how a clip reaches the server. frames: one JPEG image_url part per frame, its time in a "
+        "text part (any server). video_url: the clip as one mp4 video_url part at its own frame rate, timing kept "
+        "(vLLM, SGLang)."))
+    video_transport: Literal["data", "file"] = Field(default="data", description=(
+        "With video_url: data inlines the mp4 as a base64 data URL; file writes it under `video_root` and sends a "
+        "file:// URL, removing the file once the batch is answered."))
+    video_root: str | None = Field(default=None, description=(
+        "With video_transport file: a folder the server may read (e.g. vLLM's --allowed-local-media-path)."))
 
     @model_validator(mode="after")
     def _source(self) -> ModelSpec:
@@ -164,12 +173,13 @@ AgentKind = Literal["cpp", "weaver", "zoomer", "sage"]
 
 
 class AgentSpec(Strict):
-    name: str
-    model: str  # key in TeamConfig.models
-    temperature: float | None = None  # overrides sampling.temperature for this agent
-    # cpp: a policy agent of the CPP engine (m1/team/cpp.py). weaver | zoomer | sage: a seed system's single VLM
-    # policy in a multi-turn tool loop (m1/team/single.py, m1/kinds), a team of one
-    kind: AgentKind = "cpp"
+    name: str = Field(description="The agent's name (unique in the team).")
+    model: str = Field(description="The key of its model in `models`.")
+    temperature: float | None = Field(default=None, description="This agent's sampling temperature; None: "
+                                                                "sampling.temperature.")
+    kind: AgentKind = Field(default="cpp", description=(
+        "cpp: a policy agent of the CPP engine (m1/team/cpp.py). weaver | zoomer | sage: a seed system's single "
+        "policy in a multi-turn tool loop, a team of one (m1/team/single.py, m1/kinds)."))
 
 
 class ToolsConfig(Strict):
@@ -177,105 +187,122 @@ class ToolsConfig(Strict):
 
     enabled: list[str] = Field(default_factory=lambda: [
         "Global Sampling", "Video Retrieval", "Time Stamp Retrieval", "Image Retrieval",
-        "Rough Browser", "Fine Browser", "Space Tool", "Grounding Tool"])
-    clip: str | None = None  # model key of the CLIP embedder
-    clip_cache_dir: str | None = None  # keep CLIP frame embeddings on disk (keyed by video hash + model)
-    browser: str | None = None  # model key of the Rough/Fine Browser VLM
-    space: str | None = None  # model key of the Space Tool VLM (defaults to browser)
-    grounding: str | None = None  # model key of the Grounding Tool VLM (defaults to browser)
-    global_frames: int = 16
-    retrieval_clips: int = 6
-    retrieval_frames: int = 16
-    adjacent_threshold: float | None = None  # Charades setting: 0.35
-    max_adjacent_clips: int = 3
-    timestamp_window: float = 60.0
-    timestamp_frames: int = 16
-    image_fps: float = 2.0
-    image_top_k: int = 16
-    rough_frames: int = 16
-    rough_tokens: int = 128
-    fine_frames: int = 32
-    fine_tokens: int = 256
-    space_frames: int = 16
-    space_tokens: int = 256
-    grounding_fps: float = 2.0
-    grounding_max_frames: int = 32
-    grounding_tokens: int = 64
+        "Rough Browser", "Fine Browser", "Space Tool", "Grounding Tool"], description=(
+        "The tools agents may plan with; at least one select tool and one browse tool."))
+    clip: str | None = Field(default=None, description="Model key of the CLIP embedder (Video / Image Retrieval).")
+    clip_cache_dir: str | None = Field(default=None, description=(
+        "Keep CLIP frame embeddings on disk here, keyed by video hash and model; None: in memory only."))
+    browser: str | None = Field(default=None, description="Model key of the Rough / Fine Browser's vision model.")
+    space: str | None = Field(default=None, description="Model key of the Space Tool's vision model; None: browser.")
+    grounding: str | None = Field(default=None, description="Model key of the Grounding Tool's vision model; None: "
+                                                            "browser.")
+    global_frames: int = Field(default=16, description="Global Sampling: frames taken uniformly over the video.")
+    retrieval_clips: int = Field(default=6, description="Video Retrieval: equal clips the video is split into and "
+                                                        "scored against the key info.")
+    retrieval_frames: int = Field(default=16, description="Video Retrieval: frames sampled over the kept clip(s).")
+    adjacent_threshold: float | None = Field(default=None, description=(
+        "Video Retrieval: also keep neighbouring clips scoring above this (the paper's Charades setting: 0.35); "
+        "None: the best clip alone."))
+    max_adjacent_clips: int = Field(default=3, description="Video Retrieval: most consecutive clips kept in all.")
+    timestamp_window: float = Field(default=60.0, description="Time Stamp Retrieval: seconds of video centred on the "
+                                                              "stated time.")
+    timestamp_frames: int = Field(default=16, description="Time Stamp Retrieval: frames sampled in that window.")
+    image_fps: float = Field(default=2.0, description="Image Retrieval: rate at which candidate frames are scored.")
+    image_top_k: int = Field(default=16, description="Image Retrieval: best-scoring frames kept.")
+    rough_frames: int = Field(default=16, description="Rough Browser: frames it reads from the focus.")
+    rough_tokens: int = Field(default=128, description="Rough Browser: new tokens of its description.")
+    fine_frames: int = Field(default=32, description="Fine Browser: frames it reads over the focused span.")
+    fine_tokens: int = Field(default=256, description="Fine Browser: new tokens of its description.")
+    space_frames: int = Field(default=16, description="Space Tool: frames it reads over the focused span.")
+    space_tokens: int = Field(default=256, description="Space Tool: new tokens of its answer.")
+    grounding_fps: float = Field(default=2.0, description="Grounding Tool: frame rate over the focused span.")
+    grounding_max_frames: int = Field(default=32, description="Grounding Tool: cap on the frames it reads.")
+    grounding_tokens: int = Field(default=64, description="Grounding Tool: new tokens of its answer.")
 
 
 class SeedSystemConfig(Strict):
     """The tool loop of a weaver / zoomer / sage agent. Unset fields take the kind's paper settings
     (m1/registry.py): glance 128 / 64 / 128 frames, 10 / 5 / 11 turns, tool clips at 1 fps."""
 
-    tools: list[str] | None = None  # the kind's tools the policy may call (None: all; []: answer from the glance)
-    glance_frames: int | None = Field(None, ge=1)  # uniform frames in the first user turn
-    max_turns: int | None = Field(None, ge=1)  # policy turns, the answer turn included
-    tool_fps: float | None = Field(None, gt=0)  # frames per second inside a clip a tool returns
-    max_tool_frames: int = Field(64, ge=1)  # cap on the frames one tool result adds (ours: the papers set none)
-    zoom_frames: int = Field(16, ge=1)  # zoomer: (end - start) * fps may not exceed this (VideoZoomer's B = 16)
-    count_clips: int = Field(8, ge=1)  # weaver temporal_count: equal clips judged one by one (ours)
-    reply_tokens: int = Field(512, ge=1)  # new tokens per policy turn
-    # ours: a vision model of the team (its key) that describes, in words, every frame put before the policy. A text
-    # policy reads `<frame k at t s>[description]` where a vision-language policy sees the image: how a text policy
-    # perceives the video. None: a text policy reads `[frame at t s]` alone
-    captioner: str | None = None
-    caption_tokens: int = Field(48, ge=1)  # new tokens of one frame's description
+    tools: list[str] | None = Field(default=None, description=(
+        "The kind's tools the policy may call; None: all of them, []: answer from the glance alone."))
+    glance_frames: int | None = Field(None, ge=1, description="Frames taken uniformly for the first user turn.")
+    max_turns: int | None = Field(None, ge=1, description="Policy turns, the answer turn included.")
+    tool_fps: float | None = Field(None, gt=0, description="Frames per second inside a clip a tool returns.")
+    max_tool_frames: int = Field(64, ge=1, description="Cap on the frames one tool result adds (ours: the papers "
+                                                       "set none).")
+    zoom_frames: int = Field(16, ge=1, description="zoomer: (end - start) * fps may not exceed this (VideoZoomer's "
+                                                   "B = 16).")
+    count_clips: int = Field(8, ge=1, description="weaver temporal_count: equal clips judged one by one (ours).")
+    reply_tokens: int = Field(512, ge=1, description="New tokens per policy turn.")
+    captioner: str | None = Field(default=None, description=(
+        "Ours: the key of a vision model of the team that describes every frame put before the policy in words, so a "
+        "text policy reads `<frame k at t s>[description]` where a vision policy sees the image. None: a text policy "
+        "reads `[frame at t s]` alone."))
+    caption_tokens: int = Field(48, ge=1, description="New tokens of one frame's description.")
 
 
 class TopologyConfig(Strict):
     """Inference uses the complete graph; training samples a random DAG each step."""
 
-    mode: Literal["complete", "random"] = "complete"
-    edge_prob: float = Field(1.0, ge=0.0, le=1.0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    seed: int = 0
+    mode: Literal["complete", "random"] = Field(default="complete", description=(
+        "complete: every agent reads every earlier one; random: a random DAG per question (edge_prob, dropout)."))
+    edge_prob: float = Field(1.0, ge=0.0, le=1.0, description="random: chance each forward edge is kept.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="random: chance each agent sits out (one always stays).")
+    seed: int = Field(default=0, description="Seed of the random DAGs.")
 
 
 AggMode = Literal["vote", "summarizer", "best_score", "decide_by_agent"]
 
 
 class AggregationConfig(Strict):
-    mcq: AggMode = "vote"
-    numeric: AggMode = "vote"
-    open: AggMode = "summarizer"
-    grounding: AggMode = "summarizer"
-    summarizer: str | None = None  # agent name; default: the first agent (the strongest)
-    decider: str | None = None  # agent name for decide_by_agent; default: the first agent
+    mcq: AggMode = Field(default="vote", description="How the agents' answers to a multiple-choice question become "
+                                                     "the team's (m1/team/aggregate.py).")
+    numeric: AggMode = Field(default="vote", description="The same for a numeric question.")
+    open: AggMode = Field(default="summarizer", description="The same for an open-ended question.")
+    grounding: AggMode = Field(default="summarizer", description="The same for a temporal grounding question.")
+    summarizer: str | None = Field(default=None, description="The agent that writes summaries; None: the first "
+                                                             "agent that is not a served team.")
+    decider: str | None = Field(default=None, description="The agent whose answer decide_by_agent takes; None: the "
+                                                          "first agent.")
 
 
 class LimitsConfig(Strict):
-    max_turns: int = Field(5, ge=1)
-    max_tool_calls: int = Field(5, ge=1)
-    plan_tokens: int = 256
-    comm_tokens: int = 128
-    answer_tokens: int = 256
-    summary_tokens: int = 256
-    batch_episodes: int = Field(8, ge=1)
-    frame_cache_mb: int = Field(4096, ge=16)  # decoded frames shared by all agents/episodes (LRU)
-    # the prompt budget of every agent call, in the agent's own tokens (m1/team/budget.py): over it, the peers' notes
-    # are trimmed oldest first; a prompt that still does not fit is an error, or with `over_budget: drop` ends that
-    # question's episode. None: no budget (training then uses learner.max_prompt_tokens)
-    max_prompt_tokens: int | None = Field(None, ge=1)
-    over_budget: Literal["error", "drop"] = "error"
+    max_turns: int = Field(5, ge=1, description="Execute / communicate rounds of an episode before the answer.")
+    max_tool_calls: int = Field(5, ge=1, description="Tool calls one agent may make in an episode.")
+    plan_tokens: int = Field(default=256, description="New tokens of a plan.")
+    comm_tokens: int = Field(default=128, description="New tokens of a communicate turn.")
+    answer_tokens: int = Field(default=256, description="New tokens of an answer.")
+    summary_tokens: int = Field(default=256, description="New tokens of the summary.")
+    batch_episodes: int = Field(8, ge=1, description="Episodes (questions) run together as one batch.")
+    frame_cache_mb: int = Field(4096, ge=16, description="Decoded frames kept in memory (LRU), shared by all agents "
+                                                         "and episodes.")
+    max_prompt_tokens: int | None = Field(None, ge=1, description=(
+        "Prompt budget of every agent call in the agent's own tokens (m1/team/budget.py): over it, peers' notes are "
+        "trimmed oldest first, and a prompt that still does not fit follows over_budget. None: no budget (training "
+        "then uses learner.max_prompt_tokens)."))
+    over_budget: Literal["error", "drop"] = Field(default="error", description=(
+        "A prompt over max_prompt_tokens after trimming: error stops, drop ends that question's episode."))
 
 
 class SamplingConfig(Strict):
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    temperature: float = Field(default=0.0, description="Sampling temperature of every agent; 0: greedy.")
+    top_p: float = Field(default=1.0, description="Nucleus sampling mass.")
+    seed: int = Field(default=0, description="First sampling seed; each call draws the next.")
 
 
 class TeamConfig(Strict):
-    name: str
-    models: dict[str, ModelSpec]
-    agents: list[AgentSpec]
-    tools: ToolsConfig = Field(default_factory=ToolsConfig)
-    topology: TopologyConfig = Field(default_factory=TopologyConfig)
-    aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    # settings of a weaver / zoomer / sage agent's loop
-    seed_system: SeedSystemConfig | None = None
+    name: str = Field(description="The team's name.")
+    models: dict[str, ModelSpec] = Field(description="The models the team uses, by key.")
+    agents: list[AgentSpec] = Field(description="The agents in order (the first is taken as the strongest).")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="The tools and their parameters.")
+    topology: TopologyConfig = Field(default_factory=TopologyConfig, description="Who reads whose notes.")
+    aggregation: AggregationConfig = Field(default_factory=AggregationConfig,
+                                           description="How the agents' answers become the team's.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Turns, tool calls, tokens and batching.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Decoding of every agent.")
+    seed_system: SeedSystemConfig | None = Field(default=None, description="The loop of a weaver / zoomer / sage "
+                                                                           "agent.")
 
     @model_validator(mode="after")
     def _references(self) -> TeamConfig:
