@@ -26,61 +26,64 @@ DEFAULT_LR = {"lora": 2e-6, "full": 1e-7}
 class LoraSettings(Strict):
     """peft LoRA adapter (paper: r=8, alpha=16, dropout 0.05)."""
 
-    r: int = Field(8, ge=1)
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    r: int = Field(8, ge=1, description="Rank of the adapter.")
+    alpha: int = Field(16, ge=1, description="Scale of the adapter's update (alpha / r).")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
     target_modules: list[str] = Field(default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="The linear layers that get an adapter.")
 
 
 class LearnerConfig(Strict):
     """How each agent's model is trained: one learner (policy, reference, optimizer) per agent."""
 
-    finetune: Literal["lora", "full"] = "lora"
-    # GPUs of each agent's learner: one ZeRO-2 group (cluster.learner_gpus overrides it per agent; see
-    # m1/marl/placement_plan.py)
-    gpus: int = Field(1, ge=1)
-    lora: LoraSettings = Field(default_factory=LoraSettings)
-    lr: float | None = Field(None, gt=0.0)  # None: DEFAULT_LR[finetune]
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0.0)
-    max_grad_norm: float | None = Field(1.0, gt=0.0)  # None: no clipping
-    warmup_steps: int = Field(0, ge=0)  # linear warm-up from lr/warmup_steps to lr
-    # after warm-up: keep lr ("constant"), or decay it to 0 at the last step ("linear", TRL's default; "cosine")
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    micro_batch_size: int = Field(8, ge=1)  # samples per forward/backward; gradients accumulate over a step
-    # a longer prompt is an error, never cut; the team's limits.max_prompt_tokens may not exceed it (training sets the
-    # team's budget to it when the team has none, m1/team/budget.py)
-    max_prompt_tokens: int = Field(1024, ge=1)
-    max_completion_tokens: int = Field(1024, ge=1)  # longer completions are cut (the rest is not trained)
-    # auto: bf16 autocast on CUDA, fp32 on CPU. Master weights stay fp32 (a 1e-7 step vanishes in bf16).
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    deepspeed: str | None = None  # path of a DeepSpeed JSON (configs/deepspeed/zero2.json); None: plain torch
-    gradient_checkpointing: bool = False
-    # Run each distinct prompt of a micro-batch once and reuse its key/value cache for its completions (GRPO's K
-    # rollouts share a prompt); same log-probs and gradients as one joint pass. Off: the joint pass.
-    share_prompt_forward: bool = True
-    # A step's samples are sorted by length and cut into micro-batches of at most micro_batch_size rows and at most
-    # this many padded tokens (distinct prompts x longest prompt + rows x longest completion; one longer row still
-    # goes alone), so short plan prompts are not padded to long communicate ones. The losses are weighted against
-    # the whole step, so any split gives the same gradient. None: count only. On CPU a tiny model is fastest near
-    # one prompt per micro-batch (no padding: causal attention without a mask); on a GPU larger budgets pay.
-    micro_batch_tokens: int | None = Field(16384, ge=1)
-    # GRPO at beta 0: a sample with advantage 0 adds no gradient (its surrogate is 0 * ratio), so it is not run; the
-    # step's loss weights still count it, so the gradient is unchanged. Per-token diagnostics (ratio_mean, clip_frac,
-    # is/*, logp_gap) are then means over the tokens that were run. Off: every sample is run.
-    skip_zero_advantage: bool = True
-    # False: a cheaper, different estimator. The prompt (all but its last token) runs without gradient and its
-    # key/value cache feeds the completion pass, so the gradient reaches the completion tokens' own activations but
-    # not the prompt's keys and values. About 2.8x less update work on the mini team; chosen on dev
-    # like any other setting.
-    prompt_grad: bool = True
-    # SFT only: also predict the prompt's tokens (frame descriptions, tool observations, the question), weighted
-    # against the completion's per-token mean. A tiny student trained from scratch sees ~30 completion tokens per
-    # example but ~800 prompt tokens, many of them repeats (an object seen on several frames), which is where copying
-    # a phrase from the context is learnt. 0: completion-only loss, as TRL's default.
-    prompt_loss: float = Field(0.0, ge=0.0)
+    finetune: Literal["lora", "full"] = Field(default="lora", description="Train a LoRA adapter or every weight.")
+    gpus: int = Field(1, ge=1, description=(
+        "GPUs of each agent's learner, one ZeRO-2 group; cluster.learner_gpus overrides it per agent "
+        "(m1/marl/placement_plan.py)."))
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="The adapter, with finetune lora.")
+    lr: float | None = Field(None, gt=0.0, description="Peak learning rate; None: 2e-6 for lora, 1e-7 for full "
+                                                       "(DEFAULT_LR).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradient norm to this; None: no "
+                                                                 "clipping.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from lr / warmup_steps to lr.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(default="constant", description=(
+        "After warm-up: keep lr (constant), or decay it to 0 at the last step (linear, TRL's default; cosine)."))
+    micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward; gradients accumulate over a "
+                                                       "step.")
+    max_prompt_tokens: int = Field(1024, ge=1, description=(
+        "A longer prompt is an error, never cut. The team's limits.max_prompt_tokens may not exceed it, and is set to "
+        "it when the team has none (m1/team/budget.py)."))
+    max_completion_tokens: int = Field(1024, ge=1, description="Longer completions are cut; the rest is not "
+                                                               "trained.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(default="auto", description=(
+        "auto: bf16 autocast on CUDA, fp32 on CPU. Master weights stay fp32 (a 1e-7 step vanishes in bf16)."))
+    deepspeed: str | None = Field(default=None, description=(
+        "Path of a DeepSpeed JSON (e.g. configs/deepspeed/zero2.json); None: plain torch."))
+    gradient_checkpointing: bool = Field(default=False, description="Recompute activations in the backward pass to "
+                                                                    "save memory.")
+    share_prompt_forward: bool = Field(default=True, description=(
+        "Run each distinct prompt of a micro-batch once and reuse its key/value cache for its completions (GRPO's K "
+        "rollouts share a prompt); same log-probs and gradients as one joint pass. False: the joint pass."))
+    micro_batch_tokens: int | None = Field(16384, ge=1, description=(
+        "Cap on the padded tokens of a micro-batch (distinct prompts x longest prompt + rows x longest completion; "
+        "a longer row goes alone). A step's samples are sorted by length and cut by this and micro_batch_size, so "
+        "short prompts are not padded to long ones; any split gives the same gradient. None: rows only. On CPU a "
+        "tiny model is fastest near one prompt per micro-batch; on a GPU larger budgets pay."))
+    skip_zero_advantage: bool = Field(default=True, description=(
+        "At grpo.beta 0, do not run samples with advantage 0 (they add no gradient; the step's weights still count "
+        "them). Per-token diagnostics are then means over the tokens run. False: run every sample."))
+    prompt_grad: bool = Field(default=True, description=(
+        "False: a cheaper, different estimator. The prompt runs without gradient and its key/value cache feeds the "
+        "completion pass, so no gradient reaches the prompt's keys and values (about 2.8x less update work on the "
+        "mini team)."))
+    prompt_loss: float = Field(0.0, ge=0.0, description=(
+        "SFT only: weight of a loss on the prompt's tokens (frame descriptions, tool output, the question) against "
+        "the completion's per-token mean; a tiny student learns to copy from context there. 0: completion-only "
+        "loss, as TRL's default."))
 
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.finetune]
@@ -104,97 +107,96 @@ class LearnerConfig(Strict):
 
 
 class DataConfig(Strict):
-    questions: str | None = None  # questions.jsonl (m1 synth / benchmark loaders write this format)
-    video_dir: str | None = None  # relative `video` fields are resolved against this folder
-    shuffle: bool = True  # a new permutation every epoch, derived from `seed` and the epoch number
+    questions: str | None = Field(default=None, description=(
+        "The training questions, a questions.jsonl as `m1 synth` and the benchmark loaders write."))
+    video_dir: str | None = Field(default=None, description="Folder that relative `video` fields are read from.")
+    shuffle: bool = Field(default=True, description="A new order every epoch, derived from `seed` and the epoch.")
 
 
 class RolloutConfig(Strict):
     """K team episodes per question over one random DAG per training step (agent dropout)."""
 
-    num_generations: int = Field(4, ge=1)  # K
-    questions_per_step: int = Field(8, ge=1)  # the paper's batch size
-    # Episodes the team runs at once in rollout.engine hf (each learner generates for all of them in one batch).
-    # auto: as many of the step's episodes as the KV cache fits in the memory the placement plan leaves on each
-    # learner GPU (m1/marl/planner.py `rollout_batch`); a number: that many; None: the team's limits.batch_episodes.
-    # With rollout.engine vllm the engine gets the whole step at once: auto is accepted there, a number is not.
-    batch_episodes: PositiveInt | Literal["auto"] | None = None
-    # Where the trained agents' rollouts are generated. hf: by each learner's own policy (Hugging Face generate).
-    # vllm: by a vLLM server per trained agent (m1/models/vllm_server.py), weights synced after every update: M1
-    # launches `engine_command` (default `vllm serve ...`) on the GPUs the plan gives each engine, or uses the servers
-    # the user runs at `engine_url` (one URL when one agent is trained, else {agent: URL}). All episodes of a step go to
-    # each engine at once
-    engine: Literal["hf", "vllm"] = "hf"
-    engine_url: str | dict[str, str] | None = None
-    # argv of the server, with {model} {port} {lora_rank} {gpu_memory_utilization} filled in; None: vLLM's
-    engine_command: list[str] | None = None
-    engine_timeout_s: float = Field(600.0, gt=0.0)  # one request, then a clear error
-    temperature: float = Field(1.0, gt=0.0)  # sampling temperature of every agent (unless an agent sets its own)
-    topology: Literal["random", "complete"] = "random"
-    edge_prob: float = Field(0.5, ge=0.0, le=1.0)
-    dropout: float = Field(0.25, ge=0.0, lt=1.0)
-    # episode (paper): every generation of an agent carries the advantage of its total reward. phase (ours): its
-    # answers and summaries carry the advantage of the outcome (w_res * R_res + w_format * answer parsed +
-    # w_team * team_res) alone, so the plan's judged quality and the other generations' format do not decide which
-    # answer is reinforced. agent (ours, per-agent credit): question i of the run focuses trained agent i mod n; its
-    # K episodes have that agent sampling and every teammate greedy, and only the focus agent's generations are
-    # trained on, credited within those K (m1/marl/credit.py). Same episodes per step as episode credit; each agent
-    # gets 1/n of the step's questions, so raise questions_per_step to keep its samples per step.
-    credit: Literal["episode", "phase", "agent"] = "episode"
-    # ours: the phases whose generations are trained on; the others still run and shape the episode, but carry no
-    # gradient (e.g. [answer, summary]: learn to read the notes while plans and tool use stay as SFT left them).
-    # A seed-kind team (weaver / zoomer / sage) writes `act` (a tool-calling turn) and `answer`; there the default
-    # list means every turn, and a list of its own may name only act and answer
+    num_generations: int = Field(4, ge=1, description="K: episodes per question (the GRPO group).")
+    questions_per_step: int = Field(8, ge=1, description="Questions per training step (the paper's batch size).")
+    batch_episodes: PositiveInt | Literal["auto"] | None = Field(default=None, description=(
+        "Episodes the team runs at once with engine hf. auto: as many of the step's as the KV cache fits in what the "
+        "placement plan leaves on each learner GPU (m1/marl/planner.py); a number: that many; None: the team's "
+        "limits.batch_episodes. A vllm engine gets the whole step at once (auto only)."))
+    engine: Literal["hf", "vllm"] = Field(default="hf", description=(
+        "Who generates the trained agents' rollouts. hf: each learner's own policy. vllm: a vLLM server per trained "
+        "agent (m1/models/vllm_server.py), weights synced after every update, launched by M1 (engine_command) or "
+        "run by you (engine_url)."))
+    engine_url: str | dict[str, str] | None = Field(default=None, description=(
+        "vllm: the servers you run: one URL when one agent is trained, else {agent: URL}; None: M1 launches them."))
+    engine_command: list[str] | None = Field(default=None, description=(
+        "vllm: argv of a launched server, {model} {port} {lora_rank} {gpu_memory_utilization} filled in; None: "
+        "`vllm serve ...`."))
+    engine_timeout_s: float = Field(600.0, gt=0.0, description="vllm: seconds one request may take before a clear "
+                                                               "error.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of every agent (unless an agent sets "
+                                                        "its own).")
+    topology: Literal["random", "complete"] = Field(default="random", description=(
+        "random: one random DAG per step (edge_prob, dropout); complete: every agent reads every earlier one."))
+    edge_prob: float = Field(0.5, ge=0.0, le=1.0, description="random: chance each forward edge is kept.")
+    dropout: float = Field(0.25, ge=0.0, lt=1.0, description="random: chance each agent sits out (one always "
+                                                             "stays).")
+    credit: Literal["episode", "phase", "agent"] = Field(default="episode", description=(
+        "episode (paper): every generation carries the advantage of its agent's total reward. phase (ours): answers "
+        "and summaries carry the advantage of the outcome alone (w_res * R_res + w_format * parsed + w_team * "
+        "team_res). agent (ours): question i focuses trained agent i mod n, sampling while teammates decode "
+        "greedily, and only its generations are trained (m1/marl/credit.py); raise questions_per_step to keep each "
+        "agent's samples per step."))
     train_phases: list[Literal["plan", "communicate", "answer", "summary", "act"]] = Field(
-        default_factory=lambda: list(CPP_PHASES), min_length=1)
-    # Dynamic sampling (DAPO): a group (an agent's K rollouts of a question) whose rewards all tie carries no GRPO
-    # signal and is dropped; a question with no informative group left is replaced by the next questions of the data
-    # cursor, for at most `max_refill` extra rounds per step (the step trains on fewer groups when they run out).
-    dynamic_sampling: bool = False
-    max_refill: int = Field(2, ge=0)
-    # Asynchronous rollouts (m1/marl/producer.py): 0 = the synchronous step (rollouts, then the update). k > 0: a
-    # producer thread runs step t's rollouts with the weights after update max(0, t - k) while the learners update
-    # the steps before it, so sampling and updating overlap; every sample of step t is min(t, k) versions old and
-    # the loss corrects for it with the sampler's log-probs (grpo.old_logprobs sampler, the default then, or rollout).
-    # On the hf engine a copy of each learner's model samples (placement local only)
-    max_staleness: int = Field(0, ge=0)
+        default_factory=lambda: list(CPP_PHASES), min_length=1, description=(
+            "Ours: the phases whose generations are trained; the others run but carry no gradient (e.g. [answer, "
+            "summary]). A seed-kind team writes act and answer turns: the default means both, a list of its own "
+            "may name only those."))
+    dynamic_sampling: bool = Field(default=False, description=(
+        "DAPO's dynamic sampling: drop groups whose rewards all tie (no GRPO signal) and replace a question left "
+        "without one by the next questions, for at most max_refill rounds per step."))
+    max_refill: int = Field(2, ge=0, description="dynamic_sampling: extra rounds of questions per step.")
+    max_staleness: int = Field(0, ge=0, description=(
+        "Asynchronous rollouts (m1/marl/producer.py). 0: rollouts, then the update. k > 0: step t's rollouts run "
+        "with the weights after update max(0, t - k) while the learners update, and the loss corrects with the "
+        "sampler's log-probs (grpo.old_logprobs sampler or rollout). With engine hf, placement local only."))
 
 
 class GRPOSettings(Strict):
     """Loss numerics; see m1/marl/grpo.py for the formulas."""
 
-    beta: float = Field(1e-5, ge=0.0)  # k3 KL weight; 0 skips the reference forward entirely
-    clip_eps_low: float = Field(0.2, ge=0.0)
-    clip_eps_high: float | None = Field(None, ge=0.0)
-    loss_type: Literal["grpo", "bnpo", "token-mean", "dr_grpo", "dapo"] = "grpo"
-    scale_rewards: bool = True  # divide by the group std (False: Dr. GRPO)
-    # group: advantages relative to the K rollouts' mean (GRPO). greedy (ours, after ReMax): each question is also
-    # run once greedily (not trained on) and a rollout's advantage is its reward minus the greedy run's, so a sample
-    # gains only by beating the greedy decoding the team is evaluated with, and matching it earns nothing
-    baseline: Literal["group", "greedy"] = "group"
-    # policy: old = logp.detach() (one update per rollout batch, TRL's on-policy case);
-    # rollout: old = the sampler's log-probs (use when generation may lag the weights);
-    # sampler: old = logp.detach(), and each token's policy term is weighted by min(exp(logp - logp_sampler),
-    # is_cap): the truncated importance weight correcting for an engine (vLLM) whose numerics differ from the
-    # trainer's (TRL's vLLM correction). Logs <agent>/is/ratio_mean, is/ratio_max and is/truncated (token share).
-    # Left out (None): `resolve` picks sampler with rollout.engine vllm (the engine/trainer gap is exactly what it
-    # corrects), else policy; policy with engine vllm is refused, since it would train on the trainer's numbers as if
-    # they were the sampler's
-    old_logprobs: Literal["policy", "rollout", "sampler"] | None = None
-    is_cap: float = Field(2.0, gt=0.0)
+    beta: float = Field(1e-5, ge=0.0, description="Weight of the k3 KL term; 0 skips the reference forward.")
+    clip_eps_low: float = Field(0.2, ge=0.0, description="The ratio is clipped below at 1 - this.")
+    clip_eps_high: float | None = Field(None, ge=0.0, description="The ratio is clipped above at 1 + this; None: "
+                                                                  "clip_eps_low.")
+    loss_type: Literal["grpo", "bnpo", "token-mean", "dr_grpo", "dapo"] = Field(default="grpo", description=(
+        "How per-token losses are reduced to one (m1/marl/grpo.py LOSS_AGG)."))
+    scale_rewards: bool = Field(default=True, description="Divide advantages by the group's std; False: Dr. GRPO.")
+    baseline: Literal["group", "greedy"] = Field(default="group", description=(
+        "group: advantages against the K rollouts' mean (GRPO). greedy (ours, after ReMax): each question is also "
+        "run once greedily, untrained, and a rollout's advantage is its reward minus that run's, so a sample gains "
+        "only by beating the decoding the team is evaluated with."))
+    old_logprobs: Literal["policy", "rollout", "sampler"] | None = Field(default=None, description=(
+        "The old policy of the ratio. policy: logp.detach() (TRL's on-policy case). rollout: the sampler's "
+        "log-probs (generation may lag the weights). sampler: logp.detach(), each token weighted by "
+        "min(exp(logp - logp_sampler), is_cap) to correct an engine whose numerics differ (TRL's vLLM correction). "
+        "None: sampler with rollout.engine vllm or max_staleness > 0, else policy."))
+    is_cap: float = Field(2.0, gt=0.0, description="sampler: cap on the truncated importance weight.")
 
 
 class JudgeConfig(Strict):
     """Judge of the collaboration reward: the offline rubric, an LLM (paper: GPT-4o), or none (w_col must be 0)."""
 
-    kind: Literal["rubric", "llm", "none"] = "rubric"
-    model: ModelSpec | None = None  # llm: e.g. {kind: chat, backend: openai, path: gpt-4o}
-    cache_dir: str | None = None  # llm: verdict cache (default <out_dir>/judge_cache)
-    rate_per_minute: float | None = Field(None, gt=0.0)
-    # How plans and tool choices are judged (m1/marl/judge.py): cues (the tools must fit cues of the question, the
-    # rule-based teacher's preferences), outcome (ours: any tools, judged on a well-formed plan that ran and produced
-    # notes the answer follows) or none (ours: the plan's content is not judged). Both judges follow it
-    plan_rubric: Literal["cues", "outcome", "none"] = "cues"
+    kind: Literal["rubric", "llm", "none"] = Field(default="rubric", description=(
+        "rubric: the offline rule-based judge; llm: a chat model; none: no judge (rewards.w_col must be 0)."))
+    model: ModelSpec | None = Field(default=None, description=(
+        "llm: the judge's chat model, e.g. {kind: chat, backend: openai, path: gpt-4o}."))
+    cache_dir: str | None = Field(default=None, description="llm: where verdicts are cached; None: "
+                                                            "<out_dir>/judge_cache.")
+    rate_per_minute: float | None = Field(None, gt=0.0, description="llm: most requests per minute; None: no limit.")
+    plan_rubric: Literal["cues", "outcome", "none"] = Field(default="cues", description=(
+        "How plans and tool choices are judged, by either judge (m1/marl/judge.py). cues: the tools must fit cues "
+        "of the question (the rule-based teacher's preferences). outcome (ours): any tools, judged on a well-formed "
+        "plan that ran and gave notes the answer follows. none (ours): the plan's content is not judged."))
 
     @model_validator(mode="after")
     def _model_for_llm(self) -> JudgeConfig:
@@ -211,16 +213,18 @@ TRACKERS = ("tensorboard", "mlflow", "wandb")  # log.backends (m1/marl/trackers.
 class MlflowSettings(Strict):
     """`log.mlflow`: where the mlflow run goes."""
 
-    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else the file store <out_dir>/mlruns
-    experiment: str | None = None  # None: the run's name
+    tracking_uri: str | None = Field(default=None, description=(
+        "Where runs are recorded; None: $MLFLOW_TRACKING_URI, else the file store <out_dir>/mlruns."))
+    experiment: str | None = Field(default=None, description="The mlflow experiment; None: the run's name.")
 
 
 class WandbSettings(Strict):
     """`log.wandb`: offline by default (these machines reach no server); `wandb sync` uploads the run later."""
 
-    project: str | None = None  # None: the run's name
-    entity: str | None = None
-    mode: Literal["offline", "online"] = "offline"
+    project: str | None = Field(default=None, description="The wandb project; None: the run's name.")
+    entity: str | None = Field(default=None, description="The wandb team or user; None: wandb's default.")
+    mode: Literal["offline", "online"] = Field(default="offline", description=(
+        "offline writes the run locally (`wandb sync` uploads it later); online sends it as it runs."))
 
 
 class LogConfig(Strict):
@@ -229,13 +233,16 @@ class LogConfig(Strict):
     `tensorboard: true|false`, the key of earlier configs, is deprecated (a FutureWarning) and goes in M1 0.2.0:
     until then it adds or removes tensorboard from `backends`."""
 
-    backends: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=lambda: ["tensorboard"])
-    progress: bool = True  # tqdm bar
-    # every this many steps, the step's episodes (prompts, completions, reward parts, advantages) and their trace
-    # pages go to <out_dir>/samples/step-NNNNNN/ (m1/marl/samples.py); 0 or None: never
-    samples_every: int | None = Field(None, ge=0)
-    mlflow: MlflowSettings = Field(default_factory=MlflowSettings)
-    wandb: WandbSettings = Field(default_factory=WandbSettings)
+    backends: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"], description=(
+            "Trackers that get the metrics besides metrics.jsonl. Replaces log.tensorboard (deprecated, removed in "
+            "M1 0.2.0)."))
+    progress: bool = Field(default=True, description="Show a tqdm progress bar.")
+    samples_every: int | None = Field(None, ge=0, description=(
+        "Every this many steps, write the step's episodes (prompts, completions, reward parts, advantages) and their "
+        "trace pages to <out_dir>/samples/step-NNNNNN/ (m1/marl/samples.py); 0 or None: never."))
+    mlflow: MlflowSettings = Field(default_factory=MlflowSettings, description="Where the mlflow run goes.")
+    wandb: WandbSettings = Field(default_factory=WandbSettings, description="Where the wandb run goes.")
 
     @model_validator(mode="before")
     @classmethod
@@ -260,33 +267,43 @@ class LogConfig(Strict):
 
 
 class CheckpointConfig(Strict):
-    every: int = Field(50, ge=1)  # steps between checkpoints (the last step is always saved)
-    keep_last: int = Field(2, ge=1)
-    resume: bool = True  # continue from the newest checkpoint in out_dir when there is one
-    # latest: resume from the newest checkpoint and stop with an error naming the file when it is damaged (its
-    # manifest does not match). previous: skip damaged ones and resume from the newest intact checkpoint (what
-    # `--resume-from previous` sets)
-    resume_from: Literal["latest", "previous"] = "latest"
+    every: int = Field(50, ge=1, description="Steps between checkpoints (the last step is always saved).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    resume: bool = Field(default=True, description="Continue from the newest checkpoint in out_dir when there is "
+                                                   "one.")
+    resume_from: Literal["latest", "previous"] = Field(default="latest", description=(
+        "latest: resume from the newest checkpoint, and stop with an error naming the file when it is damaged. "
+        "previous: skip damaged ones and resume from the newest intact one (`--resume-from previous`)."))
 
 
 class RayConfig(Strict):
-    address: str | None = None  # None: start a local Ray; "auto": join a running cluster
-    num_gpus_per_learner: float = Field(0.0, ge=0.0)
-    num_cpus_per_learner: float = Field(0.0, ge=0.0)
+    address: str | None = Field(default=None, description="None: start a local Ray; auto: join a running cluster; "
+                                                          "or the cluster's address.")
+    num_gpus_per_learner: float = Field(0.0, ge=0.0, description="GPUs each learner actor asks Ray for when no "
+                                                                 "placement plan places it.")
+    num_cpus_per_learner: float = Field(0.0, ge=0.0, description="CPUs each learner actor asks Ray for when no "
+                                                                 "placement plan places it.")
 
 
 class ClusterConfig(Strict):
     """`cluster:` of a MARL or SFT config: the GPUs the run is planned on and the margins of the estimate."""
 
-    gpus_per_node: int = Field(8, ge=1)  # `--gpus N` means ceil(N / gpus_per_node) nodes
-    gpu_mem_gb: float | None = Field(None, gt=0)  # memory of one GPU; None: --gpu-mem, else the local GPUs
-    reserve_gb: float = Field(3.0, ge=0)  # per GPU, outside the formulas: CUDA context, NCCL, ZeRO buckets
-    headroom: float = Field(0.1, ge=0, lt=1)  # share of each GPU left unplanned (allocator fragmentation, spikes)
-    engine_gpus: int = Field(1, ge=1)  # GPUs of each launched rollout engine (rollout.engine vllm; tensor parallel)
-    learner_gpus: dict[str, PositiveInt] = Field(default_factory=dict)  # agent -> GPUs; overrides learner.gpus
-    driver_gpus: dict[str, PositiveInt] = Field(default_factory=dict)  # driver model key (or "judge") -> GPUs
-    driver_headroom: float = Field(0.5, ge=0)  # activations + KV of an inference model, as a share of its weights
-    cpus_per_gpu: int = Field(4, ge=0)  # CPUs in each Ray bundle
+    gpus_per_node: int = Field(8, ge=1, description="GPUs per node: `--gpus N` means ceil(N / gpus_per_node) "
+                                                    "nodes.")
+    gpu_mem_gb: float | None = Field(None, gt=0, description="Memory of one GPU; None: --gpu-mem, else the local "
+                                                             "GPUs'.")
+    reserve_gb: float = Field(3.0, ge=0, description="Per GPU, memory outside the estimates: CUDA context, NCCL, "
+                                                     "ZeRO buckets.")
+    headroom: float = Field(0.1, ge=0, lt=1, description="Share of each GPU left unplanned (fragmentation, spikes).")
+    engine_gpus: int = Field(1, ge=1, description="GPUs of each launched rollout engine (rollout.engine vllm; tensor "
+                                                  "parallel).")
+    learner_gpus: dict[str, PositiveInt] = Field(default_factory=dict, description="Agent -> GPUs of its learner; "
+                                                                                   "overrides learner.gpus.")
+    driver_gpus: dict[str, PositiveInt] = Field(default_factory=dict, description=(
+        "A driver model's key (or judge) -> its GPUs."))
+    driver_headroom: float = Field(0.5, ge=0, description="Activations and KV cache of an inference model, as a "
+                                                          "share of its weights.")
+    cpus_per_gpu: int = Field(4, ge=0, description="CPUs in each Ray bundle.")
 
     def gpus_of(self, agent: str, learner: LearnerConfig) -> int:
         """GPUs of `agent`'s learner group: its `learner_gpus` entry, else `learner.gpus`."""
@@ -309,28 +326,32 @@ def _team(team: str | TeamConfig, overrides: list[str]) -> TeamConfig:
 class TrainConfig(Strict):
     """One MARL run: a team, its questions, rollouts, rewards, GRPO and one learner per agent."""
 
-    name: str = "marl"
-    team: str | TeamConfig  # a configs/team name, a YAML path, or the team inline
-    team_overrides: list[str] = Field(default_factory=list)  # dotted overrides applied to a named team
-    # the SFT run (its out_dir) whose trained agents this run starts from: the paper's recipe is SFT, then MARL.
-    # Its newest checkpoint (m1/marl/launch.py `seat_init`).
-    init_from: str | None = None
-    train_agents: list[str] | None = None  # None: every agent learns; others still act, frozen
-    data: DataConfig = Field(default_factory=DataConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    grpo: GRPOSettings = Field(default_factory=GRPOSettings)
-    rewards: RewardConfig = Field(default_factory=RewardConfig)
-    judge: JudgeConfig = Field(default_factory=JudgeConfig)
-    learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    steps: int = Field(200, ge=1)
-    seed: int = 0
-    out_dir: str = "runs/marl"
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
-    placement: Literal["local", "ray"] = "local"  # ray: one learner actor per agent
-    ray: RayConfig = Field(default_factory=RayConfig)
-    # the GPUs the run is planned on (`m1 train --plan`)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    name: str = Field(default="marl", description="The run's name (trackers, records).")
+    team: str | TeamConfig = Field(description="The team trained: a configs/team name, a YAML path, or the team "
+                                               "inline.")
+    team_overrides: list[str] = Field(default_factory=list, description="Dotted key=value overrides applied to a "
+                                                                        "named team.")
+    init_from: str | None = Field(default=None, description=(
+        "The out_dir of the SFT run whose trained agents this run starts from, its newest checkpoint (the paper's "
+        "recipe: SFT, then MARL; m1/marl/launch.py). None: the team's own weights."))
+    train_agents: list[str] | None = Field(default=None, description="The agents that learn; None: all. The others "
+                                                                     "still act, frozen.")
+    data: DataConfig = Field(default_factory=DataConfig, description="The training questions.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="How episodes are sampled.")
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings, description="The loss.")
+    rewards: RewardConfig = Field(default_factory=RewardConfig, description="Reward weights and mappings.")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The judge of the collaboration reward.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="How each agent's model is trained.")
+    steps: int = Field(200, ge=1, description="Training steps.")
+    seed: int = Field(default=0, description="Seed of the data order, the DAGs, sampling and training.")
+    out_dir: str = Field(default="runs/marl", description="Where checkpoints, metrics and samples go.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resuming.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Trackers and samples.")
+    placement: Literal["local", "ray"] = Field(default="local", description=(
+        "local: every learner in this process; ray: each agent's learner as Ray actors."))
+    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster, with placement ray.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description=(
+        "The GPUs the run is planned on (`m1 train --plan`)."))
 
     @model_validator(mode="after")
     def _checks(self) -> TrainConfig:
@@ -381,56 +402,65 @@ class TrainConfig(Strict):
 class SFTDataConfig(Strict):
     """Where SFT examples come from: an existing JSONL, or a teacher team run over questions."""
 
-    examples: str | None = None  # JSONL of SFT examples (written by `build`); read when it exists
-    questions: str | None = None
-    video_dir: str | None = None
-    teacher: str | TeamConfig | None = None  # team producing the plans (rule-based teacher or an API team)
-    teacher_overrides: list[str] = Field(default_factory=list)
-    rollouts_per_question: int = Field(1, ge=1)  # sampled teams may produce different plans
-    # ours: rollout r of an MCQ question shows its options rotated by r places (m1/marl/sft.py rotate_options),
-    # so a deterministic teacher still yields new answers, under balanced letters, from the same questions
-    rotate_options: bool = False
-    # ours: also keep a plan its agent revised during the episode when that agent answered right (the paper drops
-    # every changed plan); the revision itself is learnt from the communicate example
-    keep_revised_plans: bool = False
-    # a seed-kind teacher (weaver / zoomer / sage) writes act and answer turns: there the default means both, as
-    # every turn of a right episode is an example
-    phases: list[Literal["plan", "communicate", "answer", "summary", "act"]] = Field(default_factory=lambda: ["plan"])
-    # all: every student agent learns every kept example; same_name: only examples of the agent with its name
-    assign: Literal["all", "same_name"] = "all"
-    # ours: keep at most N communicate examples per agent and question (over all its rollouts), the first ones: they
-    # are mostly `continue()` and the longest prompts, so this is a data budget applied after the keep rule
-    communicate_per_episode: int | None = Field(None, ge=0)
-    # keep_rule: plans by the paper's rule (see keep_revised_plans); all: every plan the teacher wrote, whatever the
-    # outcome (ours: with a teacher that plans at random, SFT then teaches the plan format, not which plan is good)
-    plan_filter: Literal["keep_rule", "all"] = "keep_rule"
-    # run the teacher in this many worker processes, each over whole videos; the teacher's choices depend only on
-    # its prompt, so the concatenated examples are those of one process (not part of the data's identity)
-    workers: int = Field(1, ge=1)
+    examples: str | None = Field(default=None, description=(
+        "A JSONL of SFT examples: read when it exists, else written there from the teacher's run; None: "
+        "<out_dir>/sft_examples.jsonl."))
+    questions: str | None = Field(default=None, description="The questions the teacher answers (questions.jsonl).")
+    video_dir: str | None = Field(default=None, description="Folder that relative `video` fields are read from.")
+    teacher: str | TeamConfig | None = Field(default=None, description=(
+        "The team that writes the plans (the rule-based teacher or an API team): a name, a path or inline."))
+    teacher_overrides: list[str] = Field(default_factory=list, description="Dotted key=value overrides applied to a "
+                                                                           "named teacher.")
+    rollouts_per_question: int = Field(1, ge=1, description="Teacher episodes per question (a sampling teacher may "
+                                                            "plan differently each time).")
+    rotate_options: bool = Field(default=False, description=(
+        "Ours: rollout r of a multiple-choice question shows its options rotated by r places, so a deterministic "
+        "teacher still gives new answers under balanced letters (m1/marl/sft.py rotate_options)."))
+    keep_revised_plans: bool = Field(default=False, description=(
+        "Ours: also keep a plan its agent revised during the episode when that agent answered right (the paper "
+        "drops every changed plan); the revision is learnt from the communicate example."))
+    phases: list[Literal["plan", "communicate", "answer", "summary", "act"]] = Field(
+        default_factory=lambda: ["plan"], description=(
+            "The phases whose generations become examples. With a seed-kind teacher (weaver / zoomer / sage) the "
+            "default means its act and answer turns."))
+    assign: Literal["all", "same_name"] = Field(default="all", description=(
+        "all: every student agent learns every kept example; same_name: each learns those of the teacher agent "
+        "with its name."))
+    communicate_per_episode: int | None = Field(None, ge=0, description=(
+        "Ours: keep at most this many communicate examples per agent and question, the first ones (a data budget "
+        "after the keep rule); None: all."))
+    plan_filter: Literal["keep_rule", "all"] = Field(default="keep_rule", description=(
+        "keep_rule: plans by the paper's rule (see keep_revised_plans). all (ours): every plan the teacher wrote, "
+        "whatever the outcome, so SFT teaches the plan format rather than which plan is good."))
+    workers: int = Field(1, ge=1, description=(
+        "Teacher worker processes, each over whole videos; the examples are the same as one process's."))
 
 
 class SFTConfig(Strict):
     """Supervised fine-tuning of every agent of a team on kept teacher plans."""
 
-    name: str = "sft"
-    team: str | TeamConfig  # the student team
-    team_overrides: list[str] = Field(default_factory=list)
-    train_agents: list[str] | None = None
-    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
-    rewards: RewardConfig = Field(default_factory=lambda: RewardConfig(w_col=0.0))  # R_res decides "right"
-    learner: LearnerConfig = Field(default_factory=lambda: LearnerConfig(lr=1e-6, finetune="full"))
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(8, ge=1)  # examples per optimizer step (per agent)
-    max_steps: int | None = Field(None, ge=1)
-    seed: int = 0
-    out_dir: str = "runs/sft"
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
-    # ray: each student's learner is a group of Ray actors placed by the plan, as in MARL
-    placement: Literal["local", "ray"] = "local"
-    ray: RayConfig = Field(default_factory=RayConfig)
-    # the GPUs the run is planned on (`m1 sft --plan`)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    name: str = Field(default="sft", description="The run's name (trackers, records).")
+    team: str | TeamConfig = Field(description="The student team: a configs/team name, a YAML path, or inline.")
+    team_overrides: list[str] = Field(default_factory=list, description="Dotted key=value overrides applied to a "
+                                                                        "named team.")
+    train_agents: list[str] | None = Field(default=None, description="The student agents that learn; None: all.")
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig, description="Where the examples come from.")
+    rewards: RewardConfig = Field(default_factory=lambda: RewardConfig(w_col=0.0), description=(
+        "Rewards of the teacher's episodes; R_res decides which answers are right."))
+    learner: LearnerConfig = Field(default_factory=lambda: LearnerConfig(lr=1e-6, finetune="full"), description=(
+        "How each student is trained (default here: full fine-tune at lr 1e-6)."))
+    epochs: int = Field(1, ge=1, description="Passes over the examples.")
+    batch_size: int = Field(8, ge=1, description="Examples per optimizer step, per agent.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many steps; None: after the epochs.")
+    seed: int = Field(default=0, description="Seed of the example order and of training.")
+    out_dir: str = Field(default="runs/sft", description="Where examples, checkpoints and metrics go.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resuming.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Trackers and samples.")
+    placement: Literal["local", "ray"] = Field(default="local", description=(
+        "local: every learner in this process; ray: each student's learner as Ray actors placed by the plan."))
+    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster, with placement ray.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description=(
+        "The GPUs the run is planned on (`m1 sft --plan`)."))
 
     @model_validator(mode="after")
     def _checks(self) -> SFTConfig:

@@ -59,21 +59,28 @@ __all__ = [
 class RewardConfig(Strict):
     """Reward weights and mappings (the `rewards:` block of a MARL config)."""
 
-    w_res: float = 1.0
-    w_format: float = 1.0
-    w_col: float = 1.0
-    w_team: float = 0.0  # ours: weight of the team's result, shared by every agent (paper: 0)
-    tool_call_limit: int = Field(5, ge=1)
-    # added once per tool call past the limit; must be <= 0
-    over_limit_penalty: float = Field(-2.0, le=0.0)
-    grounding: Literal["linear", "threshold"] = "linear"
-    grounding_threshold: float = Field(0.5, gt=0.0, le=1.0)  # IoU needed for +1 in threshold mode
-    numeric: Literal["linear", "threshold"] = "linear"
-    numeric_threshold: float = Field(0.5, gt=0.0, le=1.0)  # MRA needed for +1 in threshold mode
-    format: Literal["generations", "phases"] = "generations"  # R_format: share of generations, or mean per phase
-    # Which reward: auto follows the team's agent kind (cpp: the rewards above; weaver / zoomer / sage: that seed's
-    # own reward, `seed_rewards`, whose weights are the papers' and ignore w_*).
-    kind: Literal["auto", "cpp", "weaver", "zoomer", "sage"] = "auto"
+    w_res: float = Field(default=1.0, description="Weight of R_res, the agent's own answer against the truth.")
+    w_format: float = Field(default=1.0, description="Weight of R_format, the share of its replies in the strict "
+                                                     "format.")
+    w_col: float = Field(default=1.0, description="Weight of R_col, the judge's verdict on its memory record (0 "
+                                                  "with judge.kind none).")
+    w_team: float = Field(default=0.0, description="Ours: weight of the team's result, shared by every agent "
+                                                   "(paper: 0).")
+    tool_call_limit: int = Field(5, ge=1, description="Tool calls an agent may make before each one is penalised.")
+    over_limit_penalty: float = Field(-2.0, le=0.0, description="Added to R_col once per tool call past the limit; "
+                                                                "at most 0.")
+    grounding: Literal["linear", "threshold"] = Field(default="linear", description=(
+        "Grounding R_res from the span's IoU: linear 2 * IoU - 1, or threshold +1 / -1 around grounding_threshold."))
+    grounding_threshold: float = Field(0.5, gt=0.0, le=1.0, description="IoU needed for +1 in threshold mode.")
+    numeric: Literal["linear", "threshold"] = Field(default="linear", description=(
+        "Numeric R_res from the mean relative accuracy (MRA): linear 2 * MRA - 1, or threshold +1 / -1 around "
+        "numeric_threshold."))
+    numeric_threshold: float = Field(0.5, gt=0.0, le=1.0, description="MRA needed for +1 in threshold mode.")
+    format: Literal["generations", "phases"] = Field(default="generations", description=(
+        "R_format: the share of all generations in format, or (phases, ours) the mean of that share per phase."))
+    kind: Literal["auto", "cpp", "weaver", "zoomer", "sage"] = Field(default="auto", description=(
+        "Which reward: auto follows the team's agent kind. cpp: the rewards above; weaver / zoomer / sage: that "
+        "seed system's own reward with the papers' weights (w_* ignored)."))
 
 
 class RewardBreakdown(BaseModel):

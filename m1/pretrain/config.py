@@ -15,45 +15,51 @@ class Stage(Strict):
     """From step `start` on: frames per described glance (the context-length curriculum) and, when given, the mix of
     families (single steps alone first, then their chains); a stage without a mix keeps the one before it."""
 
-    start: int = Field(ge=0)
-    frames: PositiveInt = 16
-    mix: dict[str, float] | None = None
+    start: int = Field(ge=0, description="The step this stage starts at.")
+    frames: PositiveInt = Field(default=16, description="Frames per described glance from that step on.")
+    mix: dict[str, float] | None = Field(default=None, description="Family -> weight from that step on; None: the "
+                                                                    "mix before.")
 
 
 class EvalSettings(Strict):
-    every: PositiveInt = 500  # steps between held-out evaluations
-    drills: PositiveInt = 100  # held-out drills per family at each evaluation
-    final_drills: PositiveInt = 400  # per family, at the end (the record's accuracy)
-    families: list[str] = Field(default_factory=lambda: list(FAMILIES))
-    frames: PositiveInt = 16
+    every: PositiveInt = Field(default=500, description="Steps between held-out evaluations.")
+    drills: PositiveInt = Field(default=100, description="Held-out drills per family at each evaluation.")
+    final_drills: PositiveInt = Field(default=400, description="Held-out drills per family at the end (the record's "
+                                                               "accuracy).")
+    families: list[str] = Field(default_factory=lambda: list(FAMILIES), description="The drill families evaluated.")
+    frames: PositiveInt = Field(default=16, description="Frames per described glance in the held-out drills.")
 
 
 class PretrainConfig(Strict):
-    out_dir: str
-    # the student: a tiny spec with the students' tokenizer (corpus: reading) and init (init_std: 0.02)
-    student: TinySpec
-    steps: PositiveInt = 20000
-    batch_size: PositiveInt = 16
-    lr: float = Field(default=1e-3, gt=0)
-    warmup: int = Field(default=200, ge=0)
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)  # cosine decay to lr * this at the last step
-    weight_decay: float = Field(default=0.0, ge=0)
-    grad_clip: float = Field(default=1.0, gt=0)
-    # drill family (or "text") -> weight in each batch; singles and chains as m1/pretrain/drills.py names them
-    mix: dict[str, float] = Field(default_factory=lambda: {**{f: 1.0 for f in FAMILIES}, TEXT: 1.0})
-    # chains write each intermediate step before the answer (`bottom left -> C`); False: the answer alone
-    steps_written: bool = True
-    # loss: next-token loss over every token of a sequence (prompt included) plus `target_weight` times the loss
-    # over the target's tokens; every token is what lets lookups leave their plateau (docs/experiments/mini_base.md)
-    target_weight: float = Field(default=1.0, ge=0)
-    max_tokens: PositiveInt = 768  # a longer drill is drawn again
-    text_tokens: PositiveInt = 256  # a text is a random window of this many tokens
-    curriculum: list[Stage] = Field(default_factory=lambda: [Stage(start=0, frames=16)])
-    eval: EvalSettings = Field(default_factory=EvalSettings)
-    checkpoint_every: PositiveInt = 250
-    threads: PositiveInt = 1
-    seed: int = 0
-    world_duration: float = Field(default=120.0, ge=30, le=1200)
+    out_dir: str = Field(description="Where checkpoints, metrics and the trained base (OUT_DIR/base) go.")
+    student: TinySpec = Field(description=(
+        "The student, a tiny spec; students use the reading tokenizer (corpus: reading) and init_std 0.02."))
+    steps: PositiveInt = Field(default=20000, description="Training steps.")
+    batch_size: PositiveInt = Field(default=16, description="Sequences per step.")
+    lr: float = Field(default=1e-3, gt=0, description="Peak learning rate.")
+    warmup: int = Field(default=200, ge=0, description="Steps of linear warm-up to lr.")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine decay to lr * this at the last step.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Clip the gradient norm to this.")
+    mix: dict[str, float] = Field(default_factory=lambda: {**{f: 1.0 for f in FAMILIES}, TEXT: 1.0}, description=(
+        "Drill family (or text, plain next-token modelling on the world's texts) -> its weight in each batch; "
+        "families as m1/pretrain/drills.py names them."))
+    steps_written: bool = Field(default=True, description=(
+        "Chains write each intermediate step before the answer (`bottom left -> C`); False: the answer alone."))
+    target_weight: float = Field(default=1.0, ge=0, description=(
+        "The loss is next-token loss over every token (prompt included) plus this times the loss over the target's "
+        "tokens; the every-token part lets lookups leave their plateau (docs/experiments/mini_base.md)."))
+    max_tokens: PositiveInt = Field(default=768, description="A drill longer than this is drawn again.")
+    text_tokens: PositiveInt = Field(default=256, description="A text sample is a random window of this many "
+                                                              "tokens.")
+    curriculum: list[Stage] = Field(default_factory=lambda: [Stage(start=0, frames=16)], description=(
+        "Stages in order of their start step, the first at 0: frames per glance and, optionally, the mix."))
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="Held-out evaluation.")
+    checkpoint_every: PositiveInt = Field(default=250, description="Steps between checkpoints.")
+    threads: PositiveInt = Field(default=1, description="CPU threads torch may use.")
+    seed: int = Field(default=0, description="Seed of the drills drawn and of training.")
+    world_duration: float = Field(default=120.0, ge=30, le=1200, description="Seconds of each synth world video "
+                                                                             "the drills are drawn from.")
 
     @model_validator(mode="after")
     def _check(self) -> PretrainConfig:
