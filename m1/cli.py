@@ -10,6 +10,7 @@ import typer
 
 from m1.data.cli import app as data_app
 from m1.errors import GuardedGroup, describe, fail, report_startup
+from m1.explain import app as config_app
 from m1.experiment.cli import app as experiment_app
 from m1.files import WriteError
 from m1.locks import LockError
@@ -410,6 +411,7 @@ def _mount_subapps() -> None:
     app.add_typer(synth_app, name="synth", help="M1-Synth: generate videos and questions.")
     app.add_typer(experiment_app, name="experiment", help="Experiments: stages x arms x seeds as one command.")
     app.add_typer(data_app, name="data", help="Training data: question files split by video; teacher SFT examples.")
+    app.add_typer(config_app, name="config", help="Config files: what each setting means, its value and its default.")
     app.command("serve")(serve_command)
 
 

@@ -75,8 +75,8 @@ class ModelSpec(Strict):
         "A peft LoRA adapter folder put on top of `path`/`tiny` (chat models, hf or vllm), as `m1 train` with "
         "learner.finetune lora saves it (<checkpoint>/agents/<agent>/adapter). hf merges it once at load; vllm "
         "serves it as a LoRA request."))
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto",
-                                                                     description="Weight dtype; auto: bfloat16 on cuda, float32 on cpu.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weight dtype; auto: bfloat16 on cuda, float32 on cpu.")
     device: str = Field(default="auto", description="Where the model runs; auto: cuda when available, else cpu.")
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = Field(
         default=None, description="Attention kernel of an hf model; None: the library's default.")
@@ -226,9 +226,11 @@ class SeedSystemConfig(Strict):
 
     tools: list[str] | None = Field(default=None, description=(
         "The kind's tools the policy may call; None: all of them, []: answer from the glance alone."))
-    glance_frames: int | None = Field(None, ge=1, description="Frames taken uniformly for the first user turn.")
-    max_turns: int | None = Field(None, ge=1, description="Policy turns, the answer turn included.")
-    tool_fps: float | None = Field(None, gt=0, description="Frames per second inside a clip a tool returns.")
+    glance_frames: int | None = Field(None, ge=1, description="Frames taken uniformly for the first user turn; "
+                                                              "None: the kind's (m1/registry.py).")
+    max_turns: int | None = Field(None, ge=1, description="Policy turns, the answer turn included; None: the kind's.")
+    tool_fps: float | None = Field(None, gt=0, description="Frames per second inside a clip a tool returns; None: "
+                                                           "the kind's.")
     max_tool_frames: int = Field(64, ge=1, description="Cap on the frames one tool result adds (ours: the papers "
                                                        "set none).")
     zoom_frames: int = Field(16, ge=1, description="zoomer: (end - start) * fps may not exceed this (VideoZoomer's "

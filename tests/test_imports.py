@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("run",),
     ("marl", "synth", "pretrain"),
     ("experiment",),
-    ("serve", "demo"),
+    ("serve", "demo", "explain"),
     ("cli", "__main__"),
 )
 # (importing module, imported module) -> why this upward import stays. Empty: every one found was moved.
