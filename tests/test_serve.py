@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from m1.config import load_team  # noqa: E402
 from m1.run import run_questions  # noqa: E402
 from m1.serve import ApiError, ChatCompletionRequest, Limits, create_app, split_options  # noqa: E402
-from m1.serve.protocol import FIELD_ERRORS, FieldError, fields  # noqa: E402
+from m1.serve.protocol import FIELD_ERRORS, IGNORED_FIELDS, FieldError, fields  # noqa: E402
 from m1.team.cpp import make_team  # noqa: E402
 
 NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
@@ -212,6 +212,24 @@ def test_every_request_field_names_itself_in_its_error():
     assert all(isinstance(e, FieldError) for e in FIELD_ERRORS.values())
 
 
+def test_ignored_fields_are_declared_once_documented_and_named_in_the_reply(world, team):
+    assert {"max_tokens", "max_completion_tokens", "temperature", "mm_processor_kwargs",
+            "chat_template_kwargs"} <= set(IGNORED_FIELDS)
+    assert not {"model", "stream", "n", "media_io_kwargs", "extra_body", "m1", "messages"} & set(IGNORED_FIELDS)
+    doc = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    listed = doc.split("Accepted and ignored", 1)[1].split("): ", 1)[1].split(". ", 1)[0]
+    assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(IGNORED_FIELDS)
+    folder, _, qs = world
+    q = qs[0]
+    with _client(team, allowed_roots=[Path(folder).resolve()]) as c:
+        r = c.post("/v1/chat/completions", json={**_body(q, **_extra(q)), "top_p": None, "seed": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["m1"]["ignored"] == ["max_tokens", "temperature", "seed"]  # set and not null
+        bare = {k: v for k, v in _body(q, **_extra(q)).items() if k not in IGNORED_FIELDS}
+        r = c.post("/v1/chat/completions", json=bare)
+        assert r.status_code == 200 and r.json()["m1"]["ignored"] == []
+
+
 def test_openai_client_with_video_url_and_image_frames_gets_m1_infers_answers(world, cfg, team, tmp_path):
     import av
     import numpy as np
@@ -244,6 +262,7 @@ def test_openai_client_with_video_url_and_image_frames_gets_m1_infers_answers(wo
             assert {a: v["answer"] for a, v in m1["agents"].items()} == \
                 {a: v["answer"] for a, v in rows[q.id]["agents"].items()}
             assert m1["frames_used"] == rows[q.id]["frames_used"] and r.usage.total_tokens > 0
+            assert m1["ignored"] == ["max_tokens", "temperature"]  # the openai client takes the extra key
         assert max(app.state.batcher.batches) > 1  # concurrent requests ran together
         page = __import__("httpx").get(got[qs[0].id].model_extra["m1"]["trace_url"])
         assert page.status_code == 200 and qs[0].text[:20] in page.text

@@ -1,8 +1,8 @@
 """The wire format of `m1 serve`: the chat-completions request and reply as pydantic models, and the error body.
 
 The handler works on a validated `ChatCompletionRequest`, never on a raw dict. OpenAI clients send fields the team
-does not use (sampling knobs, `user`, `stream_options`, ...): they are declared and ignored, so the openai package
-and lmms-eval work unchanged, and any other key is refused by name.
+does not use (sampling knobs, `user`, `stream_options`, ...): they are declared and marked `IGNORED`, so the openai
+package and lmms-eval work unchanged and a reply names those a request set, and any other key is refused by name.
 Each field's error is declared on the field (`FieldError`), in the words docs/serving.md documents, whatever
 pydantic's own error type was, so a client reads the same 400 for `max_tokens: "8"` as for `max_tokens: 0`;
 `FIELD_ERRORS` is read off the models, so a field cannot be added without its message.
@@ -56,6 +56,14 @@ class FieldError:
 
     def __call__(self, value: Any) -> tuple[str, str]:
         return tuple(x(value) if callable(x) else x for x in (self.message, self.param))
+
+
+class _Ignored:
+    def __repr__(self) -> str:
+        return "IGNORED"
+
+
+IGNORED = _Ignored()  # on a field: accepted (and type-checked), then not used; a reply names those a request set
 
 
 def _url(val: Any) -> Any:
@@ -156,34 +164,34 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # IGNORED marks what OpenAI clients send and the team does not use: its own config decides its decoding
     stream: Annotated[Any, FieldError("stream: true is not supported; send stream: false (or leave it out)")] = None
     model: Any = None  # another model's name is a 404 (`_served`)
     n: Annotated[Any, FieldError(lambda v: f"n = {v!r}: one answer per request")] = None
-    max_tokens: Annotated[PositiveInt | None,
+    max_tokens: Annotated[PositiveInt | None, IGNORED,
                           FieldError(lambda v: f"max_tokens must be a positive integer, got {v!r}")] = None
-    max_completion_tokens: Annotated[PositiveInt | None, FieldError(
+    max_completion_tokens: Annotated[PositiveInt | None, IGNORED, FieldError(
         lambda v: f"max_completion_tokens must be a positive integer, got {v!r}")] = None
-    temperature: Annotated[StrictInt | StrictFloat | None,
+    temperature: Annotated[StrictInt | StrictFloat | None, IGNORED,
                            FieldError(lambda v: f"temperature must be a number, got {v!r}")] = None
     media_io_kwargs: Annotated[dict[str, Any] | None, FieldError("media_io_kwargs must be an object")] = None
-    mm_processor_kwargs: Annotated[dict[str, Any] | None,
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, IGNORED,
                                    FieldError("mm_processor_kwargs must be an object")] = None
-    chat_template_kwargs: Annotated[dict[str, Any] | None,
+    chat_template_kwargs: Annotated[dict[str, Any] | None, IGNORED,
                                     FieldError("chat_template_kwargs must be an object")] = None
     m1: Annotated[M1Fields | None, FieldError("m1 must be an object {question, options, task}")] = None
     messages: Annotated[list[Message], Field(min_length=1), FieldError("messages must be a non-empty list")]
-    # sent by OpenAI clients and ignored: the team's own config decides its decoding
-    extra_body: Any = None
-    top_p: Any = None
-    user: Any = None
-    seed: Any = None
-    stop: Any = None
-    stream_options: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    response_format: Any = None
+    extra_body: Any = None  # read for its m1 (`_m1_from_extra_body`)
+    top_p: Annotated[Any, IGNORED] = None
+    user: Annotated[Any, IGNORED] = None
+    seed: Annotated[Any, IGNORED] = None
+    stop: Annotated[Any, IGNORED] = None
+    stream_options: Annotated[Any, IGNORED] = None
+    frequency_penalty: Annotated[Any, IGNORED] = None
+    presence_penalty: Annotated[Any, IGNORED] = None
+    logprobs: Annotated[Any, IGNORED] = None
+    top_logprobs: Annotated[Any, IGNORED] = None
+    response_format: Annotated[Any, IGNORED] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -339,6 +347,8 @@ def fields(tp: Any, path: str = "") -> Iterator[tuple[str, list]]:
 FIELD_ERRORS: dict[str, FieldError] = {
     "": FieldError("the body must be a JSON object"),
     **{path: m for path, marks in fields(ChatCompletionRequest) for m in marks if isinstance(m, FieldError)}}
+IGNORED_FIELDS = tuple(name for name, info in ChatCompletionRequest.model_fields.items()
+                       if any(m is IGNORED for m in info.metadata))
 _FIELDS = {name for path in FIELD_ERRORS for name in path.split(".")} - {"*", ""}
 
 
@@ -373,6 +383,11 @@ def request_error(exc: ValidationError) -> ApiError:
             param = "".join(p for _, p in path[:n]) + suffix
             return bad(msg, param or None)
     return bad("malformed request")  # not reached: "" is listed
+
+
+def ignored_fields(body: dict) -> list[str]:
+    """The IGNORED fields a valid body set (not null), for its reply's `m1.ignored`."""
+    return [name for name in IGNORED_FIELDS if body.get(name) is not None]
 
 
 # ------------------------------------------------------------------ reply
@@ -427,6 +442,7 @@ class M1Reply(BaseModel):
     frames_used: int
     calls: int
     trace_url: str
+    ignored: list[str] = []  # the request's fields the server did not use (IGNORED_FIELDS)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -439,7 +455,8 @@ class ChatCompletionResponse(BaseModel):
     m1: M1Reply
 
     @classmethod
-    def from_episode(cls, ep: Episode, team_name: str, trace_url: str) -> "ChatCompletionResponse":
+    def from_episode(cls, ep: Episode, team_name: str, trace_url: str,
+                     ignored: list[str] | None = None) -> "ChatCompletionResponse":
         prompt = sum(_tokens(g.prompt, g.prompt_ids) for g in ep.generations)
         completion = sum(_tokens(g.completion, g.completion_ids) for g in ep.generations)
         answer = ep.final_answer if ep.final_answer is not None else ""
@@ -449,4 +466,5 @@ class ChatCompletionResponse(BaseModel):
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             m1=M1Reply(answer=answer, reason=ep.final_reason, aggregation=ep.aggregation,
                        agents={a.agent: AgentReply(answer=a.answer, parse_ok=a.parse_ok) for a in ep.answers},
-                       frames_used=ep.frames_used, calls=len(ep.generations), trace_url=trace_url))
+                       frames_used=ep.frames_used, calls=len(ep.generations), trace_url=trace_url,
+                       ignored=ignored or []))
