@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from m1.config import load_team  # noqa: E402
 from m1.run import run_questions  # noqa: E402
 from m1.serve import ApiError, ChatCompletionRequest, Limits, create_app, split_options  # noqa: E402
+from m1.serve.protocol import FIELD_ERRORS, IGNORED_FIELDS, FieldError, fields  # noqa: E402
 from m1.team.cpp import make_team  # noqa: E402
 
 NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
@@ -164,6 +165,71 @@ def test_request_model_tolerates_what_openai_clients_send_and_names_each_fault()
         assert _refusal(body) == want, body
 
 
+# A body with every request model in it: each path of `fields(ChatCompletionRequest)` reaches a place in it.
+FULL = {"model": "synth_teacher", "extra_body": {},
+        "m1": {"question": "Which?", "options": ["x", "y"], "task": "mcq", "id": "q1"},
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "file:///v.mp4"}},
+            {"type": "image_url", "image_url": {"url": "file:///f.png"}, "fps": 2},
+            {"type": "text", "text": "Which?"}]}]}
+WRONG = [None, "x", 7, 1.5, True, [], {}, ["x"], {"x": 1}]  # each JSON type, empty or not
+
+
+def _put(node, keys: list, value):
+    """`node` with `value` at each place the path `keys` reaches ("*": every item of a list)."""
+    if not keys:
+        return value
+    if keys[0] == "*":
+        return [_put(x, keys[1:], value) for x in node] if isinstance(node, list) else node
+    if isinstance(node, dict) and (keys[0] in node or len(keys) == 1):
+        return {**node, keys[0]: _put(node.get(keys[0]), keys[1:], value)}
+    return node
+
+
+def test_every_request_field_names_itself_in_its_error():
+    """Every field of the request models, nested ones and list items included, gets a value of each JSON type; a
+    value it refuses must give a message of its own whose param is that field's place, never the body's error nor
+    its parent's. A field added without its FieldError fails here."""
+    assert isinstance(ChatCompletionRequest.from_body(FULL, "synth_teacher"), ChatCompletionRequest)
+    paths = sorted({path for path, _ in fields(ChatCompletionRequest)})
+    assert {"max_tokens", "messages.*", "messages.*.content.*.video_url", "m1.task"} <= set(paths)
+    for path in paths:
+        keys = path.split(".")
+        assert _put(FULL, keys, "sentinel") != FULL, f"FULL has no place for {path}: add one"
+        named = keys[:-1] if keys[-1] == "*" and path not in FIELD_ERRORS else keys  # m1.options speaks for its items
+        place = re.compile("".join(r"\[\d+\]" if k == "*" else ("." if i else "") + re.escape(k)
+                                   for i, k in enumerate(named)) + r"([.\[].*)?")
+        refused = []
+        for value in WRONG:
+            try:
+                ChatCompletionRequest.from_body(_put(FULL, keys, value), "synth_teacher")
+            except ApiError as exc:
+                refused.append(value)
+                assert exc.message not in ("the body must be a JSON object", "malformed request"), (path, value)
+                assert place.fullmatch(exc.param or ""), (path, value, exc.message, exc.param)
+        if path in FIELD_ERRORS:  # a declared message some wrong type reaches
+            assert refused, path
+    assert all(isinstance(e, FieldError) for e in FIELD_ERRORS.values())
+
+
+def test_ignored_fields_are_declared_once_documented_and_named_in_the_reply(world, team):
+    assert {"max_tokens", "max_completion_tokens", "temperature", "mm_processor_kwargs",
+            "chat_template_kwargs"} <= set(IGNORED_FIELDS)
+    assert not {"model", "stream", "n", "media_io_kwargs", "extra_body", "m1", "messages"} & set(IGNORED_FIELDS)
+    doc = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    listed = doc.split("Accepted and ignored", 1)[1].split("): ", 1)[1].split(". ", 1)[0]
+    assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(IGNORED_FIELDS)
+    folder, _, qs = world
+    q = qs[0]
+    with _client(team, allowed_roots=[Path(folder).resolve()]) as c:
+        r = c.post("/v1/chat/completions", json={**_body(q, **_extra(q)), "top_p": None, "seed": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["m1"]["ignored"] == ["max_tokens", "temperature", "seed"]  # set and not null
+        bare = {k: v for k, v in _body(q, **_extra(q)).items() if k not in IGNORED_FIELDS}
+        r = c.post("/v1/chat/completions", json=bare)
+        assert r.status_code == 200 and r.json()["m1"]["ignored"] == []
+
+
 def test_openai_client_with_video_url_and_image_frames_gets_m1_infers_answers(world, cfg, team, tmp_path):
     import av
     import numpy as np
@@ -196,6 +262,7 @@ def test_openai_client_with_video_url_and_image_frames_gets_m1_infers_answers(wo
             assert {a: v["answer"] for a, v in m1["agents"].items()} == \
                 {a: v["answer"] for a, v in rows[q.id]["agents"].items()}
             assert m1["frames_used"] == rows[q.id]["frames_used"] and r.usage.total_tokens > 0
+            assert m1["ignored"] == ["max_tokens", "temperature"]  # the openai client takes the extra key
         assert max(app.state.batcher.batches) > 1  # concurrent requests ran together
         page = __import__("httpx").get(got[qs[0].id].model_extra["m1"]["trace_url"])
         assert page.status_code == 200 and qs[0].text[:20] in page.text

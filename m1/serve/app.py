@@ -23,7 +23,7 @@ from m1.schema import Episode, Question
 from m1.serve.batcher import Batcher, cleanup
 from m1.serve.limits import Limits
 from m1.serve.media import video_file
-from m1.serve.protocol import ApiError, ChatCompletionRequest, ChatCompletionResponse, bad
+from m1.serve.protocol import ApiError, ChatCompletionRequest, ChatCompletionResponse, bad, ignored_fields
 
 log = logging.getLogger("m1.serve")  # one logger for the whole server: operators filter on it
 
@@ -179,7 +179,8 @@ def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: in
             tid = uuid.uuid4().hex
             await loop.run_in_executor(None, traces.add, tid, ep)
             base = str(request.base_url).rstrip("/")
-            return JSONResponse(ChatCompletionResponse.from_episode(ep, name, f"{base}/traces/{tid}").model_dump())
+            reply = ChatCompletionResponse.from_episode(ep, name, f"{base}/traces/{tid}", ignored_fields(body))
+            return JSONResponse(reply.model_dump())
         except ApiError as exc:
             return error(exc)
         finally:

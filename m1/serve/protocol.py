@@ -1,16 +1,19 @@
 """The wire format of `m1 serve`: the chat-completions request and reply as pydantic models, and the error body.
 
 The handler works on a validated `ChatCompletionRequest`, never on a raw dict. OpenAI clients send fields the team
-does not use (sampling knobs, `user`, `stream_options`, ...): they are declared and ignored, so the openai package
-and lmms-eval work unchanged, and any other key is refused by name. Each field's error is written once
-(`FIELD_ERRORS`), in the words docs/serving.md documents, whatever pydantic's own error type was, so a client reads
-the same 400 for `max_tokens: "8"` as for `max_tokens: 0`.
+does not use (sampling knobs, `user`, `stream_options`, ...): they are declared and marked `IGNORED`, so the openai
+package and lmms-eval work unchanged and a reply names those a request set, and any other key is refused by name.
+Each field's error is declared on the field (`FieldError`), in the words docs/serving.md documents, whatever
+pydantic's own error type was, so a client reads the same 400 for `max_tokens: "8"` as for `max_tokens: 0`;
+`FIELD_ERRORS` is read off the models, so a field cannot be added without its message.
 """
 
 import re
 import time
 import uuid
-from typing import Annotated, Any, Callable, Iterator, Literal, Union
+from dataclasses import dataclass
+from types import UnionType
+from typing import Annotated, Any, Callable, Iterator, Literal, Union, get_args, get_origin
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictFloat,
                       StrictInt, StrictStr, Tag, ValidationError, ValidationInfo, field_validator, model_validator)
@@ -43,6 +46,26 @@ def bad(msg: str, param: str | None = None) -> ApiError:
 
 # ------------------------------------------------------------------ request
 
+@dataclass(frozen=True)
+class FieldError:
+    """The 400 a client gets for a fault in the field it annotates (`Annotated[T, FieldError(...)]`): a message, and
+    what to append to the field's place in `param` (e.g. ".url"); each a text or a function of the value sent."""
+
+    message: str | Callable[[Any], str]
+    param: str | Callable[[Any], str] = ""
+
+    def __call__(self, value: Any) -> tuple[str, str]:
+        return tuple(x(value) if callable(x) else x for x in (self.message, self.param))
+
+
+class _Ignored:
+    def __repr__(self) -> str:
+        return "IGNORED"
+
+
+IGNORED = _Ignored()  # on a field: accepted (and type-checked), then not used; a reply names those a request set
+
+
 def _url(val: Any) -> Any:
     """A media part's URL: `{"url": ...}` as the chat API writes it, or a bare string as some harnesses send."""
     return val.get("url") if isinstance(val, dict) else val
@@ -60,6 +83,7 @@ def _fps(v: Any) -> float | None:
 
 
 Url = Annotated[StrictStr, Field(min_length=1), BeforeValidator(_url)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
 
 
 class _Part(BaseModel):
@@ -68,17 +92,17 @@ class _Part(BaseModel):
 
 class TextPart(_Part):
     type: Literal["text"]
-    text: StrictStr
+    text: Annotated[StrictStr, FieldError("a text part needs a text string")]
 
 
 class VideoPart(_Part):
     type: Literal["video_url"]
-    video_url: Url
+    video_url: Annotated[Url, FieldError("video_url needs a url string", ".url")]
 
 
 class ImagePart(_Part):
     type: Literal["image_url"]
-    image_url: Url
+    image_url: Annotated[Url, FieldError("image_url needs a url string", ".url")]
     fps: Any = None  # the rate of the clip the frames make; used only when a number in (0, 120]
 
 
@@ -91,7 +115,11 @@ def _tag(field: str, tags: dict) -> Callable[[Any], str | None]:
 Part = Annotated[Union[Annotated[TextPart, Tag("text part")], Annotated[VideoPart, Tag("video part")],
                        Annotated[ImagePart, Tag("image part")]],
                  Discriminator(_tag("type", {"text": "text part", "video_url": "video part",
-                                             "image_url": "image part"}))]
+                                             "image_url": "image part"})),
+                 FieldError(lambda v: f"unsupported content part type {v.get('type')!r}: text, video_url and "
+                                      "image_url are served" if isinstance(v, dict) else
+                                      "each content part must be an object",
+                            lambda v: ".type" if isinstance(v, dict) else "")]
 Content = Annotated[Union[Annotated[StrictStr, Tag("string")], Annotated[list[Part], Tag("parts")]],
                     Discriminator(lambda v: "string" if isinstance(v, str) else "parts" if isinstance(v, list)
                                   else None)]
@@ -100,7 +128,7 @@ Content = Annotated[Union[Annotated[StrictStr, Tag("string")], Annotated[list[Pa
 class UserMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # "name" and the like
     role: Literal["user"]
-    content: Content
+    content: Annotated[Content, FieldError("content must be a string or a list of parts")]
 
 
 class OtherMessage(BaseModel):
@@ -108,12 +136,14 @@ class OtherMessage(BaseModel):
     anything."""
 
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "assistant", "developer"]
+    role: Annotated[Literal["system", "assistant", "developer"],
+                    FieldError(lambda v: f"role {v!r}: expected user, system, developer or assistant")]
 
 
 Message = Annotated[Union[Annotated[UserMessage, Tag("user turn")], Annotated[OtherMessage, Tag("other turn")]],
                     Discriminator(lambda m: ("user turn" if m.get("role") == "user" else "other turn")
-                                  if isinstance(m, dict) else None)]
+                                  if isinstance(m, dict) else None),
+                    FieldError("each message must be an object")]
 
 
 class M1Fields(BaseModel):
@@ -121,9 +151,10 @@ class M1Fields(BaseModel):
     grounding task, options that are not lettered lines). A key that is present is checked, even when null."""
 
     model_config = ConfigDict(extra="allow")
-    question: StrictStr = None
-    options: Annotated[list[Annotated[StrictStr, AfterValidator(_non_empty)]], Field(max_length=26)] = None
-    task: Literal[TASKS] = None
+    question: Annotated[StrictStr, FieldError("m1.question must be a string")] = None
+    options: Annotated[list[Annotated[StrictStr, AfterValidator(_non_empty)]], Field(max_length=26),
+                       FieldError("m1.options must be a list of at most 26 non-empty strings")] = None
+    task: Annotated[Literal[TASKS], FieldError(lambda v: f"m1.task {v!r}: one of {', '.join(TASKS)}")] = None
     id: Any = None  # used when a non-empty string, else the server makes one
 
 
@@ -133,29 +164,34 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stream: Any = None
-    model: Any = None
-    n: Any = None
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: StrictInt | StrictFloat | None = None
-    media_io_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    m1: M1Fields | None = None
-    messages: Annotated[list[Message], Field(min_length=1)]
-    # sent by OpenAI clients and ignored: the team's own config decides its decoding
-    extra_body: Any = None
-    top_p: Any = None
-    user: Any = None
-    seed: Any = None
-    stop: Any = None
-    stream_options: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    response_format: Any = None
+    # IGNORED marks what OpenAI clients send and the team does not use: its own config decides its decoding
+    stream: Annotated[Any, FieldError("stream: true is not supported; send stream: false (or leave it out)")] = None
+    model: Any = None  # another model's name is a 404 (`_served`)
+    n: Annotated[Any, FieldError(lambda v: f"n = {v!r}: one answer per request")] = None
+    max_tokens: Annotated[PositiveInt | None, IGNORED,
+                          FieldError(lambda v: f"max_tokens must be a positive integer, got {v!r}")] = None
+    max_completion_tokens: Annotated[PositiveInt | None, IGNORED, FieldError(
+        lambda v: f"max_completion_tokens must be a positive integer, got {v!r}")] = None
+    temperature: Annotated[StrictInt | StrictFloat | None, IGNORED,
+                           FieldError(lambda v: f"temperature must be a number, got {v!r}")] = None
+    media_io_kwargs: Annotated[dict[str, Any] | None, FieldError("media_io_kwargs must be an object")] = None
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, IGNORED,
+                                   FieldError("mm_processor_kwargs must be an object")] = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, IGNORED,
+                                    FieldError("chat_template_kwargs must be an object")] = None
+    m1: Annotated[M1Fields | None, FieldError("m1 must be an object {question, options, task}")] = None
+    messages: Annotated[list[Message], Field(min_length=1), FieldError("messages must be a non-empty list")]
+    extra_body: Any = None  # read for its m1 (`_m1_from_extra_body`)
+    top_p: Annotated[Any, IGNORED] = None
+    user: Annotated[Any, IGNORED] = None
+    seed: Annotated[Any, IGNORED] = None
+    stop: Annotated[Any, IGNORED] = None
+    stream_options: Annotated[Any, IGNORED] = None
+    frequency_penalty: Annotated[Any, IGNORED] = None
+    presence_penalty: Annotated[Any, IGNORED] = None
+    logprobs: Annotated[Any, IGNORED] = None
+    top_logprobs: Annotated[Any, IGNORED] = None
+    response_format: Annotated[Any, IGNORED] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -287,37 +323,32 @@ def split_options(text: str) -> tuple[str, list[str]]:
 
 # ------------------------------------------------------------------ a validation error -> the client's 400
 
-def _part_error(v: Any) -> tuple[str, str]:
-    if not isinstance(v, dict):
-        return "each content part must be an object", ""
-    return f"unsupported content part type {v.get('type')!r}: text, video_url and image_url are served", ".type"
+def fields(tp: Any, path: str = "") -> Iterator[tuple[str, list]]:
+    """Each place in a request type as (path, the markers declared there), models nested in unions and lists
+    included; a path joins field names with "." and "*" for any list item. A place may come more than once."""
+    if get_origin(tp) is Annotated:
+        base, *marks = get_args(tp)
+        yield path, marks
+        yield from fields(base, path)
+    elif get_origin(tp) in (Union, UnionType):
+        for t in get_args(tp):
+            yield from fields(t, path)
+    elif get_origin(tp) is list:
+        yield from fields(get_args(tp)[0], f"{path}.*" if path else "*")
+    elif isinstance(tp, type) and issubclass(tp, BaseModel):
+        for name, info in tp.model_fields.items():
+            sub = f"{path}.{name}" if path else name
+            yield sub, info.metadata
+            yield from fields(info.annotation, sub)
 
 
-# The message of each field's fault, by the field's path ("*": any list index), and what to add to its param.
-# A fault deeper than any path listed here is reported by the nearest listed field above it.
-FIELD_ERRORS: dict[str, Callable[[Any], tuple[str, str]]] = {
-    "": lambda v: ("the body must be a JSON object", ""),
-    "stream": lambda v: ("stream: true is not supported; send stream: false (or leave it out)", ""),
-    "n": lambda v: (f"n = {v!r}: one answer per request", ""),
-    "max_tokens": lambda v: (f"max_tokens must be a positive integer, got {v!r}", ""),
-    "max_completion_tokens": lambda v: (f"max_completion_tokens must be a positive integer, got {v!r}", ""),
-    "temperature": lambda v: (f"temperature must be a number, got {v!r}", ""),
-    "media_io_kwargs": lambda v: ("media_io_kwargs must be an object", ""),
-    "mm_processor_kwargs": lambda v: ("mm_processor_kwargs must be an object", ""),
-    "chat_template_kwargs": lambda v: ("chat_template_kwargs must be an object", ""),
-    "m1": lambda v: ("m1 must be an object {question, options, task}", ""),
-    "m1.question": lambda v: ("m1.question must be a string", ""),
-    "m1.options": lambda v: ("m1.options must be a list of at most 26 non-empty strings", ""),
-    "m1.task": lambda v: (f"m1.task {v!r}: one of {', '.join(TASKS)}", ""),
-    "messages": lambda v: ("messages must be a non-empty list", ""),
-    "messages.*": lambda v: ("each message must be an object", ""),
-    "messages.*.role": lambda v: (f"role {v!r}: expected user, system, developer or assistant", ""),
-    "messages.*.content": lambda v: ("content must be a string or a list of parts", ""),
-    "messages.*.content.*": _part_error,
-    "messages.*.content.*.text": lambda v: ("a text part needs a text string", ""),
-    "messages.*.content.*.video_url": lambda v: ("video_url needs a url string", ".url"),
-    "messages.*.content.*.image_url": lambda v: ("image_url needs a url string", ".url"),
-}
+# The error of each field's fault, by the field's path. A fault deeper than any path here is reported by the
+# nearest field above it that has one; the body itself ("") when none.
+FIELD_ERRORS: dict[str, FieldError] = {
+    "": FieldError("the body must be a JSON object"),
+    **{path: m for path, marks in fields(ChatCompletionRequest) for m in marks if isinstance(m, FieldError)}}
+IGNORED_FIELDS = tuple(name for name, info in ChatCompletionRequest.model_fields.items()
+                       if any(m is IGNORED for m in info.metadata))
 _FIELDS = {name for path in FIELD_ERRORS for name in path.split(".")} - {"*", ""}
 
 
@@ -352,6 +383,11 @@ def request_error(exc: ValidationError) -> ApiError:
             param = "".join(p for _, p in path[:n]) + suffix
             return bad(msg, param or None)
     return bad("malformed request")  # not reached: "" is listed
+
+
+def ignored_fields(body: dict) -> list[str]:
+    """The IGNORED fields a valid body set (not null), for its reply's `m1.ignored`."""
+    return [name for name in IGNORED_FIELDS if body.get(name) is not None]
 
 
 # ------------------------------------------------------------------ reply
@@ -406,6 +442,7 @@ class M1Reply(BaseModel):
     frames_used: int
     calls: int
     trace_url: str
+    ignored: list[str] = []  # the request's fields the server did not use (IGNORED_FIELDS)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -418,7 +455,8 @@ class ChatCompletionResponse(BaseModel):
     m1: M1Reply
 
     @classmethod
-    def from_episode(cls, ep: Episode, team_name: str, trace_url: str) -> "ChatCompletionResponse":
+    def from_episode(cls, ep: Episode, team_name: str, trace_url: str,
+                     ignored: list[str] | None = None) -> "ChatCompletionResponse":
         prompt = sum(_tokens(g.prompt, g.prompt_ids) for g in ep.generations)
         completion = sum(_tokens(g.completion, g.completion_ids) for g in ep.generations)
         answer = ep.final_answer if ep.final_answer is not None else ""
@@ -428,4 +466,5 @@ class ChatCompletionResponse(BaseModel):
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             m1=M1Reply(answer=answer, reason=ep.final_reason, aggregation=ep.aggregation,
                        agents={a.agent: AgentReply(answer=a.answer, parse_ok=a.parse_ok) for a in ep.answers},
-                       frames_used=ep.frames_used, calls=len(ep.generations), trace_url=trace_url))
+                       frames_used=ep.frames_used, calls=len(ep.generations), trace_url=trace_url,
+                       ignored=ignored or []))
