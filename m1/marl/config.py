@@ -12,10 +12,11 @@ import warnings
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from m1.config import ConfigError, ModelSpec, Strict, TeamConfig, load_config, load_team
 from m1.marl.credit import check_credit
+from m1.marl.grpo import LOSSES, OLD_LOGPROBS
 from m1.marl.rewards import RewardConfig, reward_kind
 from m1.marl.team_kinds import CPP_PHASES, check_seed_policies, seed_kind, seed_phases, team_kind
 
@@ -166,7 +167,7 @@ class GRPOSettings(Strict):
     beta: float = Field(1e-5, ge=0.0)  # k3 KL weight; 0 skips the reference forward entirely
     clip_eps_low: float = Field(0.2, ge=0.0)
     clip_eps_high: float | None = Field(None, ge=0.0)
-    loss_type: Literal["grpo", "bnpo", "token-mean", "dr_grpo", "dapo"] = "grpo"
+    loss_type: str = "grpo"  # a name registered in m1/marl/grpo.py LOSSES
     scale_rewards: bool = True  # divide by the group std (False: Dr. GRPO)
     # group: advantages relative to the K rollouts' mean (GRPO). greedy (ours, after ReMax): each question is also
     # run once greedily (not trained on) and a rollout's advantage is its reward minus the greedy run's, so a sample
@@ -179,9 +180,23 @@ class GRPOSettings(Strict):
     # trainer's (TRL's vLLM correction). Logs <agent>/is/ratio_mean, is/ratio_max and is/truncated (token share).
     # Left out (None): `resolve` picks sampler with rollout.engine vllm (the engine/trainer gap is exactly what it
     # corrects), else policy; policy with engine vllm is refused, since it would train on the trainer's numbers as if
-    # they were the sampler's
-    old_logprobs: Literal["policy", "rollout", "sampler"] | None = None
+    # they were the sampler's. The modes are registered in m1/marl/grpo.py OLD_LOGPROBS
+    old_logprobs: str | None = None
     is_cap: float = Field(2.0, gt=0.0)
+
+    @field_validator("loss_type")
+    @classmethod
+    def _registered_loss(cls, v: str) -> str:
+        if v not in LOSSES:
+            raise ValueError(f"unknown loss_type {v!r}; registered: {sorted(LOSSES)}")
+        return v
+
+    @field_validator("old_logprobs")
+    @classmethod
+    def _registered_old_logprobs(cls, v: str | None) -> str | None:
+        if v is not None and v not in OLD_LOGPROBS:
+            raise ValueError(f"unknown old_logprobs {v!r}; registered: {sorted(OLD_LOGPROBS)}")
+        return v
 
 
 class JudgeConfig(Strict):
