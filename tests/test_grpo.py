@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from m1.marl.grpo import (
-    LOSS_AGG,
+    LOSSES,
     grpo_loss,
     group_advantages,
     kl_k3,
     multi_agent_advantages,
-    policy_loss,
     token_logprobs,
 )
 
@@ -176,20 +175,21 @@ def _hand_example():
 
 
 # per-token losses: seq0 [-1.1, -1.2 (clipped from -1.5)], seq1 [0.45, 0.4 (clipped from 0.25), 0.525]
-@pytest.mark.parametrize(
-    "loss_type, kwargs, expected",
-    [
-        ("grpo", {}, ((-1.1 - 1.2) / 2 + (0.45 + 0.4 + 0.525) / 3) / 2),
-        ("token-mean", {}, (-2.3 + 1.375) / 5),
-        ("bnpo", {}, (-2.3 + 1.375) / 5),
-        ("dr_grpo", {"max_completion_length": 4}, (-2.3 + 1.375) / (2 * 4)),
-        ("dapo", {}, (-2.3 + 1.375) / 5),
-        ("dapo", {"num_items_in_batch": 10}, (-2.3 + 1.375) / 10),
-    ],
-)
-def test_policy_loss_hand_computed(loss_type, kwargs, expected):
+HAND_POLICY_LOSS = [
+    ("grpo", {}, ((-1.1 - 1.2) / 2 + (0.45 + 0.4 + 0.525) / 3) / 2),
+    ("token-mean", {}, (-2.3 + 1.375) / 5),
+    ("bnpo", {}, (-2.3 + 1.375) / 5),
+    ("dr_grpo", {"max_completion_length": 4}, (-2.3 + 1.375) / (2 * 4)),
+    ("dapo", {}, (-2.3 + 1.375) / 5),
+    ("dapo", {"num_items_in_batch": 10}, (-2.3 + 1.375) / 10),
+    ("bnpo", {"num_items_in_batch": 10}, (-2.3 + 1.375) / 10),  # one token-level loss: the step's count when given
+]
+
+
+@pytest.mark.parametrize("loss_type, kwargs, expected", HAND_POLICY_LOSS)
+def test_policy_term_hand_computed(loss_type, kwargs, expected):
     logp, old, adv, mask = _hand_example()
-    loss, stats = policy_loss(logp, old, adv, mask, loss_type=loss_type, **kwargs)
+    loss, stats = grpo_loss(logp, old, None, adv, mask, loss_type=loss_type, **kwargs)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert stats["policy_loss"] == pytest.approx(expected, abs=1e-6)
     assert stats["clip_frac"] == pytest.approx(2 / 5)
@@ -204,16 +204,16 @@ def test_policy_loss_hand_computed(loss_type, kwargs, expected):
     assert torch.all(logp.grad[~zero] != 0)
 
 
-def test_policy_loss_clip_higher():
+def test_policy_term_clip_higher():
     logp, old, adv, mask = _hand_example()
-    loss, stats = policy_loss(logp, old, adv, mask, clip_eps_high=0.6, loss_type="token-mean")
+    loss, stats = grpo_loss(logp, old, None, adv, mask, clip_eps_high=0.6, loss_type="token-mean")
     assert loss.item() == pytest.approx((-1.1 - 1.5 + 1.375) / 5, abs=1e-6)
     assert stats["clip_frac_high"] == 0.0 and stats["clip_frac_low"] == pytest.approx(0.2)
 
 
-def test_policy_loss_on_policy_no_clipping_gradient():
+def test_policy_term_on_policy_no_clipping_gradient():
     logp, _, adv, mask = _hand_example()
-    loss, stats = policy_loss(logp, None, adv, mask, loss_type="grpo")
+    loss, stats = grpo_loss(logp, None, None, adv, mask, loss_type="grpo")
     assert loss.item() == pytest.approx((-1.0 + 0.5) / 2, abs=1e-6)
     assert stats["clip_frac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
     loss.backward()
@@ -221,17 +221,18 @@ def test_policy_loss_on_policy_no_clipping_gradient():
     torch.testing.assert_close(logp.grad, expected, atol=1e-6, rtol=0)
 
 
-def test_policy_loss_errors():
+def test_grpo_loss_errors():
     logp, old, adv, mask = _hand_example()
     with pytest.raises(ValueError, match="unknown loss_type 'sum'"):
-        policy_loss(logp, old, adv, mask, loss_type="sum")
+        grpo_loss(logp, old, None, adv, mask, loss_type="sum")
     with pytest.raises(ValueError, match="max_completion_length"):
-        policy_loss(logp, old, adv, mask, loss_type="dr_grpo")
+        grpo_loss(logp, old, None, adv, mask, loss_type="dr_grpo")
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(logp, old, torch.ones(3), mask)
+        grpo_loss(logp, old, None, torch.ones(3), mask)
     with pytest.raises(ValueError, match="mask"):
-        policy_loss(logp, old, adv, mask[:, :2])
-    assert set(LOSS_AGG) >= {"grpo", "token-mean", "bnpo", "dr_grpo", "dapo"}
+        grpo_loss(logp, old, None, adv, mask[:, :2])
+    assert set(LOSSES) >= {"grpo", "token-mean", "bnpo", "dr_grpo", "dapo"}
+    assert {name for name, loss in LOSSES.items() if loss.token_level} == {"token-mean", "bnpo", "dapo"}
 
 
 # --------------------------------------------------------------------------------------------- KL
@@ -256,15 +257,15 @@ def test_grpo_loss_adds_beta_kl_with_same_aggregation():
     logp, old, adv, mask = _hand_example()
     ref = logp.detach() + math.log(0.5)  # k3 = 0.5 + log 2 - 1 on every token
     k = 0.5 + math.log(2) - 1
-    cases = [("grpo", {}, 1.0), ("token-mean", {}, 1.0), ("dr_grpo", {"max_completion_length": 4}, 5 / 8)]
-    for loss_type, kw, kl_weight in cases:  # dr_grpo: 5 loss tokens / (B=2 * 4)
-        pol, _ = policy_loss(logp, old, adv, mask, loss_type=loss_type, **kw)
+    hand = {loss_type: (kw, pol) for loss_type, kw, pol in HAND_POLICY_LOSS[:4]}  # the policy term alone
+    for loss_type, kl_weight in (("grpo", 1.0), ("token-mean", 1.0), ("dr_grpo", 5 / 8)):  # dr_grpo: 5 / (2 * 4)
+        kw, pol = hand[loss_type]
         loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=0.1, loss_type=loss_type, **kw)
-        assert loss.item() == pytest.approx(pol.item() + 0.1 * k * kl_weight, abs=1e-6)
+        assert loss.item() == pytest.approx(pol + 0.1 * k * kl_weight, abs=1e-6)
         assert stats["kl"] == pytest.approx(k, abs=1e-6)
-        assert stats["policy_loss"] == pytest.approx(pol.item(), abs=1e-6)
+        assert stats["policy_loss"] == pytest.approx(pol, abs=1e-6)
     loss0, stats0 = grpo_loss(logp, old, None, adv, mask, beta=0.0)
-    assert "kl" not in stats0 and loss0.item() == pytest.approx(policy_loss(logp, old, adv, mask)[0].item())
+    assert "kl" not in stats0 and loss0.item() == pytest.approx(HAND_POLICY_LOSS[0][2], abs=1e-6)
     with pytest.raises(ValueError, match="ref_logp"):
         grpo_loss(logp, old, None, adv, mask, beta=0.1)
 

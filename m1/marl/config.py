@@ -12,10 +12,11 @@ import warnings
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from m1.config import ConfigError, ModelSpec, Strict, TeamConfig, load_config, load_team
 from m1.marl.credit import check_credit
+from m1.marl.grpo import LOSSES, OLD_LOGPROBS
 from m1.marl.rewards import RewardConfig, reward_kind
 from m1.marl.team_kinds import CPP_PHASES, check_seed_policies, seed_kind, seed_phases, team_kind
 
@@ -168,19 +169,34 @@ class GRPOSettings(Strict):
     clip_eps_low: float = Field(0.2, ge=0.0, description="The ratio is clipped below at 1 - this.")
     clip_eps_high: float | None = Field(None, ge=0.0, description="The ratio is clipped above at 1 + this; None: "
                                                                   "clip_eps_low.")
-    loss_type: Literal["grpo", "bnpo", "token-mean", "dr_grpo", "dapo"] = Field(default="grpo", description=(
-        "How per-token losses are reduced to one (m1/marl/grpo.py LOSS_AGG)."))
+    loss_type: str = Field(default="grpo", description=(
+        "How per-token losses are reduced to one: a name registered in m1/marl/grpo.py LOSSES."))
     scale_rewards: bool = Field(default=True, description="Divide advantages by the group's std; False: Dr. GRPO.")
     baseline: Literal["group", "greedy"] = Field(default="group", description=(
         "group: advantages against the K rollouts' mean (GRPO). greedy (ours, after ReMax): each question is also "
         "run once greedily, untrained, and a rollout's advantage is its reward minus that run's, so a sample gains "
         "only by beating the decoding the team is evaluated with."))
-    old_logprobs: Literal["policy", "rollout", "sampler"] | None = Field(default=None, description=(
+    old_logprobs: str | None = Field(default=None, description=(
         "The old policy of the ratio. policy: logp.detach() (TRL's on-policy case). rollout: the sampler's "
         "log-probs (generation may lag the weights). sampler: logp.detach(), each token weighted by "
         "min(exp(logp - logp_sampler), is_cap) to correct an engine whose numerics differ (TRL's vLLM correction). "
-        "None: sampler with rollout.engine vllm or max_staleness > 0, else policy."))
+        "None: sampler with rollout.engine vllm or max_staleness > 0, else policy. The modes: m1/marl/grpo.py "
+        "OLD_LOGPROBS."))
     is_cap: float = Field(2.0, gt=0.0, description="sampler: cap on the truncated importance weight.")
+
+    @field_validator("loss_type")
+    @classmethod
+    def _registered_loss(cls, v: str) -> str:
+        if v not in LOSSES:
+            raise ValueError(f"unknown loss_type {v!r}; registered: {sorted(LOSSES)}")
+        return v
+
+    @field_validator("old_logprobs")
+    @classmethod
+    def _registered_old_logprobs(cls, v: str | None) -> str | None:
+        if v is not None and v not in OLD_LOGPROBS:
+            raise ValueError(f"unknown old_logprobs {v!r}; registered: {sorted(OLD_LOGPROBS)}")
+        return v
 
 
 class JudgeConfig(Strict):

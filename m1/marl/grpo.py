@@ -13,6 +13,12 @@ Reference numerics: TRL 1.16.0 ``GRPOTrainer`` (parity is tested in ``tests/test
   number of micro-batches per optimizer step, while ``dapo`` is already normalised by the whole step's token
   count (``num_items_in_batch``) and must not be divided again.
 
+Adding a loss or an old-log-prob mode: the loss types (``LOSSES``) and the ``grpo.old_logprobs`` modes
+(``OLD_LOGPROBS``) are registries, and the config accepts exactly their names. A new one is one function under
+``@register_loss(name, token_level=...)`` or ``@register_old_logprobs(name)`` plus a test of its values; the
+learner (m1/marl/learner.py) needs no change. tests/test_loss_registry.py registers a toy loss from outside m1/ and
+trains one step with it.
+
 torch is imported inside the functions so that importing this module stays cheap.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 
@@ -161,19 +168,43 @@ def kl_k3(logp: "torch.Tensor", ref_logp: "torch.Tensor") -> "torch.Tensor":
     return delta.exp() - delta - 1
 
 
-# --------------------------------------------------------------------------------------------- aggregation
+# --------------------------------------------------------------------------------------------- loss types
 
 
+@dataclass(frozen=True)
+class LossType:
+    """A registered ``loss_type``: how per-token losses reduce to a scalar, and whether that reduction is a token
+    mean (``token_level``). A token-level loss is normalised by ``num_items_in_batch`` when given, so a caller
+    accumulating micro-batches passes the step's token count and sums their losses; any other loss is a mean over
+    its own micro-batch, which the caller weights by the micro-batch's share of the step's samples."""
+
+    aggregate: Callable[..., "torch.Tensor"]
+    token_level: bool = False
+
+
+LOSSES: dict[str, LossType] = {}
+
+
+def register_loss(name: str, *, token_level: bool = False):
+    """Decorator: register ``fn(per_token, mask, *, max_completion_length, num_items_in_batch)`` as ``loss_type``
+    ``name`` (``grpo.loss_type`` in a config accepts exactly the registered names)."""
+
+    def add(fn: Callable[..., "torch.Tensor"]) -> Callable[..., "torch.Tensor"]:
+        if name in LOSSES:
+            raise ValueError(f"loss_type {name!r} is already registered")
+        LOSSES[name] = LossType(fn, token_level)
+        return fn
+
+    return add
+
+
+@register_loss("grpo")
 def _agg_grpo(per_token: "Tensor", mask: "Tensor", **_: Any) -> "Tensor":
     """Mean over each sequence's masked tokens, then mean over all sequences (empty ones count as 0, as TRL)."""
     return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
-def _agg_token_mean(per_token: "Tensor", mask: "Tensor", **_: Any) -> "Tensor":
-    """Sum over all masked tokens / number of masked tokens in this batch (TRL ``bnpo``, verl ``token-mean``)."""
-    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-
-
+@register_loss("dr_grpo")
 def _agg_dr_grpo(per_token: "Tensor", mask: "Tensor", *, max_completion_length: int | None = None, **_: Any):
     """Sum over masked tokens / (B * max_completion_length): a constant normaliser, no length bias."""
     if max_completion_length is None or max_completion_length <= 0:
@@ -181,13 +212,17 @@ def _agg_dr_grpo(per_token: "Tensor", mask: "Tensor", *, max_completion_length: 
     return (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
 
 
-def _agg_dapo(per_token: "Tensor", mask: "Tensor", *, num_items_in_batch: Any = None, **_: Any):
+@register_loss("dapo", token_level=True)
+@register_loss("bnpo", token_level=True)
+@register_loss("token-mean", token_level=True)
+def _agg_token_mean(per_token: "Tensor", mask: "Tensor", *, num_items_in_batch: Any = None, **_: Any):
     """Sum over masked tokens / tokens of the whole (accumulated, global) batch.
 
     ``num_items_in_batch`` is the number of loss tokens in one optimizer step (all micro-batches, all ranks)
-    divided by the number of data-parallel ranks, which is the normaliser TRL ends up using; summing the micro-batch
-    losses and averaging over ranks then gives a true global token mean. ``None`` means this micro-batch is the
-    whole step, i.e. the same as ``token-mean``.
+    divided by the number of data-parallel ranks, which is the normaliser TRL's ``dapo`` ends up using; summing the
+    micro-batch losses and averaging over ranks then gives a true global token mean. ``None`` means this micro-batch
+    is the whole step: the token mean of this batch (TRL ``bnpo``, verl ``token-mean``). The three names are one
+    loss here; TRL's ``bnpo`` ignores ``num_items_in_batch`` and leaves accumulation to its caller.
     """
     import torch
 
@@ -196,15 +231,6 @@ def _agg_dapo(per_token: "Tensor", mask: "Tensor", *, num_items_in_batch: Any = 
     else:
         normalizer = torch.as_tensor(num_items_in_batch, dtype=per_token.dtype, device=per_token.device)
     return (per_token * mask).sum() / normalizer.clamp(min=1.0)
-
-
-LOSS_AGG: dict[str, Callable[..., "torch.Tensor"]] = {
-    "grpo": _agg_grpo,
-    "bnpo": _agg_token_mean,
-    "token-mean": _agg_token_mean,
-    "dr_grpo": _agg_dr_grpo,
-    "dapo": _agg_dapo,
-}
 
 
 def aggregate(
@@ -216,9 +242,9 @@ def aggregate(
     num_items_in_batch: Any = None,
 ) -> "torch.Tensor":
     """Reduce a per-token quantity ``[B, T]`` (or ``[B, 1]``) to a scalar with the ``loss_type`` rule."""
-    if loss_type not in LOSS_AGG:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {sorted(LOSS_AGG)}")
-    return LOSS_AGG[loss_type](
+    if loss_type not in LOSSES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {sorted(LOSSES)}")
+    return LOSSES[loss_type].aggregate(
         per_token, mask, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch
     )
 
@@ -258,7 +284,7 @@ def _clipped_objective(
     delta: float | None,
     importance_sampling_level: str,
 ):
-    """Per-token ``-min(r A, clip(r) A)`` plus the raw ratio; shared by ``policy_loss`` and ``grpo_loss``."""
+    """Per-token ``-min(r A, clip(r) A)``, the raw ratio and the clip stats of ``grpo_loss``."""
     import torch
 
     if clip_eps_low < 0 or (clip_eps_high is not None and clip_eps_high < 0):
@@ -290,44 +316,6 @@ def _clipped_objective(
     return per_token, ratio, stats
 
 
-def policy_loss(
-    logp: "torch.Tensor",
-    old_logp: "torch.Tensor | None",
-    advantages: "torch.Tensor",
-    mask: "torch.Tensor",
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float | None = None,
-    loss_type: str = "grpo",
-    max_completion_length: int | None = None,
-    *,
-    num_items_in_batch: Any = None,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
-) -> tuple["torch.Tensor", dict[str, float]]:
-    """Clipped surrogate ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` aggregated by ``loss_type``.
-
-    ``logp``/``old_logp``/``mask`` are ``[B, T]`` (mask 1 on the agent's own generated tokens, 0 on prompt, padding,
-    tool outputs and text other agents wrote to the shared memory); ``advantages`` is ``[B]`` (or ``[B, T]``).
-    ``old_logp=None`` means on-policy (``logp.detach()``). ``clip_eps_high`` defaults to ``clip_eps_low``; set it
-    higher for DAPO clip-higher. Returns the scalar loss and float stats: ``ratio_mean``, ``clip_frac`` (tokens
-    whose gradient the clip removes, TRL's "region" ratio), ``clip_frac_low``, ``clip_frac_high``, ``num_tokens``,
-    ``policy_loss``.
-    """
-    mask = mask.to(logp.dtype)
-    per_token, _, stats = _clipped_objective(
-        logp, old_logp, advantages, mask, clip_eps_low, clip_eps_high, delta, importance_sampling_level
-    )
-    loss = aggregate(
-        per_token,
-        mask,
-        loss_type,
-        max_completion_length=max_completion_length,
-        num_items_in_batch=num_items_in_batch,
-    )
-    stats["policy_loss"] = float(loss.detach())
-    return loss, stats
-
-
 def grpo_loss(
     logp: "torch.Tensor",
     old_logp: "torch.Tensor | None",
@@ -345,13 +333,19 @@ def grpo_loss(
     importance_sampling_level: str = "token",
     is_weight: "torch.Tensor | None" = None,
 ) -> tuple["torch.Tensor", dict[str, float]]:
-    """Full GRPO objective: per-token clipped surrogate ``+ beta * k3 KL``, then one ``loss_type`` aggregation.
+    """The GRPO objective: per-token clipped surrogate ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``
+    ``+ beta * k3 KL``, then one ``loss_type`` aggregation (a name registered in ``LOSSES``).
 
-    As in TRL the KL is added per token before aggregation, so it is weighted exactly like the policy term.
-    ``ref_logp`` may be ``None`` only when ``beta == 0``. ``is_weight`` [B, T] (no gradient) multiplies the policy
-    term per token before the KL is added: the truncated importance weight that corrects for completions sampled by
-    an engine whose numerics differ from the trainer's (TRL's vLLM correction). Stats are those of
-    ``policy_loss`` plus ``kl`` (masked token mean of k3, reported whenever ``ref_logp`` is given) and ``loss``.
+    ``logp``/``old_logp``/``ref_logp``/``mask`` are ``[B, T]`` (mask 1 on the agent's own generated tokens, 0 on
+    prompt, padding, tool outputs and text other agents wrote to the shared memory); ``advantages`` is ``[B]`` (or
+    ``[B, T]``). ``old_logp=None`` means on-policy (``logp.detach()``). ``clip_eps_high`` defaults to
+    ``clip_eps_low``; set it higher for DAPO clip-higher. As in TRL the KL is added per token before aggregation, so
+    it is weighted exactly like the policy term; ``ref_logp`` may be ``None`` only when ``beta == 0``. ``is_weight``
+    [B, T] (no gradient) multiplies the policy term per token before the KL is added: the truncated importance weight
+    that corrects for completions sampled by an engine whose numerics differ from the trainer's (TRL's vLLM
+    correction). Returns the scalar loss and float stats: ``ratio_mean``, ``clip_frac`` (tokens whose gradient the
+    clip removes, TRL's "region" ratio), ``clip_frac_low``, ``clip_frac_high``, ``num_tokens``, ``policy_loss`` (the
+    aggregated policy term alone), ``kl`` (masked token mean of k3, whenever ``ref_logp`` is given) and ``loss``.
     """
     if beta < 0:
         raise ValueError(f"grpo_loss: beta must be >= 0, got {beta}")
@@ -381,14 +375,74 @@ def grpo_loss(
     return loss, stats
 
 
+# --------------------------------------------------------------------------------------------- old log-probs
+
+
+OldLogprobs = Callable[..., tuple["torch.Tensor | None", "torch.Tensor | None", dict[str, float]]]
+OLD_LOGPROBS: dict[str, OldLogprobs] = {}
+
+
+def register_old_logprobs(name: str):
+    """Decorator: register ``fn(logp, mask, sampled, grpo) -> (old, is_weight, stats)`` as ``grpo.old_logprobs``
+    mode ``name`` (a config accepts exactly the registered names).
+
+    ``logp``/``mask`` are the policy's [B, T] log-probs and loss mask, ``sampled`` the sampler's log-probs padded to
+    [B, T] (None when a sample has none), ``grpo`` the run's GRPOSettings. ``old`` and ``is_weight`` go to
+    ``grpo_loss`` (None: on-policy, unweighted); ``stats`` are sums over the batch's masked tokens, which the learner
+    turns into token means over the step, except keys ending in ``_max``, maxima over the step.
+    """
+
+    def add(fn: OldLogprobs) -> OldLogprobs:
+        if name in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs mode {name!r} is already registered")
+        OLD_LOGPROBS[name] = fn
+        return fn
+
+    return add
+
+
+def _sampled(sampled: "Tensor | None", mode: str) -> "Tensor":
+    if sampled is None:
+        raise ValueError(f"grpo.old_logprobs={mode} needs the sampler's log-probs (a sample has none)")
+    return sampled
+
+
+@register_old_logprobs("policy")
+def _old_policy(logp, mask, sampled, grpo):
+    """``logp.detach()``: one update per rollout batch (TRL's on-policy case), ratio exactly 1."""
+    return None, None, {}
+
+
+@register_old_logprobs("rollout")
+def _old_rollout(logp, mask, sampled, grpo):
+    """The sampler's log-probs: the ratio corrects for generation lagging the weights."""
+    return _sampled(sampled, "rollout"), None, {}
+
+
+@register_old_logprobs("sampler")
+def _old_sampler(logp, mask, sampled, grpo):
+    """On-policy ratio, and each token's policy term weighted by ``min(exp(logp - sampled), is_cap)``: the
+    truncated importance weight from the sampling engine's numerics to the trainer's."""
+    import torch
+
+    raw = torch.exp((logp.detach().float() - _sampled(sampled, "sampler")) * mask)  # 1 on padding
+    stats = {"is/ratio_mean": float((raw * mask).sum()),
+             "is/truncated": float(((raw > grpo.is_cap).float() * mask).sum()),
+             "is/ratio_max": float((raw * mask).max()) if float(mask.sum()) else 0.0}
+    return None, raw.clamp(max=grpo.is_cap), stats
+
+
 __all__: Sequence[str] = (
     "ADV_EPS",
-    "LOSS_AGG",
+    "LOSSES",
+    "OLD_LOGPROBS",
+    "LossType",
     "aggregate",
     "grpo_loss",
     "group_advantages",
     "kl_k3",
     "multi_agent_advantages",
-    "policy_loss",
+    "register_loss",
+    "register_old_logprobs",
     "token_logprobs",
 )

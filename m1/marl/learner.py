@@ -8,7 +8,9 @@ tokenises and scores its own samples.
 
 Old log-probs: with `grpo.old_logprobs: policy` (default) the surrogate uses `logp.detach()` — one update per
 rollout batch, TRL's on-policy case, ratio exactly 1 with the gradient of logp. `rollout` uses the sampler's
-log-probs instead. Either way `logp_gap` logs the mean |recomputed - sampled| log-prob, which should be ~0.
+log-probs instead, `sampler` weights each token by a truncated importance weight (the modes and the loss types are
+registries in m1/marl/grpo.py). Whenever the samples carry the sampler's log-probs, `logp_gap` logs the mean
+|recomputed - sampled| log-prob, which should be ~0.
 
 Vision-language policies (a seed kind's `kind: vision` Qwen2-VL / Qwen2.5-VL model, backend hf): a sample's prompt ids
 keep the processor's image-pad tokens, and the forward pass gets the `pixel_values` / `image_grid_thw` of its frames,
@@ -29,12 +31,12 @@ import random
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.distributed import deepspeed_engine, resolve_ds_config
-from m1.marl.grpo import grpo_loss, token_logprobs
+from m1.marl.grpo import LOSSES, OLD_LOGPROBS, grpo_loss, token_logprobs
 from m1.marl.rollout import Sample, derive_seed
 from m1.models.base import ChatRequest, image_frames, prompt_ids, text_only
 from m1.models.hf import HFChatModel, HFVisionModel, resolve_device
@@ -42,6 +44,27 @@ from m1.video import VideoPool
 
 VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")  # vision-language models the learner feeds pixel_values/image_grid_thw
 ZERO_SHARD = "zero-rank{rank}.pt"  # one rank's ZeRO-2 optimizer state in a learner's checkpoint folder
+
+
+class StepSize(NamedTuple):
+    """What a micro-batch's loss is weighted against: the whole step's samples and loss tokens (every sample counts,
+    run or not), prompt tokens (a prompt's first token has nothing to predict it) and the tokens run (per-token
+    diagnostics are means over those)."""
+
+    samples: int
+    tokens: int
+    prompt_tokens: int
+    run_tokens: int
+
+
+def _accumulate(totals: dict[str, float], peaks: dict[str, float], stats: dict[str, float]) -> None:
+    """Add a micro-batch's stats (already weighted against the step) to the step's: summed, or maxed for keys
+    ending in `_max`."""
+    for k, v in stats.items():
+        if k.endswith("_max"):
+            peaks[k] = max(peaks.get(k, v), v)
+        else:
+            totals[k] = totals.get(k, 0.0) + v
 
 
 # ================================================================================================ one agent's learner
@@ -436,15 +459,13 @@ class AgentLearner:
         """One optimizer step on all `samples` of this agent (GRPO, or cross-entropy for `objective="sft"`).
 
         In a learner group of W ranks every rank is handed the whole step and trains on its contiguous share of the
-        step's length-sorted micro-batches (`_micro_batches`; a question's K rollouts stay together and share their
-        prompt's forward). Every micro-batch loss is
-        weighted against the whole step, times W because DeepSpeed averages the ranks' gradients; ranks with fewer
-        micro-batches run zero-weight ones so all ranks enter the same number of gradient reductions. The stats
-        returned are the whole step's, on every rank.
+        step's length-sorted micro-batches (`_micro_batches`; a question's K rollouts share their prompt's forward).
+        The objective's loss (`_grpo_loss`, `_sft_loss`) is weighted against the whole step, times W here as
+        DeepSpeed averages the ranks' gradients; ranks with fewer micro-batches run zero-weight ones so all ranks
+        enter the same number of gradient reductions. The stats returned are the whole step's, on every rank.
         """
-        import torch
-
-        if objective not in ("grpo", "sft"):
+        loss_of = {"grpo": self._grpo_loss, "sft": self._sft_loss}.get(objective)
+        if loss_of is None:
             raise ValueError(f"objective must be 'grpo' or 'sft', got {objective!r}")
         t0 = time.perf_counter()
         self._set_lr(lr)
@@ -452,78 +473,18 @@ class AgentLearner:
             return {"samples": 0.0, "lr": lr}
         self.policy.train()
         rows = self._rows(samples)
-        n_samples = len(samples)
-        n_tokens = sum(len(c) for _, c in rows)  # the step's weights count every sample, run or not
-        n_prompt_tokens = sum(len(p) - 1 for p, _ in rows)  # a prompt's first token has nothing to predict it
-        g = self.grpo
-        run = range(n_samples)
-        if objective == "grpo" and g.beta == 0 and self.cfg.skip_zero_advantage:
-            run = [i for i, s in enumerate(samples) if s.advantage != 0]
-        run_tokens = sum(len(rows[i][1]) for i in run)  # per-token diagnostics are means over the tokens run
-        token_level = g.loss_type in ("bnpo", "token-mean", "dapo")
+        skip_zero = objective == "grpo" and self.grpo.beta == 0 and self.cfg.skip_zero_advantage
+        run = [i for i, s in enumerate(samples) if not (skip_zero and s.advantage == 0)]
+        step = StepSize(samples=len(samples), tokens=sum(len(c) for _, c in rows),
+                        prompt_tokens=sum(len(p) - 1 for p, _ in rows), run_tokens=sum(len(rows[i][1]) for i in run))
         totals: dict[str, float] = {}  # sums over the step's tokens or samples
         peaks: dict[str, float] = {}  # maxima over the step
         loss_sum = 0.0
-        weight = 1.0
-
-        def add(key: str, value: float, w: float) -> None:
+        for micro, micro_rows, weight in self._micro_batches([samples[i] for i in run], [rows[i] for i in run],
+                                                             (samples[:1], rows[:1])):
+            loss, stats = loss_of(micro, micro_rows, step)
             if weight:  # a zero-weight micro-batch only keeps the ranks' reductions in step
-                totals[key] = totals.get(key, 0.0) + value * w
-
-        plan = self._micro_batches([samples[i] for i in run], [rows[i] for i in run], (samples[:1], rows[:1]))
-        for micro, micro_rows, weight in plan:
-            vision = self.vision_inputs(micro)  # the same images for policy, reference and (sampler) old log-probs
-            # each sample is scored at the temperature it was sampled with
-            temps = [s.temperature for s in micro]
-            temperature = temps[0] if len(set(temps)) == 1 else temps
-            prompt_loss = objective == "sft" and self.cfg.prompt_loss > 0
-            with self._autocast():
-                if prompt_loss:
-                    logp, mask, p_logp, p_mask = self._sequence_logprobs(self._forward_model(), micro_rows)
-                else:
-                    logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
-            tokens = float(mask.sum())
-            if objective == "sft":
-                loss = -(logp * mask).sum() / max(n_tokens, 1)  # token mean over the whole step
-                add("nll", float(-(logp.detach() * mask).sum()), 1.0 / max(n_tokens, 1))
-                if prompt_loss:  # the prompt's own token mean over the step, weighted against the completion's
-                    loss = loss - self.cfg.prompt_loss * (p_logp * p_mask).sum() / max(n_prompt_tokens, 1)
-                    add("prompt_nll", float(-(p_logp.detach() * p_mask).sum()), 1.0 / max(n_prompt_tokens, 1))
-            else:
-                ref = None
-                if g.beta > 0:
-                    with torch.no_grad(), self._autocast(), self._reference() as ref_model:
-                        ref, _ = self.completion_logprobs(ref_model, micro_rows, temperature, vision)
-                old = is_weight = None
-                if g.old_logprobs == "rollout":
-                    old = self._padded([s.logprobs for s in micro], logp.shape[1])
-                elif g.old_logprobs == "sampler":  # truncated importance weight, engine -> trainer
-                    sampled = self._padded([s.logprobs for s in micro], logp.shape[1])
-                    raw = torch.exp((logp.detach().float() - sampled) * mask)  # 1 on padding
-                    is_weight = raw.clamp(max=g.is_cap)
-                    add("is/ratio_mean", float((raw * mask).sum()), 1.0 / max(run_tokens, 1))
-                    add("is/truncated", float(((raw > g.is_cap).float() * mask).sum()), 1.0 / max(run_tokens, 1))
-                    if weight:
-                        peaks["is/ratio_max"] = max(peaks.get("is/ratio_max", 0.0),
-                                                    float((raw * mask).max()) if tokens else 0.0)
-                adv = torch.tensor([s.advantage for s in micro], device=self.device, dtype=torch.float32)
-                if token_level:
-                    loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=g.beta, clip_eps_low=g.clip_eps_low,
-                                            clip_eps_high=g.clip_eps_high, loss_type="dapo",
-                                            num_items_in_batch=n_tokens, is_weight=is_weight)
-                else:
-                    loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=g.beta, clip_eps_low=g.clip_eps_low,
-                                            clip_eps_high=g.clip_eps_high, loss_type=g.loss_type,
-                                            max_completion_length=self.cfg.max_completion_tokens,
-                                            is_weight=is_weight)
-                    loss = loss * (len(micro) / n_samples)
-                for key in ("kl", "clip_frac", "ratio_mean"):
-                    if key in stats:
-                        add(key, stats[key], tokens / max(run_tokens, 1))
-                gap = [s.logprobs for s in micro]
-                if all(x is not None for x in gap):
-                    sampled = self._padded(gap, logp.shape[1])
-                    add("logp_gap", float(((logp.detach() - sampled).abs() * mask).sum()), 1.0 / max(run_tokens, 1))
+                _accumulate(totals, peaks, stats)
             loss = loss * (weight * self.world)
             self._backward(loss)
             loss_sum += float(loss.detach()) / self.world
@@ -531,9 +492,65 @@ class AgentLearner:
         self.updates += 1
         if self.world > 1:
             loss_sum, totals, peaks = _sum_over_ranks(loss_sum, totals, peaks)
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": float(n_samples),
-                "tokens": float(n_tokens), "samples_run": float(len(run)), "seconds": time.perf_counter() - t0,
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": float(step.samples),
+                "tokens": float(step.tokens), "samples_run": float(len(run)), "seconds": time.perf_counter() - t0,
                 **totals, **peaks}
+
+    def _scoring(self, micro: list[Sample]):
+        """The images and temperature of a micro-batch: the same for policy, reference and (sampler) old log-probs,
+        and each sample scored at the temperature it was sampled with."""
+        temps = [s.temperature for s in micro]
+        return self.vision_inputs(micro), temps[0] if len(set(temps)) == 1 else temps
+
+    def _sft_loss(self, micro: list[Sample], micro_rows: list, step: StepSize):
+        """Cross-entropy of the completions as a token mean over the whole step (so micro-batch losses sum to the
+        step's); `learner.prompt_loss` adds the prompt's own step token mean with that weight."""
+        vision, temperature = self._scoring(micro)
+        prompt_loss = self.cfg.prompt_loss > 0
+        with self._autocast():
+            if prompt_loss:
+                logp, mask, p_logp, p_mask = self._sequence_logprobs(self._forward_model(), micro_rows)
+            else:
+                logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
+        loss = -(logp * mask).sum() / max(step.tokens, 1)
+        stats = {"nll": float(-(logp.detach() * mask).sum()) * (1.0 / max(step.tokens, 1))}
+        if prompt_loss:
+            loss = loss - self.cfg.prompt_loss * (p_logp * p_mask).sum() / max(step.prompt_tokens, 1)
+            stats["prompt_nll"] = float(-(p_logp.detach() * p_mask).sum()) * (1.0 / max(step.prompt_tokens, 1))
+        return loss, stats
+
+    def _grpo_loss(self, micro: list[Sample], micro_rows: list, step: StepSize):
+        """`grpo_loss` of one micro-batch with the configured loss type and old-log-prob mode (both registries of
+        m1/marl/grpo.py), weighted against the whole step: a token-level loss is normalised by the step's token
+        count, any other by the micro-batch's share of the step's samples. Per-token stats are means over the
+        tokens run; `logp_gap` is the mean |recomputed - sampled| log-prob, which should be ~0 on-policy."""
+        import torch
+
+        g = self.grpo
+        vision, temperature = self._scoring(micro)
+        with self._autocast():
+            logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
+        ref = None
+        if g.beta > 0:
+            with torch.no_grad(), self._autocast(), self._reference() as ref_model:
+                ref, _ = self.completion_logprobs(ref_model, micro_rows, temperature, vision)
+        given = [s.logprobs for s in micro]
+        sampled = self._padded(given, logp.shape[1]) if all(x is not None for x in given) else None
+        old, is_weight, mode_stats = OLD_LOGPROBS[g.old_logprobs or "policy"](logp, mask, sampled, g)
+        per_token = 1.0 / max(step.run_tokens, 1)
+        stats = {k: v if k.endswith("_max") else v * per_token for k, v in mode_stats.items()}
+        adv = torch.tensor([s.advantage for s in micro], device=self.device, dtype=torch.float32)
+        loss, loss_stats = grpo_loss(logp, old, ref, adv, mask, beta=g.beta, clip_eps_low=g.clip_eps_low,
+                                     clip_eps_high=g.clip_eps_high, loss_type=g.loss_type,
+                                     max_completion_length=self.cfg.max_completion_tokens,
+                                     num_items_in_batch=step.tokens, is_weight=is_weight)
+        if not LOSSES[g.loss_type].token_level:
+            loss = loss * (len(micro) / step.samples)
+        share = float(mask.sum()) / max(step.run_tokens, 1)
+        stats.update({k: loss_stats[k] * share for k in ("kl", "clip_frac", "ratio_mean") if k in loss_stats})
+        if sampled is not None:
+            stats["logp_gap"] = float(((logp.detach() - sampled).abs() * mask).sum()) * per_token
+        return loss, stats
 
     def _micro_batches(self, samples: list[Sample], rows: list, pad: tuple[list[Sample], list]):
         """(samples, rows, weight) of each micro-batch this rank runs (weight 1.0 for real ones).
