@@ -25,25 +25,36 @@ ap.add_argument("--hidden", type=int, default=128)
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--repeat", type=float, default=0.0, help="share of sequences that are random tokens written twice")
+ap.add_argument("--pairs-min", type=int, default=0, help="curriculum: start with this many pairs (0: no curriculum)")
+ap.add_argument("--grow", type=int, default=150, help="curriculum: steps between adding one pair")
+ap.add_argument("--key-words", type=int, default=1, choices=[1, 2],
+                help="2: a key is two tokens (colour, shape) from a 4 x 4 grid, so each word recurs across keys")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 torch.set_num_threads(a.threads)
 torch.manual_seed(a.seed)
-KEYS = [f"k{i}" for i in range(a.nkeys)]; VALS = [f"v{i}" for i in range(a.nvals)]
-vocab = ["<pad>", "?", "=", ";"] + KEYS + VALS
+VALS = [f"v{i}" for i in range(a.nvals)]
+if a.key_words == 2:
+    WORDS = [f"c{i}" for i in range(4)] + [f"s{i}" for i in range(4)]
+    KEYS = [(f"c{i}", f"s{j}") for i in range(4) for j in range(4)]
+else:
+    WORDS = [f"k{i}" for i in range(a.nkeys)]
+    KEYS = [(w,) for w in WORDS]
+vocab = ["<pad>", "?", "=", ";"] + WORDS + VALS
 ix = {w: i for i, w in enumerate(vocab)}
 cfg = Qwen3Config(vocab_size=len(vocab), hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=a.hidden // 4, max_position_embeddings=512,
                   initializer_range=a.init, tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
 model = Qwen3ForCausalLM(cfg)
-def example(rng):
-    keys = rng.sample(KEYS, a.pairs); vals = [rng.choice(VALS) for _ in keys]
+def example(rng, pairs=None):
+    pairs = pairs or a.pairs
+    keys = rng.sample(KEYS, pairs); vals = [rng.choice(VALS) for _ in keys]
     words = []
-    for k, v in zip(keys, vals): words += [k, v]
+    for k, v in zip(keys, vals): words += [*k, v]
     ans = []
     for _ in range(a.nq):
-        q = rng.randrange(a.pairs)
-        words += ["?", keys[q], "="]; ans.append(len(words)); words += [vals[q], ";"]
+        q = rng.randrange(pairs)
+        words += ["?", *keys[q], "="]; ans.append(len(words)); words += [vals[q], ";"]
     return [ix[w] for w in words], ans
 def repeated(rng):
     ex, ans = example(rng)
@@ -51,8 +62,8 @@ def repeated(rng):
     seq = [rng.randrange(4, len(vocab)) for _ in range(n // 2)]
     words = (seq * 8)[:len(ex)]
     return words, ans
-def batch(rng, n, rep=0.0):
-    exs = [repeated(rng) if rng.random() < rep else example(rng) for _ in range(n)]
+def batch(rng, n, rep=0.0, pairs=None):
+    exs = [repeated(rng) if rng.random() < rep else example(rng, pairs) for _ in range(n)]
     ids = torch.tensor([e[0] for e in exs])
     return ids, [e[1] for e in exs]
 opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
@@ -71,7 +82,8 @@ for step in range(a.steps + 1):
         row = {"step": step, "s": round(time.time() - t0, 1), "acc_first_query": evaluate()}
         print(json.dumps(row), flush=True); log.write(json.dumps(row) + "\n"); log.flush()
         if row["acc_first_query"] >= 0.99: break
-    ids, ans = batch(rng, a.batch, a.repeat)
+    pairs = min(a.pairs, a.pairs_min + step // a.grow) if a.pairs_min else a.pairs
+    ids, ans = batch(rng, a.batch, a.repeat, pairs)
     logits = model(input_ids=ids).logits[:, :-1]
     tgt = ids[:, 1:].clone()
     if a.loss == "answers":

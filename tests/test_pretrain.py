@@ -155,3 +155,12 @@ def test_pretrain_trains_evaluates_and_resumes_exactly(tmp_path, m1_cache):
     rows = lambda p: [json.loads(r) for r in (p / "pt" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
     assert [r["step"] for r in b] == [3, 6] and [r["loss"] for r in a] == [r["loss"] for r in b]
+    # a checkpoint written before a setting existed (here: a stage's `mix`) resumes under its default ...
+    state = torch.load(tmp_path / "b" / "pt" / "checkpoint.pt", weights_only=False)
+    for stage in state["config"]["curriculum"]:
+        del stage["mix"]
+    torch.save(state, tmp_path / "b" / "pt" / "checkpoint.pt")
+    assert Pretrainer(_cfg(tmp_path / "b"), progress=lambda s: None).step == 6
+    # ... while a changed setting is refused
+    with pytest.raises(ValueError, match="written by another config"):
+        Pretrainer(_cfg(tmp_path / "b", lr=2e-3), progress=lambda s: None)

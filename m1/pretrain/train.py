@@ -181,7 +181,8 @@ class Pretrainer:
             (self.out / METRICS).unlink(missing_ok=True)
             return
         state = torch.load(path, weights_only=False)
-        if state["config"] != self.cfg.model_dump(mode="json"):
+        # read through today's model, so that a setting added since (with its default) does not refuse the resume
+        if PretrainConfig.model_validate(state["config"]).model_dump(mode="json") != self.cfg.model_dump(mode="json"):
             raise ValueError(f"{path}: written by another config; use a new out_dir or the same config to resume")
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
