@@ -1,0 +1,67 @@
+"""The tool registry (m1/registry.py) is the one place a tool is named: everything else reads `TOOLS`.
+
+A tool's name may still appear in prose (docstrings, error messages, the tiny tokenizer's corpus sentences, the
+report legend "RB Rough / FB Fine Browser", whose bytes committed reports pin); what must not appear elsewhere is
+the name as a string literal of its own, the spelling that would silently go stale when a tool is added or renamed.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+from m1.registry import PAPER_TOOLS, TOOLS
+
+M1 = Path(__file__).resolve().parents[1] / "m1"
+
+
+def _literal_homes() -> dict[str, set[str]]:
+    """tool name -> the modules of m1/ holding it as a whole string literal."""
+    homes: dict[str, set[str]] = {t: set() for t in PAPER_TOOLS}
+    for path in sorted(M1.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in homes:
+                homes[node.value].add(path.relative_to(M1.parent).as_posix())
+    return homes
+
+
+def test_each_paper_tool_is_spelled_out_in_the_registry_alone():
+    assert len(PAPER_TOOLS) == 8
+    assert _literal_homes() == {t: {"m1/registry.py"} for t in PAPER_TOOLS}
+
+
+def test_prompt_templates_outside_python_do_not_name_tools():
+    """Prompt text lives in Python (m1/agents/prompts.py) and takes tool names from the registry; a template file
+    that named a tool would be a second home."""
+    texts = [p for p in M1.rglob("*") if p.is_file() and p.suffix in (".txt", ".j2", ".jinja", ".tmpl", ".prompt")]
+    named = [(p.name, t) for p in texts for t in PAPER_TOOLS if t in p.read_text(errors="replace")]
+    assert named == []
+
+
+def test_paper_tools_keep_their_order_groups_and_short_names():
+    """The order is the default tools.enabled and the tiny tokenizer's vocabulary: it must not move."""
+    assert [(TOOLS[t].group, TOOLS[t].short) for t in PAPER_TOOLS] == [
+        ("select", "GS"), ("select", "VR"), ("select", "TSR"), ("select", "IR"),
+        ("browse", "RB"), ("browse", "FB"), ("browse", "ST"), ("browse", "GT")]
+    assert [t for t in PAPER_TOOLS if TOOLS[t].clip] == [PAPER_TOOLS[1], PAPER_TOOLS[3]]
+    assert all((TOOLS[t].model_attr is not None) == (TOOLS[t].group == "browse") for t in PAPER_TOOLS)
+
+
+def test_a_browse_tool_resolves_its_vision_model_with_the_browser_as_fallback():
+    from m1.config import ToolsConfig
+
+    t = ToolsConfig(browser="b", grounding="g")
+    assert {s.short: s.vision_model(t) for s in TOOLS.values() if s.name in PAPER_TOOLS} == {
+        "GS": None, "VR": None, "TSR": None, "IR": None, "RB": "b", "FB": "b", "ST": "b", "GT": "g"}
+
+
+def test_registering_a_name_twice_with_other_settings_is_refused():
+    from dataclasses import replace
+
+    from m1.registry import register_tool
+
+    spec = TOOLS[PAPER_TOOLS[0]]
+    assert register_tool(spec) is spec  # the same spec again: a no-op
+    with pytest.raises(ValueError, match="already registered"):
+        register_tool(replace(spec, short="XX"))
+    with pytest.raises(ValueError, match="unknown group"):
+        register_tool(replace(spec, name="Odd Tool", group="zoom"))
