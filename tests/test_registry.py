@@ -65,3 +65,78 @@ def test_registering_a_name_twice_with_other_settings_is_refused():
         register_tool(replace(spec, short="XX"))
     with pytest.raises(ValueError, match="unknown group"):
         register_tool(replace(spec, name="Odd Tool", group="zoom"))
+
+
+# ------------------------------------------------------------------------------------------------ extending M1
+@pytest.fixture
+def registries():
+    """Restore the tool and credit registries after a test registers into them (they are module-level, mutated in
+    place, and other tests count their entries)."""
+    from m1 import registry
+    from m1.marl import credit
+
+    saved = (dict(registry.TOOLS), dict(registry.TOOL_NAMES), list(registry.SELECT_TOOLS),
+             list(registry.BROWSE_TOOLS), dict(credit.CREDITS))
+    yield
+    for live, old in zip((registry.TOOLS, registry.TOOL_NAMES, registry.SELECT_TOOLS, registry.BROWSE_TOOLS,
+                          credit.CREDITS), saved):
+        live.clear()
+        live.update(old) if isinstance(live, dict) else live.extend(old)
+
+
+DEPTH = "Depth Tool"  # a tool M1 does not ship, registered from here
+
+
+def _register_depth():
+    from m1.registry import ToolSpec, register_tool
+
+    return register_tool(ToolSpec(DEPTH, "browse", "DT", "a vision model judges how far each object is.",
+                                  aliases=("depth", "depthestimation"), model_attr="space",
+                                  tokens_attr="space_tokens"))
+
+
+def test_a_tool_registered_outside_m1_is_accepted_everywhere_names_are_read(registries):
+    from m1.agents import parsers, prompts
+    from m1.config import load_team
+    from m1.experiment.rows import plan_name, tools
+    from m1.models.preflight import BROWSE, _users, team_models
+    from m1.registry import GLOBAL_SAMPLING
+    from m1.schema import Question
+
+    _register_depth()
+    team = load_team("tiny", [f"tools.enabled=[{GLOBAL_SAMPLING.name}, {DEPTH}]"])
+    assert team.tools.enabled == [GLOBAL_SAMPLING.name, DEPTH]
+    assert parsers.tool_group(DEPTH) == "browse"
+    assert parsers.canonical_tool("<depth estimation>", team.tools.enabled) == DEPTH
+    assert parsers.parse_plan(f"##key info: x\n##tool use: <{GLOBAL_SAMPLING.name}>, <depth>",
+                              team.tools.enabled).plan.tools == [GLOBAL_SAMPLING.name, DEPTH]
+    q = Question(id="q", video="v.mp4", text="How far is the cup?", task="open")
+    assert f"- {DEPTH}: a vision model judges how far each object is." in \
+        prompts.plan_messages(q, team.tools.enabled)[0]["content"]
+    assert plan_name((GLOBAL_SAMPLING.name, DEPTH), "+") == "GS+DT" and tools("GS+DT") == (GLOBAL_SAMPLING.name, DEPTH)
+    # tools.space unset: the Depth Tool's vision model falls back to tools.browser, which preflight then checks
+    assert BROWSE in team_models(team)["browser"][1] and "clip" not in team_models(team)
+    assert DEPTH in _users(team, "browser")
+
+
+def test_unknown_tool_and_credit_names_are_refused_naming_the_known_ones(registries):
+    from m1.config import load_team
+    from m1.marl.credit import CREDITS, EpisodeCredit, register_credit
+    from test_trainer import train_cfg
+
+    _register_depth()
+
+    @register_credit
+    class LastWord(EpisodeCredit):
+        """Credit only the last agent (a rule of this test's own)."""
+
+        name = "last_word"
+
+    assert CREDITS["last_word"] is LastWord
+    assert train_cfg("/tmp/unused", rollout={"credit": "last_word"}).rollout.credit == "last_word"
+    with pytest.raises(ValueError, match=r"rollout.credit: unknown rule 'lastword' \(known: \[.*'last_word'\]\)"):
+        train_cfg("/tmp/unused", rollout={"credit": "lastword"})
+    with pytest.raises(ValueError, match=r"tools.enabled: unknown tool 'Depth Tools' \(known: \[.*'Depth Tool'\]\)"):
+        load_team("tiny", ["tools.enabled=[Depth Tools]"])
+    with pytest.raises(ValueError, match="already registered"):
+        register_credit(type("Other", (EpisodeCredit,), {"name": "last_word"}))
