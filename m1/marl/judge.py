@@ -48,7 +48,7 @@ from m1.data.metrics import is_correct, normalize_answer
 from m1.models.base import ChatModel, ChatRequest, ModelError, SamplingParams
 from m1.schema import AgentRecord, Episode, Question
 from m1.text import format_span
-from m1.registry import GLOBAL_SAMPLING, GROUNDING_TOOL, SPACE_TOOL, TIME_STAMP_RETRIEVAL
+from m1.registry import GLOBAL_SAMPLING, GROUNDING_TOOL, PAPER_TOOLS, SPACE_TOOL, TIME_STAMP_RETRIEVAL, TOOLS
 from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
 
 log = logging.getLogger(__name__)
@@ -184,11 +184,13 @@ def render_trajectory(item: JudgeItem, max_output_chars: int = MAX_OUTPUT_CHARS)
     return "\n".join(lines)
 
 
+# The paper's tools by group, as the judge prompt lists them (not tools registered later: the prompt stays put).
+_PAPER_SELECT, _PAPER_BROWSE = ([t for t in PAPER_TOOLS if TOOLS[t].group == g] for g in ("select", "browse"))
 _COLLAB_SYSTEM = (
     "You review how a video question-answering agent used its tools. The agent cannot watch the "
-    "video directly: it first picks frames with a selection tool (Global Sampling, Video Retrieval, "
-    "Time Stamp Retrieval, Image Retrieval) and then has them described by a browsing tool (Rough "
-    "Browser, Fine Browser, Space Tool, Grounding Tool). Between calls it may keep its plan or add "
+    f"video directly: it first picks frames with a selection tool ({', '.join(_PAPER_SELECT)}) "
+    f"and then has them described by a browsing tool ({', '.join(_PAPER_BROWSE)}). "
+    "Between calls it may keep its plan or add "
     "a tool after reading its teammates' notes. You grade the process, not whether the final "
     "answer happens to be right."
 )
