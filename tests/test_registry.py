@@ -140,3 +140,11 @@ def test_unknown_tool_and_credit_names_are_refused_naming_the_known_ones(registr
         load_team("tiny", ["tools.enabled=[Depth Tools]"])
     with pytest.raises(ValueError, match="already registered"):
         register_credit(type("Other", (EpisodeCredit,), {"name": "last_word"}))
+
+
+def test_the_registry_imports_nothing_from_m1():
+    """m1/config.py validates against it, so it must sit below everything else in the package."""
+    tree = ast.parse((M1 / "registry.py").read_text())
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert imported <= {"__future__", "dataclasses"}
