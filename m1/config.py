@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from m1.registry import DEFAULTS, SAGE_UNAVAILABLE, TOOL_NAMES
+from m1.registry import DEFAULTS, PAPER_TOOLS, SAGE_UNAVAILABLE, TOOL_NAMES, vision_model_attrs
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/ (a link), or the wheel's copy
 
@@ -185,9 +185,7 @@ class AgentSpec(Strict):
 class ToolsConfig(Strict):
     """The eight tools with the paper's parameters; `enabled` lists what agents may plan with."""
 
-    enabled: list[str] = Field(default_factory=lambda: [
-        "Global Sampling", "Video Retrieval", "Time Stamp Retrieval", "Image Retrieval",
-        "Rough Browser", "Fine Browser", "Space Tool", "Grounding Tool"], description=(
+    enabled: list[str] = Field(default_factory=lambda: list(PAPER_TOOLS), description=(
         "The tools agents may plan with; at least one select tool and one browse tool."))
     clip: str | None = Field(default=None, description="Model key of the CLIP embedder (Video / Image Retrieval).")
     clip_cache_dir: str | None = Field(default=None, description=(
@@ -326,7 +324,7 @@ class TeamConfig(Strict):
                 if spec.kind not in ("chat", "vision"):
                     raise ValueError(f"agents.{i}.model: model {a.model!r} is a {spec.kind} model; a {a.kind} "
                                      f"policy needs a chat or vision model")
-        for key in ("clip", "browser", "space", "grounding"):
+        for key in ("clip", *vision_model_attrs()):
             ref = getattr(self.tools, key)
             if ref is not None:
                 self._need(f"tools.{key}", ref, "clip" if key == "clip" else "vision")

@@ -13,9 +13,9 @@ import pytest
 
 from fakes import FakeVision, scripted_reply
 from m1.config import TeamConfig
+from m1.marl.credit import AgentCredit
 from m1.marl.grpo import multi_agent_advantages
-from m1.marl.rollout import (build_samples, focus_agents, focus_only, run_rollouts,
-                             sample_topology, score, training_team_config)
+from m1.marl.rollout import build_samples, run_rollouts, sample_topology, score, training_team_config
 from m1.models.base import Completion
 from test_trainer import AGENTS, COMPARED, make_trainer, questions, team_dict, train_cfg
 
@@ -76,7 +76,7 @@ def credit(video, beta_salt, focus):
     dag = sample_topology(AGENTS, "complete", 1.0, 0.0, None)
     batch = run_rollouts(team, questions(video, 2), 6, dag, focus=focus)
     rewards = score(batch, AGENTS, team_reward)
-    adv = multi_agent_advantages(focus_only(rewards, focus) if focus else rewards, scale=True)
+    adv = multi_agent_advantages(AgentCredit().credited(rewards, focus) if focus else rewards, scale=True)
     return batch, adv, build_samples(batch, adv, {a: 1.0 for a in AGENTS}), chats
 
 
@@ -127,9 +127,10 @@ def test_engine_groups_calls_by_model_and_episode_temperature(video):
 
 
 def test_focus_agents_rotate_over_the_runs_questions():
-    assert focus_agents(["a", "b", "c"], 0, 4) == ["a", "b", "c", "a"]
-    assert focus_agents(["a", "b", "c"], 4, 4) == ["b", "c", "a", "b"]  # step 2 of 4 questions goes on from there
-    nan_rows = focus_only({"a": [[1.0, 2.0], [3.0, 4.0]]}, ["a", "b"])["a"]
+    rule = AgentCredit()
+    assert rule.focus(["a", "b", "c"], 0, 4) == ["a", "b", "c", "a"]
+    assert rule.focus(["a", "b", "c"], 4, 4) == ["b", "c", "a", "b"]  # step 2 of 4 questions goes on from there
+    nan_rows = rule.credited({"a": [[1.0, 2.0], [3.0, 4.0]]}, ["a", "b"])["a"]
     assert nan_rows[0] == [1.0, 2.0] and all(x != x for x in nan_rows[1])
 
 

@@ -8,6 +8,7 @@ strategy's losses are pinned by tests/test_trainer_regression.py.
 """
 import math
 import random
+import re
 from collections import Counter
 from types import SimpleNamespace
 
@@ -34,7 +35,10 @@ def test_dynamic_sampling_is_recorded_only_when_set(tmp_path):
 
 def test_registries_name_every_choice_the_config_offers():
     rollout = TrainConfig.model_fields["rollout"].annotation
-    assert set(CREDITS) == set(rollout.model_fields["credit"].annotation.__args__) == {"episode", "phase", "agent"}
+    for name in CREDITS:  # the config accepts every registered rule, and names them all when refusing another
+        assert rollout.model_validate({"credit": name}).credit == name
+    with pytest.raises(ValueError, match=re.escape(f"rollout.credit: unknown rule 'team' (known: {list(CREDITS)})")):
+        rollout.model_validate({"credit": "team"})
     grpo = TrainConfig.model_fields["grpo"].annotation
     assert set(BASELINES) == set(grpo.model_fields["baseline"].annotation.__args__) == {"group", "greedy"}
 

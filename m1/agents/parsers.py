@@ -8,6 +8,7 @@ only when the strict format matched and nothing had to be corrected.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,13 +16,13 @@ from dataclasses import dataclass
 from m1.agents.reading import (
     CLOSED_TASKS, closest_name, guarded, lenient_value, normalize_number, normalize_option, strict_value,
 )
-from m1.registry import BROWSE_TOOLS, SELECT_TOOLS
+from m1.registry import BROWSE_TOOLS, GLOBAL_SAMPLING, ROUGH_BROWSER, SELECT_TOOLS, TOOL_NAMES, TOOLS
 from m1.schema import LETTERS, Decision, Plan, Question
 from m1.text import clean_reply, format_span, format_time, parse_span, parse_timestamp
 
-ALL_TOOLS: tuple[str, ...] = tuple(SELECT_TOOLS) + tuple(BROWSE_TOOLS)
-DEFAULT_SELECT = "Global Sampling"
-DEFAULT_BROWSE = "Rough Browser"
+ALL_TOOLS = TOOL_NAMES  # every registered tool's name (a live view: tools registered later count too)
+DEFAULT_SELECT = GLOBAL_SAMPLING.name
+DEFAULT_BROWSE = ROUGH_BROWSER.name
 MAX_PLAN_TOOLS = 5
 _MAX_FIELD = 2_000  # longest key info / reason / open answer we keep
 _MAX_TOOL_PIECES = 40  # a plan holds at most 5 tools; longer lists are noise
@@ -127,18 +128,6 @@ def _strict_sections(text: str, labels: Sequence[str]) -> list[str] | None:
 
 
 # ----------------------------------------------------------------------------- tools
-_ALIASES = {
-    "Global Sampling": ("uniformsampling", "uniform", "global", "globalsample"),
-    "Video Retrieval": ("clipretrieval",),
-    "Time Stamp Retrieval": ("timeretrieval", "timestamp"),
-    "Image Retrieval": ("frameretrieval",),
-    "Rough Browser": ("roughbrowse", "roughbrowsing"),
-    "Fine Browser": ("finebrowse", "finebrowsing"),
-    "Space Tool": ("space", "spatial", "spatialtool"),
-    "Grounding Tool": ("grounding", "temporalgrounding"),
-}
-
-
 def _tool_key(s: str) -> str:
     return re.sub(r"[^a-z0-9]", "", s.lower())
 
@@ -148,7 +137,7 @@ def _keys_for(tool: str) -> set[str]:
     keys = {k}
     if k.endswith("tool") and len(k) > 4:
         keys.add(k[:-4])
-    keys.update(_ALIASES.get(tool, ()))
+    keys.update(TOOLS[tool].aliases if tool in TOOLS else ())
     return keys
 
 
@@ -192,19 +181,17 @@ def canonical_tool(name: object, enabled_tools: Sequence[str] | None = None) -> 
     return None
 
 
-def _mention_pattern() -> re.Pattern[str]:
-    words = [re.findall(r"[A-Za-z]+", t) for t in ALL_TOOLS] + [["uniform", "sampling"]]
+@functools.lru_cache(maxsize=4)
+def _mention_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
+    words = [re.findall(r"[A-Za-z]+", t) for t in names] + [["uniform", "sampling"]]
     alts = sorted((r"[\s_-]*".join(w) for w in words), key=len, reverse=True)
     return re.compile(r"(?<![A-Za-z])(?:" + "|".join(alts) + r")(?![A-Za-z])", re.IGNORECASE)
-
-
-_MENTION = _mention_pattern()
 
 
 def _mentions(text: str) -> list[str]:
     """Every full tool name written anywhere in `text` (any case/spacing), in order."""
     out = []
-    for m in _MENTION.finditer(text):
+    for m in _mention_pattern(tuple(ALL_TOOLS)).finditer(text):
         t = canonical_tool(m.group(0), ALL_TOOLS)
         if t:
             out.append(t)

@@ -12,29 +12,12 @@ from collections.abc import Sequence
 
 from m1.agents.parsers import MAX_PLAN_TOOLS, format_span, format_time, parse_span
 from m1.agents.reading import normalize_number, normalize_option
-from m1.registry import BROWSE_TOOLS, SELECT_TOOLS
+from m1.registry import (BROWSE_TOOLS, FINE_BROWSER, GLOBAL_SAMPLING, GROUNDING_TOOL, ROUGH_BROWSER, SELECT_TOOLS,
+                         TOOLS, VIDEO_RETRIEVAL)
 from m1.schema import LETTERS, Question
 
-__all__ = ["TOOL_BLURBS", "render_question", "plan_messages", "communicate_messages",
+__all__ = ["render_question", "plan_messages", "communicate_messages",
            "answer_messages", "summary_messages", "browser_prompt", "BROWSER_KINDS"]
-
-TOOL_BLURBS = {
-    "Global Sampling": "takes frames at even intervals over the whole video; for questions about the video as a whole.",
-    "Video Retrieval": "cuts the video into equal clips and keeps the clip that best matches the key info; "
-                       "for finding where an event, action or object appears.",
-    "Time Stamp Retrieval": "takes the minute of video around a time written in the question (like 'at 02:15'); "
-                            "only useful when such a time is given.",
-    "Image Retrieval": "scores single frames against the key info and keeps the best-matching ones; "
-                       "for small objects, still scenes or what a person looks like.",
-    "Rough Browser": "a vision model reads a sparse set of the selected frames and writes a short summary; "
-                     "enough for most questions.",
-    "Fine Browser": "a vision model reads a dense run of frames from the selected clip; slower, keep it for "
-                    "fine detail such as small text or quick motion.",
-    "Space Tool": "a vision model works out where objects are relative to one another; for questions on "
-                  "position, direction, distance or layout.",
-    "Grounding Tool": "a vision model finds when a described moment starts and ends; for questions whose "
-                      "answer is a time span.",
-}
 
 _TASK_LINE = {
     "mcq": "multiple choice - the answer is the letter of one option",
@@ -54,13 +37,13 @@ _ANSWER_SLOT = {
 _PLAN_EXAMPLE = {
     "mcq": ("What colour is the umbrella the woman opens at the bus stop?",
             "the woman at the bus stop opening an umbrella, and the umbrella's colour",
-            "Video Retrieval", "Rough Browser"),
+            VIDEO_RETRIEVAL.name, ROUGH_BROWSER.name),
     "open": ("What does the boy do right after he drops his ice cream?",
-             "the boy dropping his ice cream and his next action", "Video Retrieval", "Rough Browser"),
+             "the boy dropping his ice cream and his next action", VIDEO_RETRIEVAL.name, ROUGH_BROWSER.name),
     "grounding": ("When does the man close the fridge door?", "the man closing the fridge door",
-                  "Video Retrieval", "Grounding Tool"),
+                  VIDEO_RETRIEVAL.name, GROUNDING_TOOL.name),
     "numeric": ("How many times does the dog jump over the fence?", "each jump of the dog over the fence",
-                "Global Sampling", "Fine Browser"),
+                GLOBAL_SAMPLING.name, FINE_BROWSER.name),
 }
 
 
@@ -81,9 +64,9 @@ def render_question(question: Question) -> str:
 
 def _check_tools(tools: Sequence[str]) -> list[str]:
     tools = list(tools)
-    bad = [t for t in tools if t not in TOOL_BLURBS]
+    bad = [t for t in tools if t not in TOOLS]
     if bad:
-        raise ValueError(f"tools: unknown tool(s) {bad} (known: {list(TOOL_BLURBS)})")
+        raise ValueError(f"tools: unknown tool(s) {bad} (known: {list(TOOLS)})")
     return tools
 
 
@@ -92,9 +75,9 @@ def _tool_menu(tools: Sequence[str]) -> str:
     sel = [t for t in tools if t in SELECT_TOOLS]
     brw = [t for t in tools if t in BROWSE_TOOLS]
     lines = ["Selection tools (decide which frames of the video are used):"]
-    lines += [f"- {t}: {TOOL_BLURBS[t]}" for t in sel] or ["- (none enabled)"]
+    lines += [f"- {t}: {TOOLS[t].blurb}" for t in sel] or ["- (none enabled)"]
     lines.append("Browsing tools (look at the selected frames and report what they show):")
-    lines += [f"- {t}: {TOOL_BLURBS[t]}" for t in brw] or ["- (none enabled)"]
+    lines += [f"- {t}: {TOOLS[t].blurb}" for t in brw] or ["- (none enabled)"]
     return "\n".join(lines)
 
 

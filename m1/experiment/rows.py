@@ -8,21 +8,19 @@ from typing import Any
 
 from m1.data.metrics import is_correct
 from m1.experiment.config import ExperimentError
+from m1.registry import TOOLS
 
 RESULTS_FILE = "results.jsonl"  # an eval stage's answers (`m1 infer`'s results file) in its folder
 
-_SHORT = {"Global Sampling": "GS", "Video Retrieval": "VR", "Time Stamp Retrieval": "TSR", "Image Retrieval": "IR",
-          "Rough Browser": "RB", "Fine Browser": "FB", "Space Tool": "ST", "Grounding Tool": "GT"}
-_LONG = {v: k for k, v in _SHORT.items()}
-
-
 def plan_name(plan: tuple[str, ...], sep: str = "→") -> str:
-    return sep.join(_SHORT.get(t, t) for t in plan)
+    """A plan in tool abbreviations (ToolSpec.short): "VR+FB"."""
+    return sep.join(TOOLS[t].short if t in TOOLS else t for t in plan)
 
 
 def tools(plan: str) -> tuple[str, ...]:
     """A compact row's plan ("VR+FB") as the tool names it abbreviates."""
-    return tuple(_LONG.get(t, t) for t in plan.split("+"))
+    long = {s.short: s.name for s in TOOLS.values()}
+    return tuple(long.get(t, t) for t in plan.split("+"))
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:

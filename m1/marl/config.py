@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from m1.config import ConfigError, ModelSpec, Strict, TeamConfig, load_config, load_team
-from m1.marl.credit import check_credit
+from m1.marl.credit import CREDITS, check_credit
 from m1.marl.grpo import LOSSES, OLD_LOGPROBS
 from m1.marl.rewards import RewardConfig, reward_kind
 from m1.marl.team_kinds import CPP_PHASES, check_seed_policies, seed_kind, seed_phases, team_kind
@@ -141,12 +141,12 @@ class RolloutConfig(Strict):
     edge_prob: float = Field(0.5, ge=0.0, le=1.0, description="random: chance each forward edge is kept.")
     dropout: float = Field(0.25, ge=0.0, lt=1.0, description="random: chance each agent sits out (one always "
                                                              "stays).")
-    credit: Literal["episode", "phase", "agent"] = Field(default="episode", description=(
+    credit: str = Field(default="episode", description=(
         "episode (paper): every generation carries the advantage of its agent's total reward. phase (ours): answers "
         "and summaries carry the advantage of the outcome alone (w_res * R_res + w_format * parsed + w_team * "
         "team_res). agent (ours): question i focuses trained agent i mod n, sampling while teammates decode "
         "greedily, and only its generations are trained (m1/marl/credit.py); raise questions_per_step to keep each "
-        "agent's samples per step."))
+        "agent's samples per step. Any rule registered with m1.marl.credit.register_credit."))
     train_phases: list[Literal["plan", "communicate", "answer", "summary", "act"]] = Field(
         default_factory=lambda: list(CPP_PHASES), min_length=1, description=(
             "Ours: the phases whose generations are trained; the others run but carry no gradient (e.g. [answer, "
@@ -160,6 +160,14 @@ class RolloutConfig(Strict):
         "Asynchronous rollouts (m1/marl/producer.py). 0: rollouts, then the update. k > 0: step t's rollouts run "
         "with the weights after update max(0, t - k) while the learners update, and the loss corrects with the "
         "sampler's log-probs (grpo.old_logprobs sampler or rollout). With engine hf, placement local only."))
+
+    @field_validator("credit")
+    @classmethod
+    def _known_credit(cls, v: str) -> str:
+        """Checked against the registry, not a Literal, so that a rule registered elsewhere is accepted."""
+        if v not in CREDITS:
+            raise ValueError(f"rollout.credit: unknown rule {v!r} (known: {list(CREDITS)})")
+        return v
 
 
 class GRPOSettings(Strict):

@@ -17,7 +17,9 @@ the choice of three small registries, each entry owning the extra rollouts it ne
   questions of the data cursor run in its place, for at most `rollout.max_refill` more rounds.
 
 Each entry states what it cannot be combined with in `check`, which the config's validator calls: the only place
-those rules live.
+those rules live. A credit rule is a class registered with `@register_credit`; `rollout.credit` accepts any
+registered name. Which phases carry the outcome advantage (`OUTCOME_PHASES`) stays in m1/marl/rollout.py with
+`generation_credit`, which tests and the samples record call without a rule (rollout cannot import this module).
 """
 from __future__ import annotations
 
@@ -27,13 +29,24 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from m1.marl.grpo import baseline_advantages, multi_agent_advantages
-from m1.marl.rollout import (RolloutBatch, RolloutError, Sample, build_samples, focus_agents, focus_only,
-                             generation_credit)
+from m1.marl.rollout import RolloutBatch, RolloutError, Sample, build_samples, generation_credit
 
 Rewards = dict[str, list[list[float]]]  # agent -> [question][rollout]
 
 
 # ------------------------------------------------------------------------------------------------ credit rules
+CREDITS: dict[str, type[EpisodeCredit]] = {}
+
+
+def register_credit(cls: type[EpisodeCredit]) -> type[EpisodeCredit]:
+    """Class decorator: make a credit rule (an EpisodeCredit subclass) selectable as `rollout.credit: <name>`."""
+    if CREDITS.get(cls.name, cls) is not cls:
+        raise ValueError(f"credit rule {cls.name!r} is already registered")
+    CREDITS[cls.name] = cls
+    return cls
+
+
+@register_credit
 class EpisodeCredit:
     """Every generation of an agent carries the advantage of its episode's total reward (the paper's rule)."""
 
@@ -53,6 +66,7 @@ class EpisodeCredit:
         """Raise ValueError when this rule cannot train `cfg` (a TrainConfig) on a team of `kind`."""
 
 
+@register_credit
 class PhaseCredit(EpisodeCredit):
     """Answers and summaries carry the advantage of their outcome (result and the answer's own format) alone."""
 
@@ -66,25 +80,32 @@ class PhaseCredit(EpisodeCredit):
                              "one reward for all its turns (use credit: episode)")
 
 
+@register_credit
 class AgentCredit(EpisodeCredit):
     """One focus agent per question samples, its teammates decode greedily; only it is credited."""
 
     name = "agent"
 
     def focus(self, trained, first, n):
-        return focus_agents(trained, first, n)
+        """Question i of the run focuses trained agent i mod len(trained): a step costs K episodes per question as
+        under episode credit, and across steps every trained agent is focused equally often, whatever
+        questions_per_step is."""
+        if not trained:
+            raise RolloutError("credit 'agent' needs at least one trained agent")
+        return [trained[(first + i) % len(trained)] for i in range(n)]
 
     def credited(self, rewards, focus):
-        return focus_only(rewards, focus)
+        """NaN wherever the agent was not its question's focus: those episodes give it no advantage (a missing
+        sample to `group_advantages`), so each agent is credited only within its own focus groups."""
+        nan = float("nan")
+        return {a: [list(row) if focus[g] == a else [nan] * len(row) for g, row in enumerate(rows)]
+                for a, rows in rewards.items()}
 
     @classmethod
     def check(cls, cfg, kind) -> None:
         if not kind.per_phase_rewards:
             raise ValueError(f"rollout.credit: {cls.name!r} credits one agent among teammates; a {kind.name} team "
                              "has one agent (use credit: episode)")
-
-
-CREDITS: dict[str, type[EpisodeCredit]] = {c.name: c for c in (EpisodeCredit, PhaseCredit, AgentCredit)}
 
 
 # ------------------------------------------------------------------------------------------------ baselines

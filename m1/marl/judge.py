@@ -48,6 +48,7 @@ from m1.data.metrics import is_correct, normalize_answer
 from m1.models.base import ChatModel, ChatRequest, ModelError, SamplingParams
 from m1.schema import AgentRecord, Episode, Question
 from m1.text import format_span
+from m1.registry import GLOBAL_SAMPLING, GROUNDING_TOOL, PAPER_TOOLS, SPACE_TOOL, TIME_STAMP_RETRIEVAL, TOOLS
 from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
 
 log = logging.getLogger(__name__)
@@ -183,11 +184,13 @@ def render_trajectory(item: JudgeItem, max_output_chars: int = MAX_OUTPUT_CHARS)
     return "\n".join(lines)
 
 
+# The paper's tools by group, as the judge prompt lists them (not tools registered later: the prompt stays put).
+_PAPER_SELECT, _PAPER_BROWSE = ([t for t in PAPER_TOOLS if TOOLS[t].group == g] for g in ("select", "browse"))
 _COLLAB_SYSTEM = (
     "You review how a video question-answering agent used its tools. The agent cannot watch the "
-    "video directly: it first picks frames with a selection tool (Global Sampling, Video Retrieval, "
-    "Time Stamp Retrieval, Image Retrieval) and then has them described by a browsing tool (Rough "
-    "Browser, Fine Browser, Space Tool, Grounding Tool). Between calls it may keep its plan or add "
+    f"video directly: it first picks frames with a selection tool ({', '.join(_PAPER_SELECT)}) "
+    f"and then has them described by a browsing tool ({', '.join(_PAPER_BROWSE)}). "
+    "Between calls it may keep its plan or add "
     "a tool after reading its teammates' notes. You grade the process, not whether the final "
     "answer happens to be right."
 )
@@ -545,10 +548,11 @@ def key_info_problem(question: Question, key_info: str | None) -> str | None:
 
 # cue -> (tools that satisfy it, what to say when missing)
 _CUE_TOOLS: dict[str, tuple[tuple[str, ...], str]] = {
-    "time": (("Time Stamp Retrieval",), "the question states a time but Time Stamp Retrieval was not used"),
-    "grounding": (("Grounding Tool",), "a grounding question without the Grounding Tool"),
-    "spatial": (("Space Tool",), "a spatial question without the Space Tool"),
-    "counting": (("Global Sampling",), "a counting question without Global Sampling over the whole video"),
+    "time": ((TIME_STAMP_RETRIEVAL.name,),
+             f"the question states a time but {TIME_STAMP_RETRIEVAL.name} was not used"),
+    "grounding": ((GROUNDING_TOOL.name,), f"a grounding question without the {GROUNDING_TOOL.name}"),
+    "spatial": ((SPACE_TOOL.name,), f"a spatial question without the {SPACE_TOOL.name}"),
+    "counting": ((GLOBAL_SAMPLING.name,), f"a counting question without {GLOBAL_SAMPLING.name} over the whole video"),
 }
 
 

@@ -23,6 +23,7 @@ from m1.marl.memory_model import (VISION_PROMPT_TOKENS, MemoryEstimate, chat_sha
 from m1.marl.placement_plan import GpuSlot, PlacementPlan, RequestBatch, RolloutBatch, Unit
 from m1.models.hf import DEFAULT_VISION_BATCH
 from m1.models.shapes import ShapeError, TextShape
+from m1.registry import TOOLS
 
 
 def resolve_rollout_batch(cfg: TrainConfig, fits: int | None, kv_tokens: int | None = None) -> RolloutBatch:
@@ -86,14 +87,13 @@ def _driver_models(team, frozen: list[str]) -> dict[str, ModelSpec]:
         if key is not None and key not in used:
             used[key] = team.models[key]
 
-    if enabled & {"Rough Browser", "Fine Browser"} or ("Space Tool" in enabled and not t.space) \
-            or ("Grounding Tool" in enabled and not t.grounding):
+    specs = [s for name, s in TOOLS.items() if name in enabled]
+    viewing = [s.model_attr for s in specs if s.model_attr]
+    if any(a == "browser" or not getattr(t, a) for a in viewing):  # the fallback first, as before
         add(t.browser)
-    if "Space Tool" in enabled:
-        add(t.space)
-    if "Grounding Tool" in enabled:
-        add(t.grounding)
-    if enabled & {"Video Retrieval", "Image Retrieval"}:
+    for attr in viewing:
+        add(getattr(t, attr))
+    if any(s.clip for s in specs):
         add(t.clip)
     key_of = {a.name: a.model for a in team.agents}
     for agent in frozen:

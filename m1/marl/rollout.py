@@ -167,23 +167,6 @@ def run_rollouts(team, questions: Sequence[Question], k: int, topology: Topology
                         focus=list(focus) if focus is not None else None)
 
 
-def focus_agents(trained: Sequence[str], first: int, n: int) -> list[str]:
-    """`credit: agent`: the focus agent of each of `n` questions whose first is question number `first` of the run
-    (question i focuses trained agent i mod len(trained)), so a step costs K episodes per question as in episode
-    credit, and across steps every trained agent is focused equally often, whatever questions_per_step is."""
-    if not trained:
-        raise RolloutError("credit 'agent' needs at least one trained agent")
-    return [trained[(first + i) % len(trained)] for i in range(n)]
-
-
-def focus_only(rewards: dict[str, list[list[float]]], focus: Sequence[str]) -> dict[str, list[list[float]]]:
-    """`rewards` with NaN wherever the agent was not its question's focus: those episodes give it no advantage
-    (a missing sample to `group_advantages`), so each agent is credited only within its own focus groups."""
-    nan = float("nan")
-    return {a: [list(row) if focus[g] == a else [nan] * len(row) for g, row in enumerate(rows)]
-            for a, rows in rewards.items()}
-
-
 def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> dict[str, list[list[float]]]:
     """Fill `batch.rewards[agent][g][k]` (NaN where an agent has no reward, e.g. a failed episode), and
     `batch.outcomes` alike when every reward has an `.outcome` (RewardBreakdown)."""

@@ -34,6 +34,7 @@ from m1.config import ModelSpec, TeamConfig
 from m1.models.base import ModelError
 from m1.models.hub import BACKENDS
 from m1.models.shapes import _read_config
+from m1.registry import TOOLS, vision_model_attrs
 
 # What a run asks of a model.
 AGENT = "agent"  # a CPP agent's chat policy (also a learner's model)
@@ -100,17 +101,14 @@ def team_models(team: TeamConfig, prefix: str = "") -> dict[str, tuple[ModelSpec
             roles[key].add(role)
 
     if seeded:  # a seed kind's tools reach their models through tools.*
-        for key in (t.browser, t.space, t.grounding):
-            use(key, BROWSE)
+        for attr in vision_model_attrs():
+            use(getattr(t, attr), BROWSE)
         use(t.clip, CLIP)
     else:
-        if enabled & {"Rough Browser", "Fine Browser"}:
-            use(t.browser, BROWSE)
-        if "Space Tool" in enabled:
-            use(t.space or t.browser, BROWSE)
-        if "Grounding Tool" in enabled:
-            use(t.grounding or t.browser, BROWSE)
-        if enabled & {"Video Retrieval", "Image Retrieval"}:
+        specs = [s for name, s in TOOLS.items() if name in enabled]
+        for spec in specs:
+            use(spec.vision_model(t), BROWSE)
+        if any(spec.clip for spec in specs):
             use(t.clip, CLIP)
     return {prefix + key: (team.models[key], r) for key, r in roles.items()}
 
@@ -397,10 +395,8 @@ def _users(team: TeamConfig, key: str) -> tuple[str, ...]:
              if a.model == key]
     t, enabled = team.tools, team.tools.enabled
     if any(a.kind != "cpp" for a in team.agents):  # a seed kind's tools reach their models through tools.*
-        return tuple(users + ([BROWSE] if key in (t.browser, t.space, t.grounding) else []))
-    uses = {"Rough Browser": t.browser, "Fine Browser": t.browser, "Space Tool": t.space or t.browser,
-            "Grounding Tool": t.grounding or t.browser}
-    return tuple(users + [tool for tool in enabled if uses.get(tool) == key])
+        return tuple(users + ([BROWSE] if key in {getattr(t, a) for a in vision_model_attrs()} else []))
+    return tuple(users + [tool for tool in enabled if tool in TOOLS and TOOLS[tool].vision_model(t) == key])
 
 
 def _short(model, exc: BaseException) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from m1.config import TinySpec
 from m1.models.base import ModelError
+from m1.registry import PAPER_TOOLS
 
 # Bump when the recipe below changes, so old cache folders are not reused by mistake.
 RECIPE_VERSION = 1
@@ -39,8 +40,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-TOOLS = ["Global Sampling", "Video Retrieval", "Time Stamp Retrieval", "Image Retrieval",
-         "Rough Browser", "Fine Browser", "Space Tool", "Grounding Tool"]
+TOOLS = list(PAPER_TOOLS)  # the paper's eight only: the vocabulary (the cache key) stays put as others register
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black", "grey", "pink"]
 SHAPES = ["square", "circle", "triangle", "star", "disc", "rectangle", "ring", "cross"]
 

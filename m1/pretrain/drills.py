@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from m1.registry import GROUNDING_TOOL
 from m1.synth.world import CELLS, COLOURS, Script, fmt_time, make_script
 
 LETTERS = "ABCD"
@@ -151,13 +152,13 @@ def _span(family: str, script: Script, rng: random.Random, steps: bool) -> Drill
         e = by_name[name][0]
         s, t = round(max(0.0, e.start - rng.uniform(0, 1)), 1), round(e.end + rng.uniform(0, 1), 1)
         notes.append((name, f"[{s:.1f} - {t:.1f}]",
-                      f"{rng.choice(AGENT_TAGS)} Grounding Tool: The {name} is seen from {fmt_time(e.start)} to "
+                      f"{rng.choice(AGENT_TAGS)} {GROUNDING_TOOL.name}: The {name} is seen from {fmt_time(e.start)} to "
                       f"{fmt_time(e.end)}. ##Timestamp: [{s:.1f} - {t:.1f}]"))
     name, span, note = rng.choice(notes)
     body = "\n".join(n for _, _, n in notes)
     question = "When is the {} on screen?" if family == "grounding" else "Which span was written for the {}?"
     prompt = f"{body}\nQuestion: {question.format(name)}\n<answer>"
-    quote = " " + note.split("Grounding Tool: ", 1)[1]  # ` The red cross is seen from ... ##Timestamp: [a - b]`
+    quote = " " + note.split(f"{GROUNDING_TOOL.name}: ", 1)[1]  # ` The red cross is seen from ... ##Timestamp: [a - b]`
     return Drill(family, prompt, quote if family == "span" or steps else f" {span}", f" {span}")
 
 

@@ -15,6 +15,8 @@ import random
 from collections import defaultdict
 from typing import Callable
 
+from m1.registry import (FINE_BROWSER, GLOBAL_SAMPLING, GROUNDING_TOOL, IMAGE_RETRIEVAL, ROUGH_BROWSER, SPACE_TOOL,
+                         TIME_STAMP_RETRIEVAL, VIDEO_RETRIEVAL)
 from m1.schema import LETTERS, Question
 from m1.synth.world import CELLS, COLOURS, MOTIONS, SHAPES, Event, Script, fmt_time
 
@@ -29,16 +31,18 @@ MOTION_TEXT = {"still": "stays still", "left": "moves left", "right": "moves rig
 POSITIONS = tuple(CELLS.values())
 
 # What a good plan looks like for each cue (read by the rule-based teacher).
+_GS, _VR, _TSR, _IR = (s.name for s in (GLOBAL_SAMPLING, VIDEO_RETRIEVAL, TIME_STAMP_RETRIEVAL, IMAGE_RETRIEVAL))
+_RB, _FB, _ST, _GT = (s.name for s in (ROUGH_BROWSER, FINE_BROWSER, SPACE_TOOL, GROUNDING_TOOL))
 PLANS = {
-    "timestamp": ["Time Stamp Retrieval", "Rough Browser"],
-    "order": ["Video Retrieval", "Fine Browser"],
-    "brief": ["Image Retrieval", "Fine Browser"],
-    "motion": ["Video Retrieval", "Fine Browser"],
-    "count": ["Global Sampling", "Fine Browser"],
-    "spatial": ["Video Retrieval", "Space Tool"],
-    "grounding": ["Video Retrieval", "Grounding Tool"],
-    "end": ["Time Stamp Retrieval", "Fine Browser"],
-    "background": ["Image Retrieval", "Rough Browser"],
+    "timestamp": [_TSR, _RB],
+    "order": [_VR, _FB],
+    "brief": [_IR, _FB],
+    "motion": [_VR, _FB],
+    "count": [_GS, _FB],
+    "spatial": [_VR, _ST],
+    "grounding": [_VR, _GT],
+    "end": [_TSR, _FB],
+    "background": [_IR, _RB],
 }
 
 BRIEF = 3.5  # longest event a browser should call a "flash"

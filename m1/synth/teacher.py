@@ -23,10 +23,12 @@ from collections import Counter
 
 from m1.text import format_span, format_time, parse_span, parse_timestamp
 from m1.models.base import ChatRequest, Completion, SamplingParams
+from m1.registry import (FINE_BROWSER, GLOBAL_SAMPLING, GROUNDING_TOOL, IMAGE_RETRIEVAL, ROUGH_BROWSER, SPACE_TOOL,
+                         TIME_STAMP_RETRIEVAL, VIDEO_RETRIEVAL)
 from m1.synth import seed_rules
 
-GS, VR, TSR, IR = "Global Sampling", "Video Retrieval", "Time Stamp Retrieval", "Image Retrieval"
-RB, FB, SPACE, GROUND = "Rough Browser", "Fine Browser", "Space Tool", "Grounding Tool"
+GS, VR, TSR, IR = (s.name for s in (GLOBAL_SAMPLING, VIDEO_RETRIEVAL, TIME_STAMP_RETRIEVAL, IMAGE_RETRIEVAL))
+RB, FB, SPACE, GROUND = (s.name for s in (ROUGH_BROWSER, FINE_BROWSER, SPACE_TOOL, GROUNDING_TOOL))
 SELECT, BROWSE = (GS, VR, TSR, IR), (RB, FB, SPACE, GROUND)
 _OBJ = r"((?:[a-z]+ )?(?:square|circle|triangle|cross|shape|object))"
 _TIME = re.compile(r"\b\d{1,2}:\d{2}(?::\d{2})?\b")

@@ -34,7 +34,7 @@ from m1.schema import AgentAnswer, Decision, Episode, Generation, Phase, Questio
 from m1.team import aggregate, budget, topology as topo
 from m1.team.member import ServedMembers
 from m1.team.single import SingleAgentTeam
-from m1.tools import TOOL_NAMES, browse
+from m1.tools import TOOL_NAMES, TOOLS, browse
 from m1.tools.base import Focus, ToolContext, ToolError
 from m1.tools.clip_index import team_clip_index
 from m1.tools.select import SELECT, global_sampling
@@ -460,7 +460,7 @@ class Team:
 
     def _context(self, ep: _Episode, st: _AgentState, tool: str) -> ToolContext:
         """The CLIP index is handed (and its model loaded) only to the tools that retrieve."""
-        clip = self._clip() if tool in ("Video Retrieval", "Image Retrieval") else None
+        clip = self._clip() if tool in TOOLS and TOOLS[tool].clip else None
         return ToolContext(question=ep.question, video=ep.video, key_info=st.key_info, cfg=self.cfg.tools,
                            focus=st.focus, clip=clip)
 
@@ -476,8 +476,7 @@ class Team:
         return self._clip_index
 
     def _vision_key(self, tool: str) -> str:
-        t = self.cfg.tools
-        key = {"Space Tool": t.space, "Grounding Tool": t.grounding}.get(tool) or t.browser
+        key = TOOLS[tool].vision_model(self.cfg.tools)
         if key is None:
             raise ToolError(f"{tool} needs a vision model (tools.browser) and none is configured")
         return key

@@ -6,29 +6,20 @@ vision model into one call: `prepare` builds the VisionRequest, `finish` reads t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
 from m1.agents.prompts import browser_prompt
 from m1.models.base import Completion, VisionRequest
+from m1.registry import FINE_BROWSER, GROUNDING_TOOL, ROUGH_BROWSER, SPACE_TOOL, TOOLS
 from m1.text import format_span, parse_span
 from m1.tools.base import Focus, ToolContext, ToolResult
 from m1.video import fps_indices, uniform_indices
 
 
-@dataclass(frozen=True)
-class BrowseSpec:
-    kind: str  # rough | fine | space | grounding: selects the prompt
-    model_attr: str  # ToolsConfig field naming the vision model
-
-
-BROWSE = {
-    "Rough Browser": BrowseSpec("rough", "browser"),
-    "Fine Browser": BrowseSpec("fine", "browser"),
-    "Space Tool": BrowseSpec("space", "space"),
-    "Grounding Tool": BrowseSpec("grounding", "grounding"),
-}
+# The prompt kind of each browse tool (m1/agents/prompts.py BROWSER_KINDS); the rest of its spec is in the registry.
+KIND = {ROUGH_BROWSER.name: "rough", FINE_BROWSER.name: "fine", SPACE_TOOL.name: "space",
+        GROUNDING_TOOL.name: "grounding"}
 
 
 def _subsample(values: list[int], n: int) -> list[int]:
@@ -43,28 +34,27 @@ def frames_for(tool: str, ctx: ToolContext, focus: Focus) -> list[int]:
     the retrieved frames themselves when the focus is a scattered set); Space 16 over the span;
     Grounding `grounding_fps` over the span (capped)."""
     info, cfg, (s, e) = ctx.video.info, ctx.cfg, focus.span
-    if tool == "Rough Browser":
+    kind = KIND[tool]
+    if kind == "rough":
         return _subsample(focus.indices, cfg.rough_frames)
-    if focus.scattered and tool in ("Fine Browser", "Space Tool"):
-        return _subsample(focus.indices, cfg.fine_frames if tool == "Fine Browser" else cfg.space_frames)
-    if tool == "Fine Browser":
+    if focus.scattered and kind in ("fine", "space"):
+        return _subsample(focus.indices, cfg.fine_frames if kind == "fine" else cfg.space_frames)
+    if kind == "fine":
         return uniform_indices(info, cfg.fine_frames, s, e) if e > s else list(focus.indices)
-    if tool == "Space Tool":
+    if kind == "space":
         return uniform_indices(info, cfg.space_frames, s, e) if e > s else list(focus.indices)
     return fps_indices(info, cfg.grounding_fps, s, e, max_frames=cfg.grounding_max_frames) if e > s \
         else list(focus.indices)
 
 
 def max_tokens(tool: str, ctx: ToolContext) -> int:
-    cfg = ctx.cfg
-    return {"Rough Browser": cfg.rough_tokens, "Fine Browser": cfg.fine_tokens,
-            "Space Tool": cfg.space_tokens, "Grounding Tool": cfg.grounding_tokens}[tool]
+    return getattr(ctx.cfg, TOOLS[tool].tokens_attr)
 
 
 def prepare(tool: str, ctx: ToolContext, focus: Focus) -> tuple[VisionRequest, list[int]]:
     idx = frames_for(tool, ctx, focus)
     ts = ctx.video.timestamps(idx)
-    prompt = browser_prompt(BROWSE[tool].kind, ctx.question, ctx.key_info, ts, max_tokens(tool, ctx))
+    prompt = browser_prompt(KIND[tool], ctx.question, ctx.key_info, ts, max_tokens(tool, ctx))
     return VisionRequest(frames=ctx.video.frames(idx), timestamps=ts, prompt=prompt), idx
 
 
@@ -81,7 +71,7 @@ def finish(tool: str, ctx: ToolContext, focus: Focus, completion: Completion, id
     m = _ANSWER.search(text)
     answer = m.group(1).strip()[:200] if m else None
     span = None
-    if tool == "Grounding Tool":  # the span comes from the ##Timestamp line, not from times in the prose
+    if KIND[tool] == "grounding":  # the span comes from the ##Timestamp line, not from times in the prose
         stamp = _TIMESTAMP.search(text)
         span = parse_span(stamp.group(1)) if stamp else None
         s0, e0 = focus.span

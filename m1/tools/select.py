@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from m1.registry import GLOBAL_SAMPLING, IMAGE_RETRIEVAL, TIME_STAMP_RETRIEVAL, VIDEO_RETRIEVAL
 from m1.text import format_time, parse_timestamp
 
 from m1.tools.base import Focus, ToolContext, ToolError, ToolResult
@@ -95,9 +96,10 @@ def image_retrieval(ctx: ToolContext) -> ToolResult:
                       focus=Focus(indices=top, timestamps=ts, span=(ts[0], ts[-1]), scattered=True))
 
 
+# Each select tool's implementation under its registered name (m1/registry.py).
 SELECT = {
-    "Global Sampling": global_sampling,
-    "Video Retrieval": video_retrieval,
-    "Time Stamp Retrieval": time_stamp_retrieval,
-    "Image Retrieval": image_retrieval,
+    GLOBAL_SAMPLING.name: global_sampling,
+    VIDEO_RETRIEVAL.name: video_retrieval,
+    TIME_STAMP_RETRIEVAL.name: time_stamp_retrieval,
+    IMAGE_RETRIEVAL.name: image_retrieval,
 }
