@@ -132,7 +132,7 @@ def test_a_wheel_install_finds_the_configs_and_the_demo_team(tmp_path):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     pip = [sys.executable, "-m", "pip"]
     subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "whl"), str(repo)],
                    check=True, capture_output=True)

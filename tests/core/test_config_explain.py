@@ -11,7 +11,7 @@ from m1.cli import app
 from m1.config import ConfigError
 from m1.explain import KINDS, _loaders, _model_classes, explain
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _walk(model, seen):

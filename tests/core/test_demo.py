@@ -3,7 +3,7 @@ from pathlib import Path
 
 from m1.config import load_team
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_mini_trained_points_at_shipped_weights():

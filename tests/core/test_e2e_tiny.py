@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_video
+from tests.conftest import make_video
 from m1.config import load_team
 from m1.schema import Episode, Question
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

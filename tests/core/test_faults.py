@@ -19,12 +19,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import fragmented_mp4, make_video
+from tests.conftest import fragmented_mp4, make_video
 
 pytestmark = pytest.mark.slow
 
-CORPUS = Path(__file__).parent / "fixtures" / "faults"
-REPO = Path(__file__).resolve().parent.parent
+CORPUS = Path(__file__).parents[1] / "fixtures" / "faults"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def one_error(r, *words) -> str:
@@ -439,7 +439,7 @@ def test_read_only_and_full_file_systems(work, tmp_path, mount, m1_cache):
 
     # a training checkpoint on a full disk: torch's own writer fails; the checkpoints on disk stay verifiable
     from m1.marl.checkpoint import checkpoint_history, checkpoint_problem
-    from test_checkpoint_safety import write_config
+    from tests.marl.test_checkpoint_safety import write_config
 
     run = mount("train", "256m")
     config = write_config(tmp_path, str(w / "clip0.mp4"), run / "run", steps=1)

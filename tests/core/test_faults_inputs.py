@@ -1,5 +1,5 @@
 """Bad inputs, round three (issue 66): files from phones and hand-written question files, as a new user brings
-them. Each test is one reported case: it failed before the fix and passes after. Beside tests/test_faults.py, whose
+them. Each test is one reported case: it failed before the fix and passes after. Beside tests/core/test_faults.py, whose
 helpers it uses."""
 import json
 import shutil
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import make_video, top_boxes
-from test_faults import intact, invoke, one_error
+from tests.conftest import make_video, top_boxes
+from tests.core.test_faults import intact, invoke, one_error
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """The hosted team (configs/team/hosted.yaml): every planning agent and VLM tool on an OpenAI-compatible endpoint named
 by the environment, CLIP local. Here: how the environment fills the config (m1/config.py `expand_env`). Against real
-vLLM-CPU servers: tests/test_hosted_real.py (make test-vllm)."""
+vLLM-CPU servers: tests/models/test_hosted_real.py (make test-vllm)."""
 from __future__ import annotations
 
 import pytest
@@ -77,7 +77,7 @@ def test_hosted_team_per_role_endpoints_models_and_video_input(clean_env):
 # ------------------------------------------------------------------ a served model that stops answering
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, m1_cache):
-    from conftest import make_synth_world
+    from tests.conftest import make_synth_world
 
     return make_synth_world(tmp_path_factory.mktemp("hosted-world"), videos=2, seed=54, duration=30,
                             questions_per_video=3)

@@ -5,7 +5,7 @@ import ast
 import re
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "m1"
+PKG = Path(__file__).resolve().parents[2] / "m1"
 LAYOUT = PKG.parent / "docs" / "layout.md"
 
 # The package's layers, lowest first: a module may import from its own layer and the layers before it, never from a

@@ -22,7 +22,7 @@ from m1.files import WriteError
 from m1.locks import LockError, hold, hold_dir, holder
 from m1.schema import AgentRecord, Episode, Question, Topology
 from m1.results import result_row
-from test_e2e_tiny import REPO, _infer, folder  # noqa: F401  (folder is a fixture)
+from tests.core.test_e2e_tiny import REPO, _infer, folder  # noqa: F401  (folder is a fixture)
 
 IDS = [f"q{i:02d}" for i in range(10)]
 

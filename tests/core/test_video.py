@@ -18,7 +18,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import m1.video as video  # noqa: E402
-from conftest import fragmented_mp4, top_boxes  # noqa: E402
+from tests.conftest import fragmented_mp4, top_boxes  # noqa: E402
 from m1.video import (  # noqa: E402
     FrameCache, VideoError, VideoInfo, VideoPool, VideoReader, fps_indices, index_to_time, list_videos,
     probe, time_indices, time_to_index, uniform_indices, write_video,

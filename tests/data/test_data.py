@@ -17,7 +17,7 @@ from m1.data.metrics import (  # noqa: E402
 )
 from m1.schema import Question  # noqa: E402
 
-FIX = Path(__file__).parent / "fixtures" / "benchmarks"
+FIX = Path(__file__).parents[1] / "fixtures" / "benchmarks"
 REAL = FIX / "real"  # excerpts of the published annotation files, with their sources in each README
 
 

@@ -9,14 +9,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import make_video
+from tests.conftest import make_video
 from m1.cli import app
 from m1.config import ConfigError
 from m1.experiment.config import load_experiment
 from m1.experiment.report import paired, t_quantile_975
 from m1.marl.sft import write_examples
-from test_sft import EXAMPLES
-from test_trainer import team_dict
+from tests.marl.test_sft import EXAMPLES
+from tests.marl.test_trainer import team_dict
 
 runner = CliRunner()
 
@@ -540,7 +540,7 @@ def test_experiment_lock_and_a_resumed_eval_stage_counts_every_attempt(tmp_path,
     from m1.experiment.runner import read_stage, run_experiment
     from m1.locks import LockError, hold_dir
     from m1.results import ResultsFile
-    from test_run_safety import ScriptedTeam
+    from tests.core.test_run_safety import ScriptedTeam
 
     spec = yaml.safe_load(tiny_experiment(tmp_path).read_text())
     del spec["sft"], spec["marl"]
@@ -581,7 +581,7 @@ def test_two_eval_folders_share_the_trained_stages_and_seeds_run_on_fixed_thread
 
     from m1.experiment import runner as exp_runner
     from m1.experiment.runner import read_stage, run_experiment
-    from test_run_safety import ScriptedTeam
+    from tests.core.test_run_safety import ScriptedTeam
 
     spec = yaml.safe_load(tiny_experiment(tmp_path).read_text())
     del spec["sft"], spec["marl"]
@@ -617,7 +617,7 @@ def test_plan_runs_the_model_preflight_of_every_training_stage(tmp_path, monkeyp
     `fits: yes` for an arm whose grounding model no class can build). Now each arm's stages are checked too."""
     monkeypatch.chdir(tmp_path)
     eagle = ["models.grounding.path=nvidia/Eagle2.5-8B", "models.grounding.trust_remote_code=true"]
-    exp = yaml.safe_load(open(Path(__file__).parents[1] / "configs" / "experiments" / "lora_vs_full.yaml"))
+    exp = yaml.safe_load(open(Path(__file__).parents[2] / "configs" / "experiments" / "lora_vs_full.yaml"))
     exp["arms"]["eagle"] = {"marl": [f"team_overrides=[{','.join(eagle)}]"]}
     path = _write(tmp_path / "eagle.yaml", exp)
     res = runner.invoke(app, ["experiment", "run", str(path), "--plan", "--gpus", "24", "--gpu-mem", "80"])

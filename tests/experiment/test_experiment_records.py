@@ -10,8 +10,8 @@ import yaml
 
 from m1.experiment.config import load_experiment
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology
-from test_experiment import _count, _write, tiny_experiment
-from test_run_safety import ScriptedTeam
+from tests.experiment.test_experiment import _count, _write, tiny_experiment
+from tests.core.test_run_safety import ScriptedTeam
 
 PLANS = [["Global Sampling", "Rough Browser"], ["Video Retrieval", "Fine Browser"], ["Image Retrieval", "Space Tool"]]
 

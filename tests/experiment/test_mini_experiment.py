@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from m1.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 AGENTS = ["qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small"]
 # the random CLIP of configs/team/tiny.yaml: the synth worlds' trained CLIP costs minutes on first use
 TINY_CLIP = "models.clip=" + json.dumps({"kind": "clip", "backend": "open_clip", "device": "cpu", "tiny": {

@@ -132,7 +132,7 @@ def test_no_behaviour_section_without_seed_kind_rows(tmp_path):
 def test_a_rule_based_zoomer_run_records_its_zooms(tmp_path):
     """The zoomer's own run (rule policy, a small synth world): each row's zooms are its executed video_zoom turns'
     [end - start, fps], and its calls those turns."""
-    from conftest import make_synth_world
+    from tests.conftest import make_synth_world
     from m1.config import load_team
     from m1.team.cpp import make_team
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import make_synth_world
+from tests.conftest import make_synth_world
 
 from m1.config import ConfigError, TeamConfig, load_team
 from m1.kinds import DEFAULTS, settings_for

@@ -11,13 +11,13 @@ import random
 
 import pytest
 
-from fakes import FakeVision, scripted_reply
+from tests.fakes import FakeVision, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.grpo import multi_agent_advantages
 from m1.marl.rollout import (build_samples, focus_agents, focus_only, run_rollouts,
                              sample_topology, score, training_team_config)
 from m1.models.base import Completion
-from test_trainer import AGENTS, COMPARED, make_trainer, questions, team_dict, train_cfg
+from tests.marl.test_trainer import AGENTS, COMPARED, make_trainer, questions, team_dict, train_cfg
 
 
 class NoisyChat:

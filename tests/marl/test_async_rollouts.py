@@ -85,7 +85,7 @@ def test_stop_ends_the_thread_while_it_waits_for_weights():
 
 
 def test_max_staleness_refuses_the_learners_own_log_probs_and_hf_samplers_under_ray():
-    from test_trainer import team_dict
+    from tests.marl.test_trainer import team_dict
 
     with pytest.raises(ValueError, match=r"grpo.old_logprobs: 'policy' with rollout.max_staleness 1"):
         TrainConfig.model_validate({"team": team_dict(), "rollout": {"max_staleness": 1},
@@ -99,7 +99,7 @@ def test_hf_k1_samples_with_a_copy_one_version_behind_and_resumes_to_the_same_lo
     """On the hf engine the producer samples with copies of the learners' models: step 0 equals the synchronous
     run's (same weights, same samples), later steps are one version behind (the IS weight corrects them), and a run
     cut after step 2 resumes from the checkpoint's saved sampler weights to the uninterrupted run's losses."""
-    from test_trainer import make_trainer, train_cfg
+    from tests.marl.test_trainer import make_trainer, train_cfg
 
     def cfg(out, k, steps=3):
         return train_cfg(out, finetune="lora", steps=steps, rollout={"max_staleness": k},
@@ -121,7 +121,7 @@ def test_hf_k1_samples_with_a_copy_one_version_behind_and_resumes_to_the_same_lo
 
 # ------------------------------------------------------------------------------------------------ stand-in engines
 def _cfg(out, k, steps=3):
-    from test_engine_training import engine_cfg
+    from tests.marl.test_engine_training import engine_cfg
 
     cfg = engine_cfg(out, steps=steps)
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_staleness": k})})
@@ -131,7 +131,7 @@ def _cfg(out, k, steps=3):
 def test_k1_on_engines_lags_one_version_stops_mid_flight_and_resumes_to_the_same_losses(tmp_path, video, m1_cache):
     import signal
 
-    from test_engine_training import make
+    from tests.marl.test_engine_training import make
     from m1.marl.checkpoint import StopFlag
 
     want0 = _trained(make(_cfg(tmp_path / "sync", 0, steps=1), video))
@@ -182,7 +182,7 @@ def test_k1_on_engines_lags_one_version_stops_mid_flight_and_resumes_to_the_same
 
 @pytest.mark.slow
 def test_an_engine_dying_mid_flight_is_one_error_naming_the_agent(tmp_path, video, m1_cache):
-    from test_engine_training import make
+    from tests.marl.test_engine_training import make
     from m1.models.vllm_server import EngineError
 
     tr = make(_cfg(tmp_path / "dies", 1), video)

@@ -21,13 +21,13 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import varied_reward
-from test_trainer import AGENTS, COMPARED, make_trainer, questions, train_cfg
+from tests.conftest import varied_reward
+from tests.marl.test_trainer import AGENTS, COMPARED, make_trainer, questions, train_cfg
 from m1.cli import app
 from m1.marl.checkpoint import (LATEST, MANIFEST, CheckpointError, StoppedAtOnce, TrainingStopped, checkpoint_problem,
                                 resume_point, save_checkpoint, stop_on_signals)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LORA = dict(finetune="lora", steps=4)  # LoRA dropout: a resume that lost the torch RNG would show in the losses
 
 

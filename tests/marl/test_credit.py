@@ -3,8 +3,8 @@
 Dynamic sampling: tied groups leave the step and the data cursor refills it (and a killed run resumes to the same
 losses). The step's DAG is drawn from (seed, step) alone; a team of one runs on the complete graph. Plan entropy per
 family is the entropy of the parsed tool sequences. The credit rules' effects on samples are tested with the
-trainer (tests/test_trainer.py: episode, phase, greedy baseline; tests/test_agent_credit.py: agent), and every
-strategy's losses are pinned by tests/test_trainer_regression.py.
+trainer (tests/marl/test_trainer.py: episode, phase, greedy baseline; tests/marl/test_agent_credit.py: agent), and every
+strategy's losses are pinned by tests/marl/test_trainer_regression.py.
 """
 import math
 import random
@@ -19,7 +19,7 @@ from m1.marl.rollout import RolloutBatch, derive_seed, sample_topology, step_top
 from m1.marl.team_kinds import entropy, plan_entropy
 from m1.schema import Question
 from m1.team import topology as topo
-from test_trainer import AGENTS, COMPARED, make_trainer, team_dict, train_cfg
+from tests.marl.test_trainer import AGENTS, COMPARED, make_trainer, team_dict, train_cfg
 
 NEW = ("dynamic_sampling", "max_refill")
 

@@ -3,7 +3,7 @@ m1/marl/resolve.py, never by the validator)."""
 
 import pytest
 
-from test_trainer import team_dict
+from tests.marl.test_trainer import team_dict
 from m1.marl.config import TrainConfig
 from m1.marl.resolve import resolve
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import varied_reward
-from test_trainer import questions, team_dict
+from tests.conftest import varied_reward
+from tests.marl.test_trainer import questions, team_dict
 from m1.marl.config import TrainConfig
 
-STANDIN = str(Path(__file__).resolve().parent / "engine_standin.py")
+STANDIN = str(Path(__file__).resolve().parents[1] / "engine_standin.py")
 AGENTS = ["alpha", "beta"]
 
 

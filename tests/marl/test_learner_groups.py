@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import varied_reward
-from test_trainer import _synthetic_samples, questions, team_dict
+from tests.conftest import varied_reward
+from tests.marl.test_trainer import _synthetic_samples, questions, team_dict
 from m1.config import TeamConfig
 from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # eps=1 makes Adam's first step ~ g / (|g| + 1): smooth in g, so float rounding in the ranks' gradient sum stays
 # at rounding size (with eps=1e-8 the step is ~sign(g), and a near-zero entry can flip)
 LEARNER = {"finetune": "full", "lr": 1e-2, "eps": 1.0, "micro_batch_size": 2, "precision": "fp32",
@@ -220,7 +220,7 @@ def test_async_rollouts_with_a_two_rank_ray_group_and_engines(ray_cluster, tmp_p
     """rollout.max_staleness 1 under the placement plan: alpha's learner a 2-rank ZeRO-2 LoRA group of Ray actors,
     its rollouts on a stand-in vLLM engine; the producer samples step 1 with version 0 while the group updates, and
     the adapter rank 0 exports is what the engine serves next."""
-    from test_engine_training import STANDIN
+    from tests.marl.test_engine_training import STANDIN
     from m1.marl.trainer import Trainer
 
     cfg = TrainConfig.model_validate({

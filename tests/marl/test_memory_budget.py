@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer import make_trainer, team_dict, train_cfg
+from tests.marl.test_trainer import make_trainer, team_dict, train_cfg
 from m1.config import ModelSpec
 from m1.marl import checkpoint as ckpt
 from m1.marl.memory_model import GiB, checkpoint_bytes

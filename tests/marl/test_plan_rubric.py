@@ -4,7 +4,7 @@ Hand-built episodes; no model is run."""
 from __future__ import annotations
 
 import pytest
-from fakes import FakeChat
+from tests.fakes import FakeChat
 
 from m1.data.metrics import is_correct
 from m1.marl.config import JudgeConfig, load_train_config

@@ -6,7 +6,7 @@ import json
 import logging
 
 import pytest
-from fakes import FakeChat, content
+from tests.fakes import FakeChat, content
 
 from m1.marl.judge import (
     RUBRIC_JUDGE_NAME, CorrectItem, JudgeItem, LLMJudge, RateLimiter, RubricJudge, Verdict,

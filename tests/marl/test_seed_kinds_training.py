@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from conftest import make_synth_world, varied_reward
+from tests.conftest import make_synth_world, varied_reward
 
 from m1.config import load_team
 from m1.marl.config import SFTConfig, TrainConfig, load_sft_config, load_train_config
@@ -287,7 +287,7 @@ def test_seed_configs_refuse_what_does_not_apply(tmp_path):
             train_cfg(tmp_path, rollout={"credit": credit})
     vl = weaver_team()
     vl["models"]["policy"] = {"kind": "vision", "device": "cpu", "tiny": {"arch": "qwen2_5_vl", "seed": 5}}
-    assert train_cfg(tmp_path, team=vl).team.models["policy"].kind == "vision"  # tests/test_seed_kinds_vlm_training.py
+    assert train_cfg(tmp_path, team=vl).team.models["policy"].kind == "vision"  # tests/marl/test_seed_kinds_vlm_training.py
     vl["models"]["policy"] = {"kind": "vision", "backend": "synth"}
     with pytest.raises(ValueError, match="a trained vision-language policy needs backend 'hf'"):
         train_cfg(tmp_path, team=vl)

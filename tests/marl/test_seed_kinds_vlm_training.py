@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_synth_world, varied_reward
+from tests.conftest import make_synth_world, varied_reward
 
 from m1.marl.config import SFTConfig, TrainConfig
 from m1.marl.rewards import RewardConfig

@@ -4,7 +4,7 @@ import json
 import pytest
 import yaml
 
-from fakes import FakeChat, FakeVision, content, scripted_reply
+from tests.fakes import FakeChat, FakeVision, content, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import SFTConfig, load_sft_config
 from m1.marl.rewards import RewardConfig
@@ -270,7 +270,7 @@ def test_sft_names_a_lost_ray_node_and_where_the_rerun_resumes(tmp_path, m1_cach
 
 def test_rotate_options_moves_the_truth_letter_with_the_options():
     """data.rotate_options: rollout k of a teacher sees the options rotated by k places, the truth letter moved with
-    them (the synth browser follows: tests/test_synth.py)."""
+    them (the synth browser follows: tests/synth/test_synth.py)."""
     q = Question(id="q", video="v.mp4", text="Where is the square?", options=["top", "left", "right", "bottom"],
                  task="mcq", answer="B")
     assert [(r.options, r.answer) for r in (rotate_options(q, k) for k in range(4))] == [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import varied_reward
+from tests.conftest import varied_reward
 from m1.config import ConfigError
 from m1.marl.config import LogConfig, TrainConfig
 from m1.schema import Question
@@ -20,7 +20,7 @@ AGENTS = ["alpha", "beta"]
 
 
 def tiny_cfg(out, steps=2, **log):
-    from test_trainer import team_dict
+    from tests.marl.test_trainer import team_dict
 
     return TrainConfig.model_validate({
         "name": "tracked", "team": team_dict(), "rollout": {"num_generations": 2, "questions_per_step": 1},

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import varied_reward
-from fakes import FakeChat, FakeVision, scripted_reply
+from tests.conftest import varied_reward
+from tests.fakes import FakeChat, FakeVision, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig, load_train_config
 from m1.marl.rollout import Sample, build_samples, run_rollouts, sample_topology, score, training_team_config

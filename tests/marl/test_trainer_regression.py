@@ -6,7 +6,7 @@ changes a loss, a gradient norm or a reward here changed the algorithm. Counts a
 and their means: integers or means of integers) must match exactly; losses and gradient norms match within the
 tolerances stored beside the record (its `_tolerances`), set from the spread measured across CPUs and thread counts
 (scripts/float_spread.py; tests/README.md, "Float records"). To re-record after an intended change:
-`M1_RECORD_LOSSES=1 pytest tests/test_trainer_regression.py` (and say why in the commit).
+`M1_RECORD_LOSSES=1 pytest tests/marl/test_trainer_regression.py` (and say why in the commit).
 """
 import json
 import os
@@ -17,7 +17,7 @@ import pytest
 from m1.marl.config import SFTConfig, TrainConfig
 from m1.schema import Question
 
-RECORD = Path(__file__).parent / "fixtures" / "trainer_losses.json"
+RECORD = Path(__file__).parents[1] / "fixtures" / "trainer_losses.json"
 AGENTS = ["alpha", "beta"]
 TINY = {"hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1}
 

@@ -1,21 +1,21 @@
 """`m1 view RUN_DIR` on a training run (m1/marl/view.py): a front page with the run's plots and the steps whose
 episodes were kept (`log.samples_every`), each linking to that step's trace pages; served like a trace folder and
-checked in a real headless Chromium (skipped where none is installed, like tests/test_trace_pages.py)."""
+checked in a real headless Chromium (skipped where none is installed, like tests/core/test_trace_pages.py)."""
 import os
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from test_trace_pages import _browser, _chromium, parse, serving_view
-from test_trackers import tiny_cfg, trainer
+from tests.core.test_trace_pages import _browser, _chromium, parse, serving_view
+from tests.marl.test_trackers import tiny_cfg, trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, m1_cache):
-    from conftest import make_video
+    from tests.conftest import make_video
 
     root = tmp_path_factory.mktemp("trained")
     video = str(make_video(root / "v.mp4", seconds=6, fps=2))

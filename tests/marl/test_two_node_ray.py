@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from conftest import varied_reward
-from test_learner_groups import LEARNER, gpu_team
-from test_trainer import questions
+from tests.conftest import varied_reward
+from tests.marl.test_learner_groups import LEARNER, gpu_team
+from tests.marl.test_trainer import questions
 from m1.marl.config import TrainConfig
 
 NODE = {"num_cpus": 1, "num_gpus": 1, "object_store_memory": 100 * 2**20}  # one rank per node, bundles of 1 CPU

@@ -10,7 +10,7 @@ import pytest
 
 from m1.marl.config import LearnerConfig
 from m1.marl.learner import AgentLearner
-from test_prefix_sharing import ForwardLog, grouped_rows, learner, samples
+from tests.marl.test_prefix_sharing import ForwardLog, grouped_rows, learner, samples
 
 
 def old_path(**cfg):
@@ -119,7 +119,7 @@ def test_identical_prompts_stay_in_one_micro_batch_for_the_shared_prompt_pass():
 def test_prompt_without_gradient_keeps_the_values_and_changes_the_gradient(m1_cache):
     import torch
 
-    from test_prefix_sharing import scores_and_grads
+    from tests.marl.test_prefix_sharing import scores_and_grads
 
     rows = grouped_rows(seed=9)
     lrn = learner("qwen3", prompt_grad=False)

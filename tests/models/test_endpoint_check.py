@@ -1,14 +1,14 @@
 """The start-up check of a team's OpenAI-compatible endpoints (m1/models/preflight.py `check_endpoints`): a wrong URL,
 a rejected key, a model the server does not serve or a text-only model in a vision role is named, one line per
 problem with the role, URL and model and never the key, before `m1 infer` asks any question. Against the scripted
-stand-in server of tests/test_openai_backend.py."""
+stand-in server of tests/models/test_openai_backend.py."""
 import pytest
 import yaml
 
 from m1.config import TeamConfig
 from m1.models.preflight import check_endpoints
 from m1.models.vllm_server import free_port
-from test_openai_backend import KEY_ENV, SECRET, key_env, servers  # noqa: F401 - fixtures
+from tests.models.test_openai_backend import KEY_ENV, SECRET, key_env, servers  # noqa: F401 - fixtures
 
 BROWSE_TOOLS = ["Global Sampling", "Rough Browser", "Fine Browser", "Grounding Tool"]
 

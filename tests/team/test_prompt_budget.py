@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import make_synth_world
+from tests.conftest import make_synth_world
 from m1.agents.prompts import render_question
 from m1.config import load_team
 from m1.memory import SharedMemory

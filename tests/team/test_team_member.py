@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from conftest import make_synth_world
+from tests.conftest import make_synth_world
 
 pytest.importorskip("fastapi")
-from fakes import FakeChat, content, scripted_reply  # noqa: E402
-from test_serve import NO_CLIP, _Server  # noqa: E402
+from tests.fakes import FakeChat, content, scripted_reply  # noqa: E402
+from tests.serve.test_serve import NO_CLIP, _Server  # noqa: E402
 
 from m1.config import TeamConfig, load_team  # noqa: E402
 from m1.models.base import Completion  # noqa: E402

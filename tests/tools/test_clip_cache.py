@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import make_video
-from fakes import FakeClip
+from tests.conftest import make_video
+from tests.fakes import FakeClip
 from m1.tools.clip_index import ClipCacheWarning, ClipIndex, file_sha256, model_fingerprint
 from m1.video import VideoPool
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def reader_of(path):
@@ -51,13 +50,13 @@ def test_fresh_process_reuses_the_cache(video_24_frames, tmp_path):
     ClipIndex(FakeClip(), cache_dir=cache).frame_embeddings(reader_of(video_24_frames), list(range(24)))
     code = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "from fakes import FakeClip\n"
+        "from tests.fakes import FakeClip\n"
         "from m1.tools.clip_index import ClipIndex\n"
         "from m1.video import VideoPool\n"
         "m = FakeClip(); ix = ClipIndex(m, cache_dir=sys.argv[2])\n"
         "e = ix.frame_embeddings(VideoPool().open(sys.argv[3]), list(range(24)))\n"
         "print(m.image_calls, ix.images_encoded, ix.disk_loaded, e.shape[0])\n")
-    out = subprocess.run([sys.executable, "-c", code, str(TESTS), str(cache), str(video_24_frames)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-c", code, str(REPO), str(cache), str(video_24_frames)], cwd=REPO,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "0", "24", "24"]

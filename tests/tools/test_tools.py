@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from fakes import FakeClip, FakeVision
+from tests.fakes import FakeClip, FakeVision
 from m1.config import ToolsConfig
 from m1.models.base import Completion
 from m1.schema import Question
