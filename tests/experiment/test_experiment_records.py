@@ -88,6 +88,17 @@ def test_eval_rows_are_committed_and_the_report_reads_them_alone(tmp_path, monke
     assert after["text"] == before["text"] and after["formats"] == before["formats"]
     assert {name: (tmp_path / "exp" / name).read_text() for name in files} == files
 
+    # stored gzipped (as long rows are committed): the same report
+    from m1.experiment.rows import store_record
+
+    monkeypatch.setattr("m1.experiment.rows.GZIP_LINES", 10)
+    for record in sorted(root.rglob("eval.json")):
+        assert store_record(record) == record.with_suffix(".jsonl.gz") and not record.with_suffix(".jsonl").exists()
+        assert json.loads(record.read_text())["rows"] == "eval.jsonl.gz"
+    gzipped = write_report(exp)
+    assert gzipped["text"] == before["text"]
+    assert {name: (tmp_path / "exp" / name).read_text() for name in files} == files
+
     # another config for one arm: its rows are not this config's results
     changed = load_experiment(path, ["arms.other.eval=[limits.max_turns=1]"])
     rep = write_report(changed)
@@ -96,7 +107,11 @@ def test_eval_rows_are_committed_and_the_report_reads_them_alone(tmp_path, monke
 
 
 def test_rows_of_500_questions_of_four_agents_are_small(tmp_path):
-    """A 500-question eval of a four-agent team: its rows file well under 100 KB, plain JSONL."""
+    """A 500-question eval of a four-agent team: its rows well under 100 KB as JSONL, stored gzipped (past
+    GZIP_LINES), the same bytes when written again, and read back whole."""
+    import gzip
+
+    from m1.experiment.rows import read_results
     from m1.experiment.runner import StageRun, write_record
 
     exp = load_experiment(_eval_only(tmp_path, n=3, seeds=(0,)))
@@ -113,8 +128,14 @@ def test_rows_of_500_questions_of_four_agents_are_small(tmp_path):
             "overrides": [], "results": {"results": str(folder / "results.jsonl")}, "answered": 500,
             "errors": [f"q{i}: boom" for i in range(30)]}
     record = write_record(exp, StageRun("base", 0, "eval", folder), done, qs)
-    rows = record.with_suffix(".jsonl")
-    assert len(rows.read_text().splitlines()) == 500 and rows.stat().st_size < 80_000, rows.stat().st_size
+    rows = record.with_suffix(".jsonl.gz")
+    assert json.loads(record.read_text())["rows"] == rows.name and not record.with_suffix(".jsonl").exists()
+    plain = gzip.decompress(rows.read_bytes())
+    assert len(plain.splitlines()) == 500 and len(plain) < 80_000, len(plain)
+    assert rows.stat().st_size < len(plain) / 4 and read_results(record.with_suffix(".jsonl"))[0]["id"] == qs[0].id
+    first = rows.read_bytes()
+    write_record(exp, StageRun("base", 0, "eval", folder), done, qs)
+    assert rows.read_bytes() == first
     assert len(json.loads(record.read_text())["errors"]) == 11  # the first ten, then how many more
 
 
