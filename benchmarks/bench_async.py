@@ -60,8 +60,8 @@ def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
     JSON line."""
     import torch
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import varied_reward  # rewards that differ between rollouts (random tiny models seldom answer right)
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import varied_reward  # rewards that differ between rollouts (random tiny models seldom answer right)
     from m1.marl.config import TrainConfig
     from m1.marl.trainer import Trainer
     from m1.schema import Question

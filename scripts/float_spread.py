@@ -1,6 +1,6 @@
 """How far the pinned trainer records move across CPU kernels and thread counts (issue 63).
 
-Runs the pinned SFT and MARL runs of tests/test_trainer_regression.py in a fresh process per setting (torch threads,
+Runs the pinned SFT and MARL runs of tests/marl/test_trainer_regression.py in a fresh process per setting (torch threads,
 ATen's vector ISA, MKL's instruction set: the knobs that change float summation order on one machine), then prints
 the largest absolute and relative deviation of each figure from the stored record, per step. The record itself was
 written on another CPU, so every row here is also a cross-CPU comparison.
@@ -39,9 +39,9 @@ def _child(out: str) -> None:
 
     threads = int(os.environ["M1_SPREAD_THREADS"])
     torch.set_num_threads(threads)
-    sys.path.insert(0, str(ROOT / "tests"))
-    import test_trainer_regression as reg
-    from conftest import make_video
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import make_video
+    from tests.marl import test_trainer_regression as reg
 
     work = Path(tempfile.mkdtemp(prefix="m1-spread-"))
     os.environ["M1_CACHE"] = str(work / "cache")

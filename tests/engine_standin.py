@@ -7,7 +7,7 @@ client, the launcher and weight sync are tested without a GPU:
   POST /v1/unload_lora_adapter, and in dev mode (VLLM_SERVER_DEV_MODE=1) POST /collective_rpc with
   reload_weights and POST /reset_prefix_cache.
 
-Weight reloads behave as vLLM 0.32's do (tests/test_vllm_real.py checks the real one): `reload_weights` reads the
+Weight reloads behave as vLLM 0.32's do (tests/models/test_vllm_real.py checks the real one): `reload_weights` reads the
 folder the server was started from again, and `update_config` (pointing it at another folder) fails with the
 HTTP 500 vLLM 0.32 answers. `--stale-reload` makes `reload_weights` succeed without loading anything, the silent
 failure the client's reload check must catch. /v1/models gives the model folder as the base model's `root`.

@@ -3,7 +3,7 @@ that fail validation, truncated bodies, clients that hang up mid-body and, with 
 over the limit. Every reply must be a 4xx (or a 200 for the few valid questions), never a 5xx; a server that runs
 with a prompt budget (`limits.max_prompt_tokens`) must name it in the 400 of an over-long prompt.
 
-tests/test_serve.py runs a few hundred bodies against a server in the test process. By hand, it starts `m1 serve`
+tests/serve/test_serve.py runs a few hundred bodies against a server in the test process. By hand, it starts `m1 serve`
 as a process of its own, so that the peak memory it reports (VmHWM) is the server's alone (docs/serving.md):
 
     HF_HUB_OFFLINE=1 .venv/bin/python tests/serve_fuzz.py --bodies 2000 --big

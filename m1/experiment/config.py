@@ -137,8 +137,9 @@ class Experiment(Strict):
     # the arm the report's paired differences and answer changes are taken against; None: the first arm
     baseline: Optional[str] = None
     # the committable record of every finished stage (<rows_dir>/<arm>/seed<k>/<stage>.json: wall time, overrides,
-    # load, config identity) and of every eval its per-question rows (<stage>.jsonl, what the report reads): a run on
-    # another day or machine, without out_dir, skips what they record. None: docs/experiments/<name>
+    # load, config identity) and of every eval its per-question rows (<stage>.jsonl, .jsonl.gz past 50 rows: what
+    # the report reads): a run on another day or machine, without out_dir, skips what they record. None:
+    # docs/experiments/<name>
     rows_dir: Optional[str] = None
     # seeds in groups of `sft_share` (seed s in the group of s - s % sft_share, which must be a seed listed before
     # it) train SFT once, in the group's first seed; every MARL seed of the group starts from those weights (and
@@ -231,7 +232,7 @@ class Experiment(Strict):
 
     def record_path(self, arm: str, seed: int, stage: str) -> Path:
         """The committable record of a stage: its folder under out_dir, mirrored under rows_dir, + `.json` (an eval's
-        rows beside it, `.jsonl`)."""
+        rows beside it, `.jsonl` or `.jsonl.gz`: rows.rows_file)."""
         rel = self.stage_dir(arm, seed, stage).relative_to(self.out_dir)
         return self.rows_root / rel.parent / f"{rel.name}.json"
 

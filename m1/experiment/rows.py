@@ -1,16 +1,20 @@
 """The compact rows of an eval stage: what `m1 experiment report` reads, and what the runner commits under rows_dir
-(docs/experiments/<name>/<arm>/seed<k>/<stage>.jsonl), so that neither a report nor a later run needs out_dir."""
+(docs/experiments/<name>/<arm>/seed<k>/<stage>.jsonl, gzipped when long), so that neither a report nor a later run
+needs out_dir."""
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any
 
 from m1.data.metrics import is_correct
 from m1.experiment.config import ExperimentError
+from m1.files import write_whole
 from m1.registry import TOOLS
 
 RESULTS_FILE = "results.jsonl"  # an eval stage's answers (`m1 infer`'s results file) in its folder
+GZIP_LINES = 50  # committed rows longer than this are stored as <stage>.jsonl.gz (git keeps them ~8x smaller)
 
 def plan_name(plan: tuple[str, ...], sep: str = "→") -> str:
     """A plan in tool abbreviations (ToolSpec.short): "VR+FB"."""
@@ -23,15 +27,60 @@ def tools(plan: str) -> tuple[str, ...]:
     return tuple(long.get(t, t) for t in plan.split("+"))
 
 
+def rows_file(path: Path) -> Path | None:
+    """The rows file of `path` (a `.jsonl` name) as stored: itself, else its `.gz` twin; None without either."""
+    path = Path(path)
+    gz = path.with_name(path.name + ".gz")
+    return path if path.is_file() else gz if gz.is_file() else None
+
+
 def read_results(path: Path) -> list[dict[str, Any]]:
+    """JSON lines of `path`, or of `path.gz` where only the compressed copy is there (`rows_file`)."""
+    path = rows_file(path) or Path(path)
+    data = path.read_bytes()
+    text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode("utf-8")
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise ExperimentError(f"{path}:{n}: not a JSON line ({exc})") from None
     return rows
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """Write committed rows whole to `path` (a `.jsonl` name), gzipped past GZIP_LINES (`store_rows`); returns the
+    file written."""
+    path = Path(path)
+    write_whole(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows).encode())
+    return store_rows(path)
+
+
+def store_rows(path: Path) -> Path:
+    """Store a finished `.jsonl` rows file as committed: past GZIP_LINES lines, as `<name>.gz` (mtime 0 and no
+    file name in the header, so the same rows give the same bytes) and the plain file removed; else plain, any
+    older `.gz` removed. Returns the file kept. `zcat` reads a `.gz` one."""
+    path = Path(path)
+    gz = path.with_name(path.name + ".gz")
+    data = path.read_bytes()
+    if data.count(b"\n") <= GZIP_LINES:
+        gz.unlink(missing_ok=True)
+        return path
+    write_whole(gz, gzip.compress(data, compresslevel=9, mtime=0))
+    path.unlink()
+    return gz
+
+
+def store_record(record: Path) -> Path:
+    """`store_rows` for an eval's committed record (`<stage>.json`) written before its rows were gzipped: its
+    `rows` then names the file kept (scripts/store_records.py runs this over docs/experiments)."""
+    data = json.loads(Path(record).read_text())
+    kept = store_rows(Path(record).with_suffix(".jsonl"))
+    if data.get("rows") != kept.name:
+        data["rows"] = kept.name
+        write_whole(Path(record), (json.dumps(data, indent=1) + "\n").encode())  # as runner.write_record does
+    return kept
 
 
 def behaviour(row: dict[str, Any]) -> dict[str, Any]:

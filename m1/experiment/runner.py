@@ -6,10 +6,10 @@ its trained agents). A rerun skips finished stages and lets an unfinished one re
 (training from its newest checkpoint, eval from the answers already in its results file).
 
 Committed records: out_dir (runs/) is not in git, so each finished stage also writes a small record under `rows_dir`
-(docs/experiments/<name>/<arm>/seed<k>/<stage>.json, an eval's per-question rows beside it in <stage>.jsonl: what the
-report reads), with its config identity (`stage_identity`). A run without the stage's folder (another day, another
-machine) skips a stage so recorded under the same identity, reruns one recorded under another (saying so), and
-trains a recorded stage again only where a stage still to run needs its weights (naming both).
+(docs/experiments/<name>/<arm>/seed<k>/<stage>.json, an eval's per-question rows beside it in <stage>.jsonl, gzipped
+past 50 rows: what the report reads), with its config identity (`stage_identity`). A run without the stage's folder
+(another day, another machine) skips a stage so recorded under the same identity, reruns one recorded under another
+(saying so), and trains a recorded stage again only where a stage still to run needs its weights (naming both).
 
 Chaining: a stage's "seat" is the list of team overrides that puts the trained weights in place — the stage
 config's own `team_overrides` (the weights it started from) plus `trained_agent_overrides` of its last checkpoint
@@ -34,7 +34,7 @@ from m1.data.prepare import parse_split, prepare
 from m1.data.questions import build_questions, read_questions
 from m1.errors import describe
 from m1.experiment.config import Experiment, ExperimentError
-from m1.experiment.rows import RESULTS_FILE, compact_eval
+from m1.experiment.rows import RESULTS_FILE, compact_eval, rows_file, write_rows
 from m1.files import WriteError, write_whole
 from m1.locks import hold_dir
 from m1.marl.checkpoint import find_latest_checkpoint
@@ -367,7 +367,7 @@ def stage_identity(exp: Experiment, arm: str, seed: int, stage: str) -> str:
 def read_record(exp: Experiment, run: StageRun) -> dict[str, Any] | None:
     """The committed record of a stage (None without one; an eval's also needs its rows file)."""
     path = exp.record_path(run.arm, run.seed, run.stage)
-    if not path.is_file() or (run.stage == "eval" and not path.with_suffix(".jsonl").is_file()):
+    if not path.is_file() or (run.stage == "eval" and rows_file(path.with_suffix(".jsonl")) is None):
         return None
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
@@ -391,8 +391,7 @@ def write_record(exp: Experiment, run: StageRun, done: dict[str, Any], questions
     if run.stage == "eval":
         assert exp.eval is not None
         compact = compact_eval(done, run.folder, questions or eval_questions(exp)[0], exp.eval.source)
-        rows = path.with_suffix(".jsonl")
-        write_whole(rows, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in compact.pop("rows")).encode())
+        rows = write_rows(path.with_suffix(".jsonl"), compact.pop("rows"))
         record.update(rows=rows.name, **compact)
     else:
         record["timing"] = step_timing(run.folder)

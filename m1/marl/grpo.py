@@ -1,6 +1,6 @@
 """Multi-agent GRPO numerics as small pure tensor functions.
 
-Reference numerics: TRL 1.16.0 ``GRPOTrainer`` (parity is tested in ``tests/test_grpo.py`` by running TRL's own
+Reference numerics: TRL 1.16.0 ``GRPOTrainer`` (parity is tested in ``tests/marl/test_grpo.py`` by running TRL's own
 ``_compute_loss``). Choices:
 
 - advantage ``A = (r - mean_g) / (std_g + 1e-4)`` with Bessel-corrected std over the K rollouts of one question
@@ -16,7 +16,7 @@ Reference numerics: TRL 1.16.0 ``GRPOTrainer`` (parity is tested in ``tests/test
 Adding a loss or an old-log-prob mode: the loss types (``LOSSES``) and the ``grpo.old_logprobs`` modes
 (``OLD_LOGPROBS``) are registries, and the config accepts exactly their names. A new one is one function under
 ``@register_loss(name, token_level=...)`` or ``@register_old_logprobs(name)`` plus a test of its values; the
-learner (m1/marl/learner.py) needs no change. tests/test_loss_registry.py registers a toy loss from outside m1/ and
+learner (m1/marl/learner.py) needs no change. tests/marl/test_loss_registry.py registers a toy loss from outside m1/ and
 trains one step with it.
 
 torch is imported inside the functions so that importing this module stays cheap.

@@ -16,7 +16,7 @@ AutoProcessor (trust_remote_code, which the spec must set) and speaks its proces
 default, max_dynamic_tiles 1), i.e. 200,704 pixels, the cap the shipped team gives its Qwen2.5-VL tools.
 
 Not run on the machines M1 is tested on: there is no GPU, no copy of the weights or of the remote code, and that code
-targets transformers 4.x while 5 is installed; it may need a transformers 4.x environment. tests/test_eagle.py checks
+targets transformers 4.x while 5 is installed; it may need a transformers 4.x environment. tests/models/test_eagle.py checks
 the requests this adapter builds against a fake processor and model that follow the card's interface. The shipped
 team (configs/team/videochat_m1.yaml) grounds with Qwen2.5-VL-7B-Instruct, which transformers supports natively.
 """

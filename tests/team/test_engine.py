@@ -1,0 +1,196 @@
+"""The CPP episode engine with scripted models: batching, visibility, errors, JSON."""
+import random
+import re
+
+import pytest
+
+from tests.fakes import FakeChat, FakeClip, FakeVision, content, scripted_reply
+from m1.config import TeamConfig
+from m1.models.hub import ModelHub
+from m1.schema import Episode, Question, Topology
+from m1.team import topology as topo
+from m1.team.cpp import Team
+
+AGENTS = ["alpha", "beta", "gamma", "delta"]
+
+
+def team_cfg(**over):
+    data = {
+        "name": "fake",
+        "models": {
+            "m_a": {"kind": "chat", "path": "fake/a"}, "m_b": {"kind": "chat", "path": "fake/b"},
+            "vlm": {"kind": "vision", "path": "fake/vlm"},
+            "clip": {"kind": "clip", "backend": "open_clip", "clip_name": "fake"},
+        },
+        "agents": [{"name": "alpha", "model": "m_a"}, {"name": "beta", "model": "m_a"},
+                   {"name": "gamma", "model": "m_b"}, {"name": "delta", "model": "m_b"}],
+        "tools": {"clip": "clip", "browser": "vlm", "global_frames": 8, "rough_frames": 4},
+        "limits": {"max_turns": 3, "max_tool_calls": 4, "batch_episodes": 16},
+    }
+    for k, v in over.items():
+        data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v
+    return TeamConfig.model_validate(data)
+
+
+def make_team(cfg=None, reply_a=scripted_reply, reply_b=scripted_reply, vision=None):
+    cfg = cfg or team_cfg()
+    hub = ModelHub(cfg.models)
+    fa, fb, fv = FakeChat("m_a", reply_a), FakeChat("m_b", reply_b), vision or FakeVision()
+    for key, model in (("m_a", fa), ("m_b", fb), ("vlm", fv), ("clip", FakeClip())):
+        hub.register(key, model)
+    return Team(cfg, hub=hub), fa, fb, fv
+
+
+@pytest.fixture
+def videos(video_factory):
+    return [str(video_factory(f"v{i}.mp4", seconds=8 + i)) for i in range(3)]
+
+
+def questions(videos, n):
+    return [Question(id=f"q{i}", video=videos[i % len(videos)], text="What colour is the square?",
+                     options=["white", "red", "blue", "green"], task="mcq", answer="A") for i in range(n)]
+
+
+def test_one_generate_call_per_model_per_phase(videos):
+    team, fa, fb, fv = make_team()
+    n = 5
+    eps = team.run(questions(videos, n))
+    assert len(eps) == n and all(e.error is None for e in eps)
+    # phases run: plan, communicate x2 (after turns 1 and 2), answer -> 4 batched calls per model
+    assert fa.calls == fb.calls == 4
+    plan_batch = fa.batches[0]
+    assert len(plan_batch) == n * 2  # every episode x the two agents on this model
+    assert len(fa.batches[-1]) == n * 2  # answer phase
+    # browsers: one describe call per turn that had a browse step, for all episodes at once
+    assert fv.calls == 1 and len(fv.batches[0]) == n * 4
+    for e in eps:
+        assert e.final_answer == "A" and e.aggregation == "vote"
+        for name in AGENTS:
+            rec = e.memory[name]
+            assert rec.plan == ["Global Sampling", "Rough Browser"]
+            assert [t.tool for t in rec.turns] == ["Global Sampling", "Rough Browser"]
+            assert rec.answer == "A"
+            assert all(t.decision is not None for t in rec.turns)
+        assert e.frames_used == 4  # 4 of the 8 globally sampled frames, shared by all agents
+        phases = [g.phase for g in e.generations if g.agent == "alpha"]
+        assert phases == ["plan", "communicate", "communicate", "answer"]
+
+
+def test_communication_prompt_shows_exactly_visible_peers(videos):
+    team, *_ = make_team()
+    rng = random.Random(3)
+    tops = [topo.random_dag(AGENTS, 0.5, 0.25, rng) for _ in range(6)]
+    assert any(t.edges for t in tops) and any(len(t.active) < 4 for t in tops)
+    eps = team.run(questions(videos, 6), topologies=tops)
+    checked = 0
+    for e, t in zip(eps, tops):
+        for g in e.generations:
+            if g.phase != "communicate":
+                continue
+            names = set(re.findall(r"\[(alpha|beta|gamma|delta)\]", content(g.prompt)))
+            assert names == set(t.visible_to(g.agent)) | {g.agent}, (g.agent, t.edges)
+            checked += 1
+    assert checked >= 24
+
+
+def test_bad_video_is_an_episode_error(videos, tmp_path):
+    bad = tmp_path / "bad.mp4"
+    bad.write_text("not a video at all")
+    qs = questions(videos, 2) + [Question(id="bad", video=str(bad), text="?", options=["a", "b"], task="mcq")]
+    team, *_ = make_team()
+    eps = team.run(qs)
+    assert [e.error is None for e in eps] == [True, True, False]
+    assert "bad.mp4" in eps[2].error and eps[2].final_answer is None
+
+
+def test_tool_error_goes_to_memory_and_episode_goes_on(videos):
+    def reply(messages):
+        text = content(messages)
+        if "##tool use" in text and "##tool call" not in text and "##Answer" not in text:
+            return "##key info: nothing timed\n##tool use: <Time Stamp Retrieval>, <Rough Browser>"
+        return scripted_reply(messages)
+
+    team, *_ = make_team(reply_a=reply)
+    [e] = team.run(questions(videos, 1))
+    assert e.error is None
+    t0 = e.memory["alpha"].turns[0]
+    assert t0.tool == "Time Stamp Retrieval" and t0.error and "no time" in t0.error
+    assert e.memory["alpha"].turns[1].tool == "Rough Browser"  # browsed the fallback global frames
+    assert e.final_answer == "A"
+
+
+def test_garbage_replies_are_format_failures_not_crashes(videos):
+    rng = random.Random(0)
+
+    def garbage(messages):
+        return "".join(rng.choice("##<>:abc \n\x00é") for _ in range(rng.randint(0, 60)))
+
+    team, *_ = make_team(reply_a=garbage, reply_b=garbage)
+    eps = team.run(questions(videos, 3))
+    for e in eps:
+        assert e.error is None
+        assert any(not g.parse_ok for g in e.generations)
+        for rec in e.memory.values():
+            assert len(rec.plan) >= 2 and rec.turns  # fallback plan executed
+
+
+def test_add_tool_decision_inserts_the_tool(videos):
+    asked = []
+
+    def reply(messages):
+        text = content(messages)
+        if "##tool call" in text and "##Final Answer" not in text:
+            asked.append(text)
+            if len(asked) == 1:  # the first communication request of model m_a is alpha's
+                return "##tool call: add tool <Fine Browser>\n##key info: look closer at the square"
+            return "##tool call: continue()"
+        return scripted_reply(messages)
+
+    team, *_ = make_team(reply_a=reply)
+    [e] = team.run(questions(videos, 1))
+    tools = [t.tool for t in e.memory["alpha"].turns]
+    assert tools[:3] == ["Global Sampling", "Fine Browser", "Rough Browser"], tools
+    assert e.memory["alpha"].turns[0].decision.action == "add_tool"
+    assert e.memory["alpha"].key_info == "look closer at the square"
+    assert e.memory["alpha"].turns[1].key_info == "look closer at the square"
+    assert [t.tool for t in e.memory["beta"].turns] == ["Global Sampling", "Rough Browser"]
+    assert len(e.memory["alpha"].turns[1].timestamps) == 32  # Fine Browser: 32 frames of the focus
+
+
+def test_vote_tie_asks_the_summarizer(videos):
+    def reply_b(messages):
+        text = content(messages)
+        if "##Final Answer" in text:
+            return "##Final Answer: C ##Reason Summary: tie broken"
+        if "##Answer" in text and "##tool call" not in text:
+            return "##Answer: C ##Reason: I saw C"
+        return scripted_reply(messages)
+
+    cfg = team_cfg(aggregation={"summarizer": "gamma"})
+    team, fa, fb, _ = make_team(cfg, reply_b=reply_b)
+    [e] = team.run(questions(videos, 1))
+    assert sorted(a.answer for a in e.answers) == ["A", "A", "C", "C"]
+    assert e.final_answer == "C" and e.aggregation == "vote+summary"
+
+
+def test_episode_json_round_trip(videos):
+    team, *_ = make_team()
+    [e] = team.run(questions(videos, 1))
+    back = Episode.model_validate_json(e.model_dump_json())
+    assert back == e
+    assert back.generations[0].completion_ids and back.generations[0].logprobs
+
+
+def test_grounding_uses_summarizer(videos):
+    def reply(messages):
+        text = content(messages)
+        if "##Final Answer" in text:
+            return "##Final Answer: [2.0 - 4.0] ##Reason Summary: white square early"
+        if "##Answer" in text and "##tool call" not in text:
+            return "##Answer: [2 - 5] ##Reason: seen"
+        return scripted_reply(messages)
+
+    team, *_ = make_team(reply_a=reply, reply_b=reply)
+    q = Question(id="g", video=videos[0], text="When is the square visible?", task="grounding")
+    [e] = team.run([q])
+    assert e.aggregation == "summarizer" and e.final_answer == "[2 - 4]"
