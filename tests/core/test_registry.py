@@ -11,7 +11,7 @@ import pytest
 
 from m1.registry import PAPER_TOOLS, TOOLS
 
-M1 = Path(__file__).resolve().parents[1] / "m1"
+M1 = Path(__file__).resolve().parents[2] / "m1"
 
 
 def _literal_homes() -> dict[str, set[str]]:
@@ -122,7 +122,7 @@ def test_a_tool_registered_outside_m1_is_accepted_everywhere_names_are_read(regi
 def test_unknown_tool_and_credit_names_are_refused_naming_the_known_ones(registries):
     from m1.config import load_team
     from m1.marl.credit import CREDITS, EpisodeCredit, register_credit
-    from test_trainer import train_cfg
+    from tests.marl.test_trainer import train_cfg
 
     _register_depth()
 
