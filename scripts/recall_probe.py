@@ -9,7 +9,7 @@ held-out accuracy on the first query every 100 steps and stops at 99%.
 """
 import argparse, json, random, time
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 ap = argparse.ArgumentParser()
 ap.add_argument("--loss", default="answers", choices=["answers", "all"])
 ap.add_argument("--init", type=float, default=0.02)
@@ -29,6 +29,8 @@ ap.add_argument("--pairs-min", type=int, default=0, help="curriculum: start with
 ap.add_argument("--grow", type=int, default=150, help="curriculum: steps between adding one pair")
 ap.add_argument("--key-words", type=int, default=1, choices=[1, 2],
                 help="2: a key is two tokens (colour, shape) from a 4 x 4 grid, so each word recurs across keys")
+ap.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen2"],
+                help="qwen2: no RMSNorm on queries and keys, so attention logits are not bounded by sqrt(head_dim)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 torch.set_num_threads(a.threads)
@@ -42,10 +44,11 @@ else:
     KEYS = [(w,) for w in WORDS]
 vocab = ["<pad>", "?", "=", ";"] + WORDS + VALS
 ix = {w: i for i, w in enumerate(vocab)}
-cfg = Qwen3Config(vocab_size=len(vocab), hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers,
+Config, Model = (Qwen3Config, Qwen3ForCausalLM) if a.arch == "qwen3" else (Qwen2Config, Qwen2ForCausalLM)
+cfg = Config(vocab_size=len(vocab), hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=a.hidden // 4, max_position_embeddings=512,
                   initializer_range=a.init, tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
-model = Qwen3ForCausalLM(cfg)
+model = Model(cfg)
 def example(rng, pairs=None):
     pairs = pairs or a.pairs
     keys = rng.sample(KEYS, pairs); vals = [rng.choice(VALS) for _ in keys]
