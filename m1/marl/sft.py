@@ -45,7 +45,7 @@ from m1.marl.trackers import require_trackers
 from m1.schema import LETTERS, Episode, Question, Turn
 from m1.models.hub import ModelHub
 from m1.plots import plot_finished_run
-from m1.team.cpp import make_team
+from m1.team.kinds import make_team
 from m1.team.single import SingleAgentTeam
 
 log = logging.getLogger(__name__)
