@@ -91,6 +91,23 @@ def test_cpp_engine_refuses_a_seed_kind_and_make_team_dispatches():
     assert isinstance(make_team(load_team("synth_teacher", NO_CLIP)), Team)
 
 
+def test_one_registry_names_each_kind_its_engine_and_trainer_kind():
+    """m1/team/kinds.py TEAM_KINDS: make_team's engine and team_kind's trainer kind both follow a team's kind."""
+    from m1.marl.team_kinds import CPP_PHASES, SEED_PHASES, team_kind
+    from m1.team.cpp import Team
+    from m1.team.kinds import TEAM_KINDS, kind_of
+    from m1.team.single import SingleAgentTeam
+
+    assert {k: s.engine for k, s in TEAM_KINDS.items()} == {"cpp": Team, "weaver": SingleAgentTeam,
+                                                            "zoomer": SingleAgentTeam, "sage": SingleAgentTeam}
+    for config, name, phases, per_phase in (("synth_teacher", "cpp", CPP_PHASES, True),
+                                            ("zoomer_synth", "zoomer", SEED_PHASES, False),
+                                            ("weaver_synth", "weaver", SEED_PHASES, False)):
+        cfg = load_team(config)
+        kind = team_kind(cfg)
+        assert (kind_of(cfg).name, kind.name, kind.phases, kind.per_phase_rewards) == (name, name, phases, per_phase)
+
+
 # ----------------------------------------------------------------------------- parsers
 def test_weaver_strict_tool_call_and_answer():
     r = parse_weaver('Step 1: ground it.\n<tool_call>{"tool_name": "temporal_grounding", "query": "the man sits"}'
