@@ -7,7 +7,8 @@ double or a new engine fits without importing its siblings.
   team: the CPP Team (m1/team/cpp.py) and the seed kinds' SingleAgentTeam (m1/team/single.py);
 - `LearnerGroup`: the trained agents' learners, in this process (LocalLearners) or on Ray (RayLearners);
 - `RolloutEngine`: the samplers of trained agents, vLLM servers (RolloutEngines) or hf copies (HFSamplers);
-- `TeamKind`: what the trainer asks of the team's kind, CPP or a seed kind (m1/marl/team_kinds.py).
+- `TeamKind`: what the trainer asks of the team's kind, CPP or a seed kind (m1/marl/team_kinds.py);
+- `StepTrainer`: what the step loop (m1/marl/loop.py `run_steps`) reads and sets on the MARL and SFT trainers.
 
 This module sits low (next to m1/models) so every layer can name these; types of the layers above it (a
 TrainConfig, a RolloutBatch, a training Sample) are Any here.
@@ -139,3 +140,36 @@ class TeamKind(Protocol):
 
     def check(self, cfg: Any, team: TeamConfig, trained: list[str]) -> None:
         """Refuse a TrainConfig this kind cannot train."""
+
+
+class StepTrainer(Protocol):
+    """A trainer the step loop drives: it brings its own step; the loop logs, checkpoints and stops it."""
+
+    trackers: Any  # the open trackers while the loop runs (m1/marl/trackers.py), else None
+    tracker_ids: dict[str, str]  # the tracker runs this run logs to (kept in its checkpoints)
+
+    @property
+    def cfg(self) -> Any: ...
+
+    @property
+    def out(self) -> Path: ...
+
+    @property
+    def step(self) -> int:
+        """Steps done; the trainer's step function advances it."""
+
+    @property
+    def checkpointed(self) -> int:
+        """The step of the newest checkpoint on disk."""
+
+    @property
+    def history(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def learners(self) -> LearnerGroup | None: ...
+
+    @property
+    def placement(self) -> Any:
+        """The GPUs reserved on Ray (None: placement local)."""
+
+    def save_checkpoint(self, interim: bool = False) -> Path: ...
