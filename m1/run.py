@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from m1.config import TeamConfig
+from m1.contracts import Team
 from m1.data.loaders import INVALID
 from m1.files import WriteError, write_whole
 from m1.locks import hold
@@ -22,7 +23,6 @@ from m1.results import (ResultsFile, check_team, fingerprint, invalid_row, part_
                         shard_of)
 from m1.schema import Episode, Question
 from m1.signals import Stopped, StopOnSignals
-from m1.contracts import Team
 from m1.team.kinds import make_team
 from m1.trace import TraceIndex, render_html, trace_name
 

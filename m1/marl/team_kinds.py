@@ -111,7 +111,7 @@ class CppKind:
         self.phases = CPP_PHASES
         self.needs_judge = True  # R_col is judged (rubric or LLM)
 
-    def train_phases(self, phases) -> list[str] | None:
+    def train_phases(self, phases) -> list[str]:
         return list(phases)
 
     def topology(self, agents, rollout, seed: int, step: int):
