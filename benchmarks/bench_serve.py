@@ -77,7 +77,7 @@ def main() -> None:
     from m1.config import load_team
     from m1.run import run_questions
     from m1.serve import Limits, create_app
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
     folder, qs = world(args.questions)
     cfg = load_team("mini_trained", [] if args.synth_clip else [TINY_CLIP])
@@ -172,7 +172,7 @@ def soak(args) -> None:
 
     from m1.config import load_team
     from m1.serve import Limits, create_app
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
     clients = args.clients
     folder, qs = world(args.questions)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from m1.config import TeamConfig
+from m1.contracts import Team
 from m1.data.loaders import INVALID
 from m1.files import WriteError, write_whole
 from m1.locks import hold
@@ -22,7 +23,7 @@ from m1.results import (ResultsFile, check_team, fingerprint, invalid_row, part_
                         shard_of)
 from m1.schema import Episode, Question
 from m1.signals import Stopped, StopOnSignals
-from m1.team.cpp import make_team
+from m1.team.kinds import make_team
 from m1.trace import TraceIndex, render_html, trace_name
 
 
@@ -98,7 +99,7 @@ INDEX_EVERY_S = 5.0  # while a run goes on, the trace index is rewritten at most
 
 
 def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_dir: Path | None = None,
-                  limit: int | None = None, team=None, progress: bool = True,
+                  limit: int | None = None, team: Team | None = None, progress: bool = True,
                   shard: tuple[int, int] | None = None, stop_on_signals: bool = False,
                   keep_errors: bool = False, keep_stale: bool = False) -> RunSummary:
     """Answer `questions` into the results file `out`, resuming it; see the module docstring.
@@ -172,10 +173,8 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSign
                 index.write()
         return summary
     team = team or make_team(cfg)
-    if hasattr(team, "over_budget_rows"):  # a question too long for a model is its own error row, not a stop
-        team.over_budget_rows = True
-    if hasattr(team, "server_error_rows"):  # a served model that stops answering: error rows for the batch in flight
-        team.server_error_rows = True
+    team.over_budget_rows = True  # a question too long for a model is its own error row, not a stop
+    team.server_error_rows = True  # a served model that stops answering: error rows for the batch in flight
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=f"team {cfg.name}", unit="q", disable=not progress)
     last_index = [time.monotonic()]  # when the index was last written (first: INDEX_EVERY_S into the run)
@@ -185,7 +184,7 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSign
         with stop.write():
             if trace_dir is not None:
                 try:
-                    write_trace(Path(trace_dir), ep, pool=getattr(team, "pool", None), index=index)
+                    write_trace(Path(trace_dir), ep, pool=team.pool, index=index)
                 except WriteError as exc:
                     raise WriteError(exc.path, exc.exc, question=ep.id, safe=len(results.done),
                                      results=Path(out)) from None

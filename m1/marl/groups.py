@@ -8,8 +8,8 @@ requests for an agent are split across its ranks. A step's samples are split acr
 `AgentLearner.update`. With a placement plan (m1/marl/planner.py), each rank runs in the placement-group bundle the
 plan gave it, so no part lands on a GPU another part holds.
 
-Both give: `chat_models()` (what the team generates with), `update(samples, lr, objective)`, `save(folder)`,
-`load(folder)`, `parameters(agent)`, `shutdown()`.
+Both are a `LearnerGroup` (m1/contracts.py): `chat_models()` (what the team generates with), `update(samples, lr,
+objective)`, `save(folder)`, `load(folder)`, `parameters(agent)`, `shutdown()`, ...
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from m1.config import ModelSpec
+from m1.contracts import LearnerGroup
 from m1.models.base import with_seeds
 from m1.marl.placement_plan import with_request_batches
 from m1.marl.config import GRPOSettings, LearnerConfig
@@ -83,6 +84,12 @@ class LearnerRank:
     def __init__(self):
         self.learner: AgentLearner | None = None
 
+    @property
+    def _built(self) -> AgentLearner:
+        if self.learner is None:
+            raise DistributedError("this learner rank was called before `build`")
+        return self.learner
+
     def address(self) -> tuple[str, int]:
         """Where this rank can host the group's rendezvous (rank 0 is asked)."""
         import ray
@@ -110,28 +117,28 @@ class LearnerRank:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def generate(self, requests, params):
-        return self.learner.generate(requests, params)
+        return self._built.generate(requests, params)
 
     def sft_samples(self, examples: list) -> list[Sample]:
-        return [self.learner.sft_sample(e) for e in examples]
+        return [self._built.sft_sample(e) for e in examples]
 
     def update(self, samples, lr, objective):
-        return self.learner.update(samples, lr, objective)
+        return self._built.update(samples, lr, objective)
 
     def save(self, folder: str, include_rng: bool) -> None:
-        self.learner.save(folder, include_rng)
+        self._built.save(folder, include_rng)
 
     def load(self, folder: str, include_rng: bool) -> None:
-        self.learner.load(folder, include_rng)
+        self._built.load(folder, include_rng)
 
     def export_weights(self, folder: str) -> None:
-        self.learner.export_weights(folder)
+        self._built.export_weights(folder)
 
     def probe_logprobs(self, probe):
-        return self.learner.probe_logprobs(probe)
+        return self._built.probe_logprobs(probe)
 
     def parameters(self) -> dict[str, Any]:
-        return self.learner.parameters()
+        return self._built.parameters()
 
     def write_marker(self, folder: str, name: str, token: str) -> str:
         return write_storage_marker(folder, name, token)
@@ -481,7 +488,7 @@ def check_shared_storage(out_dir: str | Path, writers: dict[str, Callable[[str, 
 
 def build_learners(specs: dict[str, tuple[str, ModelSpec]], learner_cfg: LearnerConfig, grpo: GRPOSettings,
                    seed: int, placement: str = "local", ray_cfg=None, out_dir: str | Path | None = None,
-                   worlds: dict[str, int] | None = None, reserved: RayPlacement | None = None):
+                   worlds: dict[str, int] | None = None, reserved: RayPlacement | None = None) -> LearnerGroup:
     """The learners of a run: in this process, or Ray actor groups (`worlds`: GPUs per agent) in the bundles
     `reserved` for them."""
     if placement == "ray":

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from m1.contracts import StepTrainer
 from m1.marl.checkpoint import StopFlag, naming_full_disk
 from m1.marl.groups import stop_on_lost_ranks
 from m1.marl.stream import MetricsLog
 from m1.marl.trackers import open_trackers
 
 
-def run_steps(trainer, total: int, step: Callable[[], dict[str, Any]], what: str, stop_after: int | None = None,
+def run_steps(trainer: StepTrainer, total: int, step: Callable[[], dict[str, Any]], what: str, stop_after: int | None = None,
               stop: StopFlag | None = None) -> list[dict[str, Any]]:
     """Run `step()` until `trainer.step` reaches `total` (or `stop_after` more steps, e.g. to simulate a killed run,
-    or until `stop` is set); `what` names a step in errors ("step", "SFT step"). Returns the trainer's history.
-
-    `trainer` holds cfg, out, step, checkpointed, history, learners, placement, tracker_ids, trackers and
-    `save_checkpoint(interim=False)`."""
+    or until `stop` is set); `what` names a step in errors ("step", "SFT step"). Returns the trainer's history."""
     cfg = trainer.cfg
     last = total if stop_after is None else min(total, trainer.step + stop_after)
     if stop is not None:

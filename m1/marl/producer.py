@@ -45,7 +45,7 @@ class StepItem:
     samples: dict[str, list]
     topology: Any
     cursor: int  # the data cursor after the step's questions (what a checkpoint of this step keeps)
-    epoch: int
+    epoch: float  # the data stream's epoch after the step (fractional)
     seconds: dict[str, float] = field(default_factory=dict)  # activate, rollout, reward, wait_weights, ...
 
 

@@ -10,10 +10,11 @@ import logging
 from dataclasses import dataclass
 
 from m1.config import TeamConfig
+from m1.contracts import TeamKind
 from m1.marl.planner import rollout_batch
 from m1.marl.config import TrainConfig
 from m1.marl.rollout import agent_temperature, training_team_config
-from m1.marl.team_kinds import CppKind, team_kind
+from m1.marl.team_kinds import team_kind
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ class RunSettings:
 
     cfg: TrainConfig  # as given, with grpo.old_logprobs decided
     team: TeamConfig  # the team as it trains: sampling temperature, one model key per agent, limits for training
-    kind: CppKind  # the team kind (CPP or a seed kind)
+    kind: TeamKind  # the team kind (CPP or a seed kind)
     agents: list[str]  # every agent of the team
     trained: list[str]  # the agents that learn
     model_keys: dict[str, str]  # agent -> its model key in the hub

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from m1.config import AgentSpec, TeamConfig
+from m1.contracts import Team
 from m1.models.base import image_frames
 from m1.schema import Episode, Question, Topology
 from m1.team import topology as topo
@@ -144,7 +145,7 @@ def step_topology(agents: list[str], rollout, seed: int, step: int, complete: bo
                            random.Random(derive_seed(seed, step, "topology")))
 
 
-def run_rollouts(team, questions: Sequence[Question], k: int, topology: Topology,
+def run_rollouts(team: Team, questions: Sequence[Question], k: int, topology: Topology,
                  focus: Sequence[str] | None = None) -> RolloutBatch:
     """Run each question K times over `topology`; returns episodes grouped [question][rollout].
 
@@ -153,7 +154,7 @@ def run_rollouts(team, questions: Sequence[Question], k: int, topology: Topology
     if k < 1:
         raise RolloutError(f"num_generations must be >= 1, got {k}")
     repeated = [q for q in questions for _ in range(k)]
-    extra = {}
+    extra: dict[str, Any] = {}  # a CPP team's per-agent temperatures (credit agent is refused for a seed kind)
     if focus is not None:
         names = [a.name for a in team.cfg.agents]
         if len(focus) != len(questions) or any(f not in names for f in focus):
@@ -186,7 +187,8 @@ def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> di
                 rewards[a].append([])
                 outcomes[a].append([])
             value = per.get(a) if ep.error is None else None
-            rewards[a][g].append(float("nan") if value is None else float(getattr(value, "total", value)))
+            total = getattr(value, "total", value)  # a breakdown's total, or a custom reward function's number
+            rewards[a][g].append(float("nan") if total is None else float(total))
             if has_outcome:
                 outcomes[a][g].append(float("nan") if value is None else float(value.outcome))
     batch.rewards = rewards
@@ -221,8 +223,8 @@ def generation_credit(batch: RolloutBatch, advantages: dict[str, Any],
             for i, gen in enumerate(ep.generations):
                 if gen.agent not in advantages:
                     continue
-                outcome_credit = answer_advantages is not None and gen.phase in OUTCOME_PHASES
-                table = answer_advantages if outcome_credit else advantages
+                table = (answer_advantages if answer_advantages is not None and gen.phase in OUTCOME_PHASES
+                         else advantages)
                 trained = (ep.error is None and (phases is None or gen.phase in phases)
                            and (batch.focus is None or gen.agent == batch.focus[g]))
                 out[(g, k, i)] = Credit(reward=batch.rewards[gen.agent][g][k],

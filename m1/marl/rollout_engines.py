@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from m1.config import ModelSpec
+from m1.contracts import RolloutEngine
 from m1.marl.config import TrainConfig
 from m1.marl.rollout import RolloutError
 from m1.models.hf import HFChatModel, resolve_source
@@ -64,8 +65,8 @@ def _fill(argv: list[str], **fields: Any) -> list[str]:
 
 
 class StagedVersions:
-    """What the trainer and the producer ask of the samplers of an asynchronous run, whatever they are: `_staged`
-    maps agent -> version -> what was staged for it."""
+    """What every RolloutEngine (m1/contracts.py) does the same way, whatever its samplers are: `_staged` maps
+    agent -> version -> what was staged for it."""
 
     _staged: dict[str, dict[int, Any]]
 
@@ -82,6 +83,16 @@ class StagedVersions:
             if stale:
                 raise RolloutError(f"agent {agent}: samples from weight versions {stale}, expected version "
                                    f"{version}; the engine did not take the synced weights")
+
+    def sync(self: RolloutEngine, version: int) -> dict[str, float]:
+        """Put the learners' current weights into the samplers as `version` (stage, activate, prune: a
+        synchronous step); seconds per agent."""
+        if version == self.version:
+            return {}
+        staged = self.stage(version)
+        active = self.activate(version)
+        self.prune(version)
+        return {agent: staged[agent] + active[agent] for agent in staged}
 
 
 class RolloutEngines(StagedVersions):
@@ -200,7 +211,7 @@ class RolloutEngines(StagedVersions):
             if self.cfg.cluster.engine_gpus > 1:
                 raise EngineError(f"agent {agent}: a tensor-parallel engine ({self.cfg.cluster.engine_gpus} GPUs) "
                                   "is not launched by M1; run it yourself and give rollout.engine_url")
-            host = ray.remote(EngineHost).options(**placement.options("engine", agent, 0)).remote(agent, str(logs))
+            host: Any = ray.remote(EngineHost).options(**placement.options("engine", agent, 0)).remote(agent, str(logs))
             self._servers[agent] = host
             return ray.get(host.start.remote(model, argv=argv, dev_mode=dev_mode))
 
@@ -247,15 +258,6 @@ class RolloutEngines(StagedVersions):
     # ------------------------------------------------------------------ generation and sync
     def chat_models(self) -> dict[str, EngineChat]:
         return dict(self.chats)
-
-    def sync(self, version: int) -> dict[str, float]:
-        """Put the learners' current weights into their engines as `version`; seconds per agent."""
-        if version == self.version:
-            return {}
-        staged = self.stage(version)
-        active = self.activate(version)
-        self.prune(version)
-        return {agent: staged[agent] + active[agent] for agent in staged}
 
     def stage(self, version: int) -> dict[str, float]:
         """Export the learners' current weights as `version` and get the engines ready to switch to it, without

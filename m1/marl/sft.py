@@ -45,7 +45,7 @@ from m1.marl.trackers import require_trackers
 from m1.schema import LETTERS, Episode, Question, Turn
 from m1.models.hub import ModelHub
 from m1.plots import plot_finished_run
-from m1.team.cpp import make_team
+from m1.team.kinds import make_team
 from m1.team.single import SingleAgentTeam
 
 log = logging.getLogger(__name__)
@@ -251,8 +251,10 @@ def _teacher_shard(cfg: SFTConfig, questions: list[Question]) -> tuple[list[SFTE
     import torch
 
     torch.set_num_threads(1)
-    d = cfg.data
-    return build_sft_data(make_team(cfg.teacher_config()), questions, cfg.rewards, None, d.phases,
+    d, teacher = cfg.data, cfg.teacher_config()
+    if teacher is None:  # prepare_examples checked it before starting the workers
+        raise ValueError("data.teacher: no teacher team to run")
+    return build_sft_data(make_team(teacher), questions, cfg.rewards, None, d.phases,
                           d.rollouts_per_question, d.rotate_options, d.keep_revised_plans, plan_filter=d.plan_filter)
 
 
@@ -300,7 +302,7 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
         with ProcessPoolExecutor(max_workers=len(shards), mp_context=mp.get_context("spawn")) as ex:
             parts = list(ex.map(_teacher_shard, [cfg] * len(shards), shards))
         examples = [e for part, _ in parts for e in part]
-        stats: dict[str, Any] = {}
+        stats = {}
         for _, part_stats in parts:
             for k, v in part_stats.items():
                 stats[k] = stats.get(k, 0) + v

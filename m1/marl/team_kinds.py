@@ -2,7 +2,9 @@
 
 The trainer runs one loop for every team; what differs between the CPP team (several agents writing plans, notes,
 answers and a summary over a DAG) and a seed kind (Weaver, VideoZoomer, SAGE: one policy in a multi-turn tool
-loop, m1/team/single.py) lives behind this one interface, chosen once from the team config by `team_kind`:
+loop, m1/team/single.py) lives behind one interface (`TeamKind`, m1/contracts.py), chosen once from the team
+config by `team_kind` through the team kinds' registry (m1/team/kinds.py: the engine that runs the kind picks its
+trainer kind here):
 
 - `phases` / `train_phases`: the generations an episode has, and those a run trains on;
 - `topology`: the step's communication DAG (a team of one always runs on the complete graph);
@@ -14,14 +16,17 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Sequence
 
 from m1.agents.parsers import parse_plan
 from m1.config import TeamConfig
+from m1.contracts import Team, TeamKind
 from m1.marl.rewards import (RewardBreakdown, SeedReward, batch_agent_rewards, reward_kind, seed_rewards, summarize,
                              summarize_seed)
 from m1.marl.rollout import RolloutBatch, step_topology
+from m1.team.cpp import Team as CppTeam
+from m1.team.kinds import kind_of
+from m1.team.single import SingleAgentTeam
 from m1.trace import family_of
 
 CPP_PHASES = ("plan", "communicate", "answer", "summary")
@@ -30,8 +35,8 @@ SEED_PHASES = ("act", "answer")  # the generations of a seed-kind episode (m1/te
 
 def seed_kind(team: TeamConfig) -> str | None:
     """The team's seed kind (weaver, zoomer, sage) when it is a team of one such agent, else None (CPP)."""
-    kinds = [a.kind for a in team.agents if a.kind != "cpp"]
-    return kinds[0] if kinds else None
+    name = kind_of(team).name
+    return None if name == "cpp" else name
 
 
 def seed_phases(phases, where: str, kind: str, default) -> list[str] | None:
@@ -100,10 +105,11 @@ def _means(breakdowns, cls, summarise) -> dict[str, float]:
 class CppKind:
     """The paper's team: several agents, each writing plan, communicate, answer (and one summary) generations."""
 
-    name: ClassVar[str] = "cpp"
-    per_phase_rewards: ClassVar[bool] = True  # rewards differ per agent and phase: phase and agent credit apply
-    phases: ClassVar[tuple[str, ...]] = CPP_PHASES
-    needs_judge: ClassVar[bool] = True  # R_col is judged (rubric or LLM)
+    def __init__(self, kind: str = "cpp"):
+        self.name = kind
+        self.per_phase_rewards = True  # rewards differ per agent and phase: phase and agent credit apply
+        self.phases = CPP_PHASES
+        self.needs_judge = True  # R_col is judged (rubric or LLM)
 
     def train_phases(self, phases) -> list[str]:
         return list(phases)
@@ -131,15 +137,14 @@ class CppKind:
             raise ValueError(f"rollout.train_phases: 'act' is a seed-kind phase; team {team.name!r} is CPP")
 
 
-class SeedKind(CppKind):
+class SeedKind:
     """Weaver / VideoZoomer / SAGE: one policy whose every turn (act, answer) shares its episode's reward."""
 
-    per_phase_rewards = False
-    phases = SEED_PHASES
-    needs_judge = False
-
     def __init__(self, kind: str):
-        self.name = kind  # type: ignore[misc]
+        self.name = kind
+        self.per_phase_rewards = False
+        self.phases = SEED_PHASES
+        self.needs_judge = False
 
     def train_phases(self, phases) -> list[str] | None:
         """Every turn (None) unless the config names its own act / answer list."""
@@ -166,6 +171,10 @@ class SeedKind(CppKind):
         check_seed_policies(team, trained, "train_agents", cfg.rollout.engine)
 
 
-def team_kind(team: TeamConfig) -> CppKind:
-    kind = seed_kind(team)
-    return CppKind() if kind is None else SeedKind(kind)
+# the engine a team kind runs on (m1/team/kinds.py) -> how the trainer trains it, built from the kind's name
+TRAINED_BY: dict[Callable[..., Team], Callable[[str], TeamKind]] = {CppTeam: CppKind, SingleAgentTeam: SeedKind}
+
+
+def team_kind(team: TeamConfig) -> TeamKind:
+    spec = kind_of(team)
+    return TRAINED_BY[spec.engine](spec.name)

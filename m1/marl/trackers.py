@@ -17,6 +17,7 @@ import math
 import os
 import re
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from m1.config import ConfigError
@@ -34,7 +35,7 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
-def require_trackers(backends: list[str]) -> None:
+def require_trackers(backends: Sequence[str]) -> None:
     """ConfigError naming each backend of `log.backends` whose package is not installed, and how to install it."""
     missing = [b for b in backends if importlib.util.find_spec(PACKAGES[b][0]) is None]
     if missing:

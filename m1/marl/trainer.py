@@ -37,6 +37,7 @@ from m1.marl.checkpoint import STATE, StopFlag, load_checkpoint, naming_full_dis
 from m1.marl.config import TrainConfig
 from m1.marl.credit import CreditStrategy, StepCredit
 from m1.marl.groups import build_learners, host_driver_models, reserve_placement
+from m1.contracts import LearnerGroup, RolloutEngine, Team
 from m1.marl.judge import LLMJudge, RubricJudge
 from m1.marl.learner import seed_everything
 from m1.marl.loop import run_steps
@@ -48,7 +49,7 @@ from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples
 from m1.marl.stream import QuestionStream, load_questions
 from m1.marl.trackers import require_trackers
 from m1.models.hub import ModelHub
-from m1.team.cpp import make_team
+from m1.team.kinds import make_team
 from m1.video import VideoPool
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ def build_judge(cfg: TrainConfig, model=None):
     if j.kind == "rubric":
         return RubricJudge(tool_call_limit=cfg.rewards.tool_call_limit, plan_rubric=j.plan_rubric)
     if model is None:
+        if j.model is None:
+            raise ValueError(f"judge.kind {j.kind!r} needs judge.model")
         model = ModelHub({"judge": j.model}).chat("judge")
     cache = j.cache_dir or str(Path(cfg.out_dir) / "judge_cache")
     return LLMJudge(model, cache_dir=cache, rate_per_minute=j.rate_per_minute,
@@ -113,8 +116,10 @@ class Trainer:
         self._step_ended: float | None = None  # when the previous step of this process ended (throughput)
         self.history: list[dict[str, Any]] = []
         self.tracker_ids: dict[str, str] = {}  # the tracker runs this run logs to (kept in its checkpoints)
-        self.trackers = self.engines = self.learners = None
-        self.teams: dict[str, list] = {}  # sampling / greedy -> [team, the step it was seeded for]
+        self.trackers = None
+        self.engines: RolloutEngine | None = None
+        self.learners: LearnerGroup | None = None
+        self.teams: dict[str, tuple[Team, int]] = {}  # sampling / greedy -> (team, the step it was seeded for)
         try:
             hosted = self._load_models()
             self.judge = judge
@@ -152,6 +157,25 @@ class Trainer:
                 self.hub.register(key, model, kind=model.kind)
         return hosted
 
+    @property
+    def _learners(self) -> LearnerGroup:
+        if self.learners is None:
+            raise RuntimeError("the trainer's learners are shut down")
+        return self.learners
+
+    @property
+    def _engines(self) -> RolloutEngine:
+        """The engines where a run has them for sure (asynchronous rollouts always build some)."""
+        if self.engines is None:
+            raise RolloutError("asynchronous rollouts need rollout engines; none were built")
+        return self.engines
+
+    @property
+    def _producer(self) -> Producer:
+        if self.producer is None:
+            raise RolloutError("an asynchronous step runs inside train(), which starts the producer")
+        return self.producer
+
     # ------------------------------------------------------------------ the loop
     def train(self, stop_after: int | None = None, stop: StopFlag | None = None) -> list[dict[str, Any]]:
         """Train until `cfg.steps` (or `stop_after` more steps); `stop`, once set by a signal, ends the run after the
@@ -164,7 +188,7 @@ class Trainer:
         self.producer = Producer(self, k, self.step, last)
         try:
             self._stage_for_resume()
-            self.producer.begin(self.engines.newest_staged())
+            self.producer.begin(self._engines.newest_staged())
             return run_steps(self, self.cfg.steps, self.async_step, "step", stop_after, stop)
         finally:
             self.producer.stop()
@@ -185,17 +209,17 @@ class Trainer:
         """One asynchronous step: the producer's next step (sampled with weights min(step, k) updates old), one
         optimizer step per trained agent, and the new weights staged on the engines for the producer."""
         started = time.perf_counter()
-        item = self.producer.get(self.step)
+        item = self._producer.get(self.step)
         seconds = {**item.seconds, "wait_rollout": time.perf_counter() - started}
         cpu = time.thread_time()
         row = self._learn(item, seconds, started)
         row["time/learner_cpu"] = time.thread_time() - cpu  # the trainer thread's CPU seconds (cf. producer_cpu)
         t0 = time.perf_counter()
-        staged = {}
+        staged: dict[str, float] = {}
         if self._sampled_later(self.step):
-            staged = self.engines.stage(self.step)
-            self.producer.publish(self.step)
-        self.engines.prune(sampling_version(self.step, self.cfg.rollout.max_staleness))
+            staged = self._engines.stage(self.step)
+            self._producer.publish(self.step)
+        self._engines.prune(sampling_version(self.step, self.cfg.rollout.max_staleness))
         row["time/stage"] = time.perf_counter() - t0
         row.update({f"{agent}/sync_seconds": s for agent, s in staged.items()})
         row["async/staleness"] = item.step - item.version
@@ -204,7 +228,7 @@ class Trainer:
             if ages:
                 row[f"{agent}/staleness_max"] = max(ages)
                 row[f"{agent}/staleness_mean"] = sum(ages) / len(ages)
-        row["async/queued"] = self.producer.queued
+        row["async/queued"] = self._producer.queued
         return row
 
     def produce_step(self, step: int, version: int) -> StepItem:
@@ -231,7 +255,7 @@ class Trainer:
     def _learn(self, item: StepItem, seconds: dict[str, float], started: float) -> dict[str, Any]:
         """Update every trained agent on the step's samples, write them when due, and return the metrics row."""
         t0 = time.perf_counter()
-        stats = self.learners.update(item.samples, self.lr_at(self.step), "grpo")
+        stats = self._learners.update(item.samples, self.lr_at(self.step), "grpo")
         self.step += 1
         self.cursor_trained = item.cursor
         seconds["update"] = time.perf_counter() - t0
@@ -266,17 +290,17 @@ class Trainer:
         first = self.data.cursor
         return first, self.data.take(n)
 
-    def _team(self, greedy: bool):
+    def _team(self, greedy: bool) -> Team:
         """One team for the whole run (so CLIP embeddings and decoded frames are reused), reseeded once per step
         from (seed, step) so rollouts repeat exactly after a resume; `greedy`: its copy decoding greedily."""
         name = "greedy" if greedy else "sampling"
         if name not in self.teams:
             cfg = self.team_cfg.greedy() if greedy else self.team_cfg
-            self.teams[name] = [make_team(cfg, hub=self.hub, pool=self.pool), None]
+            self.teams[name] = (make_team(cfg, hub=self.hub, pool=self.pool), -1)
         team, seeded = self.teams[name]
         if seeded != self.rollout_step:
             team.reseed(derive_seed(self.cfg.seed, self.rollout_step, name))
-            self.teams[name][1] = self.rollout_step
+            self.teams[name] = (team, self.rollout_step)
         return team
 
     def write_samples(self, credit: StepCredit) -> Path:
@@ -291,7 +315,7 @@ class Trainer:
     def lr_at(self, step: int) -> float:
         return self.cfg.learner.lr_at(step, self.cfg.steps)
 
-    def _metrics(self, credit: StepCredit, stats, topology, seconds, epoch: int) -> dict[str, Any]:
+    def _metrics(self, credit: StepCredit, stats, topology, seconds, epoch: float) -> dict[str, Any]:
         batch, rewards = credit.batch, credit.batch.rewards
         row: dict[str, Any] = {"step": self.step, "epoch": epoch, "lr": self.lr_at(self.step - 1)}
         losses = [s["loss"] for s in stats.values() if "loss" in s]  # a NaN loss shows as NaN
@@ -343,7 +367,7 @@ class Trainer:
         return sampling_version(self.cfg.steps - 1, self.cfg.rollout.max_staleness) >= version
 
     def _version_folders(self) -> dict[str, Path]:
-        return {f"versions/{agent}/v{v:06d}": self.engines.staged_folder(agent, v)
+        return {f"versions/{agent}/v{v:06d}": self._engines.staged_folder(agent, v)
                 for v in (self._pending_versions() if self.cfg.rollout.max_staleness > 0 else [])
                 for agent in self.trained}
 
@@ -353,9 +377,9 @@ class Trainer:
         for v in self._pending_versions():
             if self.resumed_from is None:
                 raise RolloutError(f"step {self.step}: weight version {v} is needed and no checkpoint holds it")
-            self.engines.stage_from(v, {a: self.resumed_from / "versions" / a / f"v{v:06d}" for a in self.trained})
+            self._engines.stage_from(v, {a: self.resumed_from / "versions" / a / f"v{v:06d}" for a in self.trained})
         if self._sampled_later(self.step):
-            self.engines.stage(self.step)
+            self._engines.stage(self.step)
 
     def load_checkpoint(self, folder: Path, verified: bool = False) -> None:
         state = load_checkpoint(folder, self.learners, self.trained, self.cfg.seed, verified)

@@ -443,11 +443,11 @@ def _replace_weights(source: Path, target: Path) -> str:
 
 
 # ================================================================================================ launcher
-def vllm_command(model_path: str, port: int, *, lora_rank: int | None = None,
+def vllm_command(model_path: str, port: int | str, *, lora_rank: int | None = None,
                  gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
                  host: str = "0.0.0.0", served_model_name: str | None = None, seed: int = 0,
                  extra: Sequence[str] = (), python: str | None = None) -> list[str]:
-    """argv of a vLLM OpenAI-compatible server for a rollout engine.
+    """argv of a vLLM OpenAI-compatible server for a rollout engine (`port`: a number, or a "{port}" placeholder).
 
     `vllm serve MODEL`, or with `python` (default: env M1_VLLM_PYTHON) `PYTHON -m
     vllm.entrypoints.openai.api_server --model MODEL`, for vLLM installed in an environment of its own whose

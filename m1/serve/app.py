@@ -19,6 +19,7 @@ from collections import OrderedDict
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from m1.contracts import Team
 from m1.schema import Episode, Question
 from m1.serve.batcher import Batcher, cleanup
 from m1.serve.limits import Limits
@@ -66,7 +67,7 @@ class TraceStore:
             return len(self._items)
 
 
-def create_app(team, limits: Limits, api_key: str | None = None, traces_kept: int = 1000):
+def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_kept: int = 1000):
     """The FastAPI app serving `team`. `api_key`: the key clients must send as `Authorization: Bearer KEY`."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError

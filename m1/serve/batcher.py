@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from m1.contracts import Team
 from m1.schema import Question
 from m1.serve.limits import Limits
 from m1.serve.protocol import ApiError
@@ -38,11 +39,10 @@ class Batcher:
     `gather_s` (up to the team's `limits.batch_episodes`), runs them as one batch through `team.run` and resolves
     each request's future with its episode. `submit` refuses (429) when `max_queue` requests wait or run."""
 
-    def __init__(self, team, limits: Limits):
+    def __init__(self, team: Team, limits: Limits):
         self.team, self.limits = team, limits
         self.batch = max(1, int(team.cfg.limits.batch_episodes))
-        if hasattr(team, "over_budget_rows"):  # a question too long for a model fails alone (400), not its batch
-            team.over_budget_rows = True
+        team.over_budget_rows = True  # a question too long for a model fails alone (400), not its batch
         self._queue: list[_Job] = []
         self._cv = threading.Condition()
         self._busy = 0
@@ -98,7 +98,7 @@ class Batcher:
             finally:
                 for j in jobs:
                     uploaded = j.tmp is not None and Path(j.tmp) in Path(j.question.video).parents
-                    if uploaded and hasattr(self.team, "forget_video"):  # its reader, frames, CLIP rows: dropped
+                    if uploaded:  # its reader, frames, CLIP rows: dropped
                         self.team.forget_video(j.question.video)
                     cleanup(j.tmp)
                 with self._cv:

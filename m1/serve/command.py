@@ -19,7 +19,7 @@ def serve(team_name: str, host: str, port: int, limits: Limits, api_key_env: str
 
     from m1.config import load_team
     from m1.models.preflight import PreflightError, startup_problems
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
     api_key = None
     if api_key_env:

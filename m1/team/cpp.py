@@ -33,7 +33,6 @@ from m1.models.hub import ModelHub
 from m1.schema import AgentAnswer, Decision, Episode, Generation, Phase, Question, Topology, Turn
 from m1.team import aggregate, budget, topology as topo
 from m1.team.member import ServedMembers
-from m1.team.single import SingleAgentTeam
 from m1.tools import TOOL_NAMES, TOOLS, browse
 from m1.tools.base import Focus, ToolContext, ToolError
 from m1.tools.clip_index import team_clip_index
@@ -92,7 +91,7 @@ class Team:
         seeded = [a.name for a in cfg.agents if a.kind != "cpp"]
         if seeded:
             raise ValueError(f"team {cfg.name!r}: agent {seeded[0]!r} is a seed-system kind, which the CPP engine does "
-                             f"not run; build the team with m1.team.cpp.make_team")
+                             f"not run; build the team with m1.team.kinds.make_team")
         self.cfg = cfg
         self.hub = hub if hub is not None else ModelHub(cfg.models)
         self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20)
@@ -505,16 +504,6 @@ class Team:
     @property
     def generate_calls(self) -> int:
         return self._calls
-
-
-def make_team(cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
-    """The engine a team config asks for: the CPP Team for `kind: cpp` agents, the single-agent tool loop
-    (m1/team/single.py) for a Weaver / VideoZoomer / SAGE agent."""
-    shared = {k: v for k, v in (("hub", hub), ("pool", pool)) if v is not None}
-    if all(a.kind == "cpp" for a in cfg.agents):
-        return Team(cfg, **shared)
-
-    return SingleAgentTeam(cfg, **shared)
 
 
 def add_usage(table: dict[str, dict], role: str, model, completion) -> None:

@@ -1,7 +1,7 @@
 """The seed systems' engine: one vision-language policy in a multi-turn tool loop (Weaver, VideoZoomer, SAGE).
 
 A team of one agent of `kind: weaver | zoomer | sage` runs here instead of the CPP engine, behind the same
-entry points (`m1.team.cpp.make_team`, `m1 infer`, `m1 eval`, `run_questions`) and into the same `Episode`, so
+entry points (`m1.team.kinds.make_team`, `m1 infer`, `m1 eval`, `run_questions`) and into the same `Episode`, so
 results lines, traces and metrics are unchanged. Per turn, every episode in flight gets one batched generate call
 of the policy model, and the vision requests of all tool calls one batched call per vision model.
 
@@ -27,7 +27,7 @@ from m1.config import TeamConfig
 from m1.kinds import prompts, settings_for
 from m1.kinds.parsers import parse_reply
 from m1.kinds.tools import Context, Observation, SeedTools
-from m1.models.base import ChatRequest, SamplingParams, VisionRequest, text_only
+from m1.models.base import ChatRequest, SamplingParams, ServerUnavailable, VisionRequest, text_only
 from m1.models.hub import ModelHub
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology, Turn
 from m1.team import budget
@@ -58,7 +58,7 @@ class _Run:
 
 
 class SingleAgentTeam:
-    """The engine of a weaver / zoomer / sage agent; the interface of m1.team.cpp.Team (run, run_batch, pool)."""
+    """The engine of a weaver / zoomer / sage agent; a Team as m1/contracts.py describes it, like m1.team.cpp.Team."""
 
     def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
         if len(cfg.agents) != 1 or cfg.agents[0].kind == "cpp":
@@ -76,6 +76,9 @@ class SingleAgentTeam:
         self._calls = 0
         self._seed = cfg.sampling.seed
         self.over_budget_rows = False  # answering (m1 infer / eval / serve): over budget is that question's error row
+        # m1 infer / eval: a served policy that stops answering ends the batch in flight as error rows; a second
+        # batch in a row failing so stops the run (as m1.team.cpp.Team does)
+        self.server_error_rows = False
 
     def reseed(self, seed: int) -> None:
         self._seed, self._calls = seed, 0
@@ -89,10 +92,19 @@ class SingleAgentTeam:
             rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
         out: list[Episode] = []
         n = self.cfg.limits.batch_episodes
+        failed_before = False
         for start in range(0, len(questions), n):
             chunk = questions[start:start + n]
             tops = topologies[start:start + n] if topologies else [self._topology() for _ in chunk]
-            for ep in self.run_batch(chunk, tops):
+            try:
+                eps = self.run_batch(chunk, tops)
+                failed_before = False
+            except ServerUnavailable as exc:
+                if not self.server_error_rows or failed_before:
+                    raise
+                failed_before = True
+                eps = [self._finish(_Run(question=q, topology=t, error=str(exc))) for q, t in zip(chunk, tops)]
+            for ep in eps:
                 out.append(ep)
                 if on_episode:
                     on_episode(ep)

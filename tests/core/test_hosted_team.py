@@ -83,34 +83,36 @@ def world(tmp_path_factory, m1_cache):
                             questions_per_video=3)
 
 
-def _failing_team(fail_batches: set[int]):
-    """The rule-based synth team, two questions per batch, whose batches numbered in `fail_batches` (from 1) end in
+def _failing_team(fail_batches: set[int], config: str = "synth_teacher"):
+    """The rule-based synth team (or the seed-kind team `config`), two questions per batch, whose batches numbered in `fail_batches` (from 1) end in
     ServerUnavailable, as when the openai backend's retries run out on a server that went away."""
     from m1.config import load_team
     from m1.models.base import ServerUnavailable
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
-    team = make_team(load_team("synth_teacher", ["limits.batch_episodes=2"]))
+    team = make_team(load_team(config, ["limits.batch_episodes=2"]))
     real, calls = team.run_batch, []
 
-    def run_batch(questions, topologies, temperatures=None):
+    def run_batch(questions, topologies, *temperatures):
         calls.append([q.id for q in questions])
         if len(calls) in fail_batches:
             raise ServerUnavailable("openai model 'teacher_a' (m at http://127.0.0.1:9/v1): failed after 6 "
                                     "attempt(s); last error: connection error")
-        return real(questions, topologies, temperatures)
+        return real(questions, topologies, *temperatures)
 
     team.run_batch = run_batch
     return team, calls
 
 
-def test_a_server_that_stops_answering_gives_error_rows_for_its_batch_and_a_rerun_answers_them(world, tmp_path):
+@pytest.mark.parametrize("config", ["synth_teacher", "zoomer_synth"])  # the CPP team; a seed kind's tool loop
+def test_a_server_that_stops_answering_gives_error_rows_for_its_batch_and_a_rerun_answers_them(world, tmp_path,
+                                                                                               config):
     from m1.results import ResultsFile
     from m1.run import run_questions
 
     _, _, qs = world
     out = tmp_path / "results.jsonl"
-    team, calls = _failing_team({2})
+    team, calls = _failing_team({2}, config)
     summary = run_questions(team.cfg, qs, out, team=team, progress=False)
     rows = {r["id"]: r for r in ResultsFile(out).read()}
     assert len(rows) == 6 and len(calls) == 3
@@ -118,28 +120,27 @@ def test_a_server_that_stops_answering_gives_error_rows_for_its_batch_and_a_reru
     assert {i for i, r in rows.items() if r["error"]} == hit and summary.answered == 4
     for i in hit:
         assert "failed after 6 attempt(s)" in rows[i]["error"] and rows[i]["answer"] is None
-    team, calls = _failing_team(set())
+    team, calls = _failing_team(set(), config)
     again = run_questions(team.cfg, qs, out, team=team, progress=False)
     assert again.retried == 2 and again.retried_failed == 0 and calls == [sorted(hit, key=[q.id for q in qs].index)]
     rows = ResultsFile(out).read()
     assert len(rows) == 6 and len({r["id"] for r in rows}) == 6 and not any(r["error"] for r in rows)
 
 
-def test_two_batches_in_a_row_failing_stop_the_run_keeping_what_was_written(world, tmp_path):
+@pytest.mark.parametrize("config", ["synth_teacher", "zoomer_synth"])
+def test_two_batches_in_a_row_failing_stop_the_run_keeping_what_was_written(world, tmp_path, config):
     from m1.models.base import ServerUnavailable
     from m1.results import ResultsFile
     from m1.run import run_questions
 
     _, _, qs = world
     out = tmp_path / "results.jsonl"
-    team, calls = _failing_team({2, 3})
+    team, calls = _failing_team({2, 3}, config)
     with pytest.raises(ServerUnavailable, match="connection error"):
         run_questions(team.cfg, qs, out, team=team, progress=False)
     rows = ResultsFile(out).read()
     assert len(calls) == 3 and [bool(r["error"]) for r in rows] == [False, False, True, True]
-    team, calls = _failing_team({1})
+    team, calls = _failing_team({1}, config)
     team.server_error_rows = False  # training: the first failure stops
-    from m1.team.cpp import Team
-
     with pytest.raises(ServerUnavailable):
-        Team.run(team, qs[:2])
+        team.run(qs[:2])

@@ -15,7 +15,7 @@ LAYOUT = PKG.parent / "docs" / "layout.md"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("m1", "schema", "text", "files", "locks", "video", "plots", "registry", "errors", "signals"),
     ("config",),
-    ("models",),
+    ("models", "contracts"),
     ("agents", "memory"),
     ("tools",),
     ("kinds",),

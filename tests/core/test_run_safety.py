@@ -20,6 +20,7 @@ from m1 import files
 from m1.config import load_team
 from m1.files import WriteError
 from m1.locks import LockError, hold, hold_dir, holder
+from m1.team.kinds import TEAM_KINDS, KindSpec
 from m1.schema import AgentRecord, Episode, Question, Topology
 from m1.results import result_row
 from tests.core.test_e2e_tiny import REPO, _infer, folder  # noqa: F401  (folder is a fixture)
@@ -205,6 +206,7 @@ from m1.signals import Stopped
 from m1.schema import AgentRecord, Episode, Question, Topology
 
 class Team:
+    pool = None
     def run(self, questions, on_episode=None):
         for q in questions:
             on_episode(Episode(id=q.id, question=q, topology=Topology(agents=["a"], active=["a"], edges=[]),
@@ -309,6 +311,8 @@ class _OnDisk:
 class ScriptedTeam:
     """Answers A to everything at once: the disk, not the team, is under test."""
 
+    pool = None  # decodes no video (m1/contracts.py Team)
+
     def __init__(self, cfg=None):
         pass
 
@@ -332,7 +336,7 @@ def test_disk_full_on_a_results_line_cuts_it_back_and_the_rerun_completes(tmp_pa
     from m1 import run
     from m1.cli import app
 
-    monkeypatch.setattr("m1.team.cpp.Team", ScriptedTeam)
+    monkeypatch.setitem(TEAM_KINDS, "cpp", KindSpec("cpp", ScriptedTeam))
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("".join(json.dumps({"id": f"q{i:02d}", "video": f"v{i}.mp4", "text": "Which?",
                                          "options": ["x", "y"]}) + "\n" for i in range(5)))
@@ -398,7 +402,7 @@ class VideoTeam(ScriptedTeam):
 def test_error_rows_are_retried_by_default_and_kept_with_keep_errors(tmp_path, monkeypatch):
     from m1.cli import app
 
-    monkeypatch.setattr("m1.team.cpp.Team", VideoTeam)
+    monkeypatch.setitem(TEAM_KINDS, "cpp", KindSpec("cpp", VideoTeam))
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("".join(json.dumps({"id": f"q{i:02d}", "video": f"v{i}.mp4", "text": "Which?",
                                          "options": ["x", "y"]}) + "\n" for i in range(3)))
@@ -443,7 +447,7 @@ def test_merge_names_the_ids_of_a_missing_part(tmp_path):
 def test_bad_bytes_empty_files_and_folders_as_files_are_one_line(tmp_path, monkeypatch):
     from m1.cli import app
 
-    monkeypatch.setattr("m1.team.cpp.Team", ScriptedTeam)
+    monkeypatch.setitem(TEAM_KINDS, "cpp", KindSpec("cpp", ScriptedTeam))
     qfile = tmp_path / "q.jsonl"
     good = [json.dumps({"id": f"q{i}", "video": "v.mp4", "text": "Which?", "options": ["x", "y"]}) for i in range(3)]
     qfile.write_bytes((good[0] + "\n" + good[1].replace("Which", "Wh\xffich") + "\n").encode("latin-1")

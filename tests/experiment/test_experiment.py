@@ -15,6 +15,7 @@ from m1.config import ConfigError
 from m1.experiment.config import load_experiment
 from m1.experiment.report import paired, t_quantile_975
 from m1.marl.sft import write_examples
+from m1.team.kinds import TEAM_KINDS, KindSpec
 from tests.marl.test_sft import EXAMPLES
 from tests.marl.test_trainer import team_dict
 
@@ -546,7 +547,8 @@ def test_experiment_lock_and_a_resumed_eval_stage_counts_every_attempt(tmp_path,
     del spec["sft"], spec["marl"]
     spec["arms"] = {"base": None}
     exp = load_experiment(_write(tmp_path / "eval_only.yaml", spec))
-    monkeypatch.setattr("m1.team.cpp.Team", ScriptedTeam)  # answers A to everything: the records are under test
+    # answers A to everything: the records are under test
+    monkeypatch.setitem(TEAM_KINDS, "cpp", KindSpec("cpp", ScriptedTeam))
     with hold_dir(tmp_path / "exp", "experiment folder"):
         with pytest.raises(LockError, match=r"experiment folder .*exp is being written by pid \d+ on host .*; wait "
                                             r"for that run to finish \(or stop it\), or give this run another out_dir"):
@@ -592,7 +594,7 @@ def test_two_eval_folders_share_the_trained_stages_and_seeds_run_on_fixed_thread
     spec["eval"] = {**spec["eval"], "questions": str(tmp_path / "dev.jsonl"), "folder": "eval_dev"}
     spec["threads_per_seed"] = 2 if torch.get_num_threads() == 1 else 1
     dev = load_experiment(_write(tmp_path / "dev.yaml", spec))
-    monkeypatch.setattr("m1.team.cpp.Team", ScriptedTeam)
+    monkeypatch.setitem(TEAM_KINDS, "cpp", KindSpec("cpp", ScriptedTeam))
     seen, real_chains = [], exp_runner.run_chains
 
     def chains(exp, progress):

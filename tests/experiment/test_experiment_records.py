@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from m1.experiment.config import load_experiment
+from m1.team.kinds import TEAM_KINDS, KindSpec
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology
 from tests.experiment.test_experiment import _count, _write, tiny_experiment
 from tests.core.test_run_safety import ScriptedTeam
@@ -19,6 +20,8 @@ PLANS = [["Global Sampling", "Rough Browser"], ["Video Retrieval", "Fine Browser
 class PlanningTeam:
     """Two agents whose plans, formats and answers follow a hash of (question, sampling seed, max_turns): rows that
     differ between arms and seeds, with plans and traced generations, and no model."""
+
+    pool = None  # decodes no video (m1/contracts.py Team)
 
     def __init__(self, cfg=None):
         self.key = f"{cfg.sampling.seed}/{cfg.limits.max_turns}"
@@ -60,7 +63,7 @@ def test_eval_rows_are_committed_and_the_report_reads_them_alone(tmp_path, monke
 
     path = _eval_only(tmp_path)
     exp = load_experiment(path)
-    monkeypatch.setattr("m1.team.cpp.Team", PlanningTeam)
+    monkeypatch.setitem(TEAM_KINDS, "cpp", KindSpec("cpp", PlanningTeam))
     run_experiment(exp, progress=lambda _: None)
     root = tmp_path / "experiment_rows" / "tiny"
     assert exp.rows_root == root
@@ -219,7 +222,7 @@ def test_load_warning_when_something_else_uses_the_cores(tmp_path, monkeypatch):
 
     exp = load_experiment(_eval_only(tmp_path, n=4, seeds=(0,)))
     monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 4.0, 3.0))
-    monkeypatch.setattr("m1.team.cpp.Team", ScriptedTeam)
+    monkeypatch.setitem(TEAM_KINDS, "cpp", KindSpec("cpp", ScriptedTeam))
     printed: list[str] = []
     run_experiment(exp, progress=printed.append)
     assert sum("timings will be inflated" in p for p in printed) == 3  # at start, before each arm's eval

@@ -80,7 +80,8 @@ def test_every_shipped_seed_config_loads():
 
 
 def test_cpp_engine_refuses_a_seed_kind_and_make_team_dispatches():
-    from m1.team.cpp import Team, make_team
+    from m1.team.cpp import Team
+    from m1.team.kinds import make_team
     from m1.team.single import SingleAgentTeam
 
     cfg = load_team("zoomer_synth")
@@ -88,6 +89,23 @@ def test_cpp_engine_refuses_a_seed_kind_and_make_team_dispatches():
         Team(cfg)
     assert isinstance(make_team(cfg), SingleAgentTeam)
     assert isinstance(make_team(load_team("synth_teacher", NO_CLIP)), Team)
+
+
+def test_one_registry_names_each_kind_its_engine_and_trainer_kind():
+    """m1/team/kinds.py TEAM_KINDS: make_team's engine and team_kind's trainer kind both follow a team's kind."""
+    from m1.marl.team_kinds import CPP_PHASES, SEED_PHASES, team_kind
+    from m1.team.cpp import Team
+    from m1.team.kinds import TEAM_KINDS, kind_of
+    from m1.team.single import SingleAgentTeam
+
+    assert {k: s.engine for k, s in TEAM_KINDS.items()} == {"cpp": Team, "weaver": SingleAgentTeam,
+                                                            "zoomer": SingleAgentTeam, "sage": SingleAgentTeam}
+    for config, name, phases, per_phase in (("synth_teacher", "cpp", CPP_PHASES, True),
+                                            ("zoomer_synth", "zoomer", SEED_PHASES, False),
+                                            ("weaver_synth", "weaver", SEED_PHASES, False)):
+        cfg = load_team(config)
+        kind = team_kind(cfg)
+        assert (kind_of(cfg).name, kind.name, kind.phases, kind.per_phase_rewards) == (name, name, phases, per_phase)
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -312,7 +330,7 @@ RULE_TEAMS = {"weaver_synth": NO_CLIP, "zoomer_synth": [], "sage_synth": [], "no
 @pytest.fixture(scope="module")
 def rule_runs(world):
     """Each rule-based kind over the whole world, once: {team name: (config, episodes)}."""
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
     out = {}
     for name, over in RULE_TEAMS.items():
@@ -364,7 +382,7 @@ def test_rule_answers_state_their_evidence_and_the_chosen_option(world, rule_run
 def test_each_kind_behaves_as_its_paper_says(world, rule_runs):
     """Weaver calls its tools by cue, VideoZoomer's zooms stay within 16 frames and 4 calls, SAGE answers at once
     when the glance shows the answer, the no-tool baseline sees exactly its 128 frames in one turn."""
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
     qs = world[2]
     for q, e in zip(qs, rule_runs["weaver_synth"][1]):
@@ -398,7 +416,7 @@ def test_each_kind_behaves_as_its_paper_says(world, rule_runs):
 def test_zooming_beats_a_sparse_glance(world):
     """With an 8-frame glance, zooming where the question points is what answers timestamp and order questions."""
     from m1.data.metrics import is_correct
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
     _, _, qs = world
     qs = [q for q in qs if q.meta["family"] in ("timestamp", "order")]
@@ -451,7 +469,7 @@ def test_tiny_random_policies_run_without_crashing(world, tmp_path, m1_cache):
         assert len(rows) == 4 and not summary.errors, summary.describe()
         for r in rows:
             assert r["error"] is None and r["frames_used"] >= 4 and "correct" in r
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
     cfg = load_team(str(tmp_path / "sage.yaml"))
     t = make_team(cfg)
@@ -478,7 +496,7 @@ def test_a_captioner_describes_every_frame_a_text_policy_is_shown(world, rule_ru
     from m1.kinds.prompts import CAPTION_PROMPT
     from m1.models.base import SamplingParams, VisionRequest, text_only
     from m1.synth.vision import SynthVisionModel
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
     from m1.video import VideoPool
 
     cfg = load_team("weaver_synth", RULE_TEAMS["weaver_synth"] + ["seed_system.captioner=vision"])

@@ -341,7 +341,7 @@ def test_m1_train_runs_the_shipped_weaver_config(world, tmp_path, m1_cache):
 @pytest.mark.slow
 def test_sft_on_the_rule_weavers_trajectories_lowers_the_loss(world, tmp_path, m1_cache):
     from m1.marl.sft import SFTTrainer, build_sft_data
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
     d, path, qs = world
     teacher = make_team(load_team("weaver_synth", NO_CLIP + ["seed_system.glance_frames=8"]))

@@ -180,7 +180,7 @@ def test_configs_refuse_vision_policies_the_learner_cannot_train(tmp_path):
 def test_sft_of_a_vl_student_on_the_rule_weaver_lowers_the_loss(world, tmp_path, m1_cache):
     from m1.config import load_team
     from m1.marl.sft import SFTTrainer, build_sft_data, read_examples, write_examples
-    from m1.team.cpp import make_team
+    from m1.team.kinds import make_team
 
     d, path, qs = world
     teacher = make_team(load_team("weaver_synth", NO_CLIP + ["seed_system.glance_frames=4"]))

@@ -16,7 +16,7 @@ from m1.config import load_team
 from m1.memory import SharedMemory
 from m1.schema import Plan, Turn
 from m1.team import budget
-from m1.team.cpp import make_team
+from m1.team.kinds import make_team
 
 NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
 MARK = "left out to fit the prompt budget"

@@ -23,7 +23,7 @@ from m1.run import run_questions  # noqa: E402
 from m1.schema import AgentAnswer  # noqa: E402
 from m1.serve import Limits, create_app  # noqa: E402
 from m1.team import aggregate  # noqa: E402
-from m1.team.cpp import make_team  # noqa: E402
+from m1.team.kinds import make_team  # noqa: E402
 
 SECRET = "sk-test-member-key-do-not-print"
 
