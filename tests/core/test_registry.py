@@ -14,9 +14,9 @@ from m1.registry import PAPER_TOOLS, TOOLS
 M1 = Path(__file__).resolve().parents[2] / "m1"
 
 
-def _literal_homes() -> dict[str, set[str]]:
-    """tool name -> the modules of m1/ holding it as a whole string literal."""
-    homes: dict[str, set[str]] = {t: set() for t in PAPER_TOOLS}
+def _literal_homes(names=PAPER_TOOLS) -> dict[str, set[str]]:
+    """name -> the modules of m1/ holding it as a whole string literal."""
+    homes: dict[str, set[str]] = {t: set() for t in names}
     for path in sorted(M1.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in homes:
@@ -27,6 +27,13 @@ def _literal_homes() -> dict[str, set[str]]:
 def test_each_paper_tool_is_spelled_out_in_the_registry_alone():
     assert len(PAPER_TOOLS) == 8
     assert _literal_homes() == {t: {"m1/registry.py"} for t in PAPER_TOOLS}
+
+
+def test_each_agent_kind_is_spelled_out_in_the_registry_alone():
+    """Kind names too: modules branch on them through the registry's constants and tables keyed by them."""
+    from m1.registry import CPP, KINDS
+
+    assert _literal_homes((CPP, *KINDS)) == {k: {"m1/registry.py"} for k in (CPP, *KINDS)}
 
 
 def test_prompt_templates_outside_python_do_not_name_tools():
