@@ -177,5 +177,11 @@ TRAINED_BY: dict[Callable[..., Team], Callable[[str], TeamKind]] = {CppTeam: Cpp
 
 
 def team_kind(team: TeamConfig) -> TeamKind:
+    """How the trainer trains the team's kind: its engine's entry in TRAINED_BY, or that of a class the engine
+    derives from (a kind registered with an engine built on the CPP Team trains as CPP)."""
     spec = kind_of(team)
-    return TRAINED_BY[spec.engine](spec.name)
+    bases = spec.engine.__mro__ if isinstance(spec.engine, type) else (spec.engine,)
+    trained_by = next((TRAINED_BY[b] for b in bases if b in TRAINED_BY), None)
+    if trained_by is None:
+        raise ValueError(f"team kind {spec.name!r}: its engine {spec.engine!r} has no trainer kind (TRAINED_BY)")
+    return trained_by(spec.name)

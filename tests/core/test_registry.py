@@ -77,16 +77,18 @@ def test_registering_a_name_twice_with_other_settings_is_refused():
 # ------------------------------------------------------------------------------------------------ extending M1
 @pytest.fixture
 def registries():
-    """Restore the tool and credit registries after a test registers into them (they are module-level, mutated in
-    place, and other tests count their entries)."""
+    """Restore the tool, tool implementation, team kind and credit registries after a test registers into them
+    (they are module-level, mutated in place, and other tests count their entries)."""
     from m1 import registry
     from m1.marl import credit
+    from m1.team import kinds
+    from m1.tools import browse, select
 
-    saved = (dict(registry.TOOLS), dict(registry.TOOL_NAMES), list(registry.SELECT_TOOLS),
-             list(registry.BROWSE_TOOLS), dict(credit.CREDITS))
+    tables = (registry.TOOLS, registry.TOOL_NAMES, registry.SELECT_TOOLS, registry.BROWSE_TOOLS, registry.PLAN_KINDS,
+              select.SELECT, browse.KIND, kinds.TEAM_KINDS, credit.CREDITS)
+    saved = [type(x)(x) for x in tables]
     yield
-    for live, old in zip((registry.TOOLS, registry.TOOL_NAMES, registry.SELECT_TOOLS, registry.BROWSE_TOOLS,
-                          credit.CREDITS), saved):
+    for live, old in zip(tables, saved):
         live.clear()
         live.update(old) if isinstance(live, dict) else live.extend(old)
 
