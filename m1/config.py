@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from m1.registry import DEFAULTS, PAPER_TOOLS, SAGE_UNAVAILABLE, TOOL_NAMES, vision_model_attrs
+from m1.registry import (CPP, DEFAULTS, PAPER_TOOLS, SAGE_UNAVAILABLE, TOOL_NAMES, agent_kinds, is_seed,
+                         vision_model_attrs)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/ (a link), or the wheel's copy
 
@@ -169,17 +170,23 @@ class ModelSpec(Strict):
             raise ValueError("video_root: is used only with video_transport: file (video_transport is data)")
 
 
-AgentKind = Literal["cpp", "weaver", "zoomer", "sage"]
-
-
 class AgentSpec(Strict):
     name: str = Field(description="The agent's name (unique in the team).")
     model: str = Field(description="The key of its model in `models`.")
     temperature: float | None = Field(default=None, description="This agent's sampling temperature; None: "
                                                                 "sampling.temperature.")
-    kind: AgentKind = Field(default="cpp", description=(
+    kind: str = Field(default=CPP, description=(
         "cpp: a policy agent of the CPP engine (m1/team/cpp.py). weaver | zoomer | sage: a seed system's single "
-        "policy in a multi-turn tool loop, a team of one (m1/team/single.py, m1/kinds)."))
+        "policy in a multi-turn tool loop, a team of one (m1/team/single.py, m1/kinds). Other kinds: those "
+        "registered in m1/team/kinds.py."))
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        """Checked against the registry, not a Literal, so that a kind registered elsewhere is accepted."""
+        if v not in agent_kinds():
+            raise ValueError(f"unknown agent kind {v!r} (known: {agent_kinds()})")
+        return v
 
 
 class ToolsConfig(Strict):
@@ -313,7 +320,7 @@ class TeamConfig(Strict):
             raise ValueError(f"agents: names must be unique, got {names}")
         self._check_kinds()
         for i, a in enumerate(self.agents):
-            if a.kind == "cpp":
+            if not is_seed(a.kind):
                 spec = self.models.get(a.model)
                 if spec is None or spec.kind != "team":  # a team model: a served M1 team as one agent
                     self._need(f"agents.{i}.model", a.model, "chat")
@@ -347,11 +354,14 @@ class TeamConfig(Strict):
 
     def _check_kinds(self) -> None:
         """A seed-system agent runs alone; its `seed_system.tools` must be tools of its kind."""
-        seeded = [(i, a) for i, a in enumerate(self.agents) if a.kind != "cpp"]
+        seeded = [(i, a) for i, a in enumerate(self.agents) if is_seed(a.kind)]
         if not seeded:
             if self.seed_system is not None:
                 raise ValueError("seed_system: applies to agents of kind weaver, zoomer or sage; every agent here "
                                  "is kind cpp")
+            kinds = list(dict.fromkeys(a.kind for a in self.agents))
+            if len(kinds) > 1:  # the team's kind picks its engine (m1/team/kinds.py)
+                raise ValueError(f"agents: a team's agents share one kind, got {kinds}")
             return
         if len(self.agents) != 1:
             i, a = seeded[0]

@@ -104,7 +104,24 @@ def vision_model_attrs() -> tuple[str, ...]:
     return tuple(dict.fromkeys(["browser"] + [s.model_attr for s in TOOLS.values() if s.model_attr]))
 
 
-KINDS = ("weaver", "zoomer", "sage")
+# ------------------------------------------------------------------------------------------------ agent kinds
+# Every module that branches on an agent kind reads these names; per-kind behaviour (prompts, parsers, rewards,
+# synth rules) sits in tables keyed by them next to the functions (m1/kinds, m1/marl/rewards.py, m1/synth).
+CPP = "cpp"  # the paper's policy agents, run by the CPP engine (m1/team/cpp.py)
+WEAVER, ZOOMER, SAGE = "weaver", "zoomer", "sage"
+KINDS = (WEAVER, ZOOMER, SAGE)  # the seed systems: one policy in a tool loop (m1/team/single.py)
+# Kinds whose agents plan with TOOLS, CPP first; m1/team/kinds.py register_kind adds to it (mutated in place).
+PLAN_KINDS: list[str] = [CPP]
+
+
+def is_seed(kind: str) -> bool:
+    """Whether agents of this kind are a seed system's policy (a team of one) rather than planning agents."""
+    return kind in DEFAULTS
+
+
+def agent_kinds() -> list[str]:
+    """The kinds an agent may have, as configs validate them."""
+    return [*PLAN_KINDS, *KINDS]
 
 
 @dataclass(frozen=True)
@@ -124,7 +141,7 @@ SAGE_TOOLS = ("ground-event", "extract-video-parts", "analyze")
 SAGE_UNAVAILABLE = ("transcribe-speech", "web-search", "parse-website")
 
 DEFAULTS: dict[str, KindDefaults] = {
-    "weaver": KindDefaults(WEAVER_TOOLS, glance_frames=128, max_turns=10, tool_fps=1.0),
-    "zoomer": KindDefaults(ZOOMER_TOOLS, glance_frames=64, max_turns=5, tool_fps=1.0),
-    "sage": KindDefaults(SAGE_TOOLS, glance_frames=128, max_turns=11, tool_fps=1.0),
+    WEAVER: KindDefaults(WEAVER_TOOLS, glance_frames=128, max_turns=10, tool_fps=1.0),
+    ZOOMER: KindDefaults(ZOOMER_TOOLS, glance_frames=64, max_turns=5, tool_fps=1.0),
+    SAGE: KindDefaults(SAGE_TOOLS, glance_frames=128, max_turns=11, tool_fps=1.0),
 }

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from m1.agents.reading import closest_name, guarded, read_value
+from m1.registry import SAGE, WEAVER, ZOOMER
 from m1.schema import Question
 from m1.text import format_number, parse_span
 
@@ -402,14 +403,17 @@ def _parse_sage(raw: str, question: Question, tools: Sequence[str]) -> SeedReply
     return _finish(reply, errors)
 
 
-PARSERS = {"weaver": parse_weaver, "zoomer": parse_zoomer, "sage": parse_sage}
+def parse_zoomer_turn(text: str, question: Question, tools: Sequence[str]) -> SeedReply:
+    """`parse_zoomer`, with its zoom refused when the run has not enabled video_zoom."""
+    reply = parse_zoomer(text, question)
+    if reply.calls and "video_zoom" not in tools:
+        reply.calls = []
+        reply.ok, reply.error = False, "; ".join(x for x in (reply.error, "video_zoom is not enabled") if x)
+    return reply
+
+
+PARSERS = {WEAVER: parse_weaver, ZOOMER: parse_zoomer_turn, SAGE: parse_sage}
 
 
 def parse_reply(kind: str, text: str, question: Question, tools: Sequence[str]) -> SeedReply:
-    if kind == "zoomer":
-        reply = parse_zoomer(text, question)
-        if reply.calls and "video_zoom" not in tools:
-            reply.calls = []
-            reply.ok, reply.error = False, "; ".join(x for x in (reply.error, "video_zoom is not enabled") if x)
-        return reply
     return PARSERS[kind](text, question, tools)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from m1.agents.prompts import render_question
+from m1.registry import SAGE, WEAVER, ZOOMER
 from m1.schema import Question
 
 WEAVER_USAGE = {
@@ -93,14 +94,16 @@ def sage_system(tools: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+# kind -> its system prompt from (tools, zoom_frames)
+SYSTEMS = {WEAVER: lambda tools, zoom_frames: weaver_system(tools),
+           ZOOMER: lambda tools, zoom_frames: zoomer_system(zoom_frames, tools),
+           SAGE: lambda tools, zoom_frames: sage_system(tools)}
+
+
 def system_prompt(kind: str, tools: Sequence[str], zoom_frames: int = 16) -> str:
-    if kind == "weaver":
-        return weaver_system(tools)
-    if kind == "zoomer":
-        return zoomer_system(zoom_frames, tools)
-    if kind == "sage":
-        return sage_system(tools)
-    raise ValueError(f"no system prompt for agent kind {kind!r}")
+    if kind not in SYSTEMS:
+        raise ValueError(f"no system prompt for agent kind {kind!r}")
+    return SYSTEMS[kind](tools, zoom_frames)
 
 
 # What a captioner (`seed_system.captioner`) is asked of each frame a text policy is shown
@@ -124,19 +127,23 @@ def frame_parts(indices: Sequence[int], times: Sequence[float], start: int = 0) 
     return parts
 
 
+# kind -> the line after the question in its first turn
+ASK = {WEAVER: "Think step by step; call a tool or give <answer></answer>.",
+       ZOOMER: "Answer the question, zooming in where you need to.",
+       SAGE: "Reply with the <json> object."}
+
+
 def first_turn(kind: str, question: Question, duration: float, indices: Sequence[int],
                times: Sequence[float]) -> list[dict]:
     """The glance and the question: the content of the first user message."""
     head = (f"The video lasts {duration:.1f} s. {len(indices)} frames sampled uniformly follow, each after its "
             f"time.")
-    ask = {"weaver": "Think step by step; call a tool or give <answer></answer>.",
-           "zoomer": "Answer the question, zooming in where you need to.",
-           "sage": "Reply with the <json> object."}[kind]
+    ask = ASK[kind]
     parts = [{"type": "text", "text": head}] + frame_parts(indices, times)
     parts.append({"type": "text", "text": "\n" + render_question(question) + "\n" + ask})
     return parts
 
 
-LAST_TURN = {"weaver": "No tool calls are left: give your final answer in <answer></answer> now.",
-             "zoomer": "Stop using the tool: give your final answer in <answer></answer> now.",
-             "sage": "No tool calls are left: reply with the <json> object holding your final_answer now."}
+LAST_TURN = {WEAVER: "No tool calls are left: give your final answer in <answer></answer> now.",
+             ZOOMER: "Stop using the tool: give your final answer in <answer></answer> now.",
+             SAGE: "No tool calls are left: reply with the <json> object holding your final_answer now."}

@@ -36,13 +36,14 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 from m1.text import parse_span
 from m1.config import Strict
 from m1.data.metrics import iou, is_correct, mra, normalize_answer, parse_number
 from m1.marl.judge import CorrectItem, Judge, JudgeItem
+from m1.registry import CPP, KINDS, SAGE, WEAVER, ZOOMER, is_seed
 from m1.schema import Episode, Question
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,18 @@ class RewardConfig(Strict):
     numeric_threshold: float = Field(0.5, gt=0.0, le=1.0, description="MRA needed for +1 in threshold mode.")
     format: Literal["generations", "phases"] = Field(default="generations", description=(
         "R_format: the share of all generations in format, or (phases, ours) the mean of that share per phase."))
-    kind: Literal["auto", "cpp", "weaver", "zoomer", "sage"] = Field(default="auto", description=(
+    kind: str = Field(default="auto", description=(
         "Which reward: auto follows the team's agent kind. cpp: the rewards above; weaver / zoomer / sage: that "
         "seed system's own reward with the papers' weights (w_* ignored)."))
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        """Checked against the registry's kind names (m1/registry.py spells them)."""
+        known = ["auto", CPP, *KINDS]
+        if v not in known:
+            raise ValueError(f"rewards.kind: unknown reward {v!r} (known: {known})")
+        return v
 
 
 class RewardBreakdown(BaseModel):
@@ -310,7 +320,7 @@ def summarize(batch: Sequence[dict[str, RewardBreakdown]]) -> dict[str, float]:
 # Format is 1 when every policy turn parsed strictly (m1/kinds/parsers.py `ok`): VideoZoomer's definition (each
 # turn <think> then a valid <video_zoom> or <answer>); Weaver's paper only asks for an <answer> tag, which its strict
 # parser checks along with every tool call, so a malformed call now costs the format part too.
-SEED_WEIGHTS = {"weaver": (0.7, 0.2, 0.1), "zoomer": (0.9, 0.1, 0.5)}
+SEED_WEIGHTS = {WEAVER: (0.7, 0.2, 0.1), ZOOMER: (0.9, 0.1, 0.5)}
 # SAGE: the seed (its supplement) names two LLM-judge rewards and no weights: accuracy (True/False) and a
 # "reasonable-tool" verdict on the tool-calling trace that must penalise needless repeated calls. Ours, the simplest
 # faithful version: accuracy 1/0 by is_correct, plus SAGE_STEP (+) when the trace repeats no call and (-) when it
@@ -339,10 +349,10 @@ def reward_kind(cfg: RewardConfig, team) -> str:
     """The reward a team trains with: `rewards.kind`, or with `auto` its agents' kind; a CPP reward on a seed-kind
     team (or the reverse) is refused naming both."""
     kinds = {a.kind for a in team.agents}
-    team_kind = "cpp" if kinds == {"cpp"} else next(k for k in kinds if k != "cpp")
+    team_kind = next((k for k in kinds if is_seed(k)), CPP)  # a planning team (cpp or another) takes CPP's
     if cfg.kind == "auto":
         return team_kind
-    if (cfg.kind == "cpp") != (team_kind == "cpp"):
+    if is_seed(cfg.kind) != is_seed(team_kind):
         raise ValueError(f"rewards.kind: {cfg.kind!r} does not fit team {team.name!r}, whose agent kind is "
                          f"{team_kind!r} (use auto)")
     return cfg.kind
@@ -374,7 +384,7 @@ def seed_reward(episode: Episode, kind: str, agent: str | None = None) -> SeedRe
     """The reward of a weaver / zoomer / sage episode for its (only) agent, as its paper defines it (see
     SEED_WEIGHTS, SAGE_STEP). Right or wrong is `m1.data.metrics.is_correct` on the team's final answer, the
     evaluation's own definition (grounding: IoU >= 0.5)."""
-    if kind not in ("weaver", "zoomer", "sage"):
+    if kind not in KINDS:
         raise ValueError(f"rewards.kind: {kind!r} has no seed reward (weaver, zoomer, sage)")
     if episode.question.answer is None:
         raise ValueError(f"question {episode.question.id!r}: no ground truth answer; the seed reward needs one")
@@ -384,7 +394,7 @@ def seed_reward(episode: Episode, kind: str, agent: str | None = None) -> SeedRe
     calls = _tool_calls(episode, agent)
     tool = float(calls > 0 and correct == 1.0)
     turns = sum(g.agent == agent for g in episode.generations)
-    if kind == "sage":
+    if kind == SAGE:
         step = 0.0 if calls == 0 else (-SAGE_STEP if repeated_calls(episode, agent) else SAGE_STEP)
         return SeedReward(agent=agent, kind=kind, correct=correct, format=fmt, tool=tool, step=step,
                           total=correct + step, tool_calls=calls, turns=turns)

@@ -24,6 +24,7 @@ from m1.contracts import Team, TeamKind
 from m1.marl.rewards import (RewardBreakdown, SeedReward, batch_agent_rewards, reward_kind, seed_rewards, summarize,
                              summarize_seed)
 from m1.marl.rollout import RolloutBatch, step_topology
+from m1.registry import CPP, is_seed
 from m1.team.cpp import Team as CppTeam
 from m1.team.kinds import kind_of
 from m1.team.single import SingleAgentTeam
@@ -36,7 +37,7 @@ SEED_PHASES = ("act", "answer")  # the generations of a seed-kind episode (m1/te
 def seed_kind(team: TeamConfig) -> str | None:
     """The team's seed kind (weaver, zoomer, sage) when it is a team of one such agent, else None (CPP)."""
     name = kind_of(team).name
-    return None if name == "cpp" else name
+    return name if is_seed(name) else None
 
 
 def seed_phases(phases, where: str, kind: str, default) -> list[str] | None:
@@ -105,7 +106,7 @@ def _means(breakdowns, cls, summarise) -> dict[str, float]:
 class CppKind:
     """The paper's team: several agents, each writing plan, communicate, answer (and one summary) generations."""
 
-    def __init__(self, kind: str = "cpp"):
+    def __init__(self, kind: str = CPP):
         self.name = kind
         self.per_phase_rewards = True  # rewards differ per agent and phase: phase and agent credit apply
         self.phases = CPP_PHASES
@@ -176,5 +177,11 @@ TRAINED_BY: dict[Callable[..., Team], Callable[[str], TeamKind]] = {CppTeam: Cpp
 
 
 def team_kind(team: TeamConfig) -> TeamKind:
+    """How the trainer trains the team's kind: its engine's entry in TRAINED_BY, or that of a class the engine
+    derives from (a kind registered with an engine built on the CPP Team trains as CPP)."""
     spec = kind_of(team)
-    return TRAINED_BY[spec.engine](spec.name)
+    bases = spec.engine.__mro__ if isinstance(spec.engine, type) else (spec.engine,)
+    trained_by = next((TRAINED_BY[b] for b in bases if b in TRAINED_BY), None)
+    if trained_by is None:
+        raise ValueError(f"team kind {spec.name!r}: its engine {spec.engine!r} has no trainer kind (TRAINED_BY)")
+    return trained_by(spec.name)

@@ -34,7 +34,7 @@ from m1.config import ModelSpec, TeamConfig
 from m1.models.base import ModelError
 from m1.models.hub import BACKENDS
 from m1.models.shapes import _read_config
-from m1.registry import TOOLS, vision_model_attrs
+from m1.registry import TOOLS, is_seed, vision_model_attrs
 
 # What a run asks of a model.
 AGENT = "agent"  # a CPP agent's chat policy (also a learner's model)
@@ -92,9 +92,9 @@ def team_models(team: TeamConfig, prefix: str = "") -> dict[str, tuple[ModelSpec
     """The models a run of `team` loads, each with its roles; keys get `prefix` (e.g. "teacher.")."""
     roles: dict[str, set[str]] = defaultdict(set)
     for a in team.agents:
-        roles[a.model].add(AGENT if a.kind == "cpp" or team.models[a.model].kind == "chat" else VLM_POLICY)
+        roles[a.model].add(AGENT if not is_seed(a.kind) or team.models[a.model].kind == "chat" else VLM_POLICY)
     t, enabled = team.tools, set(team.tools.enabled)
-    seeded = any(a.kind != "cpp" for a in team.agents)
+    seeded = any(is_seed(a.kind) for a in team.agents)
 
     def use(key: str | None, role: str) -> None:
         if key is not None:
@@ -391,10 +391,10 @@ def _api_row(team: TeamConfig, key: str, spec: ModelSpec, status: Status, why: s
 
 def _users(team: TeamConfig, key: str) -> tuple[str, ...]:
     """Who asks the model: its agents by name, then the tools (by name where the team enables them by name)."""
-    users = [f"agent {a.name}" if a.kind == "cpp" else f"{a.kind} agent {a.name}" for a in team.agents
+    users = [f"{a.kind} agent {a.name}" if is_seed(a.kind) else f"agent {a.name}" for a in team.agents
              if a.model == key]
     t, enabled = team.tools, team.tools.enabled
-    if any(a.kind != "cpp" for a in team.agents):  # a seed kind's tools reach their models through tools.*
+    if any(is_seed(a.kind) for a in team.agents):  # a seed kind's tools reach their models through tools.*
         return tuple(users + ([BROWSE] if key in {getattr(t, a) for a in vision_model_attrs()} else []))
     return tuple(users + [tool for tool in enabled if tool in TOOLS and TOOLS[tool].vision_model(t) == key])
 

@@ -12,6 +12,7 @@ from m1.data.questions import read_questions
 from m1.models.base import ModelError
 from m1.models.tiny import SYNTH_AGENTS, SYNTH_BROWSER_TOKENS, _default_corpus
 from m1.models.base import text_only
+from m1.registry import SAGE, WEAVER, ZOOMER
 from m1.synth.make import make_dataset
 from m1.synth.questions import MOTION_TEXT, RELATIONS
 from m1.synth.world import BACKGROUNDS, CELLS, COLOURS, MOTIONS, SHAPES, SIZES
@@ -70,9 +71,9 @@ def _cpp_texts(questions) -> list[str]:
 # glance, short tool results. Written here, not read from those configs, so that editing a config never changes a
 # tokenizer quietly (CORPUS_VERSIONS in m1/models/tiny.py names this recipe).
 SEED_KIND_LOOPS = {
-    "weaver": {"glance_frames": 16, "max_turns": 4, "max_tool_frames": 16},
-    "zoomer": {"glance_frames": 16, "max_turns": 3},
-    "sage": {"glance_frames": 16, "max_turns": 4, "max_tool_frames": 16},
+    WEAVER: {"glance_frames": 16, "max_turns": 4, "max_tool_frames": 16},
+    ZOOMER: {"glance_frames": 16, "max_turns": 3},
+    SAGE: {"glance_frames": 16, "max_turns": 4, "max_tool_frames": 16},
 }
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from m1.models.base import SamplingParams
+from m1.registry import SAGE, WEAVER, ZOOMER
 from m1.synth.vision import _Answerer
 from m1.synth.world import COLOURS, SHAPES
 
@@ -33,18 +34,17 @@ _OBJ = re.compile(r"\b(?:the|a|an) (" + "|".join(COLOURS) + r") (" + "|".join(SH
 _TIME = re.compile(r"\b(\d{1,2}):(\d{2})\b")
 
 
+# kind -> what its system prompt (m1/kinds/prompts.py) holds, tried in this order
+MARKS = ((SAGE, ("<json>", "final_answer")), (ZOOMER, ("<think></think>", "glance")),
+         (WEAVER, ("<answer></answer>", "# Tools")))
+
+
 def seed_kind(messages: list[dict]) -> str | None:
     """Which seed kind a chat belongs to, from its system prompt (None: not a seed-kind chat)."""
     system = next((m.get("content") for m in messages if m.get("role") == "system"), None)
     if not isinstance(system, str):
         return None
-    if "<json>" in system and "final_answer" in system:
-        return "sage"
-    if "<think></think>" in system and "glance" in system:
-        return "zoomer"
-    if "<answer></answer>" in system and "# Tools" in system:
-        return "weaver"
-    return None
+    return next((kind for kind, marks in MARKS if all(m in system for m in marks)), None)
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Chat:
 def read_chat(messages: list[dict], images: list[np.ndarray] | None) -> Chat:
     kind = seed_kind(messages) or ""
     system = messages[0].get("content", "") if messages else ""
-    if kind == "zoomer":
+    if kind == ZOOMER:
         tools = ["video_zoom"] if "<video_zoom>" in system else []
     else:
         tools = re.findall(r"^- ([a-z_\-]+): ", system, re.M)
@@ -344,7 +344,7 @@ def sage_reply(chat: Chat) -> str:
     return _sage(answer, "answering from what I could see" + _evidence(r), [], first)
 
 
-REPLIES = {"weaver": weaver_reply, "zoomer": zoomer_reply, "sage": sage_reply}
+REPLIES = {WEAVER: weaver_reply, ZOOMER: zoomer_reply, SAGE: sage_reply}
 
 
 def reply(messages: list[dict], images: list[np.ndarray] | None) -> str:

@@ -30,6 +30,7 @@ from m1.config import TeamConfig
 from m1.memory import SharedMemory
 from m1.models.base import ChatRequest, SamplingParams, ServerUnavailable, VisionRequest
 from m1.models.hub import ModelHub
+from m1.registry import is_seed
 from m1.schema import AgentAnswer, Decision, Episode, Generation, Phase, Question, Topology, Turn
 from m1.team import aggregate, budget, topology as topo
 from m1.team.member import ServedMembers
@@ -88,7 +89,7 @@ class Team:
     """A team of policy agents over shared models, tools and video pool."""
 
     def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
-        seeded = [a.name for a in cfg.agents if a.kind != "cpp"]
+        seeded = [a.name for a in cfg.agents if is_seed(a.kind)]
         if seeded:
             raise ValueError(f"team {cfg.name!r}: agent {seeded[0]!r} is a seed-system kind, which the CPP engine does "
                              f"not run; build the team with m1.team.kinds.make_team")

@@ -1,8 +1,8 @@
 """Which engine runs a team, by its kind: the one registry `make_team` (m1 infer, eval, serve, training) and the
 trainer's `team_kind` (m1/marl/team_kinds.py) both read, so a new kind is one row here.
 
-A team's kind is its agents' kind: `cpp` for a team of CPP agents, else its one seed-kind agent's (weaver, zoomer,
-sage; m1/config.py refuses a seed-kind agent with teammates).
+A team's kind is its agents' kind: m1/config.py makes a team's agents share one (`cpp` for the paper's agents) and
+refuses a seed-kind agent (weaver, zoomer, sage) with teammates.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from m1.config import TeamConfig
 from m1.contracts import Team
 from m1.kinds import KINDS
+from m1.registry import CPP, PLAN_KINDS, is_seed
 from m1.models.hub import ModelHub
 from m1.team.cpp import Team as CppTeam
 from m1.team.single import SingleAgentTeam
@@ -26,14 +27,26 @@ class KindSpec:
     engine: Callable[..., Team]
 
 
-TEAM_KINDS: dict[str, KindSpec] = {"cpp": KindSpec("cpp", CppTeam),
-                                   **{k: KindSpec(k, SingleAgentTeam) for k in KINDS}}
+TEAM_KINDS: dict[str, KindSpec] = {CPP: KindSpec(CPP, CppTeam), **{k: KindSpec(k, SingleAgentTeam) for k in KINDS}}
+
+
+def register_kind(spec: KindSpec) -> KindSpec:
+    """Add a team kind whose agents plan with the registered tools (configs then accept `kind: <name>`); a seed
+    kind also needs its prompts, parsers and reward, so those are M1's own three."""
+    if is_seed(spec.name):
+        raise ValueError(f"team kind {spec.name!r} is a seed kind, registered with m1/kinds")
+    if spec.name in TEAM_KINDS:
+        if TEAM_KINDS[spec.name] == spec:
+            return spec
+        raise ValueError(f"team kind {spec.name!r} is already registered with another engine")
+    TEAM_KINDS[spec.name] = spec
+    PLAN_KINDS.append(spec.name)
+    return spec
 
 
 def kind_of(cfg: TeamConfig) -> KindSpec:
-    """The team's kind: its one seed-kind agent's, else cpp."""
-    seeded = [a.kind for a in cfg.agents if a.kind != "cpp"]
-    return TEAM_KINDS[seeded[0] if seeded else "cpp"]
+    """The team's kind: its agents' (config validation makes them share one)."""
+    return TEAM_KINDS[cfg.agents[0].kind]
 
 
 def make_team(cfg: TeamConfig, hub: ModelHub | None = None, pool: VideoPool | None = None) -> Team:

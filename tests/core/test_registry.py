@@ -14,9 +14,9 @@ from m1.registry import PAPER_TOOLS, TOOLS
 M1 = Path(__file__).resolve().parents[2] / "m1"
 
 
-def _literal_homes() -> dict[str, set[str]]:
-    """tool name -> the modules of m1/ holding it as a whole string literal."""
-    homes: dict[str, set[str]] = {t: set() for t in PAPER_TOOLS}
+def _literal_homes(names=PAPER_TOOLS) -> dict[str, set[str]]:
+    """name -> the modules of m1/ holding it as a whole string literal."""
+    homes: dict[str, set[str]] = {t: set() for t in names}
     for path in sorted(M1.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in homes:
@@ -27,6 +27,13 @@ def _literal_homes() -> dict[str, set[str]]:
 def test_each_paper_tool_is_spelled_out_in_the_registry_alone():
     assert len(PAPER_TOOLS) == 8
     assert _literal_homes() == {t: {"m1/registry.py"} for t in PAPER_TOOLS}
+
+
+def test_each_agent_kind_is_spelled_out_in_the_registry_alone():
+    """Kind names too: modules branch on them through the registry's constants and tables keyed by them."""
+    from m1.registry import CPP, KINDS
+
+    assert _literal_homes((CPP, *KINDS)) == {k: {"m1/registry.py"} for k in (CPP, *KINDS)}
 
 
 def test_prompt_templates_outside_python_do_not_name_tools():
@@ -70,16 +77,18 @@ def test_registering_a_name_twice_with_other_settings_is_refused():
 # ------------------------------------------------------------------------------------------------ extending M1
 @pytest.fixture
 def registries():
-    """Restore the tool and credit registries after a test registers into them (they are module-level, mutated in
-    place, and other tests count their entries)."""
+    """Restore the tool, tool implementation, team kind and credit registries after a test registers into them
+    (they are module-level, mutated in place, and other tests count their entries)."""
     from m1 import registry
     from m1.marl import credit
+    from m1.team import kinds
+    from m1.tools import browse, select
 
-    saved = (dict(registry.TOOLS), dict(registry.TOOL_NAMES), list(registry.SELECT_TOOLS),
-             list(registry.BROWSE_TOOLS), dict(credit.CREDITS))
+    tables = (registry.TOOLS, registry.TOOL_NAMES, registry.SELECT_TOOLS, registry.BROWSE_TOOLS, registry.PLAN_KINDS,
+              select.SELECT, browse.KIND, kinds.TEAM_KINDS, credit.CREDITS)
+    saved = [type(x)(x) for x in tables]
     yield
-    for live, old in zip((registry.TOOLS, registry.TOOL_NAMES, registry.SELECT_TOOLS, registry.BROWSE_TOOLS,
-                          credit.CREDITS), saved):
+    for live, old in zip(tables, saved):
         live.clear()
         live.update(old) if isinstance(live, dict) else live.extend(old)
 
