@@ -2,7 +2,9 @@
 
 The arms the mini base's loss was chosen on (docs/experiments/mini_base.md): `--loss answers` (the value after each
 `=` only, as SFT's completion-only loss and the earlier probes trained) against `--loss all` (next-token loss on every
-token), `--repeat` (a share of sequences made of a random run of tokens written again and again), and seeds. Prints
+token), `--repeat` (a share of sequences made of a random run of tokens written again and again), and seeds; the
+second session's remedies: `--pairs-min` (a curriculum over the number of pairs), `--lr`, `--arch qwen2` (no
+RMSNorm on queries and keys) and `--key-words 2` (keys of two recurring words, as the drills' object names). Prints
 held-out accuracy on the first query every 100 steps and stops at 99%.
 
     python scripts/recall_probe.py --loss all --seed 0 --out runs/recall_all_s0.jsonl
