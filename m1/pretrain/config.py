@@ -5,6 +5,7 @@ from pathlib import Path
 
 from pydantic import Field, PositiveInt, model_validator
 
+from m1.attention_loss import AttentionLossSettings
 from m1.config import Strict, TinySpec, load_config
 from m1.pretrain.drills import CHAINS, FAMILIES
 
@@ -49,6 +50,9 @@ class PretrainConfig(Strict):
     target_weight: float = Field(default=1.0, ge=0, description=(
         "The loss is next-token loss over every token (prompt included) plus this times the loss over the target's "
         "tokens; the every-token part lets lookups leave their plateau (docs/experiments/mini_base.md)."))
+    attention: AttentionLossSettings = Field(default_factory=AttentionLossSettings, description=(
+        "The evidence attention loss (m1/attention_loss.py): reading heads shown where each drill's target is read "
+        "from, and optional previous-token / two-back heads."))
     max_tokens: PositiveInt = Field(default=768, description="A drill longer than this is drawn again.")
     text_tokens: PositiveInt = Field(default=256, description="A text sample is a random window of this many "
                                                               "tokens.")

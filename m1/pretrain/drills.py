@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from m1.evidence import Evidence, TextBuilder
 from m1.registry import GROUNDING_TOOL
 from m1.synth.world import CELLS, COLOURS, Script, fmt_time, make_script
 
@@ -38,8 +39,11 @@ SINGLE = ("find", "option", "clock", "at_time", "span")
 CHAINS = ("attribute", "timestamp", "grounding")
 FAMILIES = SINGLE + CHAINS
 AGENT_TAGS = ("[qwen3_big]", "[qwen3_small]", "[qwen2_big]", "[qwen2_small]")
-# world seeds: training draws below HELD_OUT_SEED, evaluation at and above it
+# world seeds: training draws below HELD_OUT_SEED; the held-out worlds (the record's accuracy) lie in
+# [HELD_OUT_SEED, DEV_SEED), the dev worlds (evaluations during training, where settings are chosen) at DEV_SEED and above
 HELD_OUT_SEED = 10 ** 6
+DEV_SEED = 2 * 10 ** 6
+SPLITS = {"train": 0, "held_out": HELD_OUT_SEED, "dev": DEV_SEED}
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class Drill:
     prompt: str
     target: str  # what follows the prompt, starting with a space
     answer: str  # the part of the target that is graded (the last step)
+    # where the target's stretches are read from, in characters of prompt + target (m1/evidence.py)
+    evidence: tuple[Evidence, ...] = ()
 
 
 def glance(script: Script, rng: random.Random, frames: int) -> list[tuple[float, list[tuple[str, str, str]]]]:
@@ -62,20 +68,54 @@ def glance(script: Script, rng: random.Random, frames: int) -> list[tuple[float,
     return out
 
 
-def describe(frames) -> str:
-    """The frames as a text student reads them (the seed kinds' described glance)."""
-    parts = []
+@dataclass
+class Described:
+    """Where a described glance put things: per frame its quote (` 78.8s>[...]`), and per object the stretch
+    ` red cross at the bottom left` of each caption naming it, and that caption's colour word (` red`)."""
+
+    quotes: list[tuple[int, int]]
+    places: dict[str, list[tuple[int, int]]]
+    colours: list[tuple[int, int] | None]  # the colour word of a frame with one shape
+
+
+def describe(frames, text: TextBuilder | None = None) -> str:
+    """The frames as a text student reads them (the seed kinds' described glance); with `text`, written onto it and
+    its spans kept in `text.described`."""
+    out = text or TextBuilder()
+    where = Described([], {}, [])
+    base = len(out.text)
     for k, (t, things) in enumerate(frames):
-        cap = "; ".join(f"a {size} {name} at the {pos}" for size, name, pos in things) or "only the background"
-        parts.append(f"<frame {k} at {t:.1f}s>[{cap}]")
-    return "".join(parts)
+        out.add(f"<frame {k} at")
+        q0 = out.add(f" {t:.1f}s>[")[0]
+        colour = None
+        for j, (size, name, pos) in enumerate(things):
+            out.add(("; " if j else "") + f"a {size}")
+            c = out.add(f" {name.split()[0]}")
+            rest = out.add(f" {' '.join(name.split()[1:])} at the {pos}".replace("  ", " "))
+            where.places.setdefault(name, []).append((c[0], rest[1]))
+            colour = c if len(things) == 1 else None
+        if not things:
+            out.add("only the background")
+        where.quotes.append((q0, out.add("]")[1]))
+        where.colours.append(colour)
+    out.described = where  # type: ignore[attr-defined]
+    return out.text[base:]
 
 
-def _options(right: str, pool: list[str], rng: random.Random) -> tuple[str, str]:
-    """Four options holding `right` (shuffled) as text, and the right letter."""
+def _options(right: str, pool: list[str], rng: random.Random, text: TextBuilder | None = None
+             ) -> tuple[str, str, tuple[int, int]]:
+    """Four options holding `right` (shuffled) as text, the right letter and (with `text`, written onto it) where
+    the right option's value sits."""
     opts = [right] + rng.sample([p for p in pool if p != right], 3)
     rng.shuffle(opts)
-    return "\n".join(f"{LETTERS[i]}: {o}" for i, o in enumerate(opts)), LETTERS[opts.index(right)]
+    out = text or TextBuilder()
+    base, value = len(out.text), (0, 0)
+    for i, o in enumerate(opts):
+        out.add(("\n" if i else "") + f"{LETTERS[i]}:")
+        span = out.add(f" {o}")
+        if o == right:
+            value = span
+    return out.text[base:], LETTERS[opts.index(right)], value
 
 
 def _seconds(t: float) -> int:
@@ -100,42 +140,82 @@ def _single_times(frames) -> list[tuple[float, str]]:
 
 def make_drill(family: str, script: Script, rng: random.Random, frames: int = 16, steps: bool = False
                ) -> Drill | None:
-    """One drill of `family` from `script`, or None when the glance drawn cannot carry it (draw again)."""
+    """One drill of `family` from `script`, or None when the glance drawn cannot carry it (draw again). The drill
+    carries its evidence: each stretch of the target it quotes or reads points at the context that holds it."""
     colours = list(COLOURS)
+    p = TextBuilder()
     if family == "clock":
         t = rng.randrange(0, int(script.duration))
-        return Drill(family, f"Clock time {fmt_time(t)} in seconds:", f" {t}", f" {t}")
+        p.add("Clock time ")
+        clock = p.add(fmt_time(t))
+        p.add(" in seconds:")
+        return _finish(family, p, [(f" {t}", [clock], False)])
     if family == "option":
         value = rng.choice(POSITIONS + colours)
-        opts, letter = _options(value, POSITIONS if value in POSITIONS else colours, rng)
-        return Drill(family, f"Options:\n{opts}\nWhich option says {value}?\n<answer>", f" {letter}", f" {letter}")
+        p.add("Options:\n")
+        _, letter, at = _options(value, POSITIONS if value in POSITIONS else colours, rng, p)
+        p.add(f"\nWhich option says {value}?\n<answer>")
+        return _finish(family, p, [(f" {letter}", [at], False)])
     if family in ("span", "grounding"):
         return _span(family, script, rng, steps)
     seen = glance(script, rng, frames)
-    body = describe(seen)
+    describe(seen, p)
+    spans: Described = p.described  # type: ignore[attr-defined]
     if family in ("find", "attribute"):
         names = [n for n, ps in _where(seen).items() if len(ps) == 1]
         if not names:
             return None
         name = rng.choice(names)
         pos = next(iter(_where(seen)[name]))
+        quote = (f" {name} at the {pos}", spans.places[name], True)
         if family == "find":
-            return Drill(family, f"{body}\nWhere is the {name}?", f" {name} at the {pos}", f" {pos}")
-        opts, letter = _options(pos, POSITIONS, rng)
-        head = f"{body}\nQuestion: Where in the frame does the {name} appear?\nOptions:\n{opts}\n<answer>"
-        return Drill(family, head, f" {name} at the {pos} -> {letter}" if steps else f" {letter}", f" {letter}")
+            p.add(f"\nWhere is the {name}?")
+            return _finish(family, p, [quote], answer=f" {pos}")
+        p.add(f"\nQuestion: Where in the frame does the {name} appear?\nOptions:\n")
+        _, letter, at = _options(pos, POSITIONS, rng, p)
+        p.add("\n<answer>")
+        return _finish(family, p, [quote, (" ->", [], False), (f" {letter}", [at], False)] if steps else
+                       [(f" {letter}", [at], False)])
     cands = _single_times(seen)
     if not cands:
         return None
     t, colour = rng.choice(cands)
-    frame = next(f"{t:.1f}s>[{describe([(t, things)]).split('>[', 1)[1]}" for ft, things in seen if ft == t)
+    k = [ft for ft, _ in seen].index(t)
+    q0, q1 = spans.quotes[k]
+    frame = p.text[q0:q1]  # ` 78.8s>[a small red cross at the top left]`
+    c0, c1 = spans.colours[k]  # the colour word inside it, read back out of the quote once written
     if family == "at_time":
-        return Drill(family, f"{body}\nWhat is shown at {_seconds(t)} seconds?", f" {frame} -> {colour}",
-                     f" {colour}")
-    opts, letter = _options(colour, colours, rng)
-    head = f"{body}\nQuestion: What colour is the shape that appears at {fmt_time(_seconds(t))}?\nOptions:\n{opts}\n<answer>"
-    return Drill(family, head, f" {_seconds(t)} -> {frame} -> {colour} -> {letter}" if steps else f" {letter}",
-                 f" {letter}")
+        p.add(f"\nWhat is shown at {_seconds(t)} seconds?")
+        return _finish(family, p, [(frame, [(q0, q1)], True), (" ->", [], False),
+                                   (f" {colour}", [("piece", 0, c0 - q0, c1 - q0)], True)])
+    p.add("\nQuestion: What colour is the shape that appears at ")
+    clock = p.add(fmt_time(_seconds(t)))
+    p.add("?\nOptions:\n")
+    _, letter, at = _options(colour, colours, rng, p)
+    p.add("\n<answer>")
+    if not steps:
+        return _finish(family, p, [(f" {letter}", [at], False)])
+    return _finish(family, p, [(f" {_seconds(t)}", [clock], False), (" ->", [], False),
+                               (frame, [(q0, q1)], True), (" ->", [], False),
+                               (f" {colour}", [("piece", 2, c0 - q0, c1 - q0)], True), (" ->", [], False),
+                               (f" {letter}", [at], False)])
+
+
+def _finish(family: str, prompt: TextBuilder, pieces: list[tuple[str, list, bool]], answer: str | None = None
+            ) -> Drill:
+    """The drill whose target is `pieces` written in order: (text, its sources, copied?). A source is a character
+    span of the prompt, or ("piece", j, a, b): characters a..b of piece j of this target (a word read back out of a
+    quote just written). A copied piece is its sources' text exactly."""
+    text, evidence, at = TextBuilder(prompt.text), [], []
+    for piece, sources, copy in pieces:
+        start, end = text.add(piece)
+        at.append(start)
+        spans = tuple((at[s[1]] + s[2], at[s[1]] + s[3]) if s[0] == "piece" else s for s in sources)
+        if copy and any(text.text[a:b] != piece for a, b in spans):
+            raise AssertionError(f"a {family} drill quotes {piece!r} from a source that holds other text")
+        if spans:
+            evidence.append(Evidence(start, end, spans, copy))
+    return Drill(family, prompt.text, text.text[len(prompt.text):], answer or pieces[-1][0], tuple(evidence))
 
 
 def _span(family: str, script: Script, rng: random.Random, steps: bool) -> Drill | None:
@@ -151,26 +231,32 @@ def _span(family: str, script: Script, rng: random.Random, steps: bool) -> Drill
     for name in picked:
         e = by_name[name][0]
         s, t = round(max(0.0, e.start - rng.uniform(0, 1)), 1), round(e.end + rng.uniform(0, 1), 1)
-        notes.append((name, f"[{s:.1f} - {t:.1f}]",
-                      f"{rng.choice(AGENT_TAGS)} {GROUNDING_TOOL.name}: The {name} is seen from {fmt_time(e.start)} to "
-                      f"{fmt_time(e.end)}. ##Timestamp: [{s:.1f} - {t:.1f}]"))
-    name, span, note = rng.choice(notes)
-    body = "\n".join(n for _, _, n in notes)
+        notes.append((name, f"[{s:.1f} - {t:.1f}]", rng.choice(AGENT_TAGS), fmt_time(e.start), fmt_time(e.end)))
+    which = rng.randrange(len(notes))
+    p, spans = TextBuilder(), []
+    for i, (name, span, tag, a, b) in enumerate(notes):
+        p.add(("\n" if i else "") + f"{tag} {GROUNDING_TOOL.name}:")
+        body = p.add(f" The {name} is seen from {a} to {b}. ##Timestamp: ")
+        spans.append((body[0], p.add(span)[1]))
+    name, span = notes[which][0], notes[which][1]
     question = "When is the {} on screen?" if family == "grounding" else "Which span was written for the {}?"
-    prompt = f"{body}\nQuestion: {question.format(name)}\n<answer>"
-    quote = " " + note.split(f"{GROUNDING_TOOL.name}: ", 1)[1]  # ` The red cross is seen from ... ##Timestamp: [a - b]`
-    return Drill(family, prompt, quote if family == "span" or steps else f" {span}", f" {span}")
+    p.add(f"\nQuestion: {question.format(name)}\n<answer>")
+    s0, s1 = spans[which]
+    quote = p.text[s0:s1]  # ` The red cross is seen from ... ##Timestamp: [a - b]`
+    if family == "span" or steps:
+        return _finish(family, p, [(quote, [(s0, s1)], True)], answer=f" {span}")
+    return _finish(family, p, [(f" {span}", [(s1 - len(span) - 1, s1)], True)])
 
 
 class DrillSource:
-    """Fresh drills of the chosen families from worlds drawn at random (`split` "train" or "held_out"), with a small
-    cache of scripts (writing one costs a few milliseconds)."""
+    """Fresh drills of the chosen families from worlds drawn at random (`split` "train", "dev" or "held_out"), with
+    a small cache of scripts (writing one costs a few milliseconds)."""
 
     def __init__(self, split: str, seed: int, duration: float = 120.0, worlds: int = 400):
-        if split not in ("train", "held_out"):
-            raise ValueError(f"drill split must be 'train' or 'held_out', got {split!r}")
+        if split not in SPLITS:
+            raise ValueError(f"drill split must be one of {list(SPLITS)}, got {split!r}")
         self.rng = random.Random(seed)
-        base = HELD_OUT_SEED if split == "held_out" else 0
+        base = SPLITS[split]
         self.seeds = [base + self.rng.randrange(HELD_OUT_SEED) for _ in range(worlds)]
         self.duration = duration
         self._scripts: dict[int, Script] = {}

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from m1.attention_loss import HeadScores, evidence_attention_loss, supervised_layers
+from m1.evidence import token_evidence
 from m1.pretrain.config import TEXT, PretrainConfig
 from m1.pretrain.drills import CHAINS, Drill, DrillSource
 
@@ -33,6 +35,12 @@ def grade(drill: Drill, generated: str) -> bool:
     quoted steps before it are how it got there, not what is graded."""
     line, answer = generated.split("\n")[0].rstrip(), drill.answer.strip()
     return line.endswith(answer) and (len(line) == len(answer) or line[-len(answer) - 1] in " >:")
+
+
+def _means(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's mean over the rows that have it (a step of texts alone has no attention figures)."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: round(sum(r[k] for r in rows if k in r) / sum(k in r for r in rows), 4) for k in keys}
 
 
 class Pretrainer:
@@ -57,7 +65,7 @@ class Pretrainer:
         self.rng = random.Random(cfg.seed + 1)  # the mix's draws
         self.step, self.cpu_seconds = 0, 0.0
         self._texts: list[list[int]] | None = None
-        self._eval_sets: dict[tuple[int, int], dict[str, list[Drill]]] = {}
+        self._eval_sets: dict[tuple[int, int, str], dict[str, list[Drill]]] = {}
         self._resume()
 
     # ------------------------------------------------------------------------------------------ data
@@ -79,13 +87,18 @@ class Pretrainer:
             self._texts = [ids for ids in self.tok(texts, add_special_tokens=False)["input_ids"] if len(ids) > 8]
         return self._texts
 
-    def _encode(self, drill: Drill) -> tuple[list[int], int]:
-        prompt = self.tok(drill.prompt, add_special_tokens=False)["input_ids"]
-        target = self.tok(drill.target + "\n", add_special_tokens=False)["input_ids"]
-        return prompt + target, len(prompt)
+    def _encode(self, drill: Drill) -> tuple[list[int], int, list[tuple[int, tuple[int, ...]]]]:
+        """The drill's ids, where its target starts, and its evidence rows (query position, evidence positions)."""
+        prompt = self.tok(drill.prompt, add_special_tokens=False, return_offsets_mapping=True)
+        target = self.tok(drill.target + "\n", add_special_tokens=False, return_offsets_mapping=True)
+        shift = len(drill.prompt)
+        offsets = list(prompt["offset_mapping"]) + [(a + shift, b + shift) for a, b in target["offset_mapping"]]
+        start = len(prompt["input_ids"])
+        rows = token_evidence(offsets, drill.evidence, first=start) if self.cfg.attention.on else []
+        return prompt["input_ids"] + target["input_ids"], start, rows
 
-    def batch(self) -> list[tuple[list[int], int]]:
-        """(ids, where the target starts; len(ids) for texts) for one step, by the mix."""
+    def batch(self) -> list[tuple[list[int], int, list]]:
+        """(ids, where the target starts (len(ids) for texts), evidence rows) for one step, by the mix."""
         mix = self.cfg.mix_at(self.step)
         names = [k for k, w in mix.items() if w > 0]
         weights = [mix[k] for k in names]
@@ -97,11 +110,11 @@ class Pretrainer:
                 ids = self.rng.choice(self.texts())
                 at = self.rng.randrange(max(1, len(ids) - self.cfg.text_tokens + 1))
                 ids = ids[at: at + self.cfg.text_tokens]
-                out.append((ids, len(ids)))
+                out.append((ids, len(ids), []))
                 continue
-            ids, start = self._encode(self.train_drills.draw(family, frames, self.cfg.steps_written))
+            ids, start, rows = self._encode(self.train_drills.draw(family, frames, self.cfg.steps_written))
             if len(ids) <= self.cfg.max_tokens:
-                out.append((ids, start))
+                out.append((ids, start, rows))
         return out
 
     # ------------------------------------------------------------------------------------------ training
@@ -117,21 +130,24 @@ class Pretrainer:
         import torch.nn.functional as F
 
         rows = self.batch()
-        width = max(len(ids) for ids, _ in rows)
+        width = max(len(ids) for ids, _, _ in rows)
         pad = self.tok.pad_token_id
-        ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
-        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r, _, _ in rows])  # padded on the right
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _, _ in rows])
         labels = ids.clone()
         labels[mask == 0] = -100
         target = torch.full_like(labels, -100)
-        for b, (r, start) in enumerate(rows):
+        for b, (r, start, _) in enumerate(rows):
             target[b, start:len(r)] = labels[b, start:len(r)]
-        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        att = self.cfg.attention
+        with HeadScores(self.model, supervised_layers(att) if att.on else []) as heads:
+            logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        shown = evidence_attention_loss(heads, att, [ev for _, _, ev in rows], mask) if att.on else None
         flat = logits.reshape(-1, logits.shape[-1])
         every = F.cross_entropy(flat, labels[:, 1:].reshape(-1), ignore_index=-100)
         has_target = bool((target[:, 1:] != -100).any())
         tgt = F.cross_entropy(flat, target[:, 1:].reshape(-1), ignore_index=-100) if has_target else every * 0
-        loss = every + self.cfg.target_weight * tgt
+        loss = every + self.cfg.target_weight * tgt + (shown.loss if shown else 0)
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.step)
         loss.backward()
@@ -139,17 +155,18 @@ class Pretrainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        return {"loss": every.item(), "target_loss": tgt.item(), "grad_norm": norm.item()}
+        return {"loss": every.item(), "target_loss": tgt.item(), "grad_norm": norm.item(),
+                **(shown.metrics if shown else {})}
 
     # ------------------------------------------------------------------------------------------ evaluation
-    def evaluate(self, drills_per_family: int, seed: int = 12345) -> dict[str, float]:
-        """Held-out accuracy per family: greedy decoding of each drill's target, graded on its last step. The same
-        drills at every evaluation (the held-out worlds drawn from `seed`)."""
+    def evaluate(self, drills_per_family: int, seed: int = 12345, split: str = "dev") -> dict[str, float]:
+        """Accuracy per family on `split` (dev during training, held-out for the record): greedy decoding of each
+        drill's target, graded on its last step. The same drills at every evaluation (worlds drawn from `seed`)."""
         import torch
 
-        key = (drills_per_family, seed)
+        key = (drills_per_family, seed, split)
         if key not in self._eval_sets:  # drawn once: every evaluation grades the same drills
-            source = DrillSource("held_out", seed, self.cfg.world_duration)
+            source = DrillSource(split, seed, self.cfg.world_duration)
             self._eval_sets[key] = {f: [source.draw(f, self.cfg.eval.frames, self.cfg.steps_written)
                                         for _ in range(drills_per_family)] for f in self.cfg.eval.families}
         self.model.eval()
@@ -229,9 +246,9 @@ class Pretrainer:
                 if self.step % cfg.eval.every == 0 or self.step == cfg.steps:
                     acc = self.evaluate(cfg.eval.drills)
                     row = {"step": self.step, "frames": cfg.frames_at(self.step),
-                           **{k: round(sum(r[k] for r in recent) / len(recent), 4) for k in recent[0]},
+                           **_means(recent),
                            "lr": self.lr_at(self.step - 1), "cpu_s": round(cpu(), 1),
-                           "wall_s": round(time.time() - wall, 1), "held_out": acc}
+                           "wall_s": round(time.time() - wall, 1), "dev": acc}
                     recent = []
                     self.log(row)
                     bar.set_postfix_str(" ".join(f"{k[:4]}={v:.2f}" for k, v in acc.items() if k in CHAINS))
@@ -248,7 +265,7 @@ class Pretrainer:
         base = self.out / "base"
         self.model.save_pretrained(base)
         self.tok.save_pretrained(base)
-        acc = self.evaluate(self.cfg.eval.final_drills, seed=54321)
+        acc = self.evaluate(self.cfg.eval.final_drills, seed=54321, split="held_out")
         rows = [json.loads(r) for r in (self.out / METRICS).read_text().splitlines() if r]
         record = {"config": self.cfg.recorded(), "steps": self.step, "held_out": acc,
                   "graded": {f: acc[f] for f in self.cfg.graded}, "cpu_seconds": round(cpu_seconds, 1),

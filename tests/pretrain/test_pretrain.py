@@ -50,11 +50,12 @@ def test_grading_reads_the_answer_at_the_end_of_the_first_line():
     assert not grade(g, " [1.0 - 2.5]")
 
 
-def test_held_out_worlds_are_never_drawn_in_training():
-    train, held = DrillSource("train", seed=0), DrillSource("held_out", seed=0)
-    assert not set(train.seeds) & set(held.seeds)
+def test_held_out_worlds_are_never_drawn_in_training_or_dev():
+    train, dev, held = (DrillSource(s, seed=0) for s in ("train", "dev", "held_out"))
+    assert not set(train.seeds) & set(held.seeds) and not set(dev.seeds) & set(held.seeds)
+    assert not set(train.seeds) & set(dev.seeds)
     with pytest.raises(ValueError, match="split"):
-        DrillSource("dev", seed=0)
+        DrillSource("test", seed=0)
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
