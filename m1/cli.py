@@ -88,7 +88,8 @@ def infer(
     question: Optional[str] = typer.Option(None, "--question", "-q", help="One question asked of every video."),
     options: Optional[list[str]] = typer.Option(None, "--options", "-o", help="Answer options (repeat) for --question."),
     task: str = typer.Option("", help="mcq | open | grounding | numeric (default: mcq with options, else open)."),
-    questions: Optional[Path] = typer.Option(None, "--questions", help="JSONL of questions (id, video, text, options, task)."),
+    questions: Optional[Path] = typer.Option(None, "--questions", help=(
+        "JSONL of questions (id, video, text, options, task); `-` or a pipe is read once, as a snapshot.")),
     team: str = typer.Option("tiny", "--team", "-t", help="Team config: a YAML path or a name in configs/team/."),
     out: Path = typer.Option(Path("results.jsonl"), "--out", help="Results JSONL (appended; reruns skip done ids)."),
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Write one episode JSON + HTML per question here."),

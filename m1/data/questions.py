@@ -8,11 +8,15 @@ file (m1/results.py) raises it too, and the commands catch this one class for ev
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from m1.data.loaders import check_question
 from m1.schema import Question
 from m1.video import list_videos
+
+
+STDIN = "-"  # `--questions -`: the questions come on standard input
 
 
 class InputError(ValueError):
@@ -36,8 +40,10 @@ def build_questions(video_dir: Path, question: str | None = None, options: list[
         if not videos:
             raise InputError(f"{video_dir}: no video files (.mp4 .mkv .avi .mov .webm .m4v) found")
         task = task or ("mcq" if options else "open")
-        checked = [check_question({"id": v.stem if video_dir.is_dir() else v.name, "video": str(v),
-                                   "text": question, "options": list(options or []), "task": task}) for v in videos]
+        ids = video_ids(videos) if video_dir.is_dir() else [video_dir.name]
+        checked = [check_question({"id": i, "video": str(v),
+                                   "text": question, "options": list(options or []), "task": task})
+                   for i, v in zip(ids, videos)]
         if not invalid_rows and checked[0][1]:  # the same question for every video: invalid for all of them
             raise InputError(f"--question: {checked[0][1]}")
         qs = [q for q, _ in checked]
@@ -55,7 +61,7 @@ def read_questions(path: Path, video_dir: Path | None = None, invalid_rows: bool
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path}: is a folder; --questions needs a JSONL file")
-    if not path.is_file():
+    if str(path) != STDIN and not path.exists():
         raise InputError(f"{path}: questions file not found")
     qs, issues = [], []
     for n, line in enumerate(text_lines(path, issues, "question"), 1):
@@ -76,11 +82,19 @@ def read_questions(path: Path, video_dir: Path | None = None, invalid_rows: bool
     return qs, issues
 
 
+def read_once(path: Path) -> bytes:
+    """The bytes of a file, a pipe (`<(...)`, /dev/stdin) or standard input (`-`), read once as a snapshot: a pipe
+    cannot be read twice, so nothing after this reads the path again."""
+    if str(path) == STDIN:
+        return sys.stdin.buffer.read()
+    return Path(path).read_bytes()
+
+
 def text_lines(path: Path, issues: list[str], what: str = "record") -> list[str | None]:
     """The lines of a text file, each decoded as UTF-8 on its own: a line that is not UTF-8 is None, and
     `path:n: not UTF-8 ...` goes to `issues`, so bad bytes on one line skip that line only."""
     out: list[str | None] = []
-    for n, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+    for n, raw in enumerate(read_once(path).split(b"\n"), 1):
         if n == 1:
             raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Notepad, Excel) is not text
         try:
@@ -94,9 +108,19 @@ def text_lines(path: Path, issues: list[str], what: str = "record") -> list[str 
     return out
 
 
+def video_ids(videos: list[Path]) -> list[str]:
+    """A question id per video of a folder: its name without the extension, or with it where two videos share a
+    stem (`synth_000.mp4` beside `synth_000.mov`), so every id is distinct and still says which file it asks."""
+    stems: dict[str, int] = {}
+    for v in videos:
+        stems[v.stem] = stems.get(v.stem, 0) + 1
+    return [v.stem if stems[v.stem] == 1 else v.name for v in videos]
+
+
 def _check_unique(qs: list[Question], source: str) -> None:
-    seen = set()
+    seen: dict[str, Question] = {}
     for q in qs:
         if q.id in seen:
-            raise InputError(f"{source}: duplicate question id {q.id!r}")
-        seen.add(q.id)
+            raise InputError(f"{source}: duplicate question id {q.id!r} (videos {seen[q.id].video} and {q.video}); "
+                             "give each question its own id")
+        seen[q.id] = q

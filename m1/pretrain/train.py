@@ -144,9 +144,10 @@ class Pretrainer:
             logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1]
         shown = evidence_attention_loss(heads, att, [ev for _, _, ev in rows], mask) if att.on else None
         flat = logits.reshape(-1, logits.shape[-1])
-        every = F.cross_entropy(flat, labels[:, 1:].reshape(-1), ignore_index=-100)
-        has_target = bool((target[:, 1:] != -100).any())
-        tgt = F.cross_entropy(flat, target[:, 1:].reshape(-1), ignore_index=-100) if has_target else every * 0
+        nll = F.cross_entropy(flat, labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none")  # one softmax
+        real, is_target = labels[:, 1:].reshape(-1) != -100, target[:, 1:].reshape(-1) != -100
+        every = nll[real].mean()
+        tgt = nll[is_target].mean() if bool(is_target.any()) else every * 0
         loss = every + self.cfg.target_weight * tgt + (shown.loss if shown else 0)
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.step)
