@@ -13,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from m1.evidence import ChatEvidence
+
 
 @dataclass
 class SamplingParams:
@@ -152,6 +154,8 @@ class Completion:
     logprobs: list[float] | None = None
     finish_reason: str = "stop"
     meta: dict[str, Any] = field(default_factory=dict)
+    # where the reply reads its request's messages (a rule teacher knows; a sampled model says nothing)
+    evidence: tuple[ChatEvidence, ...] = ()
 
 
 @runtime_checkable
