@@ -101,24 +101,50 @@ class ChatEvidence:
             raise ValueError(f"evidence: each source is [message, start, end], got {self.sources}")
         object.__setattr__(self, "sources", sources)
 
-    def placed(self, content_starts: Sequence[int], reply_start: int) -> Evidence:
+    def placed(self, content_starts: Sequence[int | None], reply_start: int) -> Evidence:
         """As `Evidence` of one text where message i's content starts at `content_starts[i]` and the reply at
         `reply_start`."""
         return Evidence(reply_start + self.start, reply_start + self.end,
                         tuple((content_starts[m] + a, content_starts[m] + b) for m, a, b in self.sources), self.copy)
 
 
-def content_starts(rendered: str, contents: Sequence[str]) -> list[int]:
+class ReplyBuilder(TextBuilder):
+    """A reply written piece by piece that keeps where each piece it reads is read from (`ChatEvidence`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.evidence: list[ChatEvidence] = []
+
+    def read(self, piece: str, sources, copy: bool = False) -> tuple[int, int]:
+        """Write `piece`, read from `sources` ((message, start, end); None entries are left out)."""
+        at = self.add(piece)
+        self.cite(at, sources, copy)
+        return at
+
+    def cite(self, at: tuple[int, int], sources, copy: bool = False) -> None:
+        found = tuple(dict.fromkeys(s for s in sources if s is not None))
+        if found and at[1] > at[0]:
+            self.evidence.append(ChatEvidence(at[0], at[1], found, copy))
+
+    def done(self) -> tuple[str, tuple[ChatEvidence, ...]]:
+        return self.text, tuple(self.evidence)
+
+
+def content_starts(rendered: str, contents: Sequence[str], needed: Sequence[int] | None = None
+                   ) -> list[int | None]:
     """Where each message's content sits in `rendered` (a chat template's text), found in order after the one
-    before: the template's own markup lies between them. Locating a message is structure, not evidence."""
-    starts, at = [], 0
+    before: the template's own markup lies between them. Locating a message is structure, not evidence. A template
+    may rewrite a message (Qwen3's drops an earlier reply's <think> part): one outside `needed` (None: all) that is
+    not found has no start."""
+    starts: list[int | None] = []
+    at = 0
     for i, content in enumerate(contents):
         found = rendered.find(content, at)
-        if found < 0:
+        if found < 0 and (needed is None or i in needed):
             raise ValueError(f"evidence: message {i}'s content is not in the rendered chat (the chat template "
                              f"rewrites it): {content[:60]!r}")
-        starts.append(found)
-        at = found + len(content)
+        starts.append(found if found >= 0 else None)
+        at = found + len(content) if found >= 0 else at
     return starts
 
 
@@ -129,7 +155,7 @@ def chat_token_evidence(rendered: str, contents: Sequence[str], prompt_offsets: 
     contents are `contents`) tokenized with `prompt_offsets`, the reply is tokenized on its own with
     `reply_offsets` and followed by `tail` tokens of no text (end-of-turn). Positions count the prompt's tokens,
     then the reply's."""
-    starts = content_starts(rendered, contents)
+    starts = content_starts(rendered, contents, {m for ev in evidence for m, _, _ in ev.sources})
     for ev in evidence:
         for m, a, b in ev.sources:
             if not (0 <= m < len(contents) and 0 <= a <= b <= len(contents[m])):

@@ -22,7 +22,7 @@ import statistics
 from collections import Counter
 from typing import NamedTuple
 
-from m1.evidence import ChatEvidence, TextBuilder
+from m1.evidence import ChatEvidence, ReplyBuilder, TextBuilder
 from m1.text import format_span, format_time, parse_span, parse_timestamp
 from m1.models.base import ChatRequest, Completion, SamplingParams
 from m1.registry import (FINE_BROWSER, GLOBAL_SAMPLING, GROUNDING_TOOL, IMAGE_RETRIEVAL, ROUGH_BROWSER, SPACE_TOOL,
@@ -54,6 +54,9 @@ class _Prompt:
             self.starts.append(at)
             at += len(m["content"] if isinstance(m.get("content"), str) else str(m.get("content"))) + 1
 
+    def sources(self, spans) -> list[tuple[int, int, int] | None]:
+        return [self.source(s) for s in spans]
+
     def source(self, span: tuple[int, int]) -> tuple[int, int, int] | None:
         """(message, start, end) of a span of the text; None when it does not lie inside one string content."""
         a, b = span
@@ -61,29 +64,6 @@ class _Prompt:
             if content is not None and start <= a and b <= start + len(content):
                 return i, a - start, b - start
         return None
-
-
-class _Reply(TextBuilder):
-    """A reply written piece by piece, keeping where each piece it reads off the prompt was read from."""
-
-    def __init__(self, prompt: _Prompt):
-        super().__init__()
-        self.prompt = prompt
-        self.evidence: list[ChatEvidence] = []
-
-    def read(self, piece: str, spans, copy: bool = False) -> tuple[int, int]:
-        """Write `piece`, read from `spans` of the prompt's text (copied character by character with `copy`)."""
-        at = self.add(piece)
-        self.cite(at, spans, copy)
-        return at
-
-    def cite(self, at: tuple[int, int], spans, copy: bool = False) -> None:
-        sources = tuple(dict.fromkeys(s for s in map(self.prompt.source, spans) if s is not None))
-        if sources and at[1] > at[0]:
-            self.evidence.append(ChatEvidence(at[0], at[1], sources, copy))
-
-    def done(self) -> tuple[str, tuple[ChatEvidence, ...]]:
-        return self.text, tuple(self.evidence)
 
 
 def _question(text: str) -> str:
@@ -203,10 +183,10 @@ class TeacherChatModel:
         out = []
         for r in requests:
             if seed_rules.seed_kind(r.messages):
-                out.append(Completion(text=seed_rules.reply(r.messages, getattr(r, "images", None))))
+                text, evidence = seed_rules.write(r.messages, getattr(r, "images", None))
             else:
                 text, evidence = self.write(r.messages)
-                out.append(Completion(text=text, evidence=evidence))
+            out.append(Completion(text=text, evidence=evidence))
         return out
 
     # ---------------------------------------------------------------- phases
@@ -230,7 +210,7 @@ class TeacherChatModel:
         return random.Random(int(h[:16], 16))
 
     def _plan(self, prompt: _Prompt):
-        text, out = prompt.text, _Reply(prompt)
+        text, out = prompt.text, ReplyBuilder()
         question, (q0, _) = _question_at(text)
         key, tools, copies = key_plan(question)
         rng = self._rng(text)
@@ -242,12 +222,12 @@ class TeacherChatModel:
         out.add("##key info: ")
         k0, _ = out.add(key)
         for (a, b), (qa, qb) in copies:
-            out.cite((k0 + a, k0 + b), [(q0 + qa, q0 + qb)], copy=True)
+            out.cite((k0 + a, k0 + b), prompt.sources([(q0 + qa, q0 + qb)]), copy=True)
         out.add("\n##tool use: " + ", ".join(f"<{t}>" for t in tools))
         return out.done()
 
     def _communicate(self, prompt: _Prompt):
-        text, out = prompt.text, _Reply(prompt)
+        text, out = prompt.text, ReplyBuilder()
         head = text.split("Your notes so far:", 1)
         own = head[-1].split("Notes from other agents:", 1)[0]
         notes = _notes(own, len(text) - len(head[-1]))
@@ -266,12 +246,14 @@ class TeacherChatModel:
                 t = max(0.0, (parse_timestamp(end.group(1)) or 0.0) - 30.0)
                 out.add(f"##tool call: add tool <{TSR}>\n##key info: the last half minute, at ")
                 b0 = last["body_at"][0]
-                out.read(format_time(t), [(b0 + end.start(1), b0 + end.end(1))])  # the video's end, less 30 s
+                end_at = (b0 + end.start(1), b0 + end.end(1))
+                out.read(format_time(t), prompt.sources([end_at]))  # the video's end, less 30 s
                 return out.done()
         add = None
         if last["body"].lower().startswith("error") and last["tool"] in SELECT and GS not in used:
             add = GS
-        elif last["tool"] in SELECT and not any(t in BROWSE for t in remaining) and not last["body"].startswith("error"):
+        elif (last["tool"] in SELECT and not any(t in BROWSE for t in remaining)
+              and not last["body"].startswith("error")):
             add = FB
         elif last["tool"] in BROWSE and not _confident(last) and not remaining and IR not in used \
                 and "[start" not in q and "how many" not in q:
@@ -280,11 +262,11 @@ class TeacherChatModel:
             out.add("##tool call: continue()")
             return out.done()
         out.add(f"##tool call: add tool <{add}>\n##key info: ")
-        out.read(question, [q_at], copy=True)
+        out.read(question, prompt.sources([q_at]), copy=True)
         return out.done()
 
     def _answer(self, prompt: _Prompt):
-        text, out = prompt.text, _Reply(prompt)
+        text, out = prompt.text, ReplyBuilder()
         notes = _notes(text)
         q, q_at = _question_at(text)
         grounding = "##Timestamp" in text
@@ -306,14 +288,14 @@ class TeacherChatModel:
                 guesses = [n for n in mine if n["answer"]]
                 ans, why = (guesses[-1]["answer"] if guesses else ("A" if mcq else "0")), "a guess"
                 read = guesses[-1:]
-        sources = [n["answer_at"] for n in read]
+        sources = prompt.sources(n["answer_at"] for n in read)
         if grounding:
             span = parse_span(ans or "")
             value = format_span(span) if span else "[0 - 1]"
             out.add("##Timestamp: ")
             out.read(value, sources if span else [], copy=value == ans)
             out.add(f"\n##Reason: {why} (")
-            out.read(q, [q_at], copy=True)
+            out.read(q, prompt.sources([q_at]), copy=True)
             out.add(")")
             return out.done()
         out.add("##Answer: ")
@@ -322,7 +304,7 @@ class TeacherChatModel:
         return out.done()
 
     def _summary(self, prompt: _Prompt):
-        text, out = prompt.text, _Reply(prompt)
+        text, out = prompt.text, ReplyBuilder()
         board = [m for m in re.finditer(r"^- [^:]+: answer (.*?); reason:", text, re.M)
                  if m.group(1) and m.group(1) != "(none)"]
         answers = [m.group(1) for m in board]
@@ -332,14 +314,15 @@ class TeacherChatModel:
                 s = statistics.median(x[0] for x in spans)
                 e = statistics.median(x[1] for x in spans)
                 out.add("##Final Answer: ")
-                out.read(format_span((s, max(s, e))), [m.span(1) for m in board if parse_span(m.group(1))])
+                spans = prompt.sources(m.span(1) for m in board if parse_span(m.group(1)))
+                out.read(format_span((s, max(s, e))), spans)
                 out.add("\n##Reason Summary: median of the agents' spans")
                 return out.done()
         if not answers:
             out.add("##Final Answer: unknown\n##Reason Summary: no agent answered")
             return out.done()
         top = Counter(answers).most_common(1)[0][0]
-        agreeing = [m.span(1) for m in board if m.group(1) == top]
+        agreeing = prompt.sources(m.span(1) for m in board if m.group(1) == top)
         out.add("##Final Answer: ")
         out.read(top, agreeing, copy=True)
         out.add("\n##Reason Summary: most agents answered ")

@@ -117,6 +117,42 @@ def test_communicate_key_info_copies_the_question():
     assert cited(msgs, reply, evidence) == [("What colour?", [("What colour?", "Question: What colour?")])]
 
 
+def weaver_chat():
+    """A Weaver chat after its temporal_grounding call: the rule then trims after the span the tool reported."""
+    from m1.kinds.prompts import first_turn, system_prompt
+
+    q = Question(id="w", video="v.mp4", text="What appears right after the red square leaves?", options=["a", "b"])
+    return [{"role": "system", "content": system_prompt("weaver", ["temporal_grounding", "trim"])},
+            {"role": "user", "content": first_turn("weaver", q, 60.0, [0, 4], [0.0, 30.0])},
+            {"role": "assistant", "content": '<tool_call>{"tool_name": "temporal_grounding"}</tool_call>'},
+            {"role": "user", "content": [{"type": "text", "text": "[temporal_grounding] the red square is on screen "
+                                                                  "from 12.0s to 20.5s"},
+                                         {"type": "image", "time": 15.0, "frame": 2}]}]
+
+
+def test_seed_rule_reads_a_tool_turn_in_text_only_characters():
+    from m1.models.base import text_only
+    from m1.synth import seed_rules
+
+    msgs = weaver_chat()
+    reply, evidence = seed_rules.write(msgs, None)
+    assert json.loads(reply.split("<tool_call>")[1].split("</tool_call>")[0]) == {
+        "tool_name": "trim", "start": 18.5, "end": 30.5}  # 2 s before the span's end, 10 s after it
+    flat = text_only(msgs)
+    found = [(reply[e.start:e.end], [flat[m]["content"][a:b] for m, a, b in e.sources]) for e in evidence]
+    assert found == [("18.5", ["12.0s to 20.5"]), ("30.5", ["12.0s to 20.5", "60.0"])]  # the end also reads the length
+
+
+def test_an_uncited_message_the_template_rewrote_is_skipped_a_cited_one_is_an_error():
+    from m1.evidence import content_starts
+
+    rendered = "<s>question</s><a>answer</a><u>seen at 3s</u>"  # the template dropped the reply's <think> part
+    contents = ["question", "<think>hm</think>answer", "seen at 3s"]
+    assert content_starts(rendered, contents, {0, 2}) == [3, None, rendered.index("seen")]
+    with pytest.raises(ValueError, match="message 1's content is not in the rendered chat"):
+        content_starts(rendered, contents, {1})
+
+
 # ------------------------------------------------------------------------------------------------ the trip
 def teacher_team():
     from m1.config import TeamConfig
@@ -195,10 +231,17 @@ def test_evidence_lands_on_the_tokens_that_hold_the_read_text(m1_cache):
     assert [tok.decode([ids[e]]).strip() for e in ev] == ["C", "C"]  # the two peer notes' values
     assert tok.decode(ids[ev[0] - 4:ev[0] + 1]).endswith("answer: C")
     ids = plan.prompt_ids + plan.completion_ids
-    sources = tok.decode([ids[e] for e in sorted({e for _, ev in plan.evidence for e in ev})])  # the question's two objects
+    sources = tok.decode([ids[e] for e in sorted({e for _, ev in plan.evidence for e in ev})])  # the two objects
     read = tok.decode([ids[q + 1] for q, _ in plan.evidence])  # the key info's copies of them
     assert sources.strip() == read.strip() == "the green triangle the red square"
     assert learner(m1_cache).sft_sample(examples()[0]).evidence is None  # off: nothing placed
+    from m1.synth import seed_rules
+
+    msgs = weaver_chat()  # list contents (frames as placeholders) and an earlier reply
+    reply, evidence = seed_rules.write(msgs, None)
+    s = lrn.sft_sample(SFTExample("alpha", "w", "act", msgs, reply, evidence=list(evidence)))
+    ids = s.prompt_ids + s.completion_ids
+    assert tok.decode([ids[e] for e in s.evidence[0][1]]).strip() == "12.0s to 20.5"
 
 
 def step_stats(lrn, samples):
