@@ -366,6 +366,10 @@ class SFTTrainer:
         self.examples = examples if examples is not None else self._load_or_build(teacher_hub)
         if not self.examples:
             raise ValueError("SFT: no examples were kept; nothing to train on")
+        if cfg.learner.attention.on and not any(e.evidence for e in self.examples):
+            log.warning("learner.attention is on but none of the %d examples records evidence (a file built before "
+                        "the teacher recorded it, or a served teacher's): only the structural heads are trained; "
+                        "delete %s to build it again", len(self.examples), examples_path(cfg))
         team = training_team_config(cfg.team_config(), 1.0)  # split shared model keys: one learner per agent
         key_of = {a.name: a.model for a in team.agents}
         self.trained = list(cfg.train_agents or key_of)

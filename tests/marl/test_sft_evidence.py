@@ -316,3 +316,15 @@ def test_attention_settings_are_checked_against_the_student(m1_cache):
         TrainConfig.model_validate({"team": {"name": "t", "models": {"m": {"kind": "chat", "tiny": TINY}},
                                              "agents": [{"name": "a", "model": "m"}]},
                                     "learner": {"attention": READ.model_dump()}})
+
+
+def test_sft_warns_when_no_example_records_evidence(tmp_path, m1_cache, caplog):
+    from m1.marl.sft import SFTTrainer
+    from tests.marl.test_sft import EXAMPLES, sft_cfg
+
+    heads = {"weight": 1.0, "read_heads": [(0, 0)], "prev_head": (0, 1), "prev2_head": None}  # 1-layer students
+    tr = SFTTrainer(sft_cfg(tmp_path, learner={"attention": heads}, max_steps=1), examples=EXAMPLES)
+    try:
+        assert "none of the 8 examples records evidence" in caplog.text
+    finally:
+        tr.close()
