@@ -141,10 +141,13 @@ class HeadScores:
 @dataclass
 class AttentionLoss:
     """The loss and what it measured: mean -log mass on the evidence per supervised kind of head, and the mean mass
-    the reading heads put on the evidence."""
+    the reading heads put on the evidence. `parts` are the unweighted terms ("read": summed over the reading heads,
+    "prev", "prev2"), loss = weight * their sum: a caller that accumulates micro-batches weighs the evidence rows and
+    the structural positions each by its own share of the step."""
 
     loss: Any
     metrics: dict[str, float]
+    parts: dict[str, Any]
 
 
 def _structural(scores: HeadScores, head: tuple[int, int], back: int, mask, every: int):
@@ -169,7 +172,7 @@ def evidence_attention_loss(scores: HeadScores, settings: AttentionLossSettings,
     (query position, evidence positions). None when nothing is supervised in the batch."""
     import torch
 
-    terms, metrics = [], {}
+    terms, metrics, parts = [], {}, {}
     x = scores.inputs[scores.wanted[0]][0] if scores.wanted else None
     width = max((len(r) for r in rows), default=0)
     if width and x is not None:
@@ -189,17 +192,32 @@ def evidence_attention_loss(scores: HeadScores, settings: AttentionLossSettings,
             on_ev = log_p.masked_fill(~on.to(x.device), float("-inf")).logsumexp(-1)[used]
             terms.append(-on_ev.mean())
             masses.append(on_ev.detach().exp().mean().item())
+        parts["read"] = sum(terms)
         metrics["attn_read"] = round(sum(term.item() for term in terms) / len(terms), 4)
         metrics["attn_evidence_mass"] = round(sum(masses) / len(masses), 4)
-    for name, head, back in (("attn_prev", settings.prev_head, 1), ("attn_prev2", settings.prev2_head, 2)):
+    for name, head, back in (("prev", settings.prev_head, 1), ("prev2", settings.prev2_head, 2)):
         if head is not None and x is not None:
             term = _structural(scores, head, back, mask, settings.structural_every)
             if term is not None:
                 terms.append(term)
-                metrics[name] = round(term.item(), 4)
+                parts[name] = term
+                metrics[f"attn_{name}"] = round(term.item(), 4)
     if not terms:
         return None
-    return AttentionLoss(settings.weight * sum(terms), metrics)
+    return AttentionLoss(settings.weight * sum(terms), metrics, parts)
+
+
+def check_heads(model, settings: AttentionLossSettings, where: str = "attention") -> None:
+    """Refuse heads the model does not have (a head index past the layer's heads would read another's rows), and
+    one head given two jobs once negative layers are counted from this model's last."""
+    layers = decoder_layers(model)
+    n, heads = len(layers), layers[0].self_attn.config.num_attention_heads
+    named = [*settings.read_heads, *[h for h in (settings.prev_head, settings.prev2_head) if h]]
+    for layer, head in named:
+        if not -n <= layer < n or not 0 <= head < heads:
+            raise ValueError(f"{where}: head [{layer}, {head}] is not in this model ({n} layers of {heads} heads)")
+    if len({(layer % n, head) for layer, head in named}) != len(named):
+        raise ValueError(f"{where}: a head is given two jobs in this {n}-layer model: {[list(h) for h in named]}")
 
 
 def supervised_layers(settings: AttentionLossSettings) -> list[int]:

@@ -81,3 +81,87 @@ def token_evidence(offsets: Sequence[tuple[int, int]], evidence: Sequence[Eviden
                 rows.append((i - 1, tuple(sorted(found))))
             break
     return rows
+
+
+@dataclass(frozen=True)
+class ChatEvidence:
+    """Reply characters [start, end) are read from `sources`: (message index, start, end) spans of the chat's
+    message contents (a list content counts in its text_only flattening, m1/models/base.py). A chat reaches the
+    learner through a chat template, so its evidence names messages rather than characters of one text; `copy` as
+    in `Evidence`. Written by whoever writes the reply (the rule teacher: m1/synth/teacher.py)."""
+
+    start: int
+    end: int
+    sources: tuple[tuple[int, int, int], ...]
+    copy: bool = False
+
+    def __post_init__(self):  # rows read back from JSON hold lists; keep the value hashable and comparable
+        sources = tuple(tuple(int(x) for x in s) for s in self.sources)
+        if any(len(s) != 3 for s in sources):
+            raise ValueError(f"evidence: each source is [message, start, end], got {self.sources}")
+        object.__setattr__(self, "sources", sources)
+
+    def placed(self, content_starts: Sequence[int | None], reply_start: int) -> Evidence:
+        """As `Evidence` of one text where message i's content starts at `content_starts[i]` and the reply at
+        `reply_start`."""
+        return Evidence(reply_start + self.start, reply_start + self.end,
+                        tuple((content_starts[m] + a, content_starts[m] + b) for m, a, b in self.sources), self.copy)
+
+
+class ReplyBuilder(TextBuilder):
+    """A reply written piece by piece that keeps where each piece it reads is read from (`ChatEvidence`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.evidence: list[ChatEvidence] = []
+
+    def read(self, piece: str, sources, copy: bool = False) -> tuple[int, int]:
+        """Write `piece`, read from `sources` ((message, start, end); None entries are left out)."""
+        at = self.add(piece)
+        self.cite(at, sources, copy)
+        return at
+
+    def cite(self, at: tuple[int, int], sources, copy: bool = False) -> None:
+        found = tuple(dict.fromkeys(s for s in sources if s is not None))
+        if found and at[1] > at[0]:
+            self.evidence.append(ChatEvidence(at[0], at[1], found, copy))
+
+    def done(self) -> tuple[str, tuple[ChatEvidence, ...]]:
+        return self.text, tuple(self.evidence)
+
+
+def content_starts(rendered: str, contents: Sequence[str], needed: Sequence[int] | None = None
+                   ) -> list[int | None]:
+    """Where each message's content sits in `rendered` (a chat template's text), found in order after the one
+    before: the template's own markup lies between them. Locating a message is structure, not evidence. A template
+    may rewrite a message (Qwen3's drops an earlier reply's <think> part): one outside `needed` (None: all) that is
+    not found has no start."""
+    starts: list[int | None] = []
+    at = 0
+    for i, content in enumerate(contents):
+        found = rendered.find(content, at)
+        if found < 0 and (needed is None or i in needed):
+            raise ValueError(f"evidence: message {i}'s content is not in the rendered chat (the chat template "
+                             f"rewrites it): {content[:60]!r}")
+        starts.append(found if found >= 0 else None)
+        at = found + len(content) if found >= 0 else at
+    return starts
+
+
+def chat_token_evidence(rendered: str, contents: Sequence[str], prompt_offsets: Sequence[tuple[int, int]],
+                        reply: str, reply_offsets: Sequence[tuple[int, int]], evidence: Sequence[ChatEvidence],
+                        tail: int = 0) -> list[tuple[int, tuple[int, ...]]]:
+    """`token_evidence` of a chat sample: the prompt is `rendered` (the chat template's text of messages whose
+    contents are `contents`) tokenized with `prompt_offsets`, the reply is tokenized on its own with
+    `reply_offsets` and followed by `tail` tokens of no text (end-of-turn). Positions count the prompt's tokens,
+    then the reply's."""
+    starts = content_starts(rendered, contents, {m for ev in evidence for m, _, _ in ev.sources})
+    for ev in evidence:
+        for m, a, b in ev.sources:
+            if not (0 <= m < len(contents) and 0 <= a <= b <= len(contents[m])):
+                raise ValueError(f"evidence: source [{m}, {a}, {b}] is outside the chat's messages")
+        if not 0 <= ev.start <= ev.end <= len(reply):
+            raise ValueError(f"evidence: [{ev.start}, {ev.end}) is outside the reply of {len(reply)} characters")
+    shift, end = len(rendered), len(rendered) + len(reply)
+    offsets = [*prompt_offsets, *((a + shift, b + shift) for a, b in reply_offsets), *[(end, end)] * tail]
+    return token_evidence(offsets, [ev.placed(starts, shift) for ev in evidence], first=len(prompt_offsets))

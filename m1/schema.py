@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from m1.evidence import ChatEvidence
+
 Task = Literal["mcq", "open", "grounding", "numeric"]
 Phase = Literal["plan", "communicate", "answer", "summary", "act"]  # act: a seed-kind turn that calls tools
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -91,6 +93,9 @@ class Generation(Record):
     # training (a step's sample pages, m1/marl/samples.py): the reward and advantage this generation was credited
     # with and whether it was trained on; left out of other traces
     credit: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
+    # where the completion reads the prompt's messages, as its writer recorded it (the rule teacher,
+    # m1/evidence.py ChatEvidence); SFT's attention loss learns from it. Left out of traces when none
+    evidence: list[ChatEvidence] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class AgentAnswer(Record):

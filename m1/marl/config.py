@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
+from m1.attention_loss import AttentionLossSettings
 from m1.config import ConfigError, ModelSpec, Strict, TeamConfig, load_config, load_team
 from m1.marl.credit import CREDITS, check_credit
 from m1.marl.grpo import LOSSES, OLD_LOGPROBS
@@ -85,6 +86,24 @@ class LearnerConfig(Strict):
         "SFT only: weight of a loss on the prompt's tokens (frame descriptions, tool output, the question) against "
         "the completion's per-token mean; a tiny student learns to copy from context there. 0: completion-only "
         "loss, as TRL's default."))
+    attention: AttentionLossSettings = Field(default_factory=AttentionLossSettings, description=(
+        "SFT only: the evidence attention loss (m1/attention_loss.py): reading heads are pushed onto the prompt "
+        "text each completion token is read from, as the teacher recorded it (examples' `evidence`; examples "
+        "without it add only the structural heads' terms). Here rather than on the SFT run because the learner "
+        "computes the loss and a learner (a Ray actor too) is handed only this block, like prompt_loss. Weight 0 "
+        "(the default): off, the loss is exactly the plain one. Text students only."))
+
+    @model_validator(mode="after")
+    def _attention_passes(self) -> LearnerConfig:
+        """The attention loss reads the prompt's keys and the supervised layers' inputs from the pass with
+        gradient; these settings take it away."""
+        if self.attention.on and self.gradient_checkpointing:
+            raise ValueError("learner.attention with gradient_checkpointing: the layers' inputs the loss keeps would "
+                             "carry no gradient; turn one of them off")
+        if self.attention.on and not self.prompt_grad:
+            raise ValueError("learner.attention with prompt_grad: false: the evidence sits in the prompt, whose keys "
+                             "then get no gradient; set prompt_grad: true")
+        return self
 
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.finetune]
@@ -410,6 +429,9 @@ class TrainConfig(Strict):
             raise ValueError(f"rollout.max_staleness {r.max_staleness} with rollout.engine hf needs placement: local "
                              "(the sampler copies live beside the learners in the driver); under Ray use "
                              "rollout.engine: vllm")
+        if self.learner.attention.on:
+            raise ValueError("learner.attention: the evidence attention loss is for SFT (m1 sft), whose examples "
+                             "carry the teacher's evidence; set its weight to 0 here")
         if self.grpo.loss_type == "dr_grpo" and self.learner.max_completion_tokens < 1:
             raise ValueError("grpo.loss_type dr_grpo needs learner.max_completion_tokens")
         _budget_check(team, self.learner)

@@ -33,7 +33,9 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from m1.attention_loss import HeadScores, check_heads, evidence_attention_loss, supervised_layers
 from m1.config import ModelSpec
+from m1.evidence import chat_token_evidence
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.distributed import deepspeed_engine, resolve_ds_config
 from m1.marl.grpo import LOSSES, OLD_LOGPROBS, grpo_loss, token_logprobs
@@ -55,6 +57,7 @@ class StepSize(NamedTuple):
     tokens: int
     prompt_tokens: int
     run_tokens: int
+    evidence_rows: int = 0  # SFT's attention loss: the evidence rows of the step's completions (as cut)
 
 
 def _accumulate(totals: dict[str, float], peaks: dict[str, float], stats: dict[str, float]) -> None:
@@ -131,6 +134,7 @@ class AgentLearner:
                 if self.bf16:
                     self.ref.to(torch.bfloat16)
         self.policy = policy
+        self._check_attention()
         self.chat.model = policy  # the team generates with the weights being trained
         self.params = [p for p in policy.parameters() if p.requires_grad]
         if not self.params:
@@ -144,6 +148,16 @@ class AgentLearner:
         if ds_cfg is not None:
             self.engine, self.optimizer = deepspeed_engine(policy, self.optimizer, ds_cfg)
         self.updates = 0
+
+    def _check_attention(self) -> None:
+        """learner.attention needs a text student that has the heads it names (the settings alone are checked in
+        LearnerConfig)."""
+        if not self.cfg.attention.on:
+            return
+        if self.vl:
+            raise ValueError(f"agent {self.agent!r}: learner.attention is for text students (a vision-language "
+                             "model's rotary positions are multimodal); set its weight to 0")
+        check_heads(self.policy, self.cfg.attention, f"agent {self.agent!r}: learner.attention")
 
     # -------------------------------------------------------------- generation (ChatModel protocol)
     def generate(self, requests, params):
@@ -202,11 +216,24 @@ class AgentLearner:
                           advantage=0.0, temperature=1.0, video=video if frames else None, frames=frames or None)
         # a seed-kind chat carries image parts: the text model sees them as placeholders, as when it generates
         # (m1/team/single.py); plain-string CPP chats render exactly as before
-        prompt = tok(self.chat.render(ChatRequest(text_only(ex.messages))), add_special_tokens=False)["input_ids"]
-        completion = tok(ex.completion, add_special_tokens=False)["input_ids"] + [self.chat.eos_ids[0]]
+        messages = text_only(ex.messages)
+        text = self.chat.render(ChatRequest(messages))
+        evidence = getattr(ex, "evidence", None) if self.cfg.attention.on else None
+        prompt = tok(text, add_special_tokens=False, return_offsets_mapping=bool(evidence))
+        reply = tok(ex.completion, add_special_tokens=False, return_offsets_mapping=bool(evidence))
+        completion = reply["input_ids"] + [self.chat.eos_ids[0]]
+        rows = None
+        if evidence:
+            try:
+                rows = chat_token_evidence(text, [m.get("content") or "" for m in messages],
+                                           prompt["offset_mapping"], ex.completion, reply["offset_mapping"],
+                                           evidence, tail=1)
+            except ValueError as exc:
+                raise ValueError(f"agent {self.agent!r}: SFT example of question {ex.question_id!r} "
+                                 f"({ex.phase}): {exc}") from exc
         return Sample(agent=self.agent, question_id=ex.question_id, group=0, rollout=0, phase=ex.phase,
-                      prompt_ids=list(prompt), completion_ids=list(completion), logprobs=None, reward=0.0,
-                      advantage=0.0, temperature=1.0)
+                      prompt_ids=list(prompt["input_ids"]), completion_ids=list(completion), logprobs=None,
+                      reward=0.0, advantage=0.0, temperature=1.0, evidence=rows)
 
     # -------------------------------------------------------------- images (vision-language policies)
     def _decode(self, video: str, frames: list[int]):
@@ -476,7 +503,8 @@ class AgentLearner:
         skip_zero = objective == "grpo" and self.grpo.beta == 0 and self.cfg.skip_zero_advantage
         run = [i for i, s in enumerate(samples) if not (skip_zero and s.advantage == 0)]
         step = StepSize(samples=len(samples), tokens=sum(len(c) for _, c in rows),
-                        prompt_tokens=sum(len(p) - 1 for p, _ in rows), run_tokens=sum(len(rows[i][1]) for i in run))
+                        prompt_tokens=sum(len(p) - 1 for p, _ in rows), run_tokens=sum(len(rows[i][1]) for i in run),
+                        evidence_rows=sum(len(_evidence_rows(s, r)) for s, r in zip(samples, rows)))
         totals: dict[str, float] = {}  # sums over the step's tokens or samples
         peaks: dict[str, float] = {}  # maxima over the step
         loss_sum = 0.0
@@ -504,11 +532,14 @@ class AgentLearner:
 
     def _sft_loss(self, micro: list[Sample], micro_rows: list, step: StepSize):
         """Cross-entropy of the completions as a token mean over the whole step (so micro-batch losses sum to the
-        step's); `learner.prompt_loss` adds the prompt's own step token mean with that weight."""
+        step's); `learner.prompt_loss` adds the prompt's own step token mean with that weight, `learner.attention`
+        the evidence attention loss (`_attention_loss`). Either takes one forward over the whole sequence: the
+        attention rows need the prompt's keys from the pass that has gradient."""
         vision, temperature = self._scoring(micro)
-        prompt_loss = self.cfg.prompt_loss > 0
-        with self._autocast():
-            if prompt_loss:
+        prompt_loss, att = self.cfg.prompt_loss > 0, self.cfg.attention
+        heads = HeadScores(self.policy, supervised_layers(att)) if att.on else nullcontext()
+        with self._autocast(), heads:
+            if prompt_loss or att.on:
                 logp, mask, p_logp, p_mask = self._sequence_logprobs(self._forward_model(), micro_rows)
             else:
                 logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
@@ -517,6 +548,32 @@ class AgentLearner:
         if prompt_loss:
             loss = loss - self.cfg.prompt_loss * (p_logp * p_mask).sum() / max(step.prompt_tokens, 1)
             stats["prompt_nll"] = float(-(p_logp.detach() * p_mask).sum()) * (1.0 / max(step.prompt_tokens, 1))
+        if att.on:
+            with self._autocast():
+                shown, shown_stats = self._attention_loss(heads, micro, micro_rows, step)
+            loss = loss + shown
+            stats.update(shown_stats)
+        return loss, stats
+
+    def _attention_loss(self, heads: HeadScores, micro: list[Sample], micro_rows: list, step: StepSize):
+        """The evidence attention loss of a micro-batch whose whole-sequence pass `heads` captured, weighted against
+        the step like the cross-entropy: the reading term by the micro-batch's share of the step's evidence rows,
+        the structural terms by its share of the step's completion tokens. Rows move from a sample's own positions
+        to the padded batch's (prompts are left-padded to the longest). Returns (loss, stats weighted alike)."""
+        p_len = max(len(p) for p, _ in micro_rows)
+        rows = [[(q + p_len - len(p), tuple(e + p_len - len(p) for e in ev)) for q, ev in _evidence_rows(s, (p, c))]
+                for s, (p, c) in zip(micro, micro_rows)]
+        _, attention, *_ = self._padded_rows(micro_rows)
+        shown = evidence_attention_loss(heads, self.cfg.attention, rows, attention)
+        if shown is None:
+            return 0.0, {}
+        read = sum(len(r) for r in rows) / max(step.evidence_rows, 1)
+        tokens = sum(len(c) for _, c in micro_rows) / max(step.tokens, 1)
+        share = {"read": read, "prev": tokens, "prev2": tokens}
+        loss = self.cfg.attention.weight * sum(part * share[k] for k, part in shown.parts.items())
+        of = {"attn_read": read, "attn_evidence_mass": read, "attn_prev": tokens, "attn_prev2": tokens}
+        stats = {k: v * of[k] for k, v in shown.metrics.items()}
+        stats["attn_loss"] = float(loss.detach())
         return loss, stats
 
     def _grpo_loss(self, micro: list[Sample], micro_rows: list, step: StepSize):
@@ -729,6 +786,12 @@ class AgentLearner:
         steps = state.get("engine_steps")
         if steps:
             self.engine.global_steps, self.engine.global_samples, self.engine.skipped_steps = steps
+
+
+def _evidence_rows(sample: Sample, row: tuple[list[int], list[int]]) -> list[tuple[int, tuple[int, ...]]]:
+    """The sample's evidence rows whose predicted token is still in the row (completions may have been cut)."""
+    length = len(row[0]) + len(row[1])
+    return [(q, ev) for q, ev in sample.evidence or () if q + 1 < length]
 
 
 def _sum_over_ranks(loss: float, totals: dict[str, float],

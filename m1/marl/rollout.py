@@ -72,6 +72,9 @@ class Sample:
     # hold placeholders). Pixels are never stored.
     video: str | None = None
     frames: list[int] | None = None
+    # SFT with learner.attention: (query position, evidence positions) in prompt + completion tokens (unpadded), the
+    # teacher's evidence placed on this learner's tokens (m1/evidence.py chat_token_evidence)
+    evidence: list[tuple[int, tuple[int, ...]]] | None = None
 
 
 @dataclass

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from m1.data.metrics import truth_letter
+from m1.evidence import ChatEvidence
 from m1.files import write_whole
 from m1.marl.checkpoint import find_latest_checkpoint, load_checkpoint, resume_point, save_checkpoint
 from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
@@ -74,6 +75,13 @@ class SFTExample:
     messages: list[dict[str, Any]]
     completion: str
     video: str | None = None  # the video of the messages' image parts (seed kinds): a VLM student decodes them again
+    # where the completion reads the messages, as the teacher recorded it (m1/evidence.py ChatEvidence); None: not
+    # recorded (older files, served teachers). Read by `learner.attention` (the evidence attention loss)
+    evidence: list[ChatEvidence] | None = None
+
+    def __post_init__(self):  # read back from JSON, each entry is a dict
+        if self.evidence is not None:
+            self.evidence = [e if isinstance(e, ChatEvidence) else ChatEvidence(**e) for e in self.evidence]
 
     @classmethod
     def from_json(cls, line: str, where: str = "") -> SFTExample:
@@ -134,7 +142,8 @@ def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=No
                     continue
                 stats["kept_revised_plans"] += 1
             examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
-                                       messages=gen.prompt, completion=gen.completion, video=ep.question.video))
+                                       messages=gen.prompt, completion=gen.completion, video=ep.question.video,
+                                       evidence=gen.evidence))
             stats["kept"] += 1
     return examples, stats
 
@@ -177,7 +186,8 @@ def select_seed_examples(episodes: Sequence[Episode], kind: str,
             if phases is not None and gen.phase not in phases:
                 continue
             examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
-                                       messages=gen.prompt, completion=gen.completion, video=ep.question.video))
+                                       messages=gen.prompt, completion=gen.completion, video=ep.question.video,
+                                       evidence=gen.evidence))
             stats["kept"] += 1
     return examples, stats
 
@@ -325,8 +335,8 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
 def write_examples(path: str | Path, examples: Sequence[SFTExample]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # `video` only where set: CPP examples are written as before
-    rows = [{k: v for k, v in asdict(e).items() if not (k == "video" and v is None)} for e in examples]
+    # `video` and `evidence` only where set: examples without them are written as before
+    rows = [{k: v for k, v in asdict(e).items() if not (k in ("video", "evidence") and v is None)} for e in examples]
     write_whole(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
     return path
 
@@ -356,6 +366,10 @@ class SFTTrainer:
         self.examples = examples if examples is not None else self._load_or_build(teacher_hub)
         if not self.examples:
             raise ValueError("SFT: no examples were kept; nothing to train on")
+        if cfg.learner.attention.on and not any(e.evidence for e in self.examples):
+            log.warning("learner.attention is on but none of the %d examples records evidence (a file built before "
+                        "the teacher recorded it, or a served teacher's): only the structural heads are trained; "
+                        "delete %s to build it again", len(self.examples), examples_path(cfg))
         team = training_team_config(cfg.team_config(), 1.0)  # split shared model keys: one learner per agent
         key_of = {a.name: a.model for a in team.agents}
         self.trained = list(cfg.train_agents or key_of)

@@ -13,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from m1.evidence import ChatEvidence
+
 
 @dataclass
 class SamplingParams:
@@ -68,22 +70,23 @@ def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages with every list content flattened to a string; an image part becomes its description in brackets when
     it carries one (`seed_system.captioner`; the seed kinds label each frame with its time just before), else a
     placeholder naming its time: how a text-only chat model is shown the frames of a seed-kind conversation."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            bits = []
-            for part in content:
-                if isinstance(part, dict) and part.get("type") == "image":  # a described frame: its description
-                    bits.append(f"[{part['caption']}]" if part.get("caption") else
-                                f"[frame at {float(part.get('time', 0.0)):.1f}s]")
-                elif isinstance(part, dict):
-                    bits.append(str(part.get("text", "")))
-                else:
-                    bits.append(str(part))
-            content = "".join(bits)
-        out.append({**m, "content": content})
-    return out
+    return [{**m, "content": "".join(map(_flat, m["content"])) if isinstance(m.get("content"), list)
+             else m.get("content")} for m in messages]
+
+
+def _flat(part: Any) -> str:
+    if isinstance(part, dict) and part.get("type") == "image":  # a described frame: its description
+        return f"[{part['caption']}]" if part.get("caption") else f"[frame at {float(part.get('time', 0.0)):.1f}s]"
+    return str(part.get("text", "")) if isinstance(part, dict) else str(part)
+
+
+def part_starts(content: list[Any]) -> list[int]:
+    """Where each part of a list content starts in its `text_only` flattening (evidence counts characters there)."""
+    starts, at = [], 0
+    for part in content:
+        starts.append(at)
+        at += len(_flat(part))
+    return starts
 
 
 def image_frames(messages: list[dict[str, Any]]) -> list[int]:
@@ -152,6 +155,8 @@ class Completion:
     logprobs: list[float] | None = None
     finish_reason: str = "stop"
     meta: dict[str, Any] = field(default_factory=dict)
+    # where the reply reads its request's messages (a rule teacher knows; a sampled model says nothing)
+    evidence: tuple[ChatEvidence, ...] = ()
 
 
 @runtime_checkable

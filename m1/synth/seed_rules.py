@@ -13,7 +13,10 @@ syntax, so its replies go through the same parsers as a real model's:
 - sage: answers at once when the glance shows what the question needs (any-horizon); otherwise grounds the
   event, extracts frames around it and answers.
 
-`TeacherChatModel` (backend `synth`) hands a seed-kind chat to `reply` here, so a config names these policies the
+Where a rule reads its chat's text (a stated time, the video's length, the span a tool reported), `write` says where
+(m1/evidence.py ChatEvidence, for SFT's attention loss); what it reads off pixels is not text and cites nothing.
+
+`TeacherChatModel` (backend `synth`) hands a seed-kind chat to `write` here, so a config names these policies the
 way it names the teacher: `{kind: chat, backend: synth}`.
 """
 from __future__ import annotations
@@ -22,10 +25,12 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from m1.models.base import SamplingParams
+from m1.evidence import ChatEvidence, ReplyBuilder
+from m1.models.base import SamplingParams, part_starts
 from m1.registry import SAGE, WEAVER, ZOOMER
 from m1.synth.vision import _Answerer
 from m1.synth.world import COLOURS, SHAPES
@@ -63,6 +68,11 @@ class Chat:
     observations: list[str]  # tool observation lines, in order
     last_turn: bool
     images: list[np.ndarray] = field(default_factory=list)
+    # where the rules' reads sit, as (message, start, end) in the messages' text_only contents (m1/evidence.py):
+    # the question line's text, the video's length, each tool observation
+    question_at: tuple[int, int, int] | None = None
+    duration_at: tuple[int, int, int] | None = None
+    observation_at: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def read_chat(messages: list[dict], images: list[np.ndarray] | None) -> Chat:
@@ -73,11 +83,12 @@ def read_chat(messages: list[dict], images: list[np.ndarray] | None) -> Chat:
     else:
         tools = re.findall(r"^- ([a-z_\-]+): ", system, re.M)
     times, glance, observations, users = [], [], [], []
+    spots: dict[str, Any] = {"observation_at": []}
     for n, m in enumerate(messages):
         if m.get("role") != "user":
             continue
         parts = m["content"] if isinstance(m.get("content"), list) else [{"type": "text", "text": str(m.get("content"))}]
-        for p in parts:
+        for p, at in zip(parts, part_starts(parts)):
             if p.get("type") == "image":
                 if len(users) == 0:
                     glance.append(len(times))
@@ -86,6 +97,10 @@ def read_chat(messages: list[dict], images: list[np.ndarray] | None) -> Chat:
                 text = str(p.get("text", ""))
                 if text.startswith("["):
                     observations.append(text)
+                    spots["observation_at"].append((n, at, at + len(text)))
+                if not users:
+                    _spot(spots, "question_at", r"^Question: (.+)$", text, n, at)
+                    _spot(spots, "duration_at", r"The video lasts ([\d.]+) s", text, n, at)
         users.append(" ".join(str(p.get("text", "")) for p in parts if p.get("type") != "image"))
     first = users[0] if users else ""
     qm = re.search(r"^Question: .*?(?=^Task:|\Z)", first, re.M | re.S)
@@ -98,7 +113,53 @@ def read_chat(messages: list[dict], images: list[np.ndarray] | None) -> Chat:
                 task=_task(task.group(1) if task else ""), duration=float(dur.group(1)) if dur else 0.0,
                 glance=glance, times=times, replies=[m.get("content", "") for m in messages
                                                      if m.get("role") == "assistant"],
-                observations=observations, last_turn=last, images=list(images or []))
+                observations=observations, last_turn=last, images=list(images or []), **spots)
+
+
+def _spot(spots: dict[str, Any], name: str, pattern: str, text: str, message: int, at: int) -> None:
+    """Keep where `pattern`'s group 1 (stripped) first sits in a text part starting at `at` of `message`."""
+    m = re.search(pattern, text, re.M)
+    if m and name not in spots:
+        raw = m.group(1)
+        a = m.start(1) + len(raw) - len(raw.lstrip())
+        spots[name] = (message, at + a, at + a + len(raw.strip()))
+
+
+@dataclass(frozen=True)
+class Read:
+    """A value a rule read off its chat: written into a reply's JSON, it cites `sources` (m1/evidence.py)."""
+
+    value: Any
+    sources: tuple
+
+
+def write_json(out: ReplyBuilder, value: Any) -> None:
+    """`json.dumps(value)` written piece by piece into `out`, each `Read` in it citing where it was read."""
+    if isinstance(value, Read):
+        out.read(json.dumps(value.value), value.sources)
+    elif isinstance(value, dict):
+        out.add("{")
+        for i, (k, v) in enumerate(value.items()):
+            out.add((", " if i else "") + json.dumps(k) + ": ")
+            write_json(out, v)
+        out.add("}")
+    elif isinstance(value, (list, tuple)):
+        out.add("[")
+        for i, v in enumerate(value):
+            out.add(", " if i else "")
+            write_json(out, v)
+        out.add("]")
+    else:
+        out.add(json.dumps(value))
+
+
+def _time_at(chat: Chat) -> tuple:
+    """Where the question states its time (the sources of a read of it), or nothing."""
+    t = _TIME.search(chat.text)
+    if chat.question_at is None or t is None:
+        return ()
+    m, a, _ = chat.question_at
+    return ((m, a + t.start(), a + t.end()),)
 
 
 def _task(line: str) -> str:
@@ -168,6 +229,9 @@ def _evidence(r: Reading) -> str:
     return "".join(f". {b}" for b in bits)
 
 
+TOOL_SAYS = "the tool's result"  # why an answer is a tool's span
+
+
 def _answer_now(chat: Chat, prefer: str | None = None) -> tuple[str, str]:
     """(answer, why) from every frame seen; `prefer` (a tool's span) when the frames settle nothing."""
     r = read_frames(chat)
@@ -175,7 +239,7 @@ def _answer_now(chat: Chat, prefer: str | None = None) -> tuple[str, str]:
         return r.answer, (f"I read {len(set(chat.times))} frames" + ("" if r.seen else " but could not see it")
                           + _evidence(r))
     if prefer is not None:
-        return prefer, "the tool's result"
+        return prefer, TOOL_SAYS
     return _fallback(chat), "a guess"
 
 
@@ -184,26 +248,33 @@ def _calls_made(chat: Chat, tag: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ Weaver
-def _last_span(chat: Chat, tool: str) -> tuple[float, float] | None:
-    for o in reversed(chat.observations):
+def _last_span(chat: Chat, tool: str) -> tuple[tuple[float, float] | None, tuple]:
+    """The span the last `tool` observation reports, and where it says so (the sources of a read of it)."""
+    for o, (n, a, _) in zip(reversed(chat.observations), reversed(chat.observation_at)):
         if o.startswith(f"[{tool}]"):
             m = re.search(r"from ([\d.]+)s to ([\d.]+)s", o)
-            return (float(m.group(1)), float(m.group(2))) if m else None
-    return None
+            return ((float(m.group(1)), float(m.group(2))), ((n, a + m.start(1), a + m.end(2)),)) if m else (None, ())
+    return None, ()
 
 
-def weaver_reply(chat: Chat) -> str:
+def _length_at(chat: Chat) -> tuple:
+    return (chat.duration_at,) if chat.duration_at else ()
+
+
+def weaver_reply(chat: Chat) -> tuple[str, tuple[ChatEvidence, ...]]:
     kind, objs, t = cue(chat.text)
     x = f"the {objs[0]}" if objs else chat.text
-    dur = chat.duration
+    dur, length = chat.duration, _length_at(chat)
     plan: list[tuple[str, dict]] = []
     if kind == "timestamp" and t is not None:
-        plan = [("trim", {"start": max(0.0, t - 4.0), "end": min(dur, t + 6.0)})]
+        at = _time_at(chat)
+        plan = [("trim", {"start": Read(max(0.0, t - 4.0), at), "end": Read(min(dur, t + 6.0), at + length)})]
     elif kind == "order":
         plan = [("temporal_grounding", {"query": x})]
-        span = _last_span(chat, "temporal_grounding")
+        span, at = _last_span(chat, "temporal_grounding")
         if span:
-            plan.append(("trim", {"start": max(0.0, span[1] - 2.0), "end": min(dur, span[1] + 10.0)}))
+            plan.append(("trim", {"start": Read(max(0.0, span[1] - 2.0), at),
+                                  "end": Read(min(dur, span[1] + 10.0), at + length)}))
     elif kind == "counting":
         plan = [("temporal_count", {"query": x})]
     elif kind == "spatial" and len(objs) >= 2:
@@ -217,7 +288,7 @@ def weaver_reply(chat: Chat) -> str:
     elif kind == "background":
         plan = [("frame_selection", {"query": x})]
     elif kind == "late":
-        plan = [("trim", {"start": max(0.0, dur - 30.0), "end": dur})]
+        plan = [("trim", {"start": Read(max(0.0, dur - 30.0), length), "end": Read(dur, length)})]
     plan = [p for p in plan if p[0] in chat.tools]
     done = _calls_made(chat, "tool_call")
     if done < len(plan) and not chat.last_turn:
@@ -225,12 +296,19 @@ def weaver_reply(chat: Chat) -> str:
         step = {"trim": "cut the part of the video that matters", "temporal_grounding": f"find when {x} is on screen",
                 "temporal_count": f"find every clip with {x}", "frame_selection": f"pick the frame that shows {x}",
                 "spatial_grounding": "locate the objects", "spatial_tracking": f"follow {x}"}[name]
-        return (f"Step {done + 1}: the question needs a closer look, so I {step}.\n"
-                f"<tool_call>{json.dumps({'tool_name': name, **args})}</tool_call>")
-    span = _last_span(chat, "temporal_grounding")
+        out = ReplyBuilder()
+        out.add(f"Step {done + 1}: the question needs a closer look, so I {step}.\n<tool_call>")
+        write_json(out, {"tool_name": name, **args})
+        out.add("</tool_call>")
+        return out.done()
+    span, at = _last_span(chat, "temporal_grounding")
     prefer = f"[{span[0]:.1f} - {span[1]:.1f}]" if kind == "grounding" and span else None
     answer, why = _answer_now(chat, prefer)
-    return f"Final step: {why}.\n<answer>{answer}</answer>"
+    out = ReplyBuilder()
+    out.add(f"Final step: {why}.\n<answer>")
+    out.read(answer, at if why == TOOL_SAYS else ())  # the grounding tool's span, when the frames settle nothing
+    out.add("</answer>")
+    return out.done()
 
 
 # ------------------------------------------------------------------------------------------ VideoZoomer
@@ -270,15 +348,22 @@ def zoomer_plan(chat: Chat) -> list[tuple[float, float, float]]:
     return []
 
 
-def zoomer_reply(chat: Chat) -> str:
+def zoomer_reply(chat: Chat) -> tuple[str, tuple[ChatEvidence, ...]]:
     done = _calls_made(chat, "video_zoom")
     can_zoom = "video_zoom" in chat.tools and not chat.last_turn
     if can_zoom:
         plan = zoomer_plan(chat)
         if done < len(plan):
             s, e, fps = plan[done]
-            return (f"<think>The glance is too sparse here; I zoom into {s:.1f}-{e:.1f}s at {fps:g} fps.</think>"
-                    f"<video_zoom>{json.dumps({'segment': [s, e], 'fps': fps})}</video_zoom>")
+            kind = cue(chat.text)[0]  # a stated time or the video's end is read off the chat; the rest off pixels
+            at = _time_at(chat) if kind == "timestamp" else _length_at(chat) if kind == "late" else ()
+            out = ReplyBuilder()
+            out.add("<think>The glance is too sparse here; I zoom into ")
+            out.read(f"{s:.1f}-{e:.1f}", at)
+            out.add(f"s at {fps:g} fps.</think><video_zoom>")
+            write_json(out, {"segment": Read([s, e], at), "fps": fps})
+            out.add("</video_zoom>")
+            return out.done()
         if done and done == len(plan) and not read_frames(chat).seen:  # self-refine: widen the last zoom once
             s, e, fps = plan[-1]
             c, half = (s + e) / 2, (e - s)
@@ -286,20 +371,25 @@ def zoomer_reply(chat: Chat) -> str:
             wfps = _zoom(ws, we, fps / 2)[2]
             return (f"<think>The zoom missed it; the segment was too narrow. I widen it to {ws:.1f}-{we:.1f}s."
                     f"</think><video_zoom>{json.dumps({'segment': [round(ws, 1), round(we, 1)], 'fps': wfps})}"
-                    "</video_zoom>")
+                    "</video_zoom>"), ()
     answer, why = _answer_now(chat)
-    return f"<think>{why}.</think><answer>{answer}</answer>"
+    return f"<think>{why}.</think><answer>{answer}</answer>", ()
 
 
 # ------------------------------------------------------------------------------------------ SAGE
-def _sage(final: str | None, reasoning: str, calls: list[tuple[str, dict, str]], first: bool) -> str:
+def _sage(final: str | None, reasoning: str, calls: list[tuple[str, dict, str]], first: bool
+          ) -> tuple[str, tuple[ChatEvidence, ...]]:
     rec = {"needed": bool(calls), "why_no_tool": "" if calls else "the frames answer the question",
            "tool_calls": [{"rationale": why, "name": n, "arguments": a} for n, a, why in calls]}
     body = ({"video_context": reasoning, "query_intent": "answer the question", "final_answer": final,
              "recommended_tools": rec} if first else
             {"answerable": {"verdict": final is not None, "reasoning": reasoning}, "final_answer": final,
              "recommended_tools": rec})
-    return f"<json>{json.dumps(body)}</json>"
+    out = ReplyBuilder()
+    out.add("<json>")
+    write_json(out, body)
+    out.add("</json>")
+    return out.done()
 
 
 def _hms(t: float) -> str:
@@ -307,7 +397,7 @@ def _hms(t: float) -> str:
     return f"{int(t // 3600):02d}:{int(t % 3600 // 60):02d}:{int(t % 60):02d}"
 
 
-def sage_reply(chat: Chat) -> str:
+def sage_reply(chat: Chat) -> tuple[str, tuple[ChatEvidence, ...]]:
     first = not chat.replies
     r = read_frames(chat)
     if r.seen or not chat.tools or chat.last_turn:
@@ -319,27 +409,28 @@ def sage_reply(chat: Chat) -> str:
     asked = [json.loads(m.group(1)) for rep in chat.replies for m in re.finditer(r"<json>(.*?)</json>", rep, re.S)]
     names = [c.get("name") for a in asked for c in a.get("recommended_tools", {}).get("tool_calls", [])]
     if "extract-video-parts" not in names and "extract-video-parts" in chat.tools:
-        window = None
+        window, at = None, ()
         if kind == "timestamp" and t is not None:
-            window = (t - 10.0, t + 10.0)
+            window, at = (t - 10.0, t + 10.0), _time_at(chat)
         elif kind == "late":
-            window = (dur - 30.0, dur)
+            window, at = (dur - 30.0, dur), _length_at(chat)
         elif objs and "ground-event" in chat.tools:
             if "ground-event" not in names:
                 return _sage(None, f"the glance does not show the {objs[0]} clearly", [
                     ("ground-event", {"event": f"the {objs[0]} appears", "start": _hms(0), "end": _hms(dur)},
                      f"find when the {objs[0]} is on screen")], first)
-            found = next((o for o in reversed(chat.observations) if o.startswith("[ground-event]")), "")
+            found, (n, a, _) = next(((o, w) for o, w in zip(reversed(chat.observations), reversed(chat.observation_at))
+                                     if o.startswith("[ground-event]")), ("", (0, 0, 0)))
             m = re.search(r'"start": "(\d\d:\d\d:\d\d)", "end": "(\d\d:\d\d:\d\d)"', found)
             if m:
                 s = sum(int(x) * k for x, k in zip(m.group(1).split(":"), (3600, 60, 1)))
                 e = sum(int(x) * k for x, k in zip(m.group(2).split(":"), (3600, 60, 1)))
-                window = (s - 5.0, e + 5.0)
+                window, at = (s - 5.0, e + 5.0), ((n, a + m.start(1), a + m.end(2)),)
         if window is not None:
             s, e = max(0.0, window[0]), min(dur, window[1])
             return _sage(None, "I need frames of that moment", [
-                ("extract-video-parts", {"start": _hms(s), "end": _hms(e), "type": "frames"},
-                 "look at the moment densely")], first)
+                ("extract-video-parts", {"start": Read(_hms(s), at), "end": Read(_hms(e), at + _length_at(chat)),
+                                         "type": "frames"}, "look at the moment densely")], first)
     answer = r.answer if r.answer is not None else _fallback(chat)
     return _sage(answer, "answering from what I could see" + _evidence(r), [], first)
 
@@ -349,5 +440,11 @@ REPLIES = {WEAVER: weaver_reply, ZOOMER: zoomer_reply, SAGE: sage_reply}
 
 def reply(messages: list[dict], images: list[np.ndarray] | None) -> str:
     """The rule policy's reply to a seed-kind chat."""
+    return write(messages, images)[0]
+
+
+def write(messages: list[dict], images: list[np.ndarray] | None) -> tuple[str, tuple[ChatEvidence, ...]]:
+    """The reply and where it reads the chat's text (m1/evidence.py ChatEvidence; what it reads off pixels is not
+    text and is not cited)."""
     chat = read_chat(messages, images)
     return REPLIES[chat.kind](chat)

@@ -445,7 +445,7 @@ class Team:
                 gen = Generation(agent=c.agent.name, phase=c.phase, step=c.step, prompt=c.messages,
                                  completion=o.text, prompt_ids=o.prompt_ids, completion_ids=o.completion_ids,
                                  logprobs=o.logprobs, weight_version=o.meta.get("weight_version"),
-                                 trimmed=c.trimmed)
+                                 trimmed=c.trimmed, evidence=list(o.evidence) or None)
                 c.ep.generations.append(gen)
                 done[id(c)] = gen
         return [(c, done[id(c)]) for c in calls]

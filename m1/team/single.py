@@ -246,7 +246,8 @@ class SingleAgentTeam:
             r.generations.append(Generation(
                 agent=self.agent.name, phase=phase, step=turn, prompt=_copy(r.messages), completion=out.text,
                 prompt_ids=out.prompt_ids, completion_ids=out.completion_ids, logprobs=out.logprobs,
-                parse_ok=reply.ok, parse_error=reply.error, weight_version=out.meta.get("weight_version")))
+                parse_ok=reply.ok, parse_error=reply.error, weight_version=out.meta.get("weight_version"),
+                evidence=list(out.evidence) or None))
             r.messages.append({"role": "assistant", "content": out.text})
             if reply.calls and not final:
                 pending.append((r, reply))

@@ -14,8 +14,8 @@ LAYOUT = PKG.parent / "docs" / "layout.md"
 # may reach any layer. Units on one line are peers (they may import each other, never in a cycle).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("m1", "schema", "text", "files", "locks", "video", "plots", "registry", "errors", "signals", "evidence"),
-    ("config",),
-    ("models", "contracts", "attention_loss"),
+    ("config", "attention_loss"),
+    ("models", "contracts"),
     ("agents", "memory"),
     ("tools",),
     ("kinds",),
