@@ -16,6 +16,7 @@ from m1.memory import SharedMemory
 from m1.schema import Plan, Question, Turn
 from m1.synth.teacher import TeacherChatModel
 from m1.tools import TOOL_NAMES
+from tests.synth.test_teacher import _memory
 
 ALL = list(TOOL_NAMES)
 TINY = {"arch": "qwen3", "hidden_size": 32, "layers": 2, "heads": 4, "kv_heads": 2, "seed": 1}
@@ -31,13 +32,7 @@ def note(agent_step, answer, out="##Summary: a square"):
 
 def answer_chat(own, peers):
     """The answer prompt of agent a: its own notes, then peer b's."""
-    mem = SharedMemory(["a", "b"])
-    mem.set_plan("a", Plan(key_info="k", tools=["Global Sampling", "Rough Browser"]))
-    mem.set_plan("b", Plan(key_info="k", tools=["Image Retrieval", "Fine Browser"]))
-    for t in own:
-        mem.add_turn("a", t)
-    for t in peers:
-        mem.add_turn("b", t)
+    mem = _memory(own, peers)
     return prompts.answer_messages(MCQ, mem.render("a") + "\n" + mem.view("a", ["b"]))
 
 
