@@ -27,6 +27,7 @@ import os
 import shlex
 import socket
 import sys
+import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -73,6 +74,19 @@ def _read_info(fd: int) -> dict | None:
     except json.JSONDecodeError:
         return {"unreadable": raw[:200].decode(errors="replace")}
     return info if isinstance(info, dict) else {"unreadable": str(info)[:200]}
+
+
+def _await_info(fd: int, wait_s: float = 2.0) -> dict | None:
+    """The holder's record. A holder that has just taken the lock writes it within moments (until then the file
+    is empty, or still names the killed run it took over from), so wait briefly rather than name the wrong one."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        info = _read_info(fd)
+        fresh = bool(info) and not (info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int)
+                                    and not _pid_alive(info["pid"]))
+        if fresh or time.monotonic() >= deadline:
+            return info
+        time.sleep(0.05)
 
 
 def describe(info: dict | None) -> str:
@@ -124,7 +138,7 @@ def hold(target: Path, what: str = "file", advice: str = "wait for it to finish,
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            info = _read_info(fd)
+            info = _await_info(fd)
             os.close(fd)
             raise LockError(f"{what} {target} is being written by {describe(info)}; {advice}") from None
         except OSError as exc:

@@ -89,6 +89,26 @@ def test_lock_of_a_killed_process_is_taken_over_with_a_warning(tmp_path):
     assert len(warnings) == 1 and f"pid {p.pid} is gone" in warnings[0] and str(target) in warnings[0]
 
 
+def test_a_holder_that_has_not_written_yet_is_still_named(tmp_path):
+    """Two runs started together: the loser meets the flock before the winner has written its record (an empty
+    file), and it waits the moment that takes rather than naming 'another process'."""
+    import fcntl
+    import threading
+    lf = tmp_path / "results.jsonl.lock"
+    fd = os.open(lf, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, nothing written yet
+    late = threading.Timer(0.3, lambda: os.write(fd, (json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                                   "started": "now", "command": "m1 infer"}) + "\n").encode()))
+    late.start()
+    try:
+        with pytest.raises(LockError, match=f"being written by pid {os.getpid()} on host"):
+            with hold(tmp_path / "results.jsonl", "results file"):
+                pass
+    finally:
+        late.join()
+        os.close(fd)
+
+
 @pytest.mark.slow
 def test_second_infer_on_the_same_results_is_refused(folder, tmp_path, m1_cache):  # noqa: F811
     out = tmp_path / "results.jsonl"
