@@ -9,6 +9,7 @@ Questions are read by m1/data/questions.py.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -95,6 +96,36 @@ def write_trace(trace_dir: Path, ep: Episode, pool=None, index=None) -> Path:
     return trace_dir / f"{safe}.json"
 
 
+TRACE_OWNER = ".results"  # in a trace folder: the results file whose traces it holds
+
+
+def claim_trace_dir(trace_dir: Path, out: Path) -> None:
+    """One results file per trace folder: traces are named by question id, so two results files writing one folder
+    would overwrite each other's traces. The first run records its results file in the folder (TRACE_OWNER); a run of
+    another results file is refused before it answers anything. The shards of one run share their folder (`out` is
+    the file they are merged into)."""
+    from m1.data.questions import InputError
+
+    folder = Path(trace_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    mine = os.path.relpath(Path(out).resolve(), folder.resolve())  # relative: a run folder moved whole still matches
+    marker = folder / TRACE_OWNER
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        owner = marker.read_text(encoding="utf-8", errors="replace").strip()
+        if owner and owner != mine:
+            theirs = os.path.normpath(folder.resolve() / owner)
+            raise InputError(f"trace folder {folder} holds the traces of the results file {theirs}; this run writes "
+                             f"{out}: give it its own --trace-dir (traces are named by question id and would "
+                             f"overwrite each other), or remove {marker} to give the folder to this run") from None
+        if not owner:
+            write_whole(marker, (mine + "\n").encode())
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(mine + "\n")
+
+
 INDEX_EVERY_S = 5.0  # while a run goes on, the trace index is rewritten at most this often (and at its end)
 
 
@@ -111,7 +142,7 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
     `shard=(i, n)`: answer only worker i's share (`shard_of`) into `part_path(out, i, n)`.
     `stop_on_signals`: SIGTERM/SIGINT raise Stopped (with counts) after the line being written.
     Raises LockError when another run writes the same file, WriteError when a line cannot be written."""
-    out = Path(out)
+    out = whole = Path(out)
     if shard is not None:
         i, n = shard
         record_split(out, questions, n)
@@ -119,6 +150,8 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
     advice = ("wait for it, or use --shard i/n to split one evaluation across workers" if shard is None else
               "wait for it; every worker needs its own --shard i/n")
     with hold(out, "results file", advice), StopOnSignals() as stop:
+        if trace_dir is not None:
+            claim_trace_dir(trace_dir, whole)
         try:
             return _run(cfg, questions, out, trace_dir, limit, team, progress, stop, keep_errors, keep_stale)
         except Stopped as exc:

@@ -39,9 +39,22 @@ def _e(x) -> str:
     return html.escape("" if x is None else str(x))
 
 
+TRACE_STEM_MAX = 120  # characters kept of a long id; file names have 255 bytes, and the hash keeps it unique
+
+
 def trace_name(episode_id: str) -> str:
-    """The file stem of an episode's trace files (ids may hold '/', ':' and the like)."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in episode_id)
+    """The file stem of an episode's trace files, one per id: an id that is already a plain file name is kept as it
+    is; one with other characters ('/', ':', a space), a leading dot (a hidden file the index would skip) or past
+    TRACE_STEM_MAX characters is cleaned and gets a short hash of the raw id, so `clip 1` and `clip_1` never share a
+    file."""
+    import hashlib
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in episode_id)
+    if safe.startswith("."):
+        safe = "_" + safe[1:]
+    if safe == episode_id and len(safe) <= TRACE_STEM_MAX:
+        return safe
+    return f"{safe[:TRACE_STEM_MAX]}-{hashlib.sha1(episode_id.encode()).hexdigest()[:10]}"
 
 
 def clock(t: float) -> str:

@@ -395,14 +395,15 @@ def test_disk_full_on_a_trace_leaves_no_torn_file_and_the_rerun_completes(tmp_pa
     msg = str(err.value)
     assert msg == (f"disk full while writing {traces / 'q02.json'} (question q02): free space and rerun the same "
                    f"command; 2 answers are safely written in {out}")
-    assert sorted(f.name for f in traces.iterdir()) == ["q00.html", "q00.json", "q01.html", "q01.json"]  # no torn
+    assert sorted(f.name for f in traces.iterdir()) == [".results", "q00.html", "q00.json", "q01.html",
+                                                        "q01.json"]  # no torn
     assert all(json.loads((traces / f"q0{i}.json").read_text())["id"] == f"q0{i}" for i in range(2))  # or tmp file
     monkeypatch.undo()
     summary = run.run_questions(cfg, qs, out, trace_dir=traces, team=ScriptedTeam(), progress=False)
     assert summary.answered == 3 and summary.skipped_done == 2
     assert _ids(out) == [q.id for q in qs]
     assert sorted(f.name for f in traces.iterdir()) == sorted(
-        [f"{q.id}{s}" for q in qs for s in (".json", ".html")] + ["index.html"])
+        [f"{q.id}{s}" for q in qs for s in (".json", ".html")] + ["index.html", ".results"])
 
 
 
