@@ -49,9 +49,10 @@ def _exit_for_errors(summary, allow_errors: bool) -> None:
         raise typer.Exit(1)
 
 
-def _run_guarded(run, out: Path, debug: bool = False):
+def _run_guarded(run, out: Path, debug: bool = False, trace_dir: Path | None = None):
     """Run `run()` and turn what a run can meet into one `error:` line (status 2) or, for a stop by
-    SIGINT/SIGTERM, the stop report with status 130/143."""
+    SIGINT/SIGTERM, the stop report with status 130/143. A read-only or full place is named with the setting
+    that moves it (--out, --trace-dir, M1_CACHE, TMPDIR)."""
     from m1.data.questions import InputError
 
     try:
@@ -59,7 +60,7 @@ def _run_guarded(run, out: Path, debug: bool = False):
     except (InputError, LockError, WriteError) as exc:  # another team's answers, a busy file, a full disk
         fail(str(exc), exc, debug)
     except (OSError, UnicodeError) as exc:  # a read-only or missing folder, a folder given as a file, ...
-        fail(describe(exc, "another --out"), exc, debug)
+        fail(describe(exc, "another --out", {trace_dir: "another --trace-dir"} if trace_dir else None), exc, debug)
     except ModelError as exc:  # finished questions are already in `out` (or its parts); a rerun resumes
         kept = [p for p in (out, *sorted(out.parent.glob(f"{out.name}.part-*-of-*.jsonl")))
                 if p.is_file() and p.stat().st_size]
@@ -124,7 +125,7 @@ def infer(
     _check_team_models(cfg)
     summary = _run_guarded(lambda: run_questions(cfg, qs, out, trace_dir=trace_dir, limit=limit, shard=split,
                                                  stop_on_signals=True, keep_errors=keep_errors,
-                                                 keep_stale=keep_stale), out, debug)
+                                                 keep_stale=keep_stale), out, debug, trace_dir)
     summary.skipped = list(issues)
     typer.echo(summary.describe())
     if split:
@@ -175,7 +176,7 @@ def eval_(
     preds_path = out / "predictions.jsonl"
     summary = _run_guarded(lambda: run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit, shard=split,
                                                  stop_on_signals=True, keep_errors=keep_errors,
-                                                 keep_stale=keep_stale), preds_path, debug)
+                                                 keep_stale=keep_stale), preds_path, debug, trace_dir)
     summary.skipped = [str(issue) for issue in issues]
     typer.echo(summary.describe())
     if split:  # a part is not scored; the merged predictions are

@@ -36,36 +36,64 @@ def cache_home() -> str:
     return os.environ.get("M1_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "m1")
 
 
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def _in_cache(name: str) -> bool:
+    """`name` is the model cache, inside it, or a folder made on the way to it below the home folder (creating
+    ~/.cache/m1 on a read-only HOME fails on ~/.cache first)."""
     root = os.path.abspath(cache_home())
     path = os.path.abspath(name)
-    return path == root or path.startswith(root + os.sep)
+    home = os.path.abspath(os.path.expanduser("~"))
+    return _within(path, root) or (_within(root, path) and path != home and _within(path, home))
 
 
-def describe(exc: BaseException, out: str | None = None) -> str:
+def _place(name: str, out: str | None, places: dict | None) -> str:
+    """The setting that moves the place `name` is in: the cache's M1_CACHE, a folder given in `places`
+    ({folder: "another --trace-dir"}), else `out` ("another --out"); '' when none is known."""
+    path = os.path.abspath(name)
+    if _in_cache(name):
+        return env_advice("M1_CACHE")
+    for folder, how in (places or {}).items():
+        if folder is not None and _within(path, os.path.abspath(folder)):
+            return how
+    return out or ""
+
+
+def env_advice(var: str) -> str:
+    """The advice for a place an environment variable moves (M1_CACHE, TMPDIR)."""
+    return f"point the {var} environment variable at a folder on a disk that is writable and has room"
+
+
+def describe(exc: BaseException, out: str | None = None, places: dict | None = None) -> str:
     """One line for an error a user met: what failed, on which file, and what to do. `out`: the flag or setting
-    that names the command's output (e.g. "another --out"), named as the way out of a read-only disk; a read-only
-    cache names the M1_CACHE environment variable instead."""
+    that names the command's output (e.g. "another --out"), named as the way out of a read-only or full disk;
+    `places`: other folders the command writes and their settings ({trace_dir: "another --trace-dir"}). The model
+    cache names M1_CACHE, the temp folder TMPDIR."""
     import errno
 
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"disk full while writing {exc.filename or 'the output'}: free space and rerun the same command "
-                f"(it resumes from the last checkpoint)")
+        name = exc.filename or "the output"
+        how = _place(str(exc.filename), None, places) if exc.filename else ""
+        how = f"free space (or {how})" if how.startswith("point") else f"free space{f' ({how})' if how else ''}"
+        return (f"disk full while writing {name}: {how} and rerun the same command (it resumes from the last "
+                f"checkpoint)")
     if isinstance(exc, OSError) and exc.filename:
         name, code = exc.filename, exc.errno
-        if code == errno.EROFS:
-            if _in_cache(str(name)):
-                return (f"{name}: read-only file system; point the M1_CACHE environment variable at a folder on a "
-                        f"writable disk, then rerun")
-            how = f" ({out})" if out else ""
-            return f"{name}: read-only file system; write to a folder on a writable disk{how}, then rerun"
+        if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+            how = _place(str(name), out, places)
+            if code != errno.EROFS:
+                return (f"{name}: permission denied; give this user access to it (or choose another path"
+                        f"{f': {how}' if how else ''}), then rerun")
+            if how.startswith("point"):
+                return f"{name}: read-only file system; {how}, then rerun"
+            return (f"{name}: read-only file system; write to a folder on a writable disk{f' ({how})' if how else ''}"
+                    f", then rerun")
         if code == errno.EISDIR:
             return f"{name}: is a folder where a file is needed; give a file path, then rerun"
         if code == errno.ENOTDIR:
             return f"{name}: a part of this path is a file where a folder is needed; check the path, then rerun"
-        if code in (errno.EACCES, errno.EPERM):
-            return (f"{name}: permission denied; give this user access to it (or choose another path), "
-                    f"then rerun")
         if code == errno.ENOENT:
             return f"{name}: no such file or folder; check the path, then rerun"
         return f"{name}: {exc.strerror or exc}; check the path and its permissions, then rerun"

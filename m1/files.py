@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 class WriteError(RuntimeError):
@@ -55,3 +57,26 @@ def write_whole(path: Path, data: bytes) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise WriteError(path, exc) from None
+
+
+# what libraries that write through their own code (safetensors, tokenizers: Rust) say for a full or read-only disk
+_FOREIGN_OS_ERRORS = ((errno.ENOSPC, ("No space left on device", "os error 28")),
+                      (errno.EDQUOT, ("Disk quota exceeded", "os error 122")),
+                      (errno.EROFS, ("Read-only file system", "os error 30")))
+
+
+@contextmanager
+def disk_errors(path: Path) -> Iterator[None]:
+    """Inside, a library's own exception for a full or read-only disk (safetensors' SafetensorError, a tokenizers
+    Exception) is raised again as the OSError it is, naming `path`, so the command's one error line says which place
+    is full and which setting moves it (M1_CACHE for the model cache) instead of a traceback."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:
+        text = str(exc)
+        for code, marks in _FOREIGN_OS_ERRORS:
+            if any(m in text for m in marks):
+                raise OSError(code, os.strerror(code), str(path)) from exc
+        raise

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from m1.config import TinySpec
+from m1.files import disk_errors
 from m1.models.base import ModelError
 from m1.registry import PAPER_TOOLS
 
@@ -276,9 +277,10 @@ def ensure_synth_tokenizer(root: Path, corpus: str = "synth") -> Path:
     Path(root).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        tok = build_corpus_tokenizer(corpus, tmp / "world")
-        shutil.rmtree(tmp / "world")
-        tok.save_pretrained(tmp)
+        with disk_errors(tmp):
+            tok = build_corpus_tokenizer(corpus, tmp / "world")
+            shutil.rmtree(tmp / "world")
+            tok.save_pretrained(tmp)
         _publish(tmp, final, "tokenizer_config.json")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -347,7 +349,7 @@ def ensure_tiny(spec: TinySpec, cache_dir: Path | None = None) -> Path:
 
         # seeded from the spec without touching the caller's random state: a run that builds its models on first
         # use then draws the same random numbers as a run that finds them cached
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), disk_errors(tmp):
             builders[spec.arch](spec, tmp)
         # The marker is written last: a folder without it is an unfinished build.
         (tmp / "m1_tiny.json").write_text(json.dumps(

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from m1.config import ModelSpec, ToolsConfig
+from m1.files import disk_errors
 from m1.models.clip import OpenClipModel, register_config
 from m1.schema import Question
 from m1.synth.make import make_dataset
@@ -271,7 +272,8 @@ def ensure_synth_clip(cache_dir: str | os.PathLike | None = None, progress: bool
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        train_clip(tmp, progress=progress, **params)
+        with disk_errors(tmp):
+            train_clip(tmp, progress=progress, **params)
         try:
             os.rename(tmp, final)
         except OSError:
