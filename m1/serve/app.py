@@ -180,7 +180,8 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
             tid = uuid.uuid4().hex
             await loop.run_in_executor(None, traces.add, tid, ep)
             base = str(request.base_url).rstrip("/")
-            reply = ChatCompletionResponse.from_episode(ep, name, f"{base}/traces/{tid}", ignored_fields(body))
+            reply = ChatCompletionResponse.from_episode(ep, name, f"{base}/traces/{tid}", ignored_fields(body),
+                                                        reply_id=tid)
             return JSONResponse(reply.model_dump())
         except ApiError as exc:
             return error(exc)

@@ -443,6 +443,7 @@ class M1Reply(BaseModel):
     calls: int
     trace_url: str
     ignored: list[str] = []  # the request's fields the server did not use (IGNORED_FIELDS)
+    question_id: str = ""  # the request's m1.id (or the one the server drew): several requests may share it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -455,16 +456,18 @@ class ChatCompletionResponse(BaseModel):
     m1: M1Reply
 
     @classmethod
-    def from_episode(cls, ep: Episode, team_name: str, trace_url: str,
-                     ignored: list[str] | None = None) -> "ChatCompletionResponse":
+    def from_episode(cls, ep: Episode, team_name: str, trace_url: str, ignored: list[str] | None = None,
+                     reply_id: str | None = None) -> "ChatCompletionResponse":
+        """The reply to one request. Its `id` is the reply's own (`reply_id`, else a fresh one), never the question's:
+        clients that send one m1.id with several requests still tell the replies apart; m1.question_id keeps it."""
         prompt = sum(_tokens(g.prompt, g.prompt_ids) for g in ep.generations)
         completion = sum(_tokens(g.completion, g.completion_ids) for g in ep.generations)
         answer = ep.final_answer if ep.final_answer is not None else ""
         return cls(
-            id=f"chatcmpl-{ep.id}", created=int(time.time()), model=team_name,
+            id=f"chatcmpl-{reply_id or uuid.uuid4().hex}", created=int(time.time()), model=team_name,
             choices=[Choice(message=ReplyMessage(content=answer))],
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             m1=M1Reply(answer=answer, reason=ep.final_reason, aggregation=ep.aggregation,
                        agents={a.agent: AgentReply(answer=a.answer, parse_ok=a.parse_ok) for a in ep.answers},
                        frames_used=ep.frames_used, calls=len(ep.generations), trace_url=trace_url,
-                       ignored=ignored or []))
+                       ignored=ignored or [], question_id=ep.id))

@@ -228,6 +228,12 @@ def test_ignored_fields_are_declared_once_documented_and_named_in_the_reply(worl
         bare = {k: v for k, v in _body(q, **_extra(q)).items() if k not in IGNORED_FIELDS}
         r = c.post("/v1/chat/completions", json=bare)
         assert r.status_code == 200 and r.json()["m1"]["ignored"] == []
+        # #74 case 8: requests sharing an m1.id each get their own reply id (it was `chatcmpl-<m1.id>` for all)
+        same = {**bare, "m1": {**(bare.get("m1") or {}), "id": "same-id"}}
+        replies = [c.post("/v1/chat/completions", json=same).json() for _ in range(3)]
+        assert len({x["id"] for x in replies}) == 3 and all(x["id"].startswith("chatcmpl-") for x in replies)
+        assert [x["m1"]["question_id"] for x in replies] == ["same-id"] * 3
+        assert all(x["m1"]["trace_url"].endswith(x["id"].removeprefix("chatcmpl-")) for x in replies)
 
 
 def test_openai_client_with_video_url_and_image_frames_gets_m1_infers_answers(world, cfg, team, tmp_path):
