@@ -29,6 +29,28 @@ from m1.serve.protocol import ApiError, ChatCompletionRequest, ChatCompletionRes
 log = logging.getLogger("m1.serve")  # one logger for the whole server: operators filter on it
 
 
+def server_storage_error(exc: OSError) -> ApiError | None:
+    """What a client is told when the server's own disk or file table fails it (not the request's fault): a full
+    temp folder is 507, a read-only one or too many open files 503 with Retry-After; the operator gets one log line
+    naming the place and the setting that moves it. None: not such an error (the caller re-raises)."""
+    import errno
+
+    from m1.errors import env_advice
+
+    where = exc.filename or tempfile.gettempdir()
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        log.error("no room for an upload in %s: free space, or %s", where, env_advice("TMPDIR"))
+        return ApiError(507, "the server has no room to store the upload; try again later", kind="server_error")
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        log.error("cannot write an upload in %s (%s): %s", where, exc.strerror, env_advice("TMPDIR"))
+        return ApiError(503, "the server cannot store uploads now; try again later", kind="server_error")
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        log.error("too many open files (%s): raise `ulimit -n` or lower limits.max_open_videos", exc.strerror)
+        return ApiError(503, "the server is out of file handles; try again shortly", kind="server_error",
+                        headers={"Retry-After": "5"})
+    return None
+
+
 def parse_request(body: object, team_name: str, limits: Limits, tmp: Path) -> Question:
     """The Question one chat-completions body asks, its video readable (written under `tmp` when sent inline).
     Raises ApiError naming the field for anything the server cannot answer. Blocking (files, video decoding):
@@ -162,9 +184,15 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                 raise bad("the body is not valid JSON") from None
-            tmp = Path(tempfile.mkdtemp(prefix="m1-serve-"))
             loop = asyncio.get_running_loop()
-            q = await loop.run_in_executor(None, parse_request, body, name, limits, tmp)
+            try:
+                tmp = Path(tempfile.mkdtemp(prefix="m1-serve-"))
+                q = await loop.run_in_executor(None, parse_request, body, name, limits, tmp)
+            except OSError as exc:  # the server's disk or file table, not the request: one log line, a 5xx
+                refused = server_storage_error(exc)
+                if refused is None:
+                    raise
+                raise refused from None
             job = batcher.submit(q, tmp)
             tmp = None  # the batcher removes it once the episode ran
             try:

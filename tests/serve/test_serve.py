@@ -641,3 +641,44 @@ def test_sigint_answers_what_is_in_flight_and_exits_130(world, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert "stopped by SIGINT" in log.read_text()
+
+
+def test_an_upload_onto_a_full_temp_folder_is_a_507_and_one_log_line(world, team, tmp_path, monkeypatch, caplog):
+    """#74 case 7: a `data:` upload when the server's TMPDIR is full was a generic 500 with an ASGI traceback in the
+    log. Now the client gets 507 (nothing of the server's paths), the log one line naming the folder and TMPDIR, and
+    no temp folder is left behind; once there is room the same request is answered."""
+    import logging
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("a full file system is a tmpfs mount, which needs root (as in CI)")
+    full = tmp_path / "tmp"
+    full.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        import tempfile
+
+        folder, _, qs = world
+        with open(full / "filler", "wb", buffering=0) as f:  # the temp folder's disk filled by someone else
+            try:
+                while True:
+                    f.write(b"x" * 1024)
+                    f.flush()
+            except OSError:
+                pass
+        monkeypatch.setattr(tempfile, "tempdir", str(full))
+        data = "data:video/mp4;base64," + base64.b64encode(Path(qs[0].video).read_bytes()).decode()
+        with _client(team, allowed_roots=[Path(folder).resolve()]) as c, caplog.at_level(logging.ERROR, "m1.serve"):
+            r = c.post("/v1/chat/completions", json=_body(qs[0], url=data, **_extra(qs[0])))
+            assert r.status_code == 507, r.text
+            assert r.json()["error"]["message"] == "the server has no room to store the upload; try again later"
+            lines = [x.getMessage() for x in caplog.records]
+            assert len(lines) == 1 and str(full) in lines[0] and "TMPDIR" in lines[0], lines
+            assert not any(x.exc_info for x in caplog.records) and [p.name for p in full.iterdir()] == ["filler"]
+            monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # room again
+            r = c.post("/v1/chat/completions", json=_body(qs[0], url=data, **_extra(qs[0])))
+            assert r.status_code == 200, r.text
+    finally:
+        subprocess.run(["umount", "-l", str(full)], check=False)
