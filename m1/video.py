@@ -256,6 +256,13 @@ def _bmff_layout(path: Path) -> _BmffLayout | None:
     return _BmffLayout(fragmented, declared if fragmented else None, None)
 
 
+def _count_problem(declared: int, held: int, seconds: float) -> str:
+    """Why a file whose header counts more frames than its packets hold is refused: it is cut short, or the header
+    is wrong; either way its length is not known (a header field never sets it, docs/video_input.md)."""
+    return (f"the header lists {declared} frames but the file holds {held} ({seconds:.1f} s): cut short, or a "
+            "header that contradicts its packets; if it plays whole, re-mux it (ffmpeg -i IN -c copy OUT)")
+
+
 def _held_seconds(info: VideoInfo, stream, pts: list[int] | None) -> float:
     """How long the packets present last: their timestamp span plus one average frame (not the header's frame rate,
     which FFmpeg may derive from the declared length), else frames / fps."""
@@ -391,13 +398,15 @@ def probe(path: str | os.PathLike) -> VideoInfo:
             layout = _bmff_layout(path) if "mov" in (container.format.name or "").split(",") else None
             # the packets' timestamps (demux only, no decoding): the time axis, read from the stream, not the header
             pts = _packet_table(container, stream, to_eof=layout is not None and layout.torn is not None)[0]
-            num_frames = stream.frames
-            if not num_frames or (layout is not None and layout.fragmented):
-                # e.g. mkv/webm; and fragmented mp4, whose moov counts only the samples before the first fragment
-                num_frames = len(pts)
-            info = _make_info(path, stream, container, num_frames)
-            if layout is not None:
-                _check_complete(path, info, layout, _held_seconds(info, stream, pts))
+            # the length is what the packets hold, never a header's count (an AVI's strh length, a moov that counts
+            # only the samples before the first fragment); packets without any timestamp leave it to the header
+            declared = stream.frames
+            info = _make_info(path, stream, container, len(pts) if pts else declared)
+            if layout is not None:  # a plain mp4's moov lists every sample: its count is what the header says
+                said = info if layout.fragmented or not declared else _make_info(path, stream, container, declared)
+                _check_complete(path, said, layout, _held_seconds(said, stream, pts))
+            if pts and declared > len(pts) and not (layout is not None and layout.fragmented):
+                raise VideoError(path, _count_problem(declared, len(pts), _held_seconds(info, stream, pts)))
             if len(pts) == info.num_frames:
                 info = _with_times(info, _frame_times(container, stream, pts, info.fps))
             index = stream.index
@@ -569,9 +578,9 @@ class _DecordBackend:
             raise VideoError(path, "the video stream has no frames")
         if header.mirrored:  # decord turns a picture by the matrix's angle but never mirrors it
             raise VideoError(path, "decord cannot show a mirrored display matrix")
-        if header.times is not None:  # frames off the i/fps grid: the packets' own times, if decord sees them all
-            if num_frames != header.num_frames:
-                raise VideoError(path, f"decord sees {num_frames} frames, the packets {header.num_frames}")
+        if num_frames != header.num_frames:  # decord may count from a header field; the packets decide
+            raise VideoError(path, f"decord sees {num_frames} frames, the packets {header.num_frames}")
+        if header.times is not None:  # frames off the i/fps grid: the packets' own times
             self.info = header
         else:
             self.info = replace(header, num_frames=num_frames, fps=fps, duration=num_frames / fps)
@@ -609,8 +618,7 @@ class _PyAVBackend:
             declared = self._stream.frames
             self._pts, self._keys = _packet_table(self._container, self._stream)
             if declared and len(self._pts) < declared:
-                raise VideoError(path, f"the header lists {declared} frames but only {len(self._pts)} "
-                                       "are in the file (truncated?)")
+                raise VideoError(path, _count_problem(declared, len(self._pts), header.duration))
             info = _make_info(path, self._stream, self._container, len(self._pts))
             info = _with_times(info, _frame_times(self._container, self._stream, self._pts, info.fps))
             self._orientation = _orientation_of(header)
