@@ -112,3 +112,22 @@ def test_many_videos_keep_open_files_bounded_and_no_handles_is_a_503(bounded_tea
     assert _ask(client, fresh).status_code == 200
     assert list(scratch.iterdir()) == []
 
+
+@pytest.mark.slow
+def test_a_short_soak_keeps_open_files_within_the_setting(tmp_path, m1_cache):
+    """The soak script (benchmarks/serve_soak.py) for 40 s over 24 videos under `ulimit -n 64` with
+    limits.max_open_videos=8: no request fails and the server's open files stay bounded."""
+    import json
+    import subprocess
+
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_soak.py"), "--videos", "24", "--seconds",
+                        "40", "--max-open", "8", "--nofile", "64", "--every", "10", "--json", str(out),
+                        "--folder", str(tmp_path / "videos")],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["errors"] == 0 and report["requests"] >= 24
+    base = report["samples"][0]["open_files"]
+    assert all(s["open_files"] <= base + 8 + 4 for s in report["samples"]), report["samples"]
