@@ -284,6 +284,10 @@ class LimitsConfig(Strict):
     batch_episodes: int = Field(8, ge=1, description="Episodes (questions) run together as one batch.")
     frame_cache_mb: int = Field(4096, ge=16, description="Decoded frames kept in memory (LRU), shared by all agents "
                                                          "and episodes.")
+    max_open_videos: int = Field(64, ge=1, description=(
+        "Videos held open at once (one file handle and a decoder each); the least recently used are closed and "
+        "opened again when next read, so a long `m1 serve` over ever new files keeps its handles and memory "
+        "bounded. Keep it well under `ulimit -n`."))
     max_prompt_tokens: int | None = Field(None, ge=1, description=(
         "Prompt budget of every agent call in the agent's own tokens (m1/team/budget.py): over it, peers' notes are "
         "trimmed oldest first, and a prompt that still does not fit follows over_budget. None: no budget (training "

@@ -28,6 +28,7 @@ from m1.files import WriteError, write_whole
 from m1.locks import hold
 from m1.models.tiny import spec_hash
 from m1.schema import Episode, Question
+from m1.signature import Signature, signature
 
 
 class ResultsFile:
@@ -171,20 +172,62 @@ def invalid_row(q: Question) -> dict:
             "error": f"invalid question: {q.meta[INVALID]}"}
 
 
+FINGERPRINT_PREFIX = "c1:"  # fingerprints over the video's content signature; older lines hold 16 bare hex digits
+
+
+def _video_identity(video: str, content: bool) -> list:
+    """[resolved path, size, mtime] and, with `content`, the hash of the file's blocks (m1/signature.py)."""
+    try:
+        path = Path(video).resolve()
+        if not content:
+            st = path.stat()
+            return [str(path), st.st_size, st.st_mtime_ns]
+        sig = signature(path)
+        return [str(path), sig.size, sig.mtime_ns, sig.blocks]
+    except (OSError, RuntimeError, ValueError):  # missing, a link loop: the row is an error anyway
+        return [video, None, None]
+
+
+def _hash(identity: list, q: Question) -> str:
+    asked = [identity, q.text, q.task, list(q.options), q.answer]
+    return hashlib.sha256(json.dumps(asked, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def fingerprint(q: Question, _stat: dict | None = None) -> str:
-    """A short hash of what was asked: the video's identity (resolved path, size, mtime) and the question's text,
+    """A short hash of what was asked: the video's content signature (resolved path, size, mtime and the hash of a
+    few blocks, so a file rewritten with the same size and mtime still counts as changed) and the question's text,
     task, options and ground truth. A results line records it, so a rerun sees a question edited under its id.
     `_stat`: a cache of video path -> identity shared by the calls of one run (many questions per video)."""
     cache = {} if _stat is None else _stat
     if q.video not in cache:
-        try:
-            path = Path(q.video).resolve()
-            st = path.stat()
-            cache[q.video] = [str(path), st.st_size, st.st_mtime_ns]
-        except (OSError, RuntimeError, ValueError):  # missing, a link loop: the row is an error anyway
-            cache[q.video] = [q.video, None, None]
-    asked = [cache[q.video], q.text, q.task, list(q.options), q.answer]
-    return hashlib.sha256(json.dumps(asked, ensure_ascii=False).encode()).hexdigest()[:16]
+        cache[q.video] = _video_identity(q.video, content=True)
+    return FINGERPRINT_PREFIX + _hash(cache[q.video], q)
+
+
+def changed_since(q: Question, _stat: dict) -> str | None:
+    """Why the video of `q` no longer holds the content its `fingerprint` recorded earlier in this run (`_stat`, the
+    same cache), or None: rewritten or replaced while it was answered, its answer may stand on two files. A file
+    that went away is not counted: its reader held it open and read one content."""
+    was, now = _stat.get(q.video), _video_identity(q.video, content=True)
+    if was is None or now[1] is None or now == was:
+        return None
+    return (f"cannot read video {now[0]}: the file changed on disk during the run (was {Signature(*was[1:])}; now "
+            f"{Signature(*now[1:])}); rerun to answer it from the new file")
+
+
+def same_question(recorded: str | None, q: Question, current: str, _stat: dict | None = None) -> bool:
+    """Whether a line's recorded fingerprint matches the question as asked now (`current`: its `fingerprint`). A
+    line without one, written before fingerprints, matches; one written before content signatures is checked by
+    what it recorded (path, size, mtime), so an upgrade re-answers nothing that did not change."""
+    if recorded is None or recorded == current:
+        return True
+    if recorded.startswith(FINGERPRINT_PREFIX):
+        return False
+    cache = {} if _stat is None else _stat
+    key = ("stat", q.video)
+    if key not in cache:
+        cache[key] = _video_identity(q.video, content=False)
+    return recorded == _hash(cache[key], q)
 
 
 # ------------------------------------------------------------------ the team that wrote it

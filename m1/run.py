@@ -20,8 +20,8 @@ from m1.contracts import Team
 from m1.data.loaders import INVALID
 from m1.files import WriteError, write_whole
 from m1.locks import hold
-from m1.results import (ResultsFile, check_team, fingerprint, invalid_row, part_path, record_split, result_row,
-                        shard_of)
+from m1.results import (ResultsFile, changed_since, check_team, fingerprint, invalid_row, part_path, record_split,
+                        result_row, same_question, shard_of)
 from m1.schema import Episode, Question
 from m1.signals import Stopped, StopOnSignals
 from m1.team.kinds import make_team
@@ -171,7 +171,7 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSign
     failed = results.failed & {q.id for q in questions}
     # a line without a fingerprint (written before they existed) counts as matching: an upgrade re-answers nothing
     stale = {q.id for q in questions if q.id in results.done and q.id not in failed
-             and results.fps.get(q.id) not in (None, fps[q.id])}
+             and not same_question(results.fps.get(q.id), q, fps[q.id], stat)}
     retry = (set() if keep_errors else failed) | (set() if keep_stale else stale)
     todo = [q for q in questions if q.id not in results.done or q.id in retry]
     summary = RunSummary(out=Path(out), skipped_done=len(questions) - len(todo),
@@ -213,6 +213,9 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSign
     last_index = [time.monotonic()]  # when the index was last written (first: INDEX_EVERY_S into the run)
 
     def done(ep: Episode) -> None:
+        changed = None if ep.error else changed_since(ep.question, stat)
+        if changed:  # the answer may mix two files' frames: an error row, which a rerun answers again
+            ep = ep.model_copy(update={"error": changed, "final_answer": None, "final_reason": ""})
         row = {**result_row(ep), "fp": fps[ep.id]}
         with stop.write():
             if trace_dir is not None:

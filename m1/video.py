@@ -1,8 +1,10 @@
 """Video I/O: probing, sampling by time, a bounded shared frame cache, and writing mp4s.
 
 Every agent, tool and episode asks for frames of the same few videos, so decoding goes through a
-shared `FrameCache` and one `VideoReader` per file (`VideoPool`): a frame is decoded once. Backend
-failures of every kind surface as `VideoError`, which names the file and the cause.
+shared `FrameCache` and one `VideoReader` per file (`VideoPool`): a frame is decoded once. A reader and its frames
+stand for the content they were read from (its signature, m1/signature.py), never for a name, and a pool holds a
+bounded number of files open. Backend failures of every kind surface as `VideoError`, which names the file and the
+cause; running out of file handles is the OSError it is (`out_of_handles`), since no video is at fault.
 
 Time convention: frame i is on screen from its start time until the next frame's, on the clock a player shows
 (0 at the start of the file). For a constant-rate stream that starts at 0 the start of frame i is i/fps; a stream
@@ -18,6 +20,7 @@ player to turn it. Frames come out as a player shows them: turned (and mirrored)
 from __future__ import annotations
 
 import bisect
+import errno
 import itertools
 import math
 import os
@@ -31,6 +34,8 @@ from pathlib import Path
 from typing import BinaryIO, Iterable, Sequence
 
 import numpy as np
+
+from m1.signature import Signature, signature
 
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".avi", ".mov", ".webm", ".m4v")
 BACKENDS = ("auto", "decord", "pyav")
@@ -52,6 +57,30 @@ class VideoError(Exception):
 
     def __reduce__(self):  # keep pickling (worker processes) working with the two-arg init
         return (type(self), (self.path, self.reason))
+
+
+class VideoChanged(VideoError):
+    """The file changed on disk after M1 began reading it: frames of two files must never be mixed in one answer, so
+    the question is an error row that a rerun answers from the new file."""
+
+    @classmethod
+    def of(cls, path: str | os.PathLike, was: Signature, now: Signature | None) -> VideoChanged:
+        now_text = f"now {now}" if now is not None else "now unreadable"
+        return cls(path, f"the file changed on disk while it was being read (was {was}; {now_text}); "
+                         "rerun to answer from the new file")
+
+
+def out_of_handles(exc: BaseException) -> OSError | None:
+    """The OSError to raise when `exc` says the process or system ran out of file handles (EMFILE/ENFILE, as an
+    OSError or in FFmpeg's and decord's words), else None. That is no fault of the video, so it must not become a
+    VideoError (an error row, a 400 that blames the file): the caller stops, or `m1 serve` answers 503."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        return exc
+    text = str(exc)
+    if "Too many open files" in text:
+        code = errno.ENFILE if "in system" in text else errno.EMFILE
+        return OSError(code, os.strerror(code))
+    return None
 
 
 def _cause(exc: BaseException) -> str:
@@ -256,6 +285,13 @@ def _bmff_layout(path: Path) -> _BmffLayout | None:
     return _BmffLayout(fragmented, declared if fragmented else None, None)
 
 
+def _count_problem(declared: int, held: int, seconds: float) -> str:
+    """Why a file whose header counts more frames than its packets hold is refused: it is cut short, or the header
+    is wrong; either way its length is not known (a header field never sets it, docs/video_input.md)."""
+    return (f"the header lists {declared} frames but the file holds {held} ({seconds:.1f} s): cut short, or a "
+            "header that contradicts its packets; if it plays whole, re-mux it (ffmpeg -i IN -c copy OUT)")
+
+
 def _held_seconds(info: VideoInfo, stream, pts: list[int] | None) -> float:
     """How long the packets present last: their timestamp span plus one average frame (not the header's frame rate,
     which FFmpeg may derive from the declared length), else frames / fps."""
@@ -391,18 +427,22 @@ def probe(path: str | os.PathLike) -> VideoInfo:
             layout = _bmff_layout(path) if "mov" in (container.format.name or "").split(",") else None
             # the packets' timestamps (demux only, no decoding): the time axis, read from the stream, not the header
             pts = _packet_table(container, stream, to_eof=layout is not None and layout.torn is not None)[0]
-            num_frames = stream.frames
-            if not num_frames or (layout is not None and layout.fragmented):
-                # e.g. mkv/webm; and fragmented mp4, whose moov counts only the samples before the first fragment
-                num_frames = len(pts)
-            info = _make_info(path, stream, container, num_frames)
-            if layout is not None:
-                _check_complete(path, info, layout, _held_seconds(info, stream, pts))
+            # the length is what the packets hold, never a header's count (an AVI's strh length, a moov that counts
+            # only the samples before the first fragment); packets without any timestamp leave it to the header
+            declared = stream.frames
+            info = _make_info(path, stream, container, len(pts) if pts else declared)
+            if layout is not None:  # a plain mp4's moov lists every sample: its count is what the header says
+                said = info if layout.fragmented or not declared else _make_info(path, stream, container, declared)
+                _check_complete(path, said, layout, _held_seconds(said, stream, pts))
+            if pts and declared > len(pts) and not (layout is not None and layout.fragmented):
+                raise VideoError(path, _count_problem(declared, len(pts), _held_seconds(info, stream, pts)))
             if len(pts) == info.num_frames:
                 info = _with_times(info, _frame_times(container, stream, pts, info.fps))
             index = stream.index
         return _oriented(info, _orientation(_display_matrix(path, index), path))
     except _av_errors() as exc:
+        if out_of_handles(exc) is not None:
+            raise out_of_handles(exc) from exc
         try:  # FFmpeg gives up on a file cut inside a `moof` (EOF): say that it is cut when the boxes show it
             layout = _bmff_layout(path)
         except OSError:
@@ -480,7 +520,9 @@ def time_indices(info: VideoInfo, timestamps: Iterable[float]) -> list[int]:
 
 
 class FrameCache:
-    """Thread-safe LRU of decoded RGB frames keyed by (path, frame index), bounded in bytes."""
+    """Thread-safe LRU of decoded RGB frames keyed by (path, frame index), bounded in bytes. A frame may carry a tag
+    (a reader passes its file's content signature): a lookup with another tag misses and drops the stale frame, so a
+    file replaced under its name never serves the old file's frames."""
 
     def __init__(self, max_bytes: int = 1 << 30):
         if max_bytes < 0:
@@ -491,13 +533,18 @@ class FrameCache:
         self.evictions = 0
         self._nbytes = 0
         self._items: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._tags: dict[tuple[str, int], object] = {}
         self._lock = threading.Lock()
 
-    def get(self, path: str, index: int) -> np.ndarray | None:
-        """The cached frame (read-only) or None; counts a hit or a miss."""
+    def get(self, path: str, index: int, tag: object = None) -> np.ndarray | None:
+        """The cached frame (read-only) stored with `tag`, or None; counts a hit or a miss."""
         key = (str(path), int(index))
         with self._lock:
             frame = self._items.get(key)
+            if frame is not None and self._tags.get(key) != tag:  # another content under this name
+                self._nbytes -= self._items.pop(key).nbytes
+                self._tags.pop(key, None)
+                frame = None
             if frame is None:
                 self.misses += 1
                 return None
@@ -505,21 +552,25 @@ class FrameCache:
             self.hits += 1
             return frame
 
-    def put(self, path: str, index: int, frame: np.ndarray) -> None:
+    def put(self, path: str, index: int, frame: np.ndarray, tag: object = None) -> None:
         """Store a frame, evicting least recently used ones; frames larger than the bound are not kept."""
         key = (str(path), int(index))
         frame = np.ascontiguousarray(frame)
         frame.setflags(write=False)  # shared by every caller: nobody may mutate it
         with self._lock:
             old = self._items.pop(key, None)
+            self._tags.pop(key, None)
             if old is not None:
                 self._nbytes -= old.nbytes
             if frame.nbytes > self.max_bytes:
                 return
             self._items[key] = frame
+            if tag is not None:
+                self._tags[key] = tag
             self._nbytes += frame.nbytes
             while self._nbytes > self.max_bytes:
-                _, dropped = self._items.popitem(last=False)
+                gone, dropped = self._items.popitem(last=False)
+                self._tags.pop(gone, None)
                 self._nbytes -= dropped.nbytes
                 self.evictions += 1
 
@@ -541,10 +592,12 @@ class FrameCache:
         with self._lock:
             for key in [k for k in self._items if k[0] == str(path)]:
                 self._nbytes -= self._items.pop(key).nbytes
+                self._tags.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._tags.clear()
             self._nbytes = 0
 
 
@@ -564,14 +617,16 @@ class _DecordBackend:
             num_frames = len(self._vr)
             fps = float(self._vr.get_avg_fps()) or header.fps
         except _decord_errors() as exc:
+            if out_of_handles(exc) is not None:
+                raise out_of_handles(exc) from exc
             raise VideoError(path, f"decord could not open it: {_cause(exc)}") from exc
         if num_frames <= 0:
             raise VideoError(path, "the video stream has no frames")
         if header.mirrored:  # decord turns a picture by the matrix's angle but never mirrors it
             raise VideoError(path, "decord cannot show a mirrored display matrix")
-        if header.times is not None:  # frames off the i/fps grid: the packets' own times, if decord sees them all
-            if num_frames != header.num_frames:
-                raise VideoError(path, f"decord sees {num_frames} frames, the packets {header.num_frames}")
+        if num_frames != header.num_frames:  # decord may count from a header field; the packets decide
+            raise VideoError(path, f"decord sees {num_frames} frames, the packets {header.num_frames}")
+        if header.times is not None:  # frames off the i/fps grid: the packets' own times
             self.info = header
         else:
             self.info = replace(header, num_frames=num_frames, fps=fps, duration=num_frames / fps)
@@ -602,6 +657,8 @@ class _PyAVBackend:
         try:
             self._container = av.open(str(path), metadata_errors="ignore")
         except _av_errors() as exc:
+            if out_of_handles(exc) is not None:
+                raise out_of_handles(exc) from exc
             raise VideoError(path, _cause(exc)) from exc
         try:
             self._stream = _video_stream(self._container, path)
@@ -609,8 +666,7 @@ class _PyAVBackend:
             declared = self._stream.frames
             self._pts, self._keys = _packet_table(self._container, self._stream)
             if declared and len(self._pts) < declared:
-                raise VideoError(path, f"the header lists {declared} frames but only {len(self._pts)} "
-                                       "are in the file (truncated?)")
+                raise VideoError(path, _count_problem(declared, len(self._pts), header.duration))
             info = _make_info(path, self._stream, self._container, len(self._pts))
             info = _with_times(info, _frame_times(self._container, self._stream, self._pts, info.fps))
             self._orientation = _orientation_of(header)
@@ -701,10 +757,16 @@ class VideoReader:
 
     `decoded` counts frames this reader fetched from the file (cache misses), so callers can
     check that every frame is decoded once. Safe to share between threads (one decode at a time).
+
+    A reader belongs to the content it was opened on (`signature`, m1/signature.py): its frames are cached under it,
+    and every decode checks that the file still holds it. A file changed after opening makes the reader a
+    VideoChanged from then on (`changed`), so no answer mixes frames of two files. `release()` closes the file and
+    keeps what was learnt about it; the next decode opens it again (the same content only). `on_use(reader)` is
+    called at each decode, while the file is open: a VideoPool bounds its open files with it.
     """
 
     def __init__(self, path: str | os.PathLike, cache: FrameCache | None = None,
-                 backend: str = "auto", threads: int = 1):
+                 backend: str = "auto", threads: int = 1, on_use=None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.path = Path(path).resolve()
@@ -712,9 +774,16 @@ class VideoReader:
         self.decoded = 0
         self.decode_seconds = 0.0  # wall time spent decoding (cache misses only)
         self.requested_backend = backend
+        self.changed: str | None = None  # why the file is no longer the one opened (sticky)
         self._threads = threads
+        self._on_use = on_use
         self._lock = threading.Lock()
-        header = probe(self.path)  # rejects missing/empty/non-video files before any backend
+        _check_file(self.path)  # missing, empty, not a file: named before anything is read
+        signed = _signature_of(self.path)
+        if signed is None:
+            raise VideoError(self.path, "cannot be read (permission denied, or it went away)")
+        self.signature: Signature = signed
+        header = probe(self.path)  # rejects non-video files before any backend
         self._header = header
         if backend == "auto":
             try:
@@ -728,11 +797,22 @@ class VideoReader:
         else:
             self._backend = _open_backend(backend, self.path, header, threads)
         self.info: VideoInfo = self._backend.info
+        self._kind = self._backend.name
+        try:
+            self._verify()  # what was probed and opened is the content signed above
+        except VideoError:
+            self._backend.close()
+            raise
 
     @property
     def backend(self) -> str:
         """The backend actually in use ('decord' or 'pyav')."""
-        return self._backend.name
+        return self._kind
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the reader holds its file open now (a released one opens it again on its next decode)."""
+        return self._backend is not None
 
     def __len__(self) -> int:
         return self.info.num_frames
@@ -747,15 +827,39 @@ class VideoReader:
             out.append(int(i))
         return out
 
+    def _verify(self) -> None:
+        """Raise VideoChanged (and remember it) when the file no longer holds the signed content. A file that is
+        gone while this reader holds it open is still the content it reads."""
+        now = _signature_of(self.path)
+        if now is None and self._backend is not None:
+            return
+        if now != self.signature:
+            error = VideoChanged.of(self.path, self.signature, now)
+            self.changed = error.reason
+            raise error
+
+    def _ensure_open(self) -> None:
+        if self._backend is not None:
+            return
+        self._verify()
+        backend = _open_backend(self._kind, self.path, self._header, self._threads)
+        if backend.info.num_frames != self.info.num_frames:
+            backend.close()
+            raise VideoError(self.path, f"opened again, it holds {backend.info.num_frames} frames, not "
+                                        f"{self.info.num_frames}")
+        self._backend = backend
+
     def _decode(self, missing: list[int]) -> dict[int, np.ndarray]:
         try:
             return self._backend.read(missing)
         except VideoError:
+            self._verify()  # a file that changed mid-decode is said to have changed, not to be broken
             if self.requested_backend != "auto" or self._backend.name != "decord":
                 raise
         # auto: decord opened the file but cannot decode it; PyAV gets one chance
         self._backend.close()
         self._backend = _open_backend("pyav", self.path, self._header, self._threads)
+        self._kind = "pyav"
         if self._backend.info.num_frames != self.info.num_frames:
             raise VideoError(self.path, f"decord saw {self.info.num_frames} frames, PyAV "
                                         f"{self._backend.info.num_frames}; cannot switch backend")
@@ -769,15 +873,22 @@ class VideoReader:
             return np.zeros((0, h, w, 3), np.uint8)
         key = str(self.path)
         with self._lock:
+            if self.changed is not None:
+                raise VideoChanged(self.path, self.changed)
             got: dict[int, np.ndarray] = {}
             for i in dict.fromkeys(order):
-                cached = self.cache.get(key, i) if self.cache is not None else None
+                cached = self.cache.get(key, i, self.signature) if self.cache is not None else None
                 if cached is not None:
                     got[i] = cached
             missing = sorted(set(order) - got.keys())
             if missing:
+                self._ensure_open()
+                if self._on_use is not None:
+                    self._on_use(self)
                 t0 = time.perf_counter()
+                self._verify()
                 decoded = self._decode(missing)
+                self._verify()  # nothing decoded from a file that changed meanwhile is kept
                 self.decode_seconds += time.perf_counter() - t0
                 for i in missing:
                     frame = decoded[i]
@@ -786,7 +897,7 @@ class VideoReader:
                                                     f"expected ({h}, {w}, 3) uint8")
                     got[i] = frame
                     if self.cache is not None:
-                        self.cache.put(key, i, frame)
+                        self.cache.put(key, i, frame, self.signature)
                 self.decoded += len(missing)
         return np.stack([got[i] for i in order])
 
@@ -795,6 +906,8 @@ class VideoReader:
         any model is asked about it, never an answer from zero frames."""
         try:
             self.frames([0])
+        except VideoChanged:
+            raise
         except VideoError as exc:
             raise VideoError(self.path, f"no frame can be read ({exc.reason})") from exc
 
@@ -802,9 +915,23 @@ class VideoReader:
         """Start time in seconds of each frame."""
         return [index_to_time(self.info, i) for i in self._check(list(indices))]
 
+    def release(self, blocking: bool = True, then=None) -> bool:
+        """Close the file (the next decode opens it again). Not blocking: False, and nothing done, while another
+        thread decodes. `then()` runs under the reader's lock once the file is closed."""
+        if not self._lock.acquire(blocking=blocking):
+            return False
+        try:
+            if self._backend is not None:
+                self._backend.close()
+                self._backend = None
+            if then is not None:
+                then()
+            return True
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
-        with self._lock:
-            self._backend.close()
+        self.release()
 
     def __enter__(self) -> VideoReader:
         return self
@@ -813,29 +940,42 @@ class VideoReader:
         self.close()
 
 
-def _file_signature(path: Path) -> tuple | None:
+def _signature_of(path: Path) -> Signature | None:
+    """The file's content signature, None when it cannot be read (missing, ...); running out of file handles is
+    raised as the OSError it is."""
     try:
-        st = path.stat()
-    except OSError:
+        return signature(path)
+    except OSError as exc:
+        if out_of_handles(exc) is not None:
+            raise
         return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 class VideoPool:
     """One VideoReader per resolved path and one FrameCache for all of them; thread-safe.
 
-    A file that failed to open keeps failing fast with the same error until it changes on disk.
+    A reader is reused only while its file holds the content it was opened on (checked by signature at each
+    `open`): a file replaced under its name gets a new reader, and its old frames are dropped. At most `max_open`
+    readers hold their file open: the least recently used ones are released (a reader in use is never closed under
+    its caller; a released one opens again when next decoded), so a server over ever new files keeps its file
+    handles and memory bounded. A file that failed to open keeps failing fast with the same error until it
+    changes on disk.
     """
 
     def __init__(self, cache: FrameCache | None = None, max_bytes: int = 1 << 30,
-                 backend: str = "auto", threads: int = 1):
+                 backend: str = "auto", threads: int = 1, max_open: int = 64):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if max_open < 1:
+            raise ValueError(f"max_open must be >= 1, got {max_open}")
         self.cache = cache if cache is not None else FrameCache(max_bytes)
         self.backend = backend
         self.threads = threads
-        self._readers: dict[str, VideoReader] = {}
-        self._failures: dict[str, tuple[tuple | None, VideoError]] = {}
+        self.max_open = max_open
+        self.max_kept = 4 * max_open  # readers remembered (released ones hold no file, only what was probed)
+        self._readers: OrderedDict[str, VideoReader] = OrderedDict()
+        self._open: OrderedDict[int, VideoReader] = OrderedDict()  # readers holding their file, least recent first
+        self._failures: OrderedDict[str, tuple[Signature | None, VideoError]] = OrderedDict()
         self._path_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
 
@@ -845,30 +985,75 @@ class VideoPool:
             raise VideoError(path, problem)
         resolved = Path(path).resolve()
         key = str(resolved)
+        now = _signature_of(resolved)
         with self._lock:
-            reader = self._readers.get(key)
+            reader = self._current(key, now)
             if reader is not None:
                 return reader
             path_lock = self._path_locks.setdefault(key, threading.Lock())
         with path_lock:  # other paths open in parallel; the same path opens once
             with self._lock:
-                reader = self._readers.get(key)
+                reader = self._current(key, now)
                 if reader is not None:
                     return reader
+                stale = self._readers.pop(key, None)
                 failure = self._failures.get(key)
-            signature = _file_signature(resolved)
-            if failure is not None and failure[0] == signature:
+            if stale is not None:  # the name holds other content now: its old reader and frames go
+                self._retire(stale)
+                self.cache.drop(key)
+            if failure is not None and failure[0] == now:
                 raise VideoError(failure[1].path, failure[1].reason)
             try:
-                reader = VideoReader(resolved, cache=self.cache, backend=self.backend, threads=self.threads)
+                reader = VideoReader(resolved, cache=self.cache, backend=self.backend, threads=self.threads,
+                                     on_use=self._used)
             except VideoError as exc:
                 with self._lock:
-                    self._failures[key] = (signature, exc)
+                    self._failures[key] = (now, exc)
+                    while len(self._failures) > self.max_kept:
+                        self._failures.popitem(last=False)
                 raise
             with self._lock:
                 self._failures.pop(key, None)
                 self._readers[key] = reader
+                dropped = []
+                while len(self._readers) > self.max_kept:
+                    gone_key, gone = self._readers.popitem(last=False)
+                    self._path_locks.pop(gone_key, None)
+                    dropped.append(gone)
+            for gone in dropped:
+                self._retire(gone)
+            self._used(reader)
             return reader
+
+    def _current(self, key: str, now: Signature | None) -> VideoReader | None:
+        """The remembered reader of `key` if the file still holds its content (under self._lock)."""
+        reader = self._readers.get(key)
+        if reader is None or now is None or reader.changed is not None or reader.signature != now:
+            return None
+        self._readers.move_to_end(key)
+        return reader
+
+    def _used(self, reader: VideoReader) -> None:
+        """`reader` holds its file open and is being used: it becomes the most recent, and the least recent ones
+        beyond `max_open` are released, skipping any that another thread is decoding with right now."""
+        with self._lock:
+            self._open[id(reader)] = reader
+            self._open.move_to_end(id(reader))
+            over = len(self._open) - self.max_open
+            victims = [r for r in self._open.values() if r is not reader][:max(0, over)]
+        for victim in victims:
+            self._retire(victim)
+
+    def _retire(self, reader: VideoReader, blocking: bool = False) -> None:
+        def untrack():
+            with self._lock:
+                self._open.pop(id(reader), None)
+        reader.release(blocking=blocking, then=untrack)
+
+    def open_files(self) -> int:
+        """How many readers hold their file open now."""
+        with self._lock:
+            return len(self._open)
 
     def forget(self, path: str | os.PathLike) -> None:
         """Close the reader of a file that is gone for good (an upload `m1 serve` deleted) and drop its frames,
@@ -879,7 +1064,7 @@ class VideoPool:
             self._failures.pop(key, None)
             self._path_locks.pop(key, None)
         if reader is not None:
-            reader.close()
+            self._retire(reader, blocking=True)
         self.cache.drop(key)
 
     def probe(self, path: str | os.PathLike) -> VideoInfo:
@@ -898,9 +1083,11 @@ class VideoPool:
 
     def close(self) -> None:
         with self._lock:
-            readers, self._readers = list(self._readers.values()), {}
+            readers = list(self._readers.values()) + [r for r in self._open.values()
+                                                      if r not in self._readers.values()]
+            self._readers = OrderedDict()
         for reader in readers:
-            reader.close()
+            self._retire(reader, blocking=True)
 
 
 def link_problem(path: str | os.PathLike) -> str | None:

@@ -50,8 +50,8 @@ from m1.models.preflight import summary
 from m1.plots import PlotError, read_metrics
 from m1.results import ResultsFile
 from m1.signals import Stopped
+from m1.signature import file_sha256
 from m1.synth.make import make_dataset
-from m1.tools.clip_index import file_sha256
 
 log = logging.getLogger(__name__)
 

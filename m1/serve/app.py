@@ -200,6 +200,11 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
             except asyncio.TimeoutError:
                 batcher.cancel(job)
                 raise ApiError(504, f"no answer within {limits.timeout_s:g} s (--timeout)", kind="timeout") from None
+            except OSError as exc:  # e.g. out of file handles opening the video: the server's fault, a 5xx
+                refused = server_storage_error(exc)
+                if refused is None:
+                    raise
+                raise refused from None
             if ep.error:
                 msg = ep.error.replace(str(Path(ep.question.video).parent), "<upload>")
                 if msg.startswith("prompt too long: "):  # over a model's context or the prompt budget: both counts

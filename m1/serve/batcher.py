@@ -15,6 +15,7 @@ from m1.contracts import Team
 from m1.schema import Question
 from m1.serve.limits import Limits
 from m1.serve.protocol import ApiError
+from m1.video import out_of_handles
 
 log = logging.getLogger("m1.serve")  # one logger for the whole server: operators filter on it
 GATHER_ROUNDS = 20  # a batch waits at most this many gather windows for a burst to arrive
@@ -28,10 +29,34 @@ class _Job:
     cancelled: bool = False
 
 
+_left: set[Path] = set()  # temporary folders that could not be removed yet: tried again at every cleanup
+_reported: set[Path] = set()
+_left_lock = threading.Lock()
+
+
 def cleanup(tmp: Path | None) -> None:
-    """Remove a request's temporary folder (its uploaded video or encoded frames), if it has one."""
-    if tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Remove a request's temporary folder (its uploaded video or encoded frames), if it has one. One that cannot
+    be removed now (out of file handles, say) is logged once and tried again at each later cleanup, so none is left
+    behind once the cause has passed."""
+    with _left_lock:
+        todo = [*_left, *([Path(tmp)] if tmp is not None else [])]
+        _left.clear()
+    for folder in todo:
+        try:
+            shutil.rmtree(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            with _left_lock:
+                _left.add(folder)
+                first = folder not in _reported
+                _reported.add(folder)
+            if first:
+                log.warning("cannot remove the temporary folder %s yet (%s); trying again with the next request",
+                            folder, exc.strerror or exc)
+        else:
+            with _left_lock:
+                _reported.discard(folder)
 
 
 class Batcher:
@@ -91,7 +116,8 @@ class Batcher:
                     if not j.future.done():  # a timed-out request's future was cancelled
                         j.future.set_result(ep)
             except Exception as exc:  # a model that failed: every request of the batch gets a 500, the server stays
-                log.error("batch of %d failed: %s: %s", len(jobs), type(exc).__name__, exc)
+                if out_of_handles(exc) is None:  # out of file handles: the app logs it once per request, as a 503
+                    log.error("batch of %d failed: %s: %s", len(jobs), type(exc).__name__, exc)
                 for j in jobs:
                     if not j.future.done():
                         j.future.set_exception(exc)
@@ -124,6 +150,7 @@ class Batcher:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout)
+        cleanup(None)  # folders a full file table kept from being removed
 
     @property
     def pending(self) -> int:

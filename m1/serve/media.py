@@ -13,6 +13,7 @@ from urllib.parse import unquote, urlparse
 
 from m1.serve.limits import Limits
 from m1.serve.protocol import ApiError, ChatCompletionRequest, bad
+from m1.video import out_of_handles
 
 
 def _parse_url(url: str, param: str):
@@ -47,7 +48,11 @@ def local_media(url: str, roots: list[Path], param: str) -> Path:
         raise bad(f"file path {raw!r} holds '..'", param)
     try:
         real = Path(raw).resolve(strict=True)
-    except (OSError, RuntimeError):
+    except OSError as exc:
+        if out_of_handles(exc) is not None:  # the server's file table, not the request: a 503 (m1/serve/app.py)
+            raise
+        raise bad(f"no such video file: {raw}", param) from None
+    except RuntimeError:  # a symlink loop
         raise bad(f"no such video file: {raw}", param) from None
     if not _within(real, roots):
         raise bad(f"{raw} is outside the allowed media roots", param)
@@ -118,5 +123,7 @@ def video_file(req: ChatCompletionRequest, limits: Limits, tmp: Path) -> Path:
     try:
         probe(path)
     except (VideoError, OSError) as exc:
+        if out_of_handles(exc) is not None:  # the server's file table, not the video: a 503 (m1/serve/app.py)
+            raise
         raise bad(f"unreadable video: {str(exc).replace(str(tmp), '<upload>')}", "messages") from None
     return path

@@ -95,7 +95,8 @@ class Team:
                              f"not run; build the team with m1.team.kinds.make_team")
         self.cfg = cfg
         self.hub = hub if hub is not None else ModelHub(cfg.models)
-        self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20)
+        self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20,
+                                                                 max_open=cfg.limits.max_open_videos)
         self.agents = [PolicyAgent(a, cfg.tools.enabled) for a in cfg.agents]
         self.served = ServedMembers(cfg, self.hub)  # agents that are whole served teams: they only answer
         self.policies = [a for a in self.agents if a.name not in self.served.names]  # the agents that plan here
@@ -489,6 +490,9 @@ class Team:
 
     def _finish(self, ep: _Episode) -> Episode:
         note = None
+        changed = getattr(ep.video, "changed", None)
+        if ep.error is None and changed is not None:  # an answer never stands on frames of two files
+            ep.error, ep.final, ep.reason = f"cannot read video {ep.video.path}: {changed}", None, ""
         if ep.error is None and not ep.frames:  # no answer from nothing (docs/cli.md)
             failed = [t.error for r in ep.memory.to_dict().values() for t in r.turns
                       if t.error and "cannot read video" in t.error]

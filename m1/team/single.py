@@ -69,7 +69,8 @@ class SingleAgentTeam:
         self.kind = self.agent.kind
         self.settings = settings_for(self.kind, cfg.seed_system)
         self.hub = hub if hub is not None else ModelHub(cfg.models)
-        self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20)
+        self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20,
+                                                                 max_open=cfg.limits.max_open_videos)
         self.order = [self.agent.name]
         self.tools = SeedTools(self.settings, cfg.tools, self._clip)
         self.system = prompts.system_prompt(self.kind, self.settings.tools, self.settings.zoom_frames)
@@ -338,6 +339,9 @@ class SingleAgentTeam:
 
     def _finish(self, r: _Run) -> Episode:
         name = self.agent.name
+        changed = getattr(r.video, "changed", None)
+        if r.error is None and changed is not None:  # an answer never stands on frames of two files
+            r.error, r.answer, r.reason = f"cannot read video {r.video.path}: {changed}", None, ""
         answers = []
         if r.error is None:
             answers = [AgentAnswer(agent=name, answer=r.answer or "", reason=r.reason, parse_ok=r.parse_ok)]

@@ -30,22 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from m1.models.base import ClipModel
+from m1.signature import Signature, file_sha256, signature
 
 CACHE_VERSION = 1
-_HASH_CHUNK = 1 << 20
 
 
 class ClipCacheWarning(RuntimeWarning):
     """The on-disk CLIP cache could not be read or written; embeddings are recomputed."""
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file's bytes, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def model_fingerprint(model: ClipModel) -> str:
@@ -68,17 +59,12 @@ def model_fingerprint(model: ClipModel) -> str:
     return json.dumps(parts, sort_keys=True, default=str)
 
 
-def _signature(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
-
-
 @dataclass
 class _Video:
     """What the index holds for one path: its rows and, with a disk cache, its content key."""
 
     rows: dict[int, np.ndarray] = field(default_factory=dict)
-    signature: tuple[int, int, int] | None = None
+    signature: Signature | None = None  # the content the rows were computed from (m1/signature.py)
     sha256: str | None = None
 
 
@@ -103,7 +89,7 @@ class ClipIndex:
         path = str(video.info.path)
         indices = [int(i) for i in indices]
         with self._lock:
-            entry = self._entry(path)
+            entry = self._entry(path, getattr(video, "signature", None))
             missing = sorted({i for i in indices if i not in entry.rows})
             self._encode(video, entry, path, missing)
             # rows dropped by a width mismatch with the disk cache are encoded afresh
@@ -142,22 +128,24 @@ class ClipIndex:
         return self.cache_dir / f"{slug}-{digest}" / f"{video_sha256}.npz"
 
     # ------------------------------------------------------------------ internals
-    def _entry(self, path: str) -> _Video:
-        """The rows of `path`; with a disk cache, re-keyed (and reloaded) when the file changed."""
+    def _entry(self, path: str, sig: Signature | None) -> _Video:
+        """The rows of `path` for the content its reader was opened on (`sig`, the reader's signature): rows of a
+        file since replaced under its name are never reused. With a disk cache the content's SHA-256 keys them."""
         entry = self._videos.get(path)
         if self.cache_dir is None:
-            if entry is None:
-                entry = self._videos[path] = _Video()
+            if entry is None or entry.signature != sig:
+                entry = self._videos[path] = _Video(signature=sig)
             return entry
         try:
-            sig = _signature(path)
+            sig = sig if sig is not None else signature(path)
             if entry is not None and entry.signature == sig:
                 return entry
             sha = file_sha256(path)
-        except OSError as exc:  # gone or unreadable since it was opened: keep what we have
-            if entry is None:
-                self._warn(f"cannot hash {path} for the CLIP cache ({exc}); its embeddings stay in memory only")
-                entry = self._videos[path] = _Video()
+            if signature(path) != sig:  # changed since its reader opened it: the hash is not of what is read
+                raise OSError(f"{path} changed since it was opened")
+        except OSError as exc:  # gone, unreadable or changed since it was opened: memory only
+            self._warn(f"cannot hash {path} for the CLIP cache ({exc}); its embeddings stay in memory only")
+            entry = self._videos[path] = _Video(signature=sig)
             return entry
         if entry is not None and entry.sha256 == sha:  # touched, same bytes
             entry.signature = sig

@@ -22,7 +22,7 @@ from m1.files import WriteError
 from m1.locks import LockError, hold, hold_dir, holder
 from m1.team.kinds import TEAM_KINDS, KindSpec
 from m1.schema import AgentRecord, Episode, Question, Topology
-from m1.results import result_row
+from m1.results import FINGERPRINT_PREFIX, result_row
 from tests.core.test_e2e_tiny import REPO, _infer, folder  # noqa: F401  (folder is a fixture)
 
 IDS = [f"q{i:02d}" for i in range(10)]
@@ -361,7 +361,7 @@ def test_disk_full_on_a_results_line_cuts_it_back_and_the_rerun_completes(tmp_pa
     qfile.write_text("".join(json.dumps({"id": f"q{i:02d}", "video": f"v{i}.mp4", "text": "Which?",
                                          "options": ["x", "y"]}) + "\n" for i in range(5)))
     out = tmp_path / "results.jsonl"
-    row = {**result_row(_episode(_qs(tmp_path, 1)[0])), "fp": "0" * 16}  # a results line: the row and its fingerprint
+    row = {**result_row(_episode(_qs(tmp_path, 1)[0])), "fp": FINGERPRINT_PREFIX + "0" * 16}  # a line and its fingerprint
     line = len((json.dumps(row, ensure_ascii=False) + "\n").encode())
     disk = FullDisk(room=2 * line + 10, only=lambda path: path == out)  # two lines fit, the third tears
     monkeypatch.setattr(files, "open_for_write", disk.open)

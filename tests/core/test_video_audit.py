@@ -121,6 +121,13 @@ CASES = {
                              pix_fmt="yuv444p"),
     "header length and rate wrong": Case(pictures(10, 64, 48), [i / 5 for i in range(10)], 5,
                                          patch=[(b"mvhd", 16, (10 ** 6).to_bytes(4, "big"))]),
+    # headers that contradict the packets they describe: the movie's timescale, and the track's and media's
+    # durations (tkhd at payload offset 20, mdhd at 16): the length still comes from the packets
+    "header timescale wrong": Case(pictures(10, 64, 48), [i / 5 for i in range(10)], 5,
+                                   patch=[(b"mvhd", 12, (7).to_bytes(4, "big"))]),
+    "track and media durations wrong": Case(pictures(10, 64, 48), [i / 5 for i in range(10)], 5,
+                                            patch=[(b"tkhd", 20, (10 ** 6).to_bytes(4, "big")),
+                                                   (b"mdhd", 16, (10 ** 6).to_bytes(4, "big"))]),
     "long and sparse": Case(pictures(40, 32, 32), [15.0 * i for i in range(40)], 1),
     "audio first, video from 0.5 s": Case(pictures(8, 64, 48), [0.5 + i / 4 for i in range(8)], 4,
                                           audio_first=True),
@@ -230,3 +237,43 @@ def test_a_display_matrix_that_is_not_a_quarter_turn_is_an_error_that_says_so(tm
             container.mux(packet)
     with pytest.raises(VideoError, match="turns the picture by 30 degrees, not a quarter turn"):
         VideoReader(path)
+
+
+def _avi(path: Path, declared: int | None) -> Path:
+    """Ten frames at 5 fps in an AVI whose stream header (`strh` length) may declare another count."""
+    import struct
+
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=5)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for img in pictures(10, 64, 48):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    if declared is not None:
+        blob = bytearray(path.read_bytes())
+        at = blob.index(b"strh") + 8 + 32  # fccType, handler, flags, priority+language, initial frames, scale,
+        blob[at:at + 4] = struct.pack("<I", declared)  # rate, start: then the length in frames
+        path.write_bytes(bytes(blob))
+    return path
+
+
+@pytest.mark.parametrize("backend", ["auto", "pyav"] + (["decord"] if HAS_DECORD else []))
+def test_a_header_frame_count_never_sets_the_length(tmp_path, backend):
+    """#74 case 12: an AVI's header count of frames contradicting its packets set the length: declared 1000, probe
+    said 200 s while decord read 2 s; declared 5, probe said 1 s and the readers 2 s. Fewer declared than held: every
+    path reads what the packets hold. More declared: the file is cut short or its header is wrong, an error that says
+    so on every path (probe, each backend), never a length taken from the header."""
+    clean = _avi(tmp_path / "clean.avi", None)
+    reference = VideoReader(clean, backend="pyav").info
+    fewer = _avi(tmp_path / "fewer.avi", 5)
+    for info in (probe(fewer), VideoReader(fewer, backend=backend).info):
+        assert (info.num_frames, info.times) == (10, reference.times)
+        assert abs(info.duration - reference.duration) < 1e-6
+    more = _avi(tmp_path / "more.avi", 1000)
+    for read in (probe, lambda p: VideoReader(p, backend=backend)):
+        with pytest.raises(VideoError, match="header lists 1000 frames but the file holds 10"):
+            read(more)
