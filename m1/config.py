@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from m1.registry import (CPP, DEFAULTS, PAPER_TOOLS, SAGE_UNAVAILABLE, TOOL_NAMES, agent_kinds, is_seed,
+from m1.registry import (CPP, DEFAULTS, KINDS, PAPER_TOOLS, SAGE_UNAVAILABLE, TOOL_NAMES, agent_kinds, is_seed,
                          vision_model_attrs)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/ (a link), or the wheel's copy
@@ -361,8 +361,8 @@ class TeamConfig(Strict):
         seeded = [(i, a) for i, a in enumerate(self.agents) if is_seed(a.kind)]
         if not seeded:
             if self.seed_system is not None:
-                raise ValueError("seed_system: applies to agents of kind weaver, zoomer or sage; every agent here "
-                                 "is kind cpp")
+                raise ValueError(f"seed_system: applies to agents of a seed kind ({', '.join(KINDS)}); every agent "
+                                 f"here is kind {CPP}")
             kinds = list(dict.fromkeys(a.kind for a in self.agents))
             if len(kinds) > 1:  # the team's kind picks its engine (m1/team/kinds.py)
                 raise ValueError(f"agents: a team's agents share one kind, got {kinds}")

@@ -385,7 +385,7 @@ def seed_reward(episode: Episode, kind: str, agent: str | None = None) -> SeedRe
     SEED_WEIGHTS, SAGE_STEP). Right or wrong is `m1.data.metrics.is_correct` on the team's final answer, the
     evaluation's own definition (grounding: IoU >= 0.5)."""
     if kind not in KINDS:
-        raise ValueError(f"rewards.kind: {kind!r} has no seed reward (weaver, zoomer, sage)")
+        raise ValueError(f"rewards.kind: {kind!r} has no seed reward ({', '.join(KINDS)})")
     if episode.question.answer is None:
         raise ValueError(f"question {episode.question.id!r}: no ground truth answer; the seed reward needs one")
     agent = agent if agent is not None else next(iter(episode.memory))

@@ -29,7 +29,7 @@ from m1.kinds.parsers import parse_reply
 from m1.kinds.tools import Context, Observation, SeedTools
 from m1.models.base import ChatRequest, SamplingParams, ServerUnavailable, VisionRequest, text_only
 from m1.models.hub import ModelHub
-from m1.registry import is_seed
+from m1.registry import KINDS, is_seed
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology, Turn
 from m1.team import budget
 from m1.text import format_span, parse_span
@@ -63,7 +63,7 @@ class SingleAgentTeam:
 
     def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
         if len(cfg.agents) != 1 or not is_seed(cfg.agents[0].kind):
-            raise ValueError(f"team {cfg.name!r}: SingleAgentTeam runs one agent of kind weaver, zoomer or sage")
+            raise ValueError(f"team {cfg.name!r}: SingleAgentTeam runs one agent of a seed kind ({', '.join(KINDS)})")
         self.cfg = cfg
         self.agent = cfg.agents[0]
         self.kind = self.agent.kind
