@@ -10,6 +10,7 @@ import pytest
 
 from m1.data.questions import InputError, build_questions, read_questions
 from tests.conftest import make_video
+from tests.core.test_faults import intact, invoke, mount, one_error  # noqa: F401  (mount: a fixture)
 
 
 def _rows(n: int, video: str) -> bytes:
@@ -71,50 +72,29 @@ def test_m1_infer_answers_questions_piped_on_stdin(tmp_path, m1_cache):
         out.unlink()
 
 
-def test_read_only_home_trace_dir_and_a_full_model_cache_name_their_setting(tmp_path, monkeypatch):
+def test_read_only_home_trace_dir_and_a_full_model_cache_name_their_setting(tmp_path, monkeypatch, mount):
     """Cases 9 and 10: a read-only HOME (no M1_CACHE) advises M1_CACHE, not "another --out"; a read-only
     --trace-dir advises another --trace-dir; a model cache on a full disk is one error line naming M1_CACHE (it was
     a safetensors traceback, exit 1). Nothing is written to the results file in any of them."""
-    from tests.core.test_faults import intact, invoke, mount, one_error  # noqa: F401  (mount: a fixture)
-
-    pytest.importorskip("typer")
-    if os.geteuid() != 0:
-        pytest.skip("read-only and full file systems are tmpfs mounts, which need root (as in CI)")
-    mounted = []
-
-    def _mount(name, size, ro=False):
-        d = tmp_path / name
-        d.mkdir()
-        opts = f"size={size}" + (",ro" if ro else "")
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
-        if r.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-        mounted.append(d)
-        return d
-
     video = tmp_path / "vids"
     video.mkdir()
     make_video(video / "clip0.mp4", seconds=4, fps=2, size=64)
     out = tmp_path / "res.jsonl"
-    try:
-        home = _mount("home", "1m", ro=True)
-        monkeypatch.setenv("HOME", str(home))
-        monkeypatch.delenv("M1_CACHE", raising=False)
-        line = one_error(invoke("infer", video, "-q", "Which?", "--out", out), home, "read-only file system",
-                         "M1_CACHE environment variable")
-        assert "--out" not in line and intact(out) == []
+    home = mount("home", "1m", ro=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("M1_CACHE", raising=False)
+    line = one_error(invoke("infer", video, "-q", "Which?", "--out", out), home, "read-only file system",
+                     "M1_CACHE environment variable")
+    assert "--out" not in line and intact(out) == []
 
-        monkeypatch.setenv("M1_CACHE", str(tmp_path / "cache"))
-        ro = _mount("ro", "1m", ro=True)
-        line = one_error(invoke("infer", video, "-q", "Which?", "--out", out, "--trace-dir", ro / "traces"),
-                         ro / "traces", "read-only file system", "another --trace-dir")
-        assert "--out)" not in line and intact(out) == []
+    monkeypatch.setenv("M1_CACHE", str(tmp_path / "cache"))
+    ro = mount("ro", "1m", ro=True)
+    line = one_error(invoke("infer", video, "-q", "Which?", "--out", out, "--trace-dir", ro / "traces"),
+                     ro / "traces", "read-only file system", "another --trace-dir")
+    assert "--out)" not in line and intact(out) == []
 
-        full = _mount("full", "64k")
-        monkeypatch.setenv("M1_CACHE", str(full / "cache"))
-        line = one_error(invoke("infer", video, "-q", "Which?", "--out", out), "disk full while writing",
-                         full / "cache", "M1_CACHE environment variable")
-        assert intact(out) == [] and not [p for p in (full / "cache").rglob(".*") if p.is_dir()]  # no half build
-    finally:
-        for d in reversed(mounted):
-            subprocess.run(["umount", "-l", str(d)], check=False)
+    full = mount("full", "64k")
+    monkeypatch.setenv("M1_CACHE", str(full / "cache"))
+    one_error(invoke("infer", video, "-q", "Which?", "--out", out), "disk full while writing", full / "cache",
+              "M1_CACHE environment variable")
+    assert intact(out) == [] and not [p for p in (full / "cache").rglob(".*") if p.is_dir()]  # no half build
