@@ -19,6 +19,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from m1.results import FINGERPRINT_PREFIX
 from tests.conftest import fragmented_mp4, make_video
 
 pytestmark = pytest.mark.slow
@@ -190,7 +191,8 @@ def test_an_edited_question_is_answered_again(work, tmp_path, m1_cache):
     args = ("infer", vids, "--questions", qfile, "--out", out)
     assert invoke(*args).exit_code == 0
     first = intact(out)
-    assert all(len(x["fp"]) == 16 for x in first)
+    assert all(x["fp"].startswith(FINGERPRINT_PREFIX) and len(x["fp"]) == len(FINGERPRINT_PREFIX) + 16
+               for x in first)
     r = invoke(*args)
     assert r.exit_code == 0 and "0 answered, 2 already done, 0 errors" in r.stdout, r.output
 
