@@ -40,3 +40,16 @@ def test_the_mini_base_recipe_starts_from_the_base_with_the_loss(name):
         assert rnd.learner.attention.weight == 1.0 and rnd.team_config().models["qwen3_big"].tiny is not None
     if "sft_marl" in exp.arms:
         assert exp.owner("sft_marl", "sft") == "sft"  # MARL trains on from the loss arm's SFT
+
+
+@pytest.mark.parametrize("kind", ["weaver", "zoomer", "sage"])
+def test_each_seed_kind_student_starts_from_the_base_with_the_loss_on_dev_and_held_out(kind):
+    base = (Path(__file__).parents[2] / "assets" / "mini_base").resolve()
+    dev, held = load_experiment(f"seed_kinds_{kind}_dev"), load_experiment(f"seed_kinds_{kind}")
+    for exp in (dev, held):
+        sft = _sft(exp, "sft")
+        policy = sft.team_config().models["policy"]
+        assert sft.learner.attention.weight == 1.0 and policy.tiny is None and Path(policy.path).resolve() == base
+    # the dev file trains the stages the held-out file's seed 0 reuses, and evaluates them on the dev world only
+    assert dev.out_dir == held.out_dir and dev.rows_dir == held.rows_dir
+    assert "dev" in dev.eval.questions and "test" in held.eval.questions and dev.eval.folder != held.eval.folder

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  
 MCQ = Question(id="q1", video="v.mp4", text="What colour is the car?", options=["red", "blue", "green", "grey"],
                answer="B")
 GROUND = Question(id="q2", video="v.mp4", text="When does the car appear?", task="grounding", answer="[10 - 20]")
+BASE = (Path(__file__).parents[2] / "assets" / "mini_base").resolve()  # the students' start (issue #71)
 TINY = {"arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 3}
 
 
@@ -299,7 +301,7 @@ def test_seed_configs_refuse_what_does_not_apply(tmp_path):
 
 @pytest.mark.parametrize("kind", ["weaver", "zoomer", "sage"])
 def test_shipped_seed_kind_configs_load_with_one_loop_for_teacher_student_and_eval(kind):
-    """Each kind's SFT and GRPO configs train a tiny text policy that reads the frames' descriptions, in the same
+    """Each kind's SFT and GRPO configs train the mini base as a text policy that reads the frames' descriptions, in the same
     loop as the rule-based teacher it learns from and the experiment that evaluates it; its replies fit the
     learner's completion budget."""
     from m1.experiment.config import load_experiment
@@ -311,7 +313,8 @@ def test_shipped_seed_kind_configs_load_with_one_loop_for_teacher_student_and_ev
     for cfg in (marl, sft):
         team = cfg.team_config()
         assert team.agents[0].kind == kind and team.models[team.agents[0].model].kind == "chat"
-        assert team.models[team.agents[0].model].tiny is not None and team.seed_system.captioner == "vision"
+        policy = team.models[team.agents[0].model]
+        assert policy.tiny is None and Path(policy.path).resolve() == BASE and team.seed_system.captioner == "vision"
         assert team.seed_system.reply_tokens == cfg.learner.max_completion_tokens
         for other in (teacher, evaluated):
             loop = {k: v for k, v in other.seed_system.model_dump().items() if k != "reply_tokens"}
