@@ -1,4 +1,4 @@
-"""The seed kinds' tools over one video, backed by what M1 has: frame sampling (m1/video.py), the CLIP index
+"""The seed kinds' tools over one video, backed by what M1 has: frame sampling (m1/video/), the CLIP index
 (m1/tools/clip_index.py) and the vision model of the browse tools (`tools.browser` / `grounding` / `space`).
 
 | tool | the paper's backing | here |

@@ -17,7 +17,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import m1.video as video  # noqa: E402
+import m1.video.reader as video_reader  # noqa: E402
 from tests.conftest import fragmented_mp4, top_boxes  # noqa: E402
 from m1.video import (  # noqa: E402
     FrameCache, VideoError, VideoInfo, VideoPool, VideoReader, fps_indices, index_to_time, list_videos,
@@ -345,8 +345,8 @@ def test_pool_remembers_failures_until_the_file_changes(videos, tmp_path, monkey
     bad = tmp_path / "bad.mp4"
     bad.write_bytes(b"not a video at all" * 50)
     calls = []
-    real_probe = video.probe
-    monkeypatch.setattr(video, "probe", lambda p: (calls.append(p), real_probe(p))[1])
+    real_probe = video_reader.probe
+    monkeypatch.setattr(video_reader, "probe", lambda p: (calls.append(p), real_probe(p))[1])  # what readers call
     pool = VideoPool()
     with pytest.raises(VideoError) as first:
         pool.open(bad)
@@ -454,7 +454,7 @@ def test_a_cut_fragmented_mp4_is_incomplete_not_shorter(videos, tmp_path, mehd):
 def test_a_fragmented_mp4_cut_between_fragments(videos, tmp_path):
     """Cut exactly where a fragment ends, no box is torn: with `mehd` the declared length still tells; without one
     nothing in the file says more was meant, so it reads as the shorter video it holds (the limit noted in
-    video.py)."""
+    m1/video/bmff.py)."""
     for mehd in (10.0, None):
         whole = fragmented_mp4(videos["clip"], tmp_path / "whole.mp4", mehd_seconds=mehd)
         data = whole.read_bytes()
