@@ -27,8 +27,7 @@ from m1.video import VideoPool
 
 
 class Team(Protocol):
-    """Answers questions as episodes, a batch at a time. The CPP Team's `run` also takes `temperatures` (per-agent
-    credit, which only a team of several agents has)."""
+    """Answers questions as episodes, a batch at a time."""
 
     # answering (m1 infer / eval / serve): a prompt over budget ends only its question's episode, as an error row
     over_budget_rows: bool
@@ -43,8 +42,10 @@ class Team(Protocol):
         """The frames decoded so far (trace thumbnails reuse them); None: a team that decodes none."""
 
     def run(self, questions: list[Question], topologies: list[Topology] | None = None,
-            rng: random.Random | None = None,
-            on_episode: Callable[[Episode], None] | None = None) -> list[Episode]: ...
+            rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None,
+            temperatures: list[dict[str, float]] | None = None) -> list[Episode]:
+        """`temperatures`: one {agent: temperature} per question overriding those agents' own in its episode (agent
+        credit holds every agent but the credited one greedy)."""
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling seed sequence (a resumed training run repeats its rollouts)."""
