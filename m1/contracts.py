@@ -107,7 +107,8 @@ class RolloutEngine(Protocol):
 
 
 class TeamKind(Protocol):
-    """What differs in training between the CPP team and a seed kind: its phases, DAG, reward and summaries."""
+    """What differs in training between the CPP team and a seed kind: its phases, DAG, reward, summaries and the
+    teacher generations SFT learns from."""
 
     @property
     def name(self) -> str: ...
@@ -141,6 +142,11 @@ class TeamKind(Protocol):
 
     def check(self, cfg: Any, team: TeamConfig, trained: list[str]) -> None:
         """Refuse a TrainConfig this kind cannot train."""
+
+    def sft_examples(self, episodes: list[Episode], rewards: Any, judge: Any, phases: Sequence[str],
+                     keep_revised_plans: bool, plan_filter: str) -> tuple[list[Any], dict[str, int]]:
+        """The generations of a teacher's episodes SFT learns from (SFTExamples), and counts of what was kept and
+        why the rest was not: the kind's own rule (`rewards`, `judge` and the plan options are the CPP rule's)."""
 
 
 class StepTrainer(Protocol):

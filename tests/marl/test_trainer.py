@@ -402,7 +402,8 @@ def test_lr_schedules_warm_up_then_hold_or_decay_to_zero():
 @pytest.mark.slow
 def test_sft_trainer_follows_the_lr_schedule(tmp_path, m1_cache):
     from m1.marl.config import SFTConfig
-    from m1.marl.sft import SFTExample, SFTTrainer
+    from m1.marl.sft import SFTTrainer
+    from m1.marl.sft_examples import SFTExample
 
     examples = [SFTExample(agent="qwen2_small", question_id=f"q{i}", phase="plan", messages=[{"role": "user", "content": "hi"}],
                            completion="##Plan: x") for i in range(6)]
@@ -579,7 +580,8 @@ def test_init_from_starts_marl_from_the_sft_runs_weights(tmp_path, video, m1_cac
     assert not (tmp_path / "marl").exists()  # refused before anything ran
 
     # the SFT run: three LoRA steps on plans (lr 1e-2 moves the adapters), then MARL starts from it
-    from m1.marl.sft import SFTExample, sft_main, write_examples
+    from m1.marl.sft import sft_main, write_examples
+    from m1.marl.sft_examples import SFTExample
 
     write_examples(tmp_path / "examples.jsonl", [
         SFTExample(agent=a, question_id=f"q{i}", phase="plan", completion="##tool use: <Global Sampling>",
