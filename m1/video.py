@@ -510,11 +510,6 @@ def fps_indices(info: VideoInfo, fps: float, start: float = 0.0, end: float | No
     return out
 
 
-def time_indices(info: VideoInfo, timestamps: Iterable[float]) -> list[int]:
-    """The frame on screen at each time (clipped), sorted and deduplicated."""
-    return sorted({time_to_index(info, float(t)) for t in timestamps})
-
-
 # --------------------------------------------------------------------------------------------
 # cache
 
