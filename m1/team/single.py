@@ -3,7 +3,8 @@
 A team of one agent of `kind: weaver | zoomer | sage` runs here instead of the CPP engine, behind the same
 entry points (`m1.team.kinds.make_team`, `m1 infer`, `m1 eval`, `run_questions`) and into the same `Episode`, so
 results lines, traces and metrics are unchanged. Per turn, every episode in flight gets one batched generate call
-of the policy model, and the vision requests of all tool calls one batched call per vision model.
+of the policy model (one per temperature where `run(temperatures=)` sets episodes apart), and the vision
+requests of all tool calls one batched call per vision model.
 
     turn 0    user: glance (uniform frames, each after its time) + question
     turn k    policy reply -> parsed (m1/kinds/parsers.py) -> tool call(s) | answer
