@@ -27,8 +27,7 @@ from m1.video import VideoPool
 
 
 class Team(Protocol):
-    """Answers questions as episodes, a batch at a time. The CPP Team's `run` also takes `temperatures` (per-agent
-    credit, which only a team of several agents has)."""
+    """Answers questions as episodes, a batch at a time."""
 
     # answering (m1 infer / eval / serve): a prompt over budget ends only its question's episode, as an error row
     over_budget_rows: bool
@@ -43,8 +42,10 @@ class Team(Protocol):
         """The frames decoded so far (trace thumbnails reuse them); None: a team that decodes none."""
 
     def run(self, questions: list[Question], topologies: list[Topology] | None = None,
-            rng: random.Random | None = None,
-            on_episode: Callable[[Episode], None] | None = None) -> list[Episode]: ...
+            rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None,
+            temperatures: list[dict[str, float]] | None = None) -> list[Episode]:
+        """`temperatures`: one {agent: temperature} per question overriding those agents' own in its episode (agent
+        credit holds every agent but the credited one greedy)."""
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling seed sequence (a resumed training run repeats its rollouts)."""
@@ -106,7 +107,8 @@ class RolloutEngine(Protocol):
 
 
 class TeamKind(Protocol):
-    """What differs in training between the CPP team and a seed kind: its phases, DAG, reward and summaries."""
+    """What differs in training between the CPP team and a seed kind: its phases, DAG, reward, summaries and the
+    teacher generations SFT learns from."""
 
     @property
     def name(self) -> str: ...
@@ -140,6 +142,11 @@ class TeamKind(Protocol):
 
     def check(self, cfg: Any, team: TeamConfig, trained: list[str]) -> None:
         """Refuse a TrainConfig this kind cannot train."""
+
+    def sft_examples(self, episodes: list[Episode], rewards: Any, judge: Any, phases: Sequence[str],
+                     keep_revised_plans: bool, plan_filter: str) -> tuple[list[Any], dict[str, int]]:
+        """The generations of a teacher's episodes SFT learns from (SFTExamples), and counts of what was kept and
+        why the rest was not: the kind's own rule (`rewards`, `judge` and the plan options are the CPP rule's)."""
 
 
 class StepTrainer(Protocol):

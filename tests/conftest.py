@@ -117,6 +117,23 @@ def varied_reward(episodes):
     return out
 
 
+def is_dag(top) -> bool:
+    """A topology's edges have no cycle (Kahn's algorithm): what every sampled training DAG must be."""
+    indegree = {a: 0 for a in top.agents}
+    for _, b in top.edges:
+        indegree[b] += 1
+    ready, seen = [a for a, n in indegree.items() if n == 0], 0
+    while ready:
+        a = ready.pop()
+        seen += 1
+        for src, b in top.edges:
+            if src == a:
+                indegree[b] -= 1
+                if indegree[b] == 0:
+                    ready.append(b)
+    return seen == len(indegree)
+
+
 def pytest_configure(config):
     """One torch thread: on 2 shared cores, tiny models run many times faster single-threaded."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")

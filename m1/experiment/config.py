@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from m1.config import Strict, load_config, resolve_config_path
+from m1.config import Strict, load_config
 
 STAGES = ("sft", "marl", "eval")
 RESERVED = ("data", "logs", "plots")  # folders in <out_dir> that are not arms
@@ -240,7 +240,3 @@ class Experiment(Strict):
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Experiment:
     """An experiment YAML: a path, or a name in configs/experiments/. Unknown keys are errors naming file and key."""
     return load_config(Experiment, path, overrides, "experiments")
-
-
-def experiment_path(path: str | Path) -> Path:
-    return resolve_config_path(path, "experiments")

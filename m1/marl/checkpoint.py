@@ -155,13 +155,6 @@ def checkpoint_history(out_dir: Path) -> list[Path]:
     return folders
 
 
-def finished_checkpoints(out_dir: Path, include_interim: bool = True) -> list[Path]:
-    """The run's checkpoint folders, oldest first; without `include_interim`, only those of the checkpoint schedule
-    (not the extra ones a stop wrote), e.g. the members of an average."""
-    done = checkpoint_history(out_dir)[::-1]
-    return done if include_interim else [p for p in done if not _state_of(p).get("interim", False)]
-
-
 def find_latest_checkpoint(out_dir: Path) -> Path | None:
     """The newest checkpoint of a run, unverified (e.g. to name its weights); resumes use `resume_point`."""
     history = checkpoint_history(out_dir)

@@ -107,14 +107,6 @@ def deepspeed_engine(model, optimizer, ds_config: dict[str, Any]):
 
 
 # ------------------------------------------------------------------------------------------------ Ray
-def ray_available() -> bool:
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _require_ray():
     try:
         import ray

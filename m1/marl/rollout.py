@@ -157,13 +157,13 @@ def run_rollouts(team: Team, questions: Sequence[Question], k: int, topology: To
     if k < 1:
         raise RolloutError(f"num_generations must be >= 1, got {k}")
     repeated = [q for q in questions for _ in range(k)]
-    extra: dict[str, Any] = {}  # a CPP team's per-agent temperatures (credit agent is refused for a seed kind)
+    temperatures = None
     if focus is not None:
         names = [a.name for a in team.cfg.agents]
         if len(focus) != len(questions) or any(f not in names for f in focus):
             raise RolloutError(f"focus: needs one agent of {names} per question ({len(questions)}), got {list(focus)}")
-        extra["temperatures"] = [{a: 0.0 for a in names if a != f} for f in focus for _ in range(k)]
-    flat = team.run(repeated, topologies=[topology] * len(repeated), **extra)
+        temperatures = [{a: 0.0 for a in names if a != f} for f in focus for _ in range(k)]
+    flat = team.run(repeated, topologies=[topology] * len(repeated), temperatures=temperatures)
     if len(flat) != len(repeated):
         raise RolloutError(f"team returned {len(flat)} episodes for {len(repeated)} requests")
     groups = [flat[i * k:(i + 1) * k] for i in range(len(questions))]

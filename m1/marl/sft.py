@@ -1,17 +1,9 @@
 """Supervised fine-tuning of the team's agents on plans a teacher team wrote.
 
 Data (`build_sft_data`): run a teacher team (the rule-based teacher of M1-Synth, or an API team such as GPT-4o
-agents) over questions and keep a generation by the paper's rule: **at least one agent of the episode answered
-right, and the writing agent's plan was never changed** (it never added a tool during communication). "Right" is a
-positive result reward R_res (MCQ: the right letter; grounding: IoU above 0.5; numeric: MRA above 0.5; open: the
-judge's or an exact-match verdict). By default only plan generations are kept (`phases: [plan]`), as in the paper.
-The other phases (ours) need only the first condition: the plan condition is about plans, and an episode whose plan
-was revised is exactly where the communicate step that revised it, and the answers written from the revised evidence,
-are worth learning (on M1-Synth the teacher revises every "flash near the end" plan, so the strict rule would leave
-the students almost no open-ended answers). `keep_revised_plans` (ours) also keeps the plan of an agent that revised
-it when that agent itself answered right: the revision is then learnt from its communicate example, and questions the
-teacher always revises (M1-Synth's late flashes: 0 of 640 plans kept by the strict rule) get plan examples at all.
-The prompts are the teacher's chats, so any student can be trained on them with its own tokenizer.
+agents) over questions and keep the generations its team kind's rule keeps (m1/marl/sft_examples.py: the paper's keep
+rule for CPP teams, right trajectories for a seed kind). The prompts are the teacher's chats, so any student can be
+trained on them with its own tokenizer.
 
 Training (`SFTTrainer`): each student agent's learner (LoRA or full, the same `AgentLearner` as MARL) minimises
 cross-entropy on the completion tokens only — prompt tokens, tool outputs and memory text are context — averaged over
@@ -25,12 +17,12 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+from m1.contracts import Team
 from m1.data.metrics import truth_letter
-from m1.evidence import ChatEvidence
 from m1.files import write_whole
 from m1.marl.checkpoint import find_latest_checkpoint, load_checkpoint, resume_point, save_checkpoint
 from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
@@ -38,16 +30,16 @@ from m1.marl.groups import build_learners, host_driver_models, reserve_placement
 from m1.marl.launch import infer_command, run_training
 from m1.marl.learner import seed_everything
 from m1.marl.loop import run_steps
-from m1.marl.rewards import RewardConfig, batch_agent_rewards, seed_rewards
+from m1.marl.rewards import RewardConfig
 from m1.marl.rollout import training_team_config
+from m1.marl.sft_examples import SFTExample
 from m1.marl.stream import QuestionStream, load_questions
-from m1.marl.team_kinds import seed_phases
+from m1.marl.team_kinds import team_kind
 from m1.marl.trackers import require_trackers
-from m1.schema import LETTERS, Episode, Question, Turn
+from m1.schema import LETTERS, Question
 from m1.models.hub import ModelHub
 from m1.plots import plot_finished_run
 from m1.team.kinds import make_team
-from m1.team.single import SingleAgentTeam
 
 log = logging.getLogger(__name__)
 
@@ -65,142 +57,15 @@ def rotate_options(question: Question, shift: int) -> Question:
     return question.model_copy(update={"options": options, "answer": truth})
 
 
-@dataclass
-class SFTExample:
-    """One kept generation: the chat the teacher agent saw and what it wrote."""
-
-    agent: str
-    question_id: str
-    phase: str
-    messages: list[dict[str, Any]]
-    completion: str
-    video: str | None = None  # the video of the messages' image parts (seed kinds): a VLM student decodes them again
-    # where the completion reads the messages, as the teacher recorded it (m1/evidence.py ChatEvidence); None: not
-    # recorded (older files, served teachers). Read by `learner.attention` (the evidence attention loss)
-    evidence: list[ChatEvidence] | None = None
-
-    def __post_init__(self):  # read back from JSON, each entry is a dict
-        if self.evidence is not None:
-            self.evidence = [e if isinstance(e, ChatEvidence) else ChatEvidence(**e) for e in self.evidence]
-
-    @classmethod
-    def from_json(cls, line: str, where: str = "") -> SFTExample:
-        try:
-            return cls(**json.loads(line))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: not an SFT example ({exc})") from exc
-
-
-# ------------------------------------------------------------------------------------------------ the keep rule
-def plan_unchanged(episode: Episode, agent: str) -> bool:
-    """True when the agent never added a tool to its plan during communication."""
-    rec = episode.memory.get(agent)
-    if rec is None:
-        return False
-    return not any(t.decision is not None and t.decision.action == "add_tool" for t in rec.turns)
-
-
-def right_agents(episodes: Sequence[Episode], rewards: RewardConfig, judge=None) -> list[list[str]]:
-    """Per episode, the agents whose own answer earns a positive result reward."""
-    cfg = rewards.model_copy(update={"w_col": 0.0})  # only R_res matters here: no collaboration verdicts needed
-    ok = [e for e in episodes if e.error is None]
-    scored = iter(batch_agent_rewards(ok, cfg, judge))
-    out = []
-    for e in episodes:
-        per = next(scored) if e.error is None else {}
-        out.append([a for a, b in per.items() if b.res > 0])
-    return out
-
-
-def select_examples(episodes: Sequence[Episode], rewards: RewardConfig, judge=None,
-                    phases: Sequence[str] = ("plan",), keep_revised_plans: bool = False,
-                    plan_filter: str = "keep_rule") -> tuple[list[SFTExample], dict[str, int]]:
-    """Apply the keep rule to episodes (plan examples also need an unchanged plan, or with `keep_revised_plans` an
-    agent that answered right after revising it; with `plan_filter="all"` every plan is kept); returns the examples
-    and counts of why others were dropped."""
-    stats = {"episodes": len(episodes), "episodes_failed": 0, "episodes_nobody_right": 0, "kept": 0,
-             "dropped_plan_changed": 0}
-    if keep_revised_plans:
-        stats["kept_revised_plans"] = 0
-    examples: list[SFTExample] = []
-    for ep, right in zip(episodes, right_agents(episodes, rewards, judge)):
-        if ep.error is not None:
-            stats["episodes_failed"] += 1
-            continue
-        if not right:
-            stats["episodes_nobody_right"] += 1
-        for gen in ep.generations:
-            if gen.phase not in phases:
-                continue
-            if gen.phase == "plan" and plan_filter == "all":
-                pass
-            elif not right:
-                continue
-            elif gen.phase == "plan" and not plan_unchanged(ep, gen.agent):
-                if not (keep_revised_plans and gen.agent in right):
-                    stats["dropped_plan_changed"] += 1
-                    continue
-                stats["kept_revised_plans"] += 1
-            examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
-                                       messages=gen.prompt, completion=gen.completion, video=ep.question.video,
-                                       evidence=gen.evidence))
-            stats["kept"] += 1
-    return examples, stats
-
-
-def corrected_calls(episode: Episode, agent: str) -> int:
-    """Tool calls that correct an earlier one (VideoZoomer's reflection pattern): any call after a call that returned
-    an error, or the same tool again over a span that strictly contains an earlier call's span (a zoom that missed,
-    then a wider one). Calls over other spans (both ends of an event, say) are a plan, not a correction."""
-    rec = episode.memory.get(agent)
-    turns = rec.turns if rec is not None else []
-
-    def widens(t: Turn, e: Turn) -> bool:
-        return (t.tool == e.tool and t.span is not None and e.span is not None and tuple(t.span) != tuple(e.span)
-                and t.span[0] <= e.span[0] and e.span[1] <= t.span[1])
-
-    return sum(any(e.error for e in turns[:i]) or any(widens(t, e) for e in turns[:i]) for i, t in enumerate(turns))
-
-
-def select_seed_examples(episodes: Sequence[Episode], kind: str,
-                         phases: Sequence[str] | None = None) -> tuple[list[SFTExample], dict[str, int]]:
-    """Seed-kind trajectories (weaver / zoomer / sage): every turn of a right episode is an example (its chat so far,
-    tool observations included, as the prompt; its reply as the target), `phases` (act, answer) when given. Right
-    is the seed reward's `correct` (m1.data.metrics.is_correct on the final answer). A right episode that corrected
-    a tool call on the way (`corrected_calls`) is kept like any other: these are VideoZoomer's reflection
-    trajectories, counted in `kept_reflection_episodes`."""
-    stats = {"episodes": len(episodes), "episodes_failed": 0, "episodes_wrong": 0, "kept": 0,
-             "kept_episodes": 0, "kept_reflection_episodes": 0}
-    examples: list[SFTExample] = []
-    for ep, per in zip(episodes, seed_rewards(episodes, kind)):
-        if ep.error is not None:
-            stats["episodes_failed"] += 1
-            continue
-        reward = next(iter(per.values()))
-        if reward.correct != 1.0:
-            stats["episodes_wrong"] += 1
-            continue
-        stats["kept_episodes"] += 1
-        stats["kept_reflection_episodes"] += corrected_calls(ep, reward.agent) > 0
-        for gen in ep.generations:
-            if phases is not None and gen.phase not in phases:
-                continue
-            examples.append(SFTExample(agent=gen.agent, question_id=ep.question.id, phase=gen.phase,
-                                       messages=gen.prompt, completion=gen.completion, video=ep.question.video,
-                                       evidence=gen.evidence))
-            stats["kept"] += 1
-    return examples, stats
-
-
-def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, judge=None,
+def build_sft_data(team: Team, questions: Sequence[Question], rewards: RewardConfig, judge=None,
                    phases: Sequence[str] = ("plan",), rollouts: int = 1,
                    rotate: bool = False, keep_revised_plans: bool = False, progress: bool = False,
                    plan_filter: str = "keep_rule") -> tuple[list[SFTExample], dict[str, int]]:
-    """Run the teacher `team` `rollouts` times over every question and keep plans by the paper's rule (see
-    `select_examples`); with `rotate`, rollout r of an MCQ question sees its options rotated by r places.
-    A seed-kind teacher (m1/team/single.py) keeps every turn of its right episodes instead (`select_seed_examples`;
-    `phases` at its default ["plan"] means all turns)."""
-    kind = team.kind if isinstance(team, SingleAgentTeam) else None
+    """Run the teacher `team` `rollouts` times over every question and keep what its team kind's rule keeps
+    (`TeamKind.sft_examples`: a CPP team's plans by the paper's rule, a seed kind's every turn of its right episodes,
+    `phases` at its default ["plan"] meaning all turns); with `rotate`, rollout r of an MCQ question sees its options
+    rotated by r places."""
+    kind = team_kind(team.cfg)
     repeated = [rotate_options(q, r) if rotate else q for q in questions for r in range(rollouts)]
     bar = None
     if progress:
@@ -212,10 +77,7 @@ def build_sft_data(team, questions: Sequence[Question], rewards: RewardConfig, j
     finally:
         if bar is not None:
             bar.close()
-    if kind is not None:
-
-        return select_seed_examples(episodes, kind, seed_phases(phases, "data.phases", kind, ["plan"]))
-    return select_examples(episodes, rewards, judge, phases, keep_revised_plans, plan_filter)
+    return kind.sft_examples(episodes, rewards, judge, phases, keep_revised_plans, plan_filter)
 
 
 def thin_communicate(examples: list[SFTExample], per_episode: int) -> list[SFTExample]:

@@ -10,7 +10,8 @@ trainer kind here):
 - `topology`: the step's communication DAG (a team of one always runs on the complete graph);
 - `reward_fn`: the kind's own reward (the paper's R_res + R_format + R_col with a judge; each seed system's);
 - `summary`: the reward parts logged per step; `step_metrics`: what else the kind measures (plan entropy);
-- `check`: what a TrainConfig must satisfy to train this kind.
+- `check`: what a TrainConfig must satisfy to train this kind;
+- `sft_examples`: which generations of a teacher of this kind SFT learns from (m1/marl/sft_examples.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from m1.contracts import Team, TeamKind
 from m1.marl.rewards import (RewardBreakdown, SeedReward, batch_agent_rewards, reward_kind, seed_rewards, summarize,
                              summarize_seed)
 from m1.marl.rollout import RolloutBatch, step_topology
+from m1.marl.sft_examples import select_examples, select_seed_examples
 from m1.registry import CPP, is_seed
 from m1.team.cpp import Team as CppTeam
 from m1.team.kinds import kind_of
@@ -137,6 +139,10 @@ class CppKind:
         if "act" in cfg.rollout.train_phases:
             raise ValueError(f"rollout.train_phases: 'act' is a seed-kind phase; team {team.name!r} is CPP")
 
+    def sft_examples(self, episodes, rewards, judge, phases, keep_revised_plans, plan_filter):
+        """The paper's keep rule over the phases asked for."""
+        return select_examples(episodes, rewards, judge, phases, keep_revised_plans, plan_filter)
+
 
 class SeedKind:
     """Weaver / VideoZoomer / SAGE: one policy whose every turn (act, answer) shares its episode's reward."""
@@ -170,6 +176,11 @@ class SeedKind:
     def check(self, cfg, team, trained):
         self.train_phases(cfg.rollout.train_phases)
         check_seed_policies(team, trained, "train_agents", cfg.rollout.engine)
+
+    def sft_examples(self, episodes, rewards, judge, phases, keep_revised_plans, plan_filter):
+        """Every turn of a right episode (`phases` at the CPP default ["plan"]: all of them); the plan options do not
+        apply to a tool loop."""
+        return select_seed_examples(episodes, self.name, seed_phases(phases, "data.phases", self.name, ["plan"]))
 
 
 # the engine a team kind runs on (m1/team/kinds.py) -> how the trainer trains it, built from the kind's name

@@ -195,4 +195,4 @@ class ModelError(RuntimeError):
 class ServerUnavailable(ModelError):
     """A served model (an OpenAI-compatible endpoint) that stopped answering: connection refused, timeouts or 5xx
     until its retries ran out. Inference may record the questions in flight as error rows and go on
-    (m1/team/cpp.py `Team.run`); anything else stops on it like any ModelError."""
+    (m1/team/engine.py `TeamEngine.run`); anything else stops on it like any ModelError."""

@@ -526,13 +526,6 @@ class EngineServer:
         self.proc: subprocess.Popen | None = None
         self._log = None
 
-    @classmethod
-    def for_vllm(cls, model_path: str, log_path: str | os.PathLike, *, port: int | None = None,
-                 dev_mode: bool = False, env: dict[str, str] | None = None, **command_kw: Any) -> "EngineServer":
-        """`vllm serve model_path` on `port` (a free one if None)."""
-        port = port or free_port()
-        return cls(vllm_command(model_path, port, **command_kw), log_path, port=port, env=env, dev_mode=dev_mode)
-
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"

@@ -273,33 +273,3 @@ class DrillSource:
             if d is not None:
                 return d
         raise RuntimeError(f"no world of {self.duration:.0f} s carried a {family!r} drill in 100 draws")
-
-
-def rule_answer(drill: Drill) -> str:
-    """What a hand-written reader answers: the check that the drills are answerable from their prompts alone."""
-    import re
-
-    p = drill.prompt
-    if drill.family == "clock":
-        m, s = re.search(r"(\d\d):(\d\d)", p).groups()
-        return f" {int(m) * 60 + int(s)}"
-    opts = dict(re.findall(r"^([ABCD]): (.+)$", p, re.M))
-    pick = (lambda v: " " + next(k for k, o in opts.items() if o == v))
-    if drill.family == "option":
-        return pick(re.search(r"Which option says (.+)\?", p).group(1))
-    if drill.family in ("span", "grounding"):
-        name = re.search(r"(?:When is the|written for the) (.+?)(?: on screen)?\?", p).group(1)
-        return " " + re.search(rf"The {name} is seen .*?##Timestamp: (\[[^\]]+\])", p).group(1)
-    frames = re.findall(r"<frame \d+ at ([\d.]+)s>\[([^\]]*)\]", p)
-    if drill.family in ("find", "attribute"):
-        name = re.search(r"Where (?:is|in the frame does) the (\w+ \w+)", p).group(1)
-        pos = next(re.search(rf"{name} at the (\w+ \w+)", cap).group(1) for _, cap in frames if name in cap)
-        return f" {pos}" if drill.family == "find" else pick(pos)
-    if drill.family == "at_time":
-        sec = int(re.search(r"at (\d+) seconds", p).group(1))
-    else:
-        m, s = re.search(r"appears at (\d\d):(\d\d)", p).groups()
-        sec = int(m) * 60 + int(s)
-    cap = next(cap for t, cap in frames if int(float(t)) == sec)
-    colour = re.search(r"an? \w+ (\w+) ", cap).group(1)
-    return f" {colour}" if drill.family == "at_time" else pick(colour)

@@ -200,11 +200,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("M1_CACHE") or Path.home() / ".cache" / "m1") / "synth-clip"
 
 
-def default_clip_dir(**params: Any) -> Path:
-    """`$M1_CACHE/synth-clip/<hash of the training parameters>` (M1_CACHE defaults to ~/.cache/m1)."""
-    return cache_root() / params_hash(params)
-
-
 def model_files(model_dir: str | os.PathLike) -> tuple[Path, Path]:
     """(config json, checkpoint) of a finished synth CLIP folder; use them as a ModelSpec's
     `clip_name` and `pretrained`."""

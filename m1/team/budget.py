@@ -69,14 +69,12 @@ def token_counter(model) -> Callable[[list[dict]], int]:
     return count
 
 
-def fit(build: Callable[[int], list[dict]], trimmable: int, count: Callable[[list[dict]], int], budget: int | None
+def fit(build: Callable[[int], list[dict]], trimmable: int, count: Callable[[list[dict]], int], budget: int
         ) -> tuple[list[dict], int, int]:
     """The prompt `build(k)` with the fewest trimmed entries k (0 .. trimmable + 1, the last leaving out the whole
     trimmable part) that fits `budget` tokens: (messages, k, tokens). When none fits: (build(trimmable + 1) or
-    build(0), k, tokens) with tokens > budget, for the caller to refuse. No budget: (build(0), 0, -1)."""
+    build(0), k, tokens) with tokens > budget, for the caller to refuse."""
     first = build(0)
-    if budget is None:
-        return first, 0, -1
     n = count(first)
     if n <= budget or trimmable < 0:
         return first, 0, n

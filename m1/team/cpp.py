@@ -23,22 +23,22 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 from m1.agents.agent import PolicyAgent
 from m1.config import TeamConfig
 from m1.memory import SharedMemory
-from m1.models.base import ChatRequest, SamplingParams, ServerUnavailable, VisionRequest
+from m1.models.base import ChatRequest, SamplingParams, VisionRequest
 from m1.models.hub import ModelHub
 from m1.registry import is_seed
 from m1.schema import AgentAnswer, Decision, Episode, Generation, Phase, Question, Topology, Turn
 from m1.team import aggregate, budget, topology as topo
+from m1.team.engine import TeamEngine
 from m1.team.member import ServedMembers
 from m1.tools import TOOL_NAMES, TOOLS, browse
 from m1.tools.base import Focus, ToolContext, ToolError
-from m1.tools.clip_index import team_clip_index
-from m1.tools.select import SELECT, global_sampling
-from m1.video import VideoError, VideoPool
+from m1.tools.select import SELECT, global_focus
+from m1.video import VideoError, VideoPool, VideoReader
 
 
 @dataclass
@@ -58,7 +58,7 @@ class _Episode:
     topology: Topology
     memory: SharedMemory
     agents: dict[str, _AgentState]
-    video: object | None = None
+    video: VideoReader | None = None  # None: the video could not be opened (`error` says why)
     generations: list[Generation] = field(default_factory=list)
     answers: list[AgentAnswer] = field(default_factory=list)
     frames: set[int] = field(default_factory=set)
@@ -70,6 +70,13 @@ class _Episode:
     # agent -> the temperature it decodes with in this episode, over its own (per-agent credit: teammates at 0)
     temperatures: dict[str, float] = field(default_factory=dict)
     usage: dict[str, dict] = field(default_factory=dict)  # Episode.usage
+
+    @property
+    def reader(self) -> VideoReader:
+        """The open video: every phase runs on episodes that opened theirs."""
+        if self.video is None:
+            raise RuntimeError(f"episode {self.question.id}: its video was never opened ({self.error})")
+        return self.video
 
 
 @dataclass
@@ -85,80 +92,36 @@ class _Call:
     trimmed: int = 0  # entries of the peers' notes left out to fit the prompt budget
 
 
-class Team:
+class Team(TeamEngine):
     """A team of policy agents over shared models, tools and video pool."""
 
-    def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
+    def __init__(self, cfg: TeamConfig, hub: ModelHub | None = None, pool: VideoPool | None = None):
         seeded = [a.name for a in cfg.agents if is_seed(a.kind)]
         if seeded:
             raise ValueError(f"team {cfg.name!r}: agent {seeded[0]!r} is a seed-system kind, which the CPP engine does "
                              f"not run; build the team with m1.team.kinds.make_team")
-        self.cfg = cfg
-        self.hub = hub if hub is not None else ModelHub(cfg.models)
-        self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20,
-                                                                 max_open=cfg.limits.max_open_videos)
+        super().__init__(cfg, hub, pool)
         self.agents = [PolicyAgent(a, cfg.tools.enabled) for a in cfg.agents]
         self.served = ServedMembers(cfg, self.hub)  # agents that are whole served teams: they only answer
         self.policies = [a for a in self.agents if a.name not in self.served.names]  # the agents that plan here
         self.by_name = {a.name: a for a in self.agents}
         self.order = [a.name for a in self.agents]
-        self._clip_index = None
-        self._calls = 0
-        self._seed = cfg.sampling.seed
         self._counters: dict[str, Callable[[list[dict]], int]] = {}
-        # answering (m1 infer / eval / serve) rather than training: a question whose prompt does not fit ends its own
-        # episode with a "prompt too long:" error (an error row, a 400), whatever limits.over_budget says
-        self.over_budget_rows = False
-        # m1 infer / eval: a served model that stops answering (ServerUnavailable) ends the questions of the batch in
-        # flight as error rows and the run goes on; a second batch in a row failing so stops the run (the server is
-        # down: a rerun answers the error rows and the rest). Training always stops on it.
-        self.server_error_rows = False
         self._rooms: dict[tuple[str, int], int | None] = {}
 
-    def reseed(self, seed: int) -> None:
-        """Restart the sampling seed sequence (exact resume of training rollouts)."""
-        self._seed, self._calls = seed, 0
-
     # ------------------------------------------------------------------ entry point
-    def run(self, questions: list[Question], topologies: list[Topology] | None = None,
-            rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None,
-            temperatures: list[dict[str, float]] | None = None) -> list[Episode]:
-        """Run every question; episodes are produced in `limits.batch_episodes` chunks and
-        handed to `on_episode` as soon as their chunk ends. `temperatures`: one {agent: temperature} per question
-        that overrides those agents' temperatures in its episode (an agent left out keeps its own)."""
-        if temperatures is not None and len(temperatures) != len(questions):
-            raise ValueError(f"temperatures: {len(temperatures)} entries for {len(questions)} questions")
-        rng = rng or random.Random(self.cfg.topology.seed)
-        out: list[Episode] = []
-        n = self.cfg.limits.batch_episodes
-        failed_before = False
-        for start in range(0, len(questions), n):
-            chunk = questions[start:start + n]
-            tops = topologies[start:start + n] if topologies else [
-                topo.sample(self.order, self.cfg.topology, rng) for _ in chunk]
-            try:
-                eps = self.run_batch(chunk, tops, temperatures[start:start + n] if temperatures else None)
-                failed_before = False
-            except ServerUnavailable as exc:
-                if not self.server_error_rows or failed_before:
-                    raise
-                failed_before = True
-                eps = [self._finish(_Episode(question=q, topology=t, memory=SharedMemory(self.order), agents={},
-                                             error=str(exc))) for q, t in zip(chunk, tops)]
-            for ep in eps:
-                out.append(ep)
-                if on_episode:
-                    on_episode(ep)
-        return out
+    def _draw_topology(self, rng: random.Random) -> Topology:
+        return topo.sample(self.order, self.cfg.topology, rng)
+
+    def _failed_episode(self, question: Question, topology: Topology, error: str) -> Episode:
+        return self._finish(_Episode(question=question, topology=topology, memory=SharedMemory(self.order), agents={},
+                                     error=error))
 
     def run_batch(self, questions: list[Question], topologies: list[Topology],
                   temperatures: list[dict[str, float]] | None = None) -> list[Episode]:
         t0 = time.perf_counter()
         eps = [self._start(q, t) for q, t in zip(questions, topologies)]
         for ep, temps in zip(eps, temperatures or []):
-            unknown = sorted(set(temps) - set(self.order))
-            if unknown:
-                raise ValueError(f"temperatures: no agents {unknown} in team {self.cfg.name!r} (agents: {self.order})")
             ep.temperatures = dict(temps)
         live = [e for e in eps if e.error is None]
         if live:
@@ -194,9 +157,13 @@ class Team:
 
     def _plan_phase(self, eps: list[_Episode]) -> None:
         self.served.start(eps)  # served teams work on the questions while this team plans and browses
-        calls = [self._budgeted(_Call(e, a, "plan", [], self.cfg.limits.plan_tokens),
-                                lambda _k, e=e, a=a: a.plan_messages(e.question), -1)
-                 for e in eps for a in self.policies]
+        calls = []
+        for e in eps:
+            for a in self.policies:
+                def build(_k: int, e: _Episode = e, a: PolicyAgent = a) -> list[dict]:
+                    return a.plan_messages(e.question)
+
+                calls.append(self._budgeted(_Call(e, a, "plan", [], self.cfg.limits.plan_tokens), build, -1))
         for call, gen in self._generate(calls):
             parsed = call.agent.read_plan(gen.completion, call.ep.question)
             gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
@@ -221,22 +188,22 @@ class Team:
                 st.step += 1
                 st.acted = acted = True
                 ctx = self._context(ep, st, tool)
-                d0 = ep.video.decode_seconds
+                d0 = ctx.video.decode_seconds
                 if TOOL_NAMES.get(tool) == "select":
                     self._run_select(ep, name, st, tool, ctx)
-                    ep.timings["decode"] += ep.video.decode_seconds - d0
+                    ep.timings["decode"] += ctx.video.decode_seconds - d0
                     continue
                 t0 = time.perf_counter()
                 try:
                     if st.focus is None:  # a plan that browses first still needs frames
-                        st.focus = global_sampling(ctx).focus
+                        st.focus = global_focus(ctx)
                     model_key = self._vision_key(tool)
                     req, idx = browse.prepare(tool, ctx, st.focus)
                     pending[model_key].append((ep, name, tool, ctx, st.focus, req, idx))
                 except (ToolError, VideoError, ValueError) as exc:
                     self._write_turn(ep, name, st, tool, output="", error=f"{tool}: {exc}")
                 ep.timings["tools"] += time.perf_counter() - t0
-                ep.timings["decode"] += ep.video.decode_seconds - d0
+                ep.timings["decode"] += ctx.video.decode_seconds - d0
 
         jobs = []
         for model_key, items in pending.items():
@@ -348,11 +315,13 @@ class Team:
                 ep.aggregation += " (no summarizer: fallback)"
             return
         summarizer = self.by_name[self.cfg.summarizer]
-        calls = [self._budgeted(
-            _Call(ep, summarizer, "summary", [], self.cfg.limits.summary_tokens, ep.agents[summarizer.name].step),
-            lambda _k, ep=ep: summarizer.summary_messages(ep.question, [(a.agent, a.answer, a.reason)
-                                                                        for a in ep.answers]), -1)
-            for ep in need_summary]
+        calls = []
+        for ep in need_summary:
+            def build(_k: int, ep: _Episode = ep) -> list[dict]:
+                return summarizer.summary_messages(ep.question, [(a.agent, a.answer, a.reason) for a in ep.answers])
+
+            calls.append(self._budgeted(_Call(ep, summarizer, "summary", [], self.cfg.limits.summary_tokens,
+                                              ep.agents[summarizer.name].step), build, -1))
         for call, gen in self._generate(calls):
             parsed = call.agent.read_summary(gen.completion, call.ep.question)
             gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
@@ -379,14 +348,19 @@ class Team:
             self._rooms[(key, call.max_tokens)] = budget.context_room(self.hub.chat(key), call.max_tokens)
         room = self._rooms[(key, call.max_tokens)]
         limit = min((n for n in (lim.max_prompt_tokens, room) if n is not None), default=None)
-        if key not in self._counters and limit is not None:
+        if limit is None:  # no budget and no known context: the whole prompt
+            call.messages = build(0)
+            return call
+        if key not in self._counters:
             self._counters[key] = budget.token_counter(self.hub.chat(key))
-        call.messages, call.trimmed, tokens = budget.fit(build, trimmable, self._counters.get(key), limit)
-        if limit is not None and tokens > limit:
+        call.messages, call.trimmed, tokens = budget.fit(build, trimmable, self._counters[key], limit)
+        if tokens > limit:
             by_context = lim.max_prompt_tokens is None or room is not None and room < lim.max_prompt_tokens
             ctx = getattr(self.hub.chat(key), "context_length", None)
             where = (f"the {room} tokens left for it by the context of model {key!r} ({ctx} tokens, "
-                     f"{ctx - room} kept for the reply)" if by_context and room is not None else None)
+                     f"{ctx - room} kept for the reply)" if by_context and room is not None and ctx is not None
+                     else None)
+            advice: str | None
             if self.over_budget_rows:  # answering: this question's error row, the others go on
                 advice = ("shorten the question or its options" if by_context else
                           "shorten the question, or raise limits.max_prompt_tokens")
@@ -462,19 +436,8 @@ class Team:
     def _context(self, ep: _Episode, st: _AgentState, tool: str) -> ToolContext:
         """The CLIP index is handed (and its model loaded) only to the tools that retrieve."""
         clip = self._clip() if tool in TOOLS and TOOLS[tool].clip else None
-        return ToolContext(question=ep.question, video=ep.video, key_info=st.key_info, cfg=self.cfg.tools,
+        return ToolContext(question=ep.question, video=ep.reader, key_info=st.key_info, cfg=self.cfg.tools,
                            focus=st.focus, clip=clip)
-
-    def forget_video(self, path: str) -> None:
-        """Drop what the team keeps of a video that is gone for good (its reader, frames and CLIP rows)."""
-        self.pool.forget(path)
-        if self._clip_index is not None:
-            self._clip_index.forget(path)
-
-    def _clip(self):
-        if self._clip_index is None:
-            self._clip_index = team_clip_index(self.cfg, self.hub)
-        return self._clip_index
 
     def _vision_key(self, tool: str) -> str:
         key = TOOLS[tool].vision_model(self.cfg.tools)
@@ -490,9 +453,9 @@ class Team:
 
     def _finish(self, ep: _Episode) -> Episode:
         note = None
-        changed = getattr(ep.video, "changed", None)
-        if ep.error is None and changed is not None:  # an answer never stands on frames of two files
-            ep.error, ep.final, ep.reason = f"cannot read video {ep.video.path}: {changed}", None, ""
+        if ep.error is None and ep.video is not None and ep.video.changed is not None:
+            # an answer never stands on frames of two files
+            ep.error, ep.final, ep.reason = f"cannot read video {ep.video.path}: {ep.video.changed}", None, ""
         if ep.error is None and not ep.frames:  # no answer from nothing (docs/cli.md)
             failed = [t.error for r in ep.memory.to_dict().values() for t in r.turns
                       if t.error and "cannot read video" in t.error]
@@ -505,10 +468,6 @@ class Team:
                        generations=ep.generations, answers=ep.answers, final_answer=ep.final,
                        final_reason=ep.reason, aggregation=ep.aggregation, frames_used=len(ep.frames),
                        timings=dict(ep.timings), error=ep.error, usage=ep.usage)
-
-    @property
-    def generate_calls(self) -> int:
-        return self._calls
 
 
 def add_usage(table: dict[str, dict], role: str, model, completion) -> None:

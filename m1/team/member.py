@@ -19,7 +19,7 @@ or the summarizer's notes, its reason the trace and the results row, the tokens 
 A reply that cannot be read as an answer to the question (none, or not in the task's form), or a question the
 server refused, is that agent's format failure (`parse_ok` false, the error as its reason): the others still
 answer. A server that stops answering raises ServerUnavailable naming the agent and its URL (never its key):
-m1 infer / eval write that batch's error rows (m1/team/cpp.py `Team.run`), which a rerun answers again.
+m1 infer / eval write that batch's error rows (m1/team/engine.py `TeamEngine.run`), which a rerun answers again.
 """
 from __future__ import annotations
 

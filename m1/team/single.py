@@ -3,7 +3,8 @@
 A team of one agent of `kind: weaver | zoomer | sage` runs here instead of the CPP engine, behind the same
 entry points (`m1.team.kinds.make_team`, `m1 infer`, `m1 eval`, `run_questions`) and into the same `Episode`, so
 results lines, traces and metrics are unchanged. Per turn, every episode in flight gets one batched generate call
-of the policy model, and the vision requests of all tool calls one batched call per vision model.
+of the policy model (one per temperature where `run(temperatures=)` sets episodes apart), and the vision
+requests of all tool calls one batched call per vision model.
 
     turn 0    user: glance (uniform frames, each after its time) + question
     turn k    policy reply -> parsed (m1/kinds/parsers.py) -> tool call(s) | answer
@@ -17,31 +18,31 @@ the CPP engine, is not counted); `Episode.frame_counts` splits them.
 """
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
 
 from m1.config import TeamConfig
 from m1.kinds import prompts, settings_for
-from m1.kinds.parsers import parse_reply
-from m1.kinds.tools import Context, Observation, SeedTools
-from m1.models.base import ChatRequest, SamplingParams, ServerUnavailable, VisionRequest, text_only
+from m1.kinds.parsers import SeedReply, ToolCall, parse_reply
+from m1.kinds.tools import Context, Observation, Pending, SeedTools
+from m1.models.base import ChatModel, ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, text_only
 from m1.models.hub import ModelHub
 from m1.registry import KINDS, is_seed
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology, Turn
 from m1.team import budget
+from m1.team.engine import TeamEngine
 from m1.text import format_span, parse_span
-from m1.tools.clip_index import team_clip_index
-from m1.video import VideoError, VideoPool, uniform_indices
+from m1.video import VideoError, VideoPool, VideoReader, uniform_indices
 
 
 @dataclass
 class _Run:
     question: Question
     topology: Topology
-    video: object | None = None
+    video: VideoReader | None = None  # None: the video could not be opened (`error` says why)
     ctx: Context | None = None
     messages: list[dict] = field(default_factory=list)
     image_frames: list[int] = field(default_factory=list)  # the frame of each image part, in order
@@ -56,68 +57,54 @@ class _Run:
     parse_ok: bool = False
     error: str | None = None
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    temperatures: dict[str, float] = field(default_factory=dict)  # `run(temperatures=)`: the agent's, over its own
+
+    @property
+    def reader(self) -> VideoReader:
+        """The open video: every turn runs on episodes that opened theirs."""
+        if self.video is None:
+            raise self._unopened()
+        return self.video
+
+    @property
+    def context(self) -> Context:
+        """What the episode's tools work on, set once its video opened."""
+        if self.ctx is None:
+            raise self._unopened()
+        return self.ctx
+
+    def _unopened(self) -> RuntimeError:
+        return RuntimeError(f"episode {self.question.id}: its video was never opened ({self.error})")
 
 
-class SingleAgentTeam:
+class SingleAgentTeam(TeamEngine):
     """The engine of a weaver / zoomer / sage agent; a Team as m1/contracts.py describes it, like m1.team.cpp.Team."""
 
-    def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
+    def __init__(self, cfg: TeamConfig, hub: ModelHub | None = None, pool: VideoPool | None = None):
         if len(cfg.agents) != 1 or not is_seed(cfg.agents[0].kind):
             raise ValueError(f"team {cfg.name!r}: SingleAgentTeam runs one agent of a seed kind ({', '.join(KINDS)})")
-        self.cfg = cfg
+        super().__init__(cfg, hub, pool)
         self.agent = cfg.agents[0]
         self.kind = self.agent.kind
         self.settings = settings_for(self.kind, cfg.seed_system)
-        self.hub = hub if hub is not None else ModelHub(cfg.models)
-        self.pool = pool if pool is not None else VideoPool(max_bytes=cfg.limits.frame_cache_mb << 20,
-                                                                 max_open=cfg.limits.max_open_videos)
         self.order = [self.agent.name]
         self.tools = SeedTools(self.settings, cfg.tools, self._clip)
         self.system = prompts.system_prompt(self.kind, self.settings.tools, self.settings.zoom_frames)
-        self._clip_index = None
-        self._calls = 0
-        self._seed = cfg.sampling.seed
-        self.over_budget_rows = False  # answering (m1 infer / eval / serve): over budget is that question's error row
-        # m1 infer / eval: a served policy that stops answering ends the batch in flight as error rows; a second
-        # batch in a row failing so stops the run (as m1.team.cpp.Team does)
-        self.server_error_rows = False
-
-    def reseed(self, seed: int) -> None:
-        self._seed, self._calls = seed, 0
-
-    @property
-    def generate_calls(self) -> int:
-        return self._calls
 
     # ------------------------------------------------------------------ entry point
-    def run(self, questions: list[Question], topologies: list[Topology] | None = None,
-            rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
-        out: list[Episode] = []
-        n = self.cfg.limits.batch_episodes
-        failed_before = False
-        for start in range(0, len(questions), n):
-            chunk = questions[start:start + n]
-            tops = topologies[start:start + n] if topologies else [self._topology() for _ in chunk]
-            try:
-                eps = self.run_batch(chunk, tops)
-                failed_before = False
-            except ServerUnavailable as exc:
-                if not self.server_error_rows or failed_before:
-                    raise
-                failed_before = True
-                eps = [self._finish(_Run(question=q, topology=t, error=str(exc))) for q, t in zip(chunk, tops)]
-            for ep in eps:
-                out.append(ep)
-                if on_episode:
-                    on_episode(ep)
-        return out
-
-    def _topology(self) -> Topology:
+    def _draw_topology(self, rng: random.Random) -> Topology:
+        """A team of one: its only agent, no edges."""
         return Topology(agents=list(self.order), active=list(self.order), edges=[])
 
-    def run_batch(self, questions: list[Question], topologies: list[Topology]) -> list[Episode]:
+    def _failed_episode(self, question: Question, topology: Topology, error: str) -> Episode:
+        return self._finish(_Run(question=question, topology=topology, error=error))
+
+    def run_batch(self, questions: list[Question], topologies: list[Topology],
+                  temperatures: list[dict[str, float]] | None = None) -> list[Episode]:
         t0 = time.perf_counter()
         runs = [self._start(q, t) for q, t in zip(questions, topologies)]
+        for r, temps in zip(runs, temperatures or []):
+            r.temperatures = dict(temps)
         last = self.settings.max_turns - 1
         for turn in range(self.settings.max_turns):
             live = [r for r in runs if not r.done and r.error is None]
@@ -181,7 +168,7 @@ class SingleAgentTeam:
         r.timings["open_video"] = time.perf_counter() - t0
         return r
 
-    def _caption(self, runs: list[_Run]) -> None:
+    def _caption(self, runs: list[_Run], captioner: str) -> None:
         """Describe every frame of the runs' chats that has no description yet, in one call of the captioner, and
         put each description on its image part (contents are replaced, never mutated: earlier snapshots keep theirs).
         Done whatever the policy, so a teacher's recorded prompts read as its text student's."""
@@ -198,16 +185,17 @@ class SingleAgentTeam:
             mine = [t for t in todo if t[0] is r]
             if not mine:
                 continue
-            t0, d0 = time.perf_counter(), r.video.decode_seconds
-            frames = r.video.frames([t[3] for t in mine])
-            times = r.video.timestamps([t[3] for t in mine])
+            video = r.reader
+            t0, d0 = time.perf_counter(), video.decode_seconds
+            frames = video.frames([t[3] for t in mine])
+            times = video.timestamps([t[3] for t in mine])
             requests += [VisionRequest(frames[k:k + 1], [times[k]], prompts.CAPTION_PROMPT) for k in range(len(mine))]
             slots += mine
-            r.timings["decode"] += r.video.decode_seconds - d0
+            r.timings["decode"] += video.decode_seconds - d0
             r.timings["caption"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=self.settings.caption_tokens, temperature=0.0, logprobs=False)
-        outs = self.hub.vision(self.settings.captioner).describe(requests, params)
+        outs = self.hub.vision(captioner).describe(requests, params)
         dt = (time.perf_counter() - t0) / len(slots)
         for (r, i, j, _), out in zip(slots, outs):
             content = list(r.messages[i]["content"])
@@ -216,31 +204,58 @@ class SingleAgentTeam:
             r.timings["caption"] += dt
 
     def _policy_turn(self, runs: list[_Run], turn: int, final: bool) -> None:
+        """One reply of the policy in every run: one generate call per temperature (an episode's own temperature,
+        `run(temperatures=)`, wins over the agent's), then the tool calls of all replies together."""
         if self.settings.captioner is not None:
-            self._caption(runs)
+            self._caption(runs, self.settings.captioner)
+        model = self._policy()
+        own = self.agent.temperature if self.agent.temperature is not None else self.cfg.sampling.temperature
+        groups: dict[float, list[_Run]] = defaultdict(list)
+        for r in runs:
+            groups[r.temperatures.get(self.agent.name, own)].append(r)
+        pending: list[tuple[_Run, SeedReply]] = []
+        for temp, group in groups.items():
+            pending += self._replies(model, group, temp, turn, final)
+        if pending:
+            self._run_tools(pending, turn)
+
+    def _policy(self) -> ChatModel:
+        """The policy's model: a chat model, or a vision-language model that also writes chat replies (hf
+        Qwen2-VL / Qwen2.5-VL, fed the frames as images)."""
         key = self.agent.model
-        model = self.hub.vision(key) if self.cfg.models[key].kind == "vision" else self.hub.chat(key)
+        if self.cfg.models[key].kind != "vision":
+            return self.hub.chat(key)
+        model = self.hub.vision(key)
+        if not isinstance(model, ChatModel):
+            raise ModelError(f"model {key!r} (kind vision) describes frames but writes no chat replies, so it cannot "
+                             f"be the policy of agent {self.agent.name!r} ({self.kind})")
+        return model
+
+    def _replies(self, model: ChatModel, runs: list[_Run], temp: float, turn: int,
+                 final: bool) -> list[tuple[_Run, SeedReply]]:
+        """One generate call for `runs` at `temp`: each reply recorded as a Generation and answered or parsed; returns
+        the runs whose reply calls tools, with that reply."""
         images = getattr(model, "accepts_images", False)
-        temp = self.agent.temperature if self.agent.temperature is not None else self.cfg.sampling.temperature
         self._calls += 1
         params = SamplingParams(max_new_tokens=self.settings.reply_tokens, temperature=temp,
                                 top_p=self.cfg.sampling.top_p, seed=self._seed + self._calls)
         runs = self._within_budget(runs, model, images)
         if not runs:
-            return
+            return []
         requests = []
         for r in runs:
-            d0 = r.video.decode_seconds
+            video = r.reader
+            d0 = video.decode_seconds
             if images:
-                requests.append(ChatRequest(_copy(r.messages), images=list(r.video.frames(r.image_frames))))
+                requests.append(ChatRequest(_copy(r.messages), images=list(video.frames(r.image_frames))))
             else:
                 requests.append(ChatRequest(text_only(r.messages)))
-            r.timings["decode"] += r.video.decode_seconds - d0
+            r.timings["decode"] += video.decode_seconds - d0
         t0 = time.perf_counter()
         outs = model.generate(requests, params)
         dt = (time.perf_counter() - t0) / max(1, len(runs))
         pending = []
-        for r, req, out in zip(runs, requests, outs):
+        for r, out in zip(runs, outs):
             r.timings["llm"] += dt
             reply = parse_reply(self.kind, out.text, r.question, self.settings.tools)
             phase = "act" if reply.calls and not final else "answer"
@@ -257,25 +272,24 @@ class SingleAgentTeam:
             else:  # unreadable, and turns are left: say why, let it try again
                 r.messages.append({"role": "user", "content": [{"type": "text", "text": (
                     f"Your reply could not be read ({reply.error}). Follow the format in the instructions.")}]})
-        if pending:
-            self._run_tools(pending, turn)
+        return pending
 
-    def _run_tools(self, pending: list, turn: int) -> None:
+    def _run_tools(self, pending: list[tuple[_Run, SeedReply]], turn: int) -> None:
         """Prepare every call, send each vision model its requests in one call, then finish and append."""
-        prepared = []  # (run, [(call, Pending)])
+        prepared: list[tuple[_Run, list[tuple[ToolCall, Pending]]]] = []
         by_model: dict[str, list[tuple[int, int, int]]] = defaultdict(list)  # key -> (run k, call j, request m)
         for k, (r, reply) in enumerate(pending):
-            t0, d0 = time.perf_counter(), r.video.decode_seconds
+            t0, d0 = time.perf_counter(), r.reader.decode_seconds
             items = []
             for j, call in enumerate(reply.calls):
-                p = self.tools.prepare(r.ctx, call.name, call.args)
+                p = self.tools.prepare(r.context, call.name, call.args)
                 items.append((call, p))
                 for m, (key, _req) in enumerate(p.requests):
                     by_model[key].append((k, j, m))
             prepared.append((r, items))
             r.timings["tools"] += time.perf_counter() - t0
-            r.timings["decode"] += r.video.decode_seconds - d0
-        replies: dict[tuple[int, int, int], object] = {}
+            r.timings["decode"] += r.reader.decode_seconds - d0
+        replies: dict[tuple[int, int, int], Completion] = {}
         for key, slots in by_model.items():
             t0 = time.perf_counter()
             reqs = [prepared[k][1][j][1].requests[m][1] for k, j, m in slots]
@@ -290,23 +304,21 @@ class SingleAgentTeam:
         for k, (r, items) in enumerate(prepared):
             parts: list[dict] = []
             for j, (call, p) in enumerate(items):
-                t0, d0 = time.perf_counter(), r.video.decode_seconds
+                t0, d0 = time.perf_counter(), r.reader.decode_seconds
                 try:
                     obs = p.finish([replies[(k, j, m)] for m in range(len(p.requests))])
                 except (VideoError, ValueError) as exc:
                     obs = Observation(call.name, call.args, "", error=f"{call.name}: {exc}")
                 r.timings["tools"] += time.perf_counter() - t0
                 parts += self._observe(r, obs, turn)
-                r.timings["decode"] += r.video.decode_seconds - d0
+                r.timings["decode"] += r.reader.decode_seconds - d0
             r.messages.append({"role": "user", "content": parts})
 
     def _observe(self, r: _Run, obs: Observation, turn: int) -> list[dict]:
         """Record the call in memory and render its observation (text line, then its frames)."""
-        import json
-
         r.tools_used.append(obs.tool)
         r.tool_frames.update(obs.tool_frames)
-        times = r.video.timestamps(obs.indices) if obs.indices else []
+        times = r.reader.timestamps(obs.indices) if obs.indices else []
         r.turns.append(Turn(step=len(r.turns) + 1, tool=obs.tool, key_info=json.dumps(obs.args, ensure_ascii=False,
                                                                                       default=str)[:500],
                             output=obs.text, timestamps=times, answer=obs.answer, span=obs.span, error=obs.error))
@@ -326,22 +338,11 @@ class SingleAgentTeam:
         else:
             r.messages.append({"role": "user", "content": [{"type": "text", "text": text}]})
 
-    def forget_video(self, path: str) -> None:
-        """Drop what the team keeps of a video that is gone for good (its reader, frames and CLIP rows)."""
-        self.pool.forget(path)
-        if self._clip_index is not None:
-            self._clip_index.forget(path)
-
-    def _clip(self):
-        if self._clip_index is None:
-            self._clip_index = team_clip_index(self.cfg, self.hub)
-        return self._clip_index
-
     def _finish(self, r: _Run) -> Episode:
         name = self.agent.name
-        changed = getattr(r.video, "changed", None)
-        if r.error is None and changed is not None:  # an answer never stands on frames of two files
-            r.error, r.answer, r.reason = f"cannot read video {r.video.path}: {changed}", None, ""
+        if r.error is None and r.video is not None and r.video.changed is not None:
+            # an answer never stands on frames of two files
+            r.error, r.answer, r.reason = f"cannot read video {r.video.path}: {r.video.changed}", None, ""
         answers = []
         if r.error is None:
             answers = [AgentAnswer(agent=name, answer=r.answer or "", reason=r.reason, parse_ok=r.parse_ok)]

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import random
 
-import networkx as nx
-
 from m1.config import TopologyConfig
 from m1.schema import Topology
 
@@ -34,14 +32,3 @@ def sample(agents: list[str], cfg: TopologyConfig, rng: random.Random) -> Topolo
     if cfg.mode == "complete":
         return complete(agents)
     return random_dag(agents, cfg.edge_prob, cfg.dropout, rng)
-
-
-def to_graph(top: Topology) -> nx.DiGraph:
-    g = nx.DiGraph()
-    g.add_nodes_from(top.agents)
-    g.add_edges_from(top.edges)
-    return g
-
-
-def is_dag(top: Topology) -> bool:
-    return nx.is_directed_acyclic_graph(to_graph(top))

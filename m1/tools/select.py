@@ -14,12 +14,17 @@ def _focus(ctx: ToolContext, indices: list[int], span: tuple[float, float]) -> F
     return Focus(indices=list(indices), timestamps=ctx.video.timestamps(indices), span=span)
 
 
-def global_sampling(ctx: ToolContext) -> ToolResult:
+def global_focus(ctx: ToolContext) -> Focus:
+    """`global_frames` frames spread evenly over the whole video (also what an agent browses when its plan has no
+    selection before the browse)."""
     info = ctx.video.info
-    idx = uniform_indices(info, ctx.cfg.global_frames)
-    return ToolResult(output=f"Sampled {len(idx)} frames uniformly over the whole video "
-                             f"(00:00-{format_time(info.duration)}).",
-                      focus=_focus(ctx, idx, (0.0, info.duration)))
+    return _focus(ctx, uniform_indices(info, ctx.cfg.global_frames), (0.0, info.duration))
+
+
+def global_sampling(ctx: ToolContext) -> ToolResult:
+    focus = global_focus(ctx)
+    return ToolResult(output=f"Sampled {len(focus.indices)} frames uniformly over the whole video "
+                             f"(00:00-{format_time(focus.span[1])}).", focus=focus)
 
 
 def clip_spans(duration: float, n: int) -> list[tuple[float, float]]:

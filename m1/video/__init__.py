@@ -15,9 +15,9 @@ from m1.video.cache import FrameCache
 from m1.video.errors import VideoChanged, VideoError, out_of_handles
 from m1.video.probing import VideoInfo, list_videos, probe
 from m1.video.reader import VideoPool, VideoReader
-from m1.video.sampling import fps_indices, index_to_time, time_indices, time_to_index, uniform_indices
+from m1.video.sampling import fps_indices, index_to_time, time_to_index, uniform_indices
 from m1.video.writer import write_video
 
 __all__ = ["FrameCache", "VideoChanged", "VideoError", "out_of_handles", "VideoInfo", "list_videos", "probe",
-           "VideoPool", "VideoReader", "fps_indices", "index_to_time", "time_indices", "time_to_index",
+           "VideoPool", "VideoReader", "fps_indices", "index_to_time", "time_to_index",
            "uniform_indices", "write_video"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Iterable
 
 from m1.video.probing import VideoInfo
 
@@ -67,8 +66,3 @@ def fps_indices(info: VideoInfo, fps: float, start: float = 0.0, end: float | No
     if max_frames is not None and len(out) > max_frames:
         return uniform_indices(info, max_frames, s, e)
     return out
-
-
-def time_indices(info: VideoInfo, timestamps: Iterable[float]) -> list[int]:
-    """The frame on screen at each time (clipped), sorted and deduplicated."""
-    return sorted({time_to_index(info, float(t)) for t in timestamps})

@@ -26,7 +26,7 @@ class EchoTeam:
         self.over_budget_rows = self.server_error_rows = False
         self.forgotten: list[str] = []
 
-    def run(self, questions, topologies=None, rng=None, on_episode=None):
+    def run(self, questions, topologies=None, rng=None, on_episode=None, temperatures=None):
         from m1.schema import AgentRecord, Episode, Topology
 
         out = []

@@ -21,7 +21,7 @@ import m1.video.reader as video_reader  # noqa: E402
 from tests.conftest import fragmented_mp4, top_boxes  # noqa: E402
 from m1.video import (  # noqa: E402
     FrameCache, VideoError, VideoInfo, VideoPool, VideoReader, fps_indices, index_to_time, list_videos,
-    probe, time_indices, time_to_index, uniform_indices, write_video,
+    probe, time_to_index, uniform_indices, write_video,
 )
 
 STEP = 25
@@ -121,11 +121,11 @@ def test_sampling_clips_at_both_ends():
     assert fps_indices(INFO, 1.0, start=8.0, end=100.0) == [80, 90]
     assert fps_indices(INFO, 1.0, start=-2.5, end=1.5) == [0, 10]
     assert uniform_indices(INFO, 3, start=30.0, end=40.0) == [99]  # span past the end: last frame
-    assert time_indices(INFO, [-5.0, 0.0, 100.0, 9.99]) == [0, 99]
+    assert [time_to_index(INFO, t) for t in (-5.0, 0.0, 100.0, 9.99)] == [0, 0, 99, 99]
 
 
-def test_time_indices_nearest_and_conversions():
-    assert time_indices(INFO, [5.0, 0.34, 9.99, 0.36]) == [3, 50, 99]
+def test_time_to_index_is_the_frame_on_screen_and_conversions():
+    assert [time_to_index(INFO, t) for t in (5.0, 0.34, 9.99, 0.36)] == [50, 3, 99, 3]
     assert time_to_index(INFO, 0.3) == 3 and time_to_index(INFO, 0.299) == 2
     assert index_to_time(INFO, 37) == pytest.approx(3.7)
     ntsc = VideoInfo("n.mp4", 1001 / 30000 * 300, 30000 / 1001, 300, 64, 64)
@@ -139,7 +139,7 @@ def test_time_indices_nearest_and_conversions():
     lambda: fps_indices(INFO, 0.0),
     lambda: fps_indices(INFO, 1.0, max_frames=0),
     lambda: uniform_indices(INFO, 4, start=6.0, end=5.0),
-    lambda: time_indices(INFO, [float("nan")]),
+    lambda: time_to_index(INFO, float("nan")),
 ])
 def test_sampling_rejects_bad_arguments(call):
     with pytest.raises(ValueError):

@@ -427,6 +427,37 @@ def test_zooming_beats_a_sparse_glance(world):
     assert right(zoom) > right(direct), (right(zoom), right(direct), len(qs))
 
 
+def test_a_seed_kind_takes_per_episode_temperatures(world):
+    """`run(temperatures=)` as the Team contract has it: an episode's own temperature for the agent wins over the
+    agent's, each temperature gets its own policy call per turn; an agent the team lacks, or a list of the wrong
+    length, is an error before anything runs."""
+    from m1.team.kinds import make_team
+
+    team = make_team(load_team("zoomer_synth"))
+    key, agent = team.cfg.agents[0].model, team.order[0]
+    policy, calls = team.hub.chat(key), []
+
+    class Recording:
+        name, accepts_images = policy.name, policy.accepts_images
+
+        def generate(self, requests, params):
+            calls.append((params.temperature, len(requests)))
+            return policy.generate(requests, params)
+
+    team.hub.register(key, Recording(), kind="chat")
+    qs = world[2][:3]
+    eps = team.run(qs, temperatures=[{agent: 0.7}, {}, {}])
+    assert all(e.error is None for e in eps)
+    assert calls[:2] == [(0.7, 1), (0.0, 2)]  # turn 0: the overridden episode alone, then the two at the agent's own
+    assert {t for t, _ in calls} == {0.7, 0.0}
+    calls.clear()
+    with pytest.raises(ValueError, match="no agents \\['ghost'\\]"):
+        team.run(qs[:1], temperatures=[{"ghost": 0.0}])
+    with pytest.raises(ValueError, match="1 entries for 3 questions"):
+        team.run(qs, temperatures=[{}])
+    assert calls == []
+
+
 def test_m1_infer_runs_a_seed_kind_with_traces(world, tmp_path):
     from typer.testing import CliRunner
 

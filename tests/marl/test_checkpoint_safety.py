@@ -290,7 +290,8 @@ def test_m1_train_sigterm_exits_143_and_the_rerun_matches_an_uninterrupted_run(t
 @pytest.mark.slow
 def test_sft_sigterm_checkpoints_the_step_and_the_rerun_repeats_the_losses(tmp_path, m1_cache, monkeypatch):
     from m1.marl.config import SFTConfig
-    from m1.marl.sft import SFTExample, SFTTrainer, sft_main, write_examples
+    from m1.marl.sft import SFTTrainer, sft_main, write_examples
+    from m1.marl.sft_examples import SFTExample
 
     write_examples(tmp_path / "ex.jsonl", [
         SFTExample(agent="qwen2_small", question_id=f"q{i}", phase="plan",
@@ -341,7 +342,8 @@ def test_sft_sigterm_checkpoints_the_step_and_the_rerun_repeats_the_losses(tmp_p
 @pytest.mark.slow
 def test_sft_resume_checks_the_checkpoint_too(tmp_path, m1_cache):
     from m1.marl.config import SFTConfig
-    from m1.marl.sft import SFTExample, SFTTrainer
+    from m1.marl.sft import SFTTrainer
+    from m1.marl.sft_examples import SFTExample
 
     examples = [SFTExample(agent="qwen2_small", question_id=f"q{i}", phase="plan",
                            messages=[{"role": "user", "content": f"question {i}"}], completion="##Plan: x")

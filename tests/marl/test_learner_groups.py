@@ -24,11 +24,7 @@ LEARNER = {"finetune": "full", "lr": 1e-2, "eps": 1.0, "micro_batch_size": 2, "p
 @pytest.fixture(scope="module")
 def ray_cluster(m1_cache):
     """A local Ray with 4 GPUs declared (this machine has none: actors see CUDA_VISIBLE_DEVICES and run on CPU)."""
-    from m1.marl.distributed import ray_available
-
-    if not ray_available():
-        pytest.skip("ray is not installed (pip install ray==2.60.0)")
-    import ray
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install ray==2.60.0)")
 
     ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, object_store_memory=200 * 2**20,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "M1_CACHE": m1_cache, "HF_HUB_OFFLINE": "1"}})

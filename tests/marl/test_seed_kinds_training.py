@@ -90,7 +90,7 @@ def test_reward_kind_follows_the_team():
 
 
 def test_corrected_calls_count_reflection_trajectories():
-    from m1.marl.sft import corrected_calls
+    from m1.marl.sft_examples import corrected_calls
 
     def zooms(*spans, error=None):
         ep = seed_episode("B", calls=[("video_zoom", json.dumps({"segment": list(s), "fps": 1})) for s in spans],

@@ -8,8 +8,8 @@ from tests.fakes import FakeChat, FakeVision, content, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import SFTConfig, load_sft_config
 from m1.marl.rewards import RewardConfig
-from m1.marl.sft import (SFTExample, build_sft_data, plan_unchanged, read_examples, rotate_options,
-                         select_examples, write_examples)
+from m1.marl.sft import build_sft_data, read_examples, rotate_options, write_examples
+from m1.marl.sft_examples import SFTExample, plan_unchanged, select_examples
 from m1.schema import AgentAnswer, AgentRecord, Decision, Episode, Generation, Question, Turn
 from m1.team import topology as topo
 

@@ -11,7 +11,8 @@ from m1.attention_loss import AttentionLossSettings
 from m1.config import ModelSpec
 from m1.evidence import ChatEvidence
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.marl.sft import SFTExample, build_sft_data, read_examples, write_examples
+from m1.marl.sft import build_sft_data, read_examples, write_examples
+from m1.marl.sft_examples import SFTExample
 from m1.memory import SharedMemory
 from m1.schema import Plan, Question, Turn
 from m1.synth.teacher import TeacherChatModel

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import varied_reward
+from tests.conftest import is_dag, varied_reward
 from tests.fakes import FakeChat, FakeVision, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig, load_train_config
@@ -175,7 +175,7 @@ def test_dag_sampling_matches_configured_probabilities():
     active = edges = possible = 0
     for _ in range(n):
         t = sample_topology(names, "random", edge_prob, dropout, rng)
-        assert topo.is_dag(t) and t.active
+        assert is_dag(t) and t.active
         assert all(a in t.active and b in t.active for a, b in t.edges)
         active += len(t.active)
         edges += len(t.edges)
@@ -402,7 +402,8 @@ def test_lr_schedules_warm_up_then_hold_or_decay_to_zero():
 @pytest.mark.slow
 def test_sft_trainer_follows_the_lr_schedule(tmp_path, m1_cache):
     from m1.marl.config import SFTConfig
-    from m1.marl.sft import SFTExample, SFTTrainer
+    from m1.marl.sft import SFTTrainer
+    from m1.marl.sft_examples import SFTExample
 
     examples = [SFTExample(agent="qwen2_small", question_id=f"q{i}", phase="plan", messages=[{"role": "user", "content": "hi"}],
                            completion="##Plan: x") for i in range(6)]
@@ -481,11 +482,8 @@ def test_trained_agent_overrides_seat_adapters_and_name_shared_models(tmp_path):
 
 @pytest.mark.slow
 def test_ray_learners_match_local_learners(tmp_path, video, m1_cache):
-    from m1.marl.distributed import ray_available
-
-    if not ray_available():
-        pytest.skip("ray is not installed (pip install ray==2.60.0); the local placement is tested above")
-    import ray
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install ray==2.60.0); the local placement is "
+                                            "tested above")
 
     # only alpha learns (one actor starts); beta acts from the driver with frozen weights
     local = make_trainer(train_cfg(tmp_path / "local", train_agents=["alpha"]), video).train()
@@ -579,7 +577,8 @@ def test_init_from_starts_marl_from_the_sft_runs_weights(tmp_path, video, m1_cac
     assert not (tmp_path / "marl").exists()  # refused before anything ran
 
     # the SFT run: three LoRA steps on plans (lr 1e-2 moves the adapters), then MARL starts from it
-    from m1.marl.sft import SFTExample, sft_main, write_examples
+    from m1.marl.sft import sft_main, write_examples
+    from m1.marl.sft_examples import SFTExample
 
     write_examples(tmp_path / "examples.jsonl", [
         SFTExample(agent=a, question_id=f"q{i}", phase="plan", completion="##tool use: <Global Sampling>",

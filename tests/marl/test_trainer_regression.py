@@ -116,7 +116,8 @@ def run_marl(name, tmp_path, video, lr=1e-2):
 
 
 def run_sft(tmp_path, lr=1e-2):
-    from m1.marl.sft import SFTExample, SFTTrainer
+    from m1.marl.sft import SFTTrainer
+    from m1.marl.sft_examples import SFTExample
 
     examples = [SFTExample(agent=a, question_id=f"q{i}", phase="plan",
                            messages=[{"role": "user", "content": f"Plan tools for question {i}."}],

@@ -17,11 +17,7 @@ NODE = {"num_cpus": 1, "num_gpus": 1, "object_store_memory": 100 * 2**20}  # one
 @pytest.fixture
 def two_node_ray(m1_cache):
     """A head node (the driver's) and a worker node, each with 1 GPU and a resource naming it; yields the Cluster."""
-    from m1.marl.distributed import ray_available
-
-    if not ray_available():
-        pytest.skip("ray is not installed (pip install ray==2.60.0)")
-    import ray
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install ray==2.60.0)")
     from ray.cluster_utils import Cluster
 
     assert not ray.is_initialized(), "another test left Ray running"

@@ -62,7 +62,6 @@ def test_prompt_budget_fit_trims_the_fewest_entries():
     assert budget.fit(build, 4, count, 59)[1:] == (5, 40)  # all 4 entries and then the notes as a whole
     assert budget.fit(build, 4, count, 30)[1:] == (5, 40)  # nothing fits: the caller refuses
     assert budget.fit(build, -1, count, 30)[1:] == (0, 120)  # nothing to trim
-    assert budget.fit(build, 4, count, None)[1:] == (0, -1)  # no budget
 
 
 def test_prompt_budget_trims_peers_notes_and_keeps_the_head(world):
