@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from m1.agents.reading import closest_name, guarded, read_value
 from m1.schema import Question
-from m1.text import format_number, parse_span
+from m1.text import format_number
 
 MAX_REPLY = 20_000  # characters read of one reply; the rest is noise for any real format
 

@@ -59,7 +59,8 @@ class _Run:
 
 
 class SingleAgentTeam:
-    """The engine of a seed-kind agent (weaver, zoomer, sage, or one registered elsewhere); a Team as m1/contracts.py describes it, like m1.team.cpp.Team."""
+    """The engine of a seed-kind agent (weaver, zoomer, sage, or one registered elsewhere); a Team as
+    m1/contracts.py describes it, like m1.team.cpp.Team."""
 
     def __init__(self, cfg: TeamConfig, hub=None, pool: VideoPool | None = None):
         if len(cfg.agents) != 1 or not is_seed(cfg.agents[0].kind):

@@ -5,6 +5,7 @@ report legend "RB Rough / FB Fine Browser", whose bytes committed reports pin); 
 the name as a string literal of its own, the spelling that would silently go stale when a tool is added or renamed.
 """
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,20 @@ from m1.registry import PAPER_TOOLS, TOOLS
 M1 = Path(__file__).resolve().parents[2] / "m1"
 
 
+@cache
+def _modules() -> tuple[tuple[str, ast.Module], ...]:
+    """(path as m1/..., its syntax tree) of every module of m1/, parsed once for the tests below."""
+    return tuple((path.relative_to(M1.parent).as_posix(), ast.parse(path.read_text(), str(path)))
+                 for path in sorted(M1.rglob("*.py")))
+
+
 def _literal_homes(names=PAPER_TOOLS) -> dict[str, set[str]]:
     """name -> the modules of m1/ holding it as a whole string literal."""
     homes: dict[str, set[str]] = {t: set() for t in names}
-    for path in sorted(M1.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for rel, tree in _modules():
+        for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in homes:
-                homes[node.value].add(path.relative_to(M1.parent).as_posix())
+                homes[node.value].add(rel)
     return homes
 
 
@@ -36,6 +44,17 @@ def test_each_agent_kind_is_spelled_out_in_one_place():
 
     assert _literal_homes((CPP,)) == {CPP: {"m1/registry.py"}}
     assert _literal_homes(seed_kind_names()) == {k: {f"m1/kinds/{k}.py"} for k in seed_kind_names()}
+
+
+def test_each_seed_kind_tool_is_spelled_out_in_its_kind_alone():
+    """A seed kind's tools (and those of its paper M1 cannot run) are named in its module; the loop, the config and
+    the results read them from its spec or import its constant."""
+    from m1.registry import seed_kind, seed_kind_names
+
+    for kind in seed_kind_names():
+        spec = seed_kind(kind)
+        names = (*spec.tools, *spec.unavailable)
+        assert _literal_homes(names) == {t: {f"m1/kinds/{kind}.py"} for t in names}
 
 
 def kind_branches(tree: ast.AST, names: set[str], aliases: set[str]) -> list[tuple[int, str]]:
@@ -73,8 +92,8 @@ def kind_branches(tree: ast.AST, names: set[str], aliases: set[str]) -> list[tup
 def _kind_aliases(names: set[str]) -> set[str]:
     """Identifiers any module of m1/ binds to a seed kind's name (`A = "weaver"`, `A, B = "weaver", "sage"`)."""
     out = set()
-    for path in M1.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for _, tree in _modules():
+        for node in ast.walk(tree):
             if not isinstance(node, ast.Assign):
                 continue
             for target in node.targets:
@@ -93,13 +112,8 @@ def test_no_module_but_its_own_branches_on_a_seed_kind():
     names = set(seed_kind_names())
     aliases = _kind_aliases(names)
     own = {f"m1/kinds/{k}.py" for k in names}
-    found = {}
-    for path in sorted(M1.rglob("*.py")):
-        rel = path.relative_to(M1.parent).as_posix()
-        if rel not in own:
-            hits = kind_branches(ast.parse(path.read_text(), rel), names, aliases)
-            if hits:
-                found[rel] = hits
+    found = {rel: hits for rel, tree in _modules() if rel not in own
+             for hits in [kind_branches(tree, names, aliases)] if hits}
     assert found == {}
 
 
