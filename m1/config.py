@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from m1.registry import (CPP, DEFAULTS, KINDS, PAPER_TOOLS, SAGE_UNAVAILABLE, TOOL_NAMES, agent_kinds, is_seed,
+from m1.registry import (CPP, PAPER_TOOLS, TOOL_NAMES, agent_kinds, is_seed, seed_kind, seed_kind_names,
                          vision_model_attrs)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/ (a link), or the wheel's copy
@@ -226,13 +226,13 @@ class ToolsConfig(Strict):
 
 
 class SeedSystemConfig(Strict):
-    """The tool loop of a weaver / zoomer / sage agent. Unset fields take the kind's paper settings
-    (m1/registry.py): glance 128 / 64 / 128 frames, 10 / 5 / 11 turns, tool clips at 1 fps."""
+    """The tool loop of a seed-kind agent (weaver / zoomer / sage). Unset fields take the kind's paper settings, written
+    in its module (m1/kinds/weaver.py, ...): glance 128 / 64 / 128 frames, 10 / 5 / 11 turns, tool clips at 1 fps."""
 
     tools: list[str] | None = Field(default=None, description=(
         "The kind's tools the policy may call; None: all of them, []: answer from the glance alone."))
     glance_frames: int | None = Field(None, ge=1, description="Frames taken uniformly for the first user turn; "
-                                                              "None: the kind's (m1/registry.py).")
+                                                              "None: the kind's (its module in m1/kinds).")
     max_turns: int | None = Field(None, ge=1, description="Policy turns, the answer turn included; None: the kind's.")
     tool_fps: float | None = Field(None, gt=0, description="Frames per second inside a clip a tool returns; None: "
                                                            "the kind's.")
@@ -361,8 +361,8 @@ class TeamConfig(Strict):
         seeded = [(i, a) for i, a in enumerate(self.agents) if is_seed(a.kind)]
         if not seeded:
             if self.seed_system is not None:
-                raise ValueError(f"seed_system: applies to agents of a seed kind ({', '.join(KINDS)}); every agent "
-                                 f"here is kind {CPP}")
+                raise ValueError(f"seed_system: applies to agents of a seed kind ({', '.join(seed_kind_names())}); "
+                                 f"every agent here is kind {CPP}")
             kinds = list(dict.fromkeys(a.kind for a in self.agents))
             if len(kinds) > 1:  # the team's kind picks its engine (m1/team/kinds.py)
                 raise ValueError(f"agents: a team's agents share one kind, got {kinds}")
@@ -374,10 +374,11 @@ class TeamConfig(Strict):
         kind = seeded[0][1].kind
         if self.seed_system is not None and self.seed_system.captioner is not None:
             self._need("seed_system.captioner", self.seed_system.captioner, "vision")
-        known = DEFAULTS[kind].tools
+        spec = seed_kind(kind)
+        known = spec.tools
         for t in (self.seed_system.tools or []) if self.seed_system else []:
             if t not in known:
-                why = " (it needs audio or the web, which M1 does not have)" if t in SAGE_UNAVAILABLE else ""
+                why = f" ({spec.unavailable[t]})" if t in spec.unavailable else ""
                 raise ValueError(f"seed_system.tools: {t!r} is not a {kind} tool{why} (known: {list(known)})")
 
     def _need(self, where: str, ref: str, kind: str) -> None:

@@ -1,13 +1,16 @@
 """The names a config is validated against, kept at the bottom of the package so that m1/config.py imports nothing
 above it: the tools agents plan with (`TOOLS`, one `ToolSpec` each, the paper's eight registered here; everything
-else that names a tool reads it from here), and the seed-system kinds with their tools and paper settings
-(re-exported by m1/kinds, which runs them).
+else that names a tool reads it from here), the planning kinds, and the seed kinds (`SEED_KINDS`, one
+`SeedKindSpec` each, registered by the module that writes the kind: m1/kinds/weaver.py, zoomer.py, sage.py).
 
-Plain data, no imports from m1 or beyond.
+No imports from m1: m1/config.py validates against it, so it sits below everything else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 TOOL_GROUPS = ("select", "browse")  # select sets the focus, browse reads it
 
@@ -105,43 +108,96 @@ def vision_model_attrs() -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ agent kinds
-# Every module that branches on an agent kind reads these names; per-kind behaviour (prompts, parsers, rewards,
-# synth rules) sits in tables keyed by them next to the functions (m1/kinds, m1/marl/rewards.py, m1/synth).
 CPP = "cpp"  # the paper's policy agents, run by the CPP engine (m1/team/cpp.py)
-WEAVER, ZOOMER, SAGE = "weaver", "zoomer", "sage"
-KINDS = (WEAVER, ZOOMER, SAGE)  # the seed systems: one policy in a tool loop (m1/team/single.py)
 # Kinds whose agents plan with TOOLS, CPP first; m1/team/kinds.py register_kind adds to it (mutated in place).
 PLAN_KINDS: list[str] = [CPP]
 
 
+@dataclass(frozen=True)
+class SeedKindSpec:
+    """A seed system as an agent kind (one policy in a tool loop, m1/team/single.py): the one place all of it is
+    written. M1's three are m1/kinds/weaver.py, zoomer.py and sage.py; the loop, the trainer and M1-Synth read
+    their pieces from here. The callables are typed loosely because their argument types live above this module;
+    the comments give their signatures."""
+
+    name: str  # as a config writes it (`kind: <name>`)
+    tools: tuple[str, ...]  # every tool the kind knows, in the order its prompt lists them
+    tool_code: Mapping[str, Callable[..., Any]]  # tool -> (m1.kinds.tools.SeedTools, Context, args) -> Pending
+    # paper settings: what an unset `seed_system` field of m1/config.py takes
+    glance_frames: int  # uniform frames of the first user turn
+    max_turns: int  # policy turns, the answer turn included
+    tool_fps: float  # frames per second inside the clips tools return
+    system: Callable[..., str]  # (m1.kinds.settings.KindSettings) -> the system prompt
+    ask: str  # the line after the question in the first user turn
+    last_turn: str  # added to the last user turn: no tools are left, answer now
+    parse: Callable[..., Any]  # (reply text, Question, enabled tools) -> m1.kinds.parsers.SeedReply, never raising
+    # reward (m1/marl/rewards.py seed_reward): weights of (correct, every turn strict, a tool used and right), and an
+    # extra term (Episode, agent, tool calls) -> float added to the total and logged as `step`
+    reward_weights: tuple[float, float, float]
+    reward_extra: Callable[..., float] | None = None
+    # M1-Synth's rule-based policy (m1/kinds/rules.py Chat) -> (reply, ChatEvidence...), and the strings its system
+    # prompt holds, by which the synth backend tells a chat of this kind (a later kind's are tried first)
+    rules: Callable[..., Any] | None = None
+    marks: tuple[str, ...] = ()
+    # (system prompt) -> the tools it offers, as the rule policy reads them; None: its "- name: " lines
+    offered_tools: Callable[[str], list[str]] | None = None
+    unavailable: Mapping[str, str] = field(default_factory=dict)  # a paper tool M1 cannot run -> why (config errors)
+    # the `seed_system` settings its chats are written with in the tiny tokenizer's `seed_kinds` corpus
+    # (m1/synth/corpus.py); None: not in it. That corpus is cached by its version alone (m1/models/tiny.py
+    # CORPUS_VERSIONS), so setting or changing this needs a version bump.
+    corpus_loop: Mapping[str, Any] | None = None
+
+
+SEED_KINDS: dict[str, SeedKindSpec] = {}  # name -> spec, in registration order (mutated in place)
+# The package whose import registers M1's own seed kinds. It sits above this module, so it is imported by name on
+# the first look-up (as m1/models/tiny.py finds its corpora): m1/config.py can then check `kind: weaver` without
+# importing upward.
+SHIPPED_SEED_KINDS = "m1.kinds"
+_shipped_loaded = False
+
+
+def seed_kinds() -> dict[str, SeedKindSpec]:
+    """Every registered seed kind, M1's own first."""
+    global _shipped_loaded
+    if not _shipped_loaded:
+        _shipped_loaded = True
+        importlib.import_module(SHIPPED_SEED_KINDS)
+    return SEED_KINDS
+
+
+def register_seed_kind(spec: SeedKindSpec) -> SeedKindSpec:
+    """Add a seed kind (configs then accept `kind: <name>`; make_team runs it in the single-agent loop)."""
+    if spec.name in PLAN_KINDS:
+        raise ValueError(f"seed kind {spec.name!r}: already a planning kind")
+    missing = [t for t in spec.tools if t not in spec.tool_code]
+    if missing:
+        raise ValueError(f"seed kind {spec.name!r}: tools without code: {missing}")
+    if spec.name in SEED_KINDS:
+        if SEED_KINDS[spec.name] == spec:
+            return spec
+        raise ValueError(f"seed kind {spec.name!r} is already registered with other settings")
+    SEED_KINDS[spec.name] = spec
+    return spec
+
+
+def seed_kind(name: str) -> SeedKindSpec:
+    """The spec of a registered seed kind (ValueError naming the known ones otherwise)."""
+    known = seed_kinds()
+    if name not in known:
+        raise ValueError(f"{name!r} is not a seed kind (seed kinds: {list(known)})")
+    return known[name]
+
+
+def seed_kind_names() -> tuple[str, ...]:
+    """The seed kinds' names, in registration order."""
+    return tuple(seed_kinds())
+
+
 def is_seed(kind: str) -> bool:
     """Whether agents of this kind are a seed system's policy (a team of one) rather than planning agents."""
-    return kind in DEFAULTS
+    return kind in seed_kinds()
 
 
 def agent_kinds() -> list[str]:
     """The kinds an agent may have, as configs validate them."""
-    return [*PLAN_KINDS, *KINDS]
-
-
-@dataclass(frozen=True)
-class KindDefaults:
-    tools: tuple[str, ...]  # every tool the kind knows, in the order its prompt lists them
-    glance_frames: int  # uniform frames of the first user turn
-    max_turns: int  # policy turns, the answer turn included
-    tool_fps: float  # frames per second inside the clips tools return (Weaver: 1 fps; SAGE extract: ours)
-
-
-WEAVER_TOOLS = ("temporal_grounding", "frame_selection", "temporal_count", "trim", "spatial_tracking",
-                "spatial_grounding")
-ZOOMER_TOOLS = ("video_zoom",)
-# SAGE's transcribe-speech, web-search and parse-website need audio or the web, which M1's videos and machines
-# do not have; they are left out (a policy that names them gets an error observation).
-SAGE_TOOLS = ("ground-event", "extract-video-parts", "analyze")
-SAGE_UNAVAILABLE = ("transcribe-speech", "web-search", "parse-website")
-
-DEFAULTS: dict[str, KindDefaults] = {
-    WEAVER: KindDefaults(WEAVER_TOOLS, glance_frames=128, max_turns=10, tool_fps=1.0),
-    ZOOMER: KindDefaults(ZOOMER_TOOLS, glance_frames=64, max_turns=5, tool_fps=1.0),
-    SAGE: KindDefaults(SAGE_TOOLS, glance_frames=128, max_turns=11, tool_fps=1.0),
-}
+    return [*PLAN_KINDS, *seed_kinds()]

@@ -25,6 +25,7 @@ from m1.data.loaders import INVALID
 from m1.data.metrics import is_correct
 from m1.data.questions import InputError
 from m1.files import WriteError, write_whole
+from m1.kinds.zoomer import ZOOM
 from m1.locks import hold
 from m1.models.tiny import spec_hash
 from m1.schema import Episode, Question
@@ -123,7 +124,7 @@ def _zooms(ep: Episode) -> list[list[float]]:
     out = []
     for rec in ep.memory.values():
         for t in rec.turns:
-            if t.tool == "video_zoom" and t.error is None and t.span is not None:
+            if t.tool == ZOOM and t.error is None and t.span is not None:
                 try:
                     fps = float(json.loads(t.key_info)["fps"])
                 except (ValueError, KeyError, TypeError):  # args not as the zoomer's parser writes them

@@ -1,15 +1,8 @@
-"""The seed kinds' tools over one video, backed by what M1 has: frame sampling (m1/video/), the CLIP index
-(m1/tools/clip_index.py) and the vision model of the browse tools (`tools.browser` / `grounding` / `space`).
+"""The toolkit the seed kinds' tools are written with (each tool's code is in its kind's module, SeedKindSpec
+`tool_code`), backed by what M1 has: frame sampling (m1/video/), the CLIP index (m1/tools/clip_index.py) and the
+vision model of the browse tools (`tools.browser` / `grounding` / `space`).
 
-| tool | the paper's backing | here |
-|---|---|---|
-| weaver temporal_grounding | UniTime | the grounding VLM over the context at `tools.grounding_fps` (the Grounding Tool's frames and prompt) |
-| weaver frame_selection | Qwen2.5-VL frame confidence, top 1 | CLIP scores of the context's frames at `tools.image_fps`, top 1 |
-| weaver temporal_count | Qwen2.5-VL per clip, positives joined | the browser VLM per equal clip (`count_clips`), positives joined |
-| weaver trim | deterministic cut | the same |
-| weaver spatial_tracking / spatial_grounding | GroundedSAM2 / Grounding-DINO boxes | the space VLM's description (no boxes drawn) |
-| zoomer video_zoom | deterministic resampling | the same, `(end - start) * fps <= zoom_frames` or an error |
-| sage ground-event / extract-video-parts / analyze | an MLLM on the window / ffmpeg / an MLLM | grounding VLM / frames at `tool_fps` / browser VLM |
+Which of them stands in for which of the papers' models is in each kind's module.
 
 A tool that returns a clip hands its frames to the policy (at `tool_fps`, Weaver's 1 fps, at most
 `max_tool_frames`) and makes it the *context* the next Weaver tool works in. Each call is split in `prepare`
@@ -25,15 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from m1.agents.prompts import browser_prompt
-from m1.kinds import KindSettings
+from m1.kinds.settings import KindSettings
 from m1.models.base import Completion, VisionRequest
+from m1.registry import seed_kind
 from m1.schema import Question
-from m1.text import format_span, format_time, parse_span, parse_timestamp
-from m1.tools.select import clip_spans
+from m1.text import format_time, parse_span, parse_timestamp
 from m1.video import VideoError, fps_indices, uniform_indices
-
-SAGE_MAX_GROUND_S = 600.0  # SAGE's ground-event window (< 10 min)
-SAGE_MAX_EXTRACT_S = 300.0  # SAGE's extract-video-parts window (< 5 min)
 
 
 @dataclass
@@ -70,7 +60,8 @@ class ToolFailure(Exception):
     """A bad argument or a tool that cannot run; becomes an error observation."""
 
 
-def _done(obs: Observation) -> Pending:
+def done(obs: Observation) -> Pending:
+    """A call that needs no vision model: its observation as it stands."""
     return Pending([], lambda _replies: obs)
 
 
@@ -107,20 +98,23 @@ def hms(t: float) -> str:
 
 
 class SeedTools:
-    """The tools of one kind for a run; `vision_key(role)` names the vision model of a role, `clip()` the index."""
+    """The tools of one kind for a run: `prepare` runs the kind's code for a call (SeedKindSpec `tool_code`, each
+    `(toolkit, ctx, args) -> Pending`); the helpers below are what that code is written with. `settings` are the
+    run's loop settings, `cfg` the team's ToolsConfig, `clip()` the CLIP index (None: none configured)."""
 
     def __init__(self, settings: KindSettings, tools_cfg, clip: Callable[[], object | None]):
-        self.s, self.cfg, self._clip = settings, tools_cfg, clip
+        self.settings, self.cfg, self.clip = settings, tools_cfg, clip
+        self.code = seed_kind(settings.kind).tool_code
 
     # ------------------------------------------------------------------ entry point
     def prepare(self, ctx: Context, name: str, args: dict) -> Pending:
-        if name not in self.s.tools:
-            return _done(Observation(name, args, "", error=f"{name} is not an available tool "
-                                                            f"(available: {', '.join(self.s.tools) or 'none'})"))
+        if name not in self.settings.tools:
+            return done(Observation(name, args, "", error=f"{name} is not an available tool "
+                                                           f"(available: {', '.join(self.settings.tools) or 'none'})"))
         try:
-            return getattr(self, "_" + name.replace("-", "_"))(ctx, args)
+            return self.code[name](self, ctx, args)
         except (ToolFailure, VideoError, ValueError) as exc:
-            return _done(Observation(name, args, "", error=f"{name}: {exc}"))
+            return done(Observation(name, args, "", error=f"{name}: {exc}"))
 
     # ------------------------------------------------------------------ helpers
     def vision_key(self, role: str) -> str:
@@ -134,9 +128,11 @@ class SeedTools:
         s, e = span
         if e - s <= 0:
             return uniform_indices(ctx.video.info, 1, s, s)
-        return fps_indices(ctx.video.info, fps or self.s.tool_fps, s, e, max_frames=self.s.max_tool_frames)
+        return fps_indices(ctx.video.info, fps or self.settings.tool_fps, s, e,
+                           max_frames=self.settings.max_tool_frames)
 
-    def _span(self, ctx: Context, start, end, default: tuple[float, float]) -> tuple[float, float]:
+    def window(self, ctx: Context, start, end, default: tuple[float, float]) -> tuple[float, float]:
+        """A call's start and end (seconds or HH:MM:SS; `default` where left out), checked and kept in the video."""
         dur = ctx.video.info.duration
         s = _seconds(start, "start", default[0])
         e = _seconds(end, "end", default[1])
@@ -146,21 +142,22 @@ class SeedTools:
             raise ToolFailure(f"start {format_time(s)} is past the end of the video ({format_time(dur)})")
         return max(0.0, s), min(dur, e)
 
-    def _request(self, ctx: Context, kind: str, question: Question, focus: str, idx: list[int],
-                 tokens: int) -> VisionRequest:
+    def request(self, ctx: Context, kind: str, question: Question, focus: str, idx: list[int],
+                tokens: int) -> VisionRequest:
+        """A vision request of the browser prompt `kind` over the frames `idx`."""
         ts = ctx.video.timestamps(idx)
         return VisionRequest(frames=ctx.video.frames(idx), timestamps=ts,
                              prompt=browser_prompt(kind, question, focus, ts, tokens))
 
-    def _ground(self, ctx: Context, name: str, args: dict, query: str, span: tuple[float, float],
-                describe: Callable[[tuple[float, float] | None, list[int]], Observation]) -> Pending:
+    def ground(self, ctx: Context, query: str, span: tuple[float, float],
+               describe: Callable[[tuple[float, float] | None, list[int]], Observation]) -> Pending:
         """Ask the grounding VLM when `query` happens inside `span`; `describe` turns the span into an observation."""
         thing = object_phrase(query)
         q = Question(id="tool", video=ctx.question.video, task="grounding",
                      text=f"When does the {thing} appear? Give [start - end] in seconds.")
         s, e = span
         idx = fps_indices(ctx.video.info, self.cfg.grounding_fps, s, e, max_frames=self.cfg.grounding_max_frames)
-        req = self._request(ctx, "grounding", q, query, idx, self.cfg.grounding_tokens)
+        req = self.request(ctx, "grounding", q, query, idx, self.cfg.grounding_tokens)
 
         def finish(replies: list[Completion]) -> Observation:
             text = replies[0].text if replies else ""
@@ -175,173 +172,3 @@ class SeedTools:
             return obs
 
         return Pending([(self.vision_key("grounding"), req)], finish)
-
-    # ------------------------------------------------------------------ Weaver
-    def _temporal_grounding(self, ctx: Context, args: dict) -> Pending:
-        query = args["query"]
-
-        def describe(span, idx) -> Observation:
-            if span is None:
-                return Observation("temporal_grounding", args, f"No clip matching {query!r} was found in "
-                                   f"{format_time(ctx.span[0])}-{format_time(ctx.span[1])}.")
-            frames = self.clip_frames(ctx, span)
-            ctx.span = span
-            return Observation("temporal_grounding", args,
-                               f"Grounded the clip from {span[0]:.1f}s to {span[1]:.1f}s for {query!r}; its "
-                               f"{len(frames)} frames at {self.s.tool_fps:g} fps follow.",
-                               indices=frames, span=span, answer=format_span(span))
-
-        return self._ground(ctx, "temporal_grounding", args, query, ctx.span, describe)
-
-    def _frame_selection(self, ctx: Context, args: dict) -> Pending:
-        clip = self._clip()
-        if clip is None:
-            raise ToolFailure("needs a CLIP model (tools.clip) and none is configured")
-        s, e = ctx.span
-        cand = fps_indices(ctx.video.info, self.cfg.image_fps, s, e) if e > s else uniform_indices(
-            ctx.video.info, 1, s, s)
-        scores = clip.scores(ctx.video, cand, args["query"])
-        best = int(cand[int(scores.argmax())])
-        t = ctx.video.timestamps([best])[0]
-        ctx.span = (t, t)
-        return _done(Observation("frame_selection", args, f"Selected the frame at {t:.1f}s for {args['query']!r}.",
-                                 indices=[best], span=(t, t)))
-
-    def _temporal_count(self, ctx: Context, args: dict) -> Pending:
-        query = args["query"]
-        s, e = ctx.span
-        if e <= s:
-            raise ToolFailure("the context is a single frame; trim a clip first")
-        thing = object_phrase(query)
-        q = Question(id="tool", video=ctx.question.video, task="numeric",
-                     text=f"How many times does a {thing} appear?")
-        spans = [(s + a, s + b) for a, b in clip_spans(e - s, self.s.count_clips)]
-        reqs, per = [], []
-        for a, b in spans:
-            idx = fps_indices(ctx.video.info, self.cfg.grounding_fps, a, b, max_frames=self.cfg.rough_frames)
-            per.append(idx)
-            reqs.append((self.vision_key("browser"), self._request(ctx, "fine", q, query, idx, self.cfg.rough_tokens)))
-
-        def finish(replies: list[Completion]) -> Observation:
-            hits = [sp for sp, r in zip(spans, replies) if _positive(r.text)]
-            read = sorted({i for idx in per for i in idx})
-            if not hits:
-                return Observation("temporal_count", args, f"Found no clip with {query!r} among {len(spans)} "
-                                   "clips.", tool_frames=read, answer="0")
-            frames = sorted({i for sp in hits for i in self.clip_frames(ctx, sp)})[:self.s.max_tool_frames]
-            ctx.span = (hits[0][0], hits[-1][1])
-            listing = ", ".join(f"[{a:.1f} - {b:.1f}]" for a, b in hits)
-            return Observation("temporal_count", args,
-                               f"Found {len(hits)} of {len(spans)} clips with {query!r}: {listing}; joined, "
-                               f"{len(frames)} frames follow.", indices=frames, span=ctx.span,
-                               tool_frames=read, answer=str(len(hits)))
-
-        return Pending(reqs, finish)
-
-    def _trim(self, ctx: Context, args: dict) -> Pending:
-        span = self._span(ctx, args.get("start"), args.get("end"), (0.0, ctx.video.info.duration))
-        frames = self.clip_frames(ctx, span)
-        ctx.span = span
-        return _done(Observation("trim", args, f"Trimmed the clip from {span[0]:.1f}s to {span[1]:.1f}s; its "
-                                 f"{len(frames)} frames follow.", indices=frames, span=span))
-
-    def _spatial(self, ctx: Context, name: str, args: dict, idx: list[int]) -> Pending:
-        objs = args["objects"]
-        q = Question(id="tool", video=ctx.question.video, task="open",
-                     text="Where is each of these in the frame: " + ", ".join(objs) + "?")
-        req = self._request(ctx, "space", q, ", ".join(objs), idx, self.cfg.space_tokens)
-
-        def finish(replies: list[Completion]) -> Observation:
-            text = (replies[0].text if replies else "").strip()
-            text = re.sub(r"^##\s*summary\s*:\s*", "", text, flags=re.IGNORECASE)
-            return Observation(name, args, f"{'Tracked' if name == 'spatial_tracking' else 'Located'} "
-                               f"{', '.join(objs)}: {text or '(the model returned nothing)'}", indices=list(idx),
-                               tool_frames=list(idx))
-
-        return Pending([(self.vision_key("space"), req)], finish)
-
-    def _spatial_tracking(self, ctx: Context, args: dict) -> Pending:
-        return self._spatial(ctx, "spatial_tracking", args, self.clip_frames(ctx, ctx.span))
-
-    def _spatial_grounding(self, ctx: Context, args: dict) -> Pending:
-        s, e = ctx.span  # a still scene: the middle frame of the context
-        return self._spatial(ctx, "spatial_grounding", args, uniform_indices(ctx.video.info, 1, s, e))
-
-    # ------------------------------------------------------------------ VideoZoomer
-    def _video_zoom(self, ctx: Context, args: dict) -> Pending:
-        (s, e), fps = args["segment"], float(args["fps"])
-        dur = ctx.video.info.duration
-        if fps <= 0:
-            raise ToolFailure(f"fps {fps:g} must be > 0")
-        if not 0 <= s < e:
-            raise ToolFailure(f"segment [{s:g}, {e:g}] must have 0 <= start < end")
-        if s >= dur:
-            raise ToolFailure(f"segment starts at {s:g}s, past the end of the video ({dur:.1f}s)")
-        e = min(e, dur)
-        need = (e - s) * fps
-        if need > self.s.zoom_frames + 1e-6:
-            raise ToolFailure(f"segment [{s:g}, {e:g}] at {fps:g} fps asks for {need:.0f} frames; the budget is "
-                              f"{self.s.zoom_frames} per zoom: shorten the segment or lower the fps")
-        frames = fps_indices(ctx.video.info, fps, s, e, max_frames=self.s.zoom_frames)
-        ctx.span = (s, e)
-        return _done(Observation("video_zoom", args, f"Zoomed into {s:.1f}s-{e:.1f}s at {fps:g} fps: "
-                                 f"{len(frames)} frames follow.", indices=frames, span=(s, e)))
-
-    # ------------------------------------------------------------------ SAGE
-    def _ground_event(self, ctx: Context, args: dict) -> Pending:
-        event = args.get("event")
-        if not isinstance(event, str) or not event.strip():
-            raise ToolFailure("needs event: a description of what happens")
-        span = self._span(ctx, args.get("start"), args.get("end"), (0.0, ctx.video.info.duration))
-        if span[1] - span[0] > SAGE_MAX_GROUND_S:
-            raise ToolFailure(f"the window {hms(span[0])}-{hms(span[1])} is longer than 10 minutes")
-
-        def describe(got, idx) -> Observation:
-            body = ({"name": event, "timestamps": {"start": hms(got[0]), "end": hms(got[1])}} if got else
-                    {"name": event, "timestamps": {"start": None, "end": None}})
-            import json
-
-            return Observation("ground-event", args, json.dumps(body), span=got,
-                               answer=format_span(got) if got else None)
-
-        return self._ground(ctx, "ground-event", args, event, span, describe)
-
-    def _extract_video_parts(self, ctx: Context, args: dict) -> Pending:
-        span = self._span(ctx, args.get("start"), args.get("end"), (0.0, ctx.video.info.duration))
-        if span[1] - span[0] > SAGE_MAX_EXTRACT_S:
-            raise ToolFailure(f"the window {hms(span[0])}-{hms(span[1])} is longer than 5 minutes")
-        kind = str(args.get("type", "frames"))
-        if kind not in ("frames", "subclips"):
-            raise ToolFailure(f"type {kind[:20]!r} must be frames or subclips")
-        frames = self.clip_frames(ctx, span)
-        ctx.span, ctx.extracted = span, frames
-        return _done(Observation("extract-video-parts", args, f"Extracted {len(frames)} frames from {hms(span[0])} "
-                                 f"to {hms(span[1])}; they follow.", indices=frames, span=span))
-
-    def _analyze(self, ctx: Context, args: dict) -> Pending:
-        query = args.get("query")
-        if not isinstance(query, str) or not query.strip():
-            raise ToolFailure("needs query: what to find out")
-        if args.get("start") is not None or args.get("end") is not None or not ctx.extracted:
-            span = self._span(ctx, args.get("start"), args.get("end"), (0.0, ctx.video.info.duration))
-            idx = uniform_indices(ctx.video.info, self.cfg.rough_frames, *span)
-        else:
-            idx = ctx.extracted[:self.cfg.fine_frames]
-        q = Question(id="tool", video=ctx.question.video, task="open", text=query.strip())
-        req = self._request(ctx, "fine", q, query, idx, self.cfg.fine_tokens)
-
-        def finish(replies: list[Completion]) -> Observation:
-            text = (replies[0].text if replies else "").strip()
-            return Observation("analyze", args, text or "(the model returned nothing)", tool_frames=list(idx))
-
-        return Pending([(self.vision_key("browser"), req)], finish)
-
-
-def _positive(text: str) -> bool:
-    """A clip judge's reply says the event occurs: an answer count above 0, or a yes."""
-    m = re.search(r"##\s*answer\s*:\s*(.+)", text, re.IGNORECASE)
-    value = (m.group(1) if m else text).strip().lower()
-    num = re.search(r"\d+", value)
-    if num:
-        return int(num.group(0)) > 0
-    return value.startswith("yes")

@@ -43,7 +43,7 @@ from m1.text import parse_span
 from m1.config import Strict
 from m1.data.metrics import iou, is_correct, mra, normalize_answer, parse_number
 from m1.marl.judge import CorrectItem, Judge, JudgeItem
-from m1.registry import CPP, KINDS, SAGE, WEAVER, ZOOMER, is_seed
+from m1.registry import CPP, is_seed, seed_kind, seed_kind_names
 from m1.schema import Episode, Question
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ __all__ = [
     "RewardConfig", "RewardBreakdown", "result_reward", "format_reward",
     "outcome_parsed", "collaboration_reward",
     "tool_penalty", "agent_answer", "agent_rewards", "batch_agent_rewards", "log_breakdowns",
-    "summarize", "SeedReward", "SEED_WEIGHTS", "SAGE_STEP", "seed_reward", "seed_rewards", "summarize_seed",
-    "reward_kind", "turns_strict", "tool_used", "repeated_calls",
+    "summarize", "SeedReward", "seed_reward", "seed_rewards", "summarize_seed",
+    "reward_kind", "turns_strict", "tool_used",
 ]
 
 
@@ -87,7 +87,7 @@ class RewardConfig(Strict):
     @classmethod
     def _known_kind(cls, v: str) -> str:
         """Checked against the registry's kind names (m1/registry.py spells them)."""
-        known = ["auto", CPP, *KINDS]
+        known = ["auto", CPP, *seed_kind_names()]
         if v not in known:
             raise ValueError(f"rewards.kind: unknown reward {v!r} (known: {known})")
         return v
@@ -315,22 +315,13 @@ def summarize(batch: Sequence[dict[str, RewardBreakdown]]) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- the seed kinds' rewards
-# (correct, format, tool) weights from the papers. Weaver: R = 0.7 R_corr + 0.2 R_format + 0.1 R_tool. VideoZoomer:
-# R = 0.9 R_acc + 0.1 R_format + 0.5 R_tool (its Table of RL settings), R_tool only when the answer is right in both.
-# Format is 1 when every policy turn parsed strictly (m1/kinds/parsers.py `ok`): VideoZoomer's definition (each
-# turn <think> then a valid <video_zoom> or <answer>); Weaver's paper only asks for an <answer> tag, which its strict
-# parser checks along with every tool call, so a malformed call now costs the format part too.
-SEED_WEIGHTS = {WEAVER: (0.7, 0.2, 0.1), ZOOMER: (0.9, 0.1, 0.5)}
-# SAGE: the seed (its supplement) names two LLM-judge rewards and no weights: accuracy (True/False) and a
-# "reasonable-tool" verdict on the tool-calling trace that must penalise needless repeated calls. Ours, the simplest
-# faithful version: accuracy 1/0 by is_correct, plus SAGE_STEP (+) when the trace repeats no call and (-) when it
-# repeats one, 0 when no tool was called (no trace to judge); 0.1 is the step reward's size in SAGE's released code
-# (outside the seeds), and the repetition rule stands in for the offline judge.
-SAGE_STEP = 0.1
+# Each kind's weights of (correct, format, tool) and any extra term are in its spec (SeedKindSpec reward_weights,
+# reward_extra: m1/kinds/weaver.py, zoomer.py, sage.py, with the papers' reasons).
 
 
 class SeedReward(BaseModel):
-    """One seed-kind episode's reward and its parts (all 0/1 except `step`, SAGE's reasonable-tool term)."""
+    """One seed-kind episode's reward and its parts (all 0/1 except `step`, the kind's extra term: SAGE's
+    reasonable-tool term)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -339,7 +330,7 @@ class SeedReward(BaseModel):
     correct: float
     format: float  # every policy turn parsed strictly
     tool: float  # a tool was called and the answer is right (Weaver, VideoZoomer)
-    step: float = 0.0  # SAGE: +/- SAGE_STEP for a trace without / with a repeated call
+    step: float = 0.0  # the kind's extra term (SeedKindSpec reward_extra; SAGE: +/- 0.1 for a repeated call or not)
     total: float
     tool_calls: int
     turns: int
@@ -369,38 +360,29 @@ def tool_used(episode: Episode, agent: str) -> bool:
     return _tool_calls(episode, agent) > 0
 
 
-def repeated_calls(episode: Episode, agent: str) -> int:
-    """Calls that repeat an earlier call of the episode exactly (same tool, same arguments)."""
-    rec = episode.memory.get(agent)
-    seen, repeats = set(), 0
-    for t in rec.turns if rec is not None else []:
-        key = (t.tool, t.key_info)
-        repeats += key in seen
-        seen.add(key)
-    return repeats
-
-
 def seed_reward(episode: Episode, kind: str, agent: str | None = None) -> SeedReward:
-    """The reward of a weaver / zoomer / sage episode for its (only) agent, as its paper defines it (see
-    SEED_WEIGHTS, SAGE_STEP). Right or wrong is `m1.data.metrics.is_correct` on the team's final answer, the
+    """The reward of a seed-kind episode for its (only) agent, as its paper defines it (the kind's SeedKindSpec
+    reward_weights and reward_extra). Right or wrong is `m1.data.metrics.is_correct` on the team's final answer, the
     evaluation's own definition (grounding: IoU >= 0.5)."""
-    if kind not in KINDS:
-        raise ValueError(f"rewards.kind: {kind!r} has no seed reward ({', '.join(KINDS)})")
+    if not is_seed(kind):
+        raise ValueError(f"rewards.kind: {kind!r} has no seed reward ({', '.join(seed_kind_names())})")
     if episode.question.answer is None:
         raise ValueError(f"question {episode.question.id!r}: no ground truth answer; the seed reward needs one")
+    spec = seed_kind(kind)
     agent = agent if agent is not None else next(iter(episode.memory))
     correct = float(is_correct(episode.question, episode.final_answer))
     fmt = turns_strict(episode, agent)
     calls = _tool_calls(episode, agent)
     tool = float(calls > 0 and correct == 1.0)
     turns = sum(g.agent == agent for g in episode.generations)
-    if kind == SAGE:
-        step = 0.0 if calls == 0 else (-SAGE_STEP if repeated_calls(episode, agent) else SAGE_STEP)
-        return SeedReward(agent=agent, kind=kind, correct=correct, format=fmt, tool=tool, step=step,
-                          total=correct + step, tool_calls=calls, turns=turns)
-    w_c, w_f, w_t = SEED_WEIGHTS[kind]
-    return SeedReward(agent=agent, kind=kind, correct=correct, format=fmt, tool=tool,
-                      total=w_c * correct + w_f * fmt + w_t * tool, tool_calls=calls, turns=turns)
+    w_c, w_f, w_t = spec.reward_weights
+    total = w_c * correct + w_f * fmt + w_t * tool
+    if spec.reward_extra is None:
+        return SeedReward(agent=agent, kind=kind, correct=correct, format=fmt, tool=tool, total=total,
+                          tool_calls=calls, turns=turns)
+    step = spec.reward_extra(episode, agent, calls)
+    return SeedReward(agent=agent, kind=kind, correct=correct, format=fmt, tool=tool, step=step, total=total + step,
+                      tool_calls=calls, turns=turns)
 
 
 def seed_rewards(episodes: Sequence[Episode], kind: str) -> list[dict[str, SeedReward]]:

@@ -12,7 +12,7 @@ from m1.data.questions import read_questions
 from m1.models.base import ModelError
 from m1.models.tiny import SYNTH_AGENTS, SYNTH_BROWSER_TOKENS, _default_corpus
 from m1.models.base import text_only
-from m1.registry import SAGE, WEAVER, ZOOMER
+from m1.registry import seed_kinds
 from m1.synth.make import make_dataset
 from m1.synth.questions import MOTION_TEXT, RELATIONS
 from m1.synth.world import BACKGROUNDS, CELLS, COLOURS, MOTIONS, SHAPES, SIZES
@@ -67,24 +67,23 @@ def _cpp_texts(questions) -> list[str]:
     return texts
 
 
-# The seed kinds' loop as their mini policies run it (configs/sft/<kind>_synth.yaml): described frames, a 16-frame
-# glance, short tool results. Written here, not read from those configs, so that editing a config never changes a
-# tokenizer quietly (CORPUS_VERSIONS in m1/models/tiny.py names this recipe).
-SEED_KIND_LOOPS = {
-    WEAVER: {"glance_frames": 16, "max_turns": 4, "max_tool_frames": 16},
-    ZOOMER: {"glance_frames": 16, "max_turns": 3},
-    SAGE: {"glance_frames": 16, "max_turns": 4, "max_tool_frames": 16},
-}
+def seed_kind_loops() -> list[tuple[str, dict]]:
+    """The seed kinds in the corpus and the `seed_system` settings their chats are written with (SeedKindSpec
+    corpus_loop), in registration order: the loop as their mini policies run it (configs/sft/<kind>_synth.yaml:
+    described frames, a 16-frame glance, short tool results). Written in the kinds' specs, not read from those
+    configs, so that editing a config never changes a tokenizer quietly; CORPUS_VERSIONS in m1/models/tiny.py names
+    this recipe, and a kind registered without a corpus_loop leaves it as it is."""
+    return [(name, dict(spec.corpus_loop)) for name, spec in seed_kinds().items() if spec.corpus_loop is not None]
 
 
 def seed_kinds_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: float = 120.0) -> list[str]:
-    """The synth corpus plus the rule-based Weaver, VideoZoomer and SAGE chats on the same world, as a text policy
-    reads them (frames as their descriptions, `text_only`): their system prompts, tool-call JSON and observation
-    lines become short token runs, which the CPP team's prompts alone do not teach (a Weaver tool call was 69
-    tokens with the synth tokenizer)."""
+    """The synth corpus plus the seed kinds' rule-based chats (Weaver, VideoZoomer, SAGE) on the same world, as a
+    text policy reads them (frames as their descriptions, `text_only`): their system prompts, tool-call JSON and
+    observation lines become short token runs, which the CPP team's prompts alone do not teach (a Weaver tool call
+    was 69 tokens with the synth tokenizer)."""
     questions = _world(workdir, videos, seed, duration)
     texts = _cpp_texts(questions) + _default_corpus()
-    for kind, loop in SEED_KIND_LOOPS.items():
+    for kind, loop in seed_kind_loops():
         cfg = TeamConfig.model_validate({
             "name": f"corpus_{kind}", "models": {"policy": {"kind": "chat", "backend": "synth"},
                                                  "vision": {"kind": "vision", "backend": "synth"}, "clip": CORPUS_CLIP},

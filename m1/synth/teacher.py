@@ -27,6 +27,7 @@ from m1.text import format_span, format_time, parse_span, parse_timestamp
 from m1.models.base import ChatRequest, Completion, SamplingParams
 from m1.registry import (FINE_BROWSER, GLOBAL_SAMPLING, GROUNDING_TOOL, IMAGE_RETRIEVAL, ROUGH_BROWSER, SPACE_TOOL,
                          TIME_STAMP_RETRIEVAL, VIDEO_RETRIEVAL)
+from m1.kinds.rules import chat_kind
 from m1.synth import seed_rules
 
 GS, VR, TSR, IR = (s.name for s in (GLOBAL_SAMPLING, VIDEO_RETRIEVAL, TIME_STAMP_RETRIEVAL, IMAGE_RETRIEVAL))
@@ -167,7 +168,7 @@ class TeacherChatModel:
     """ChatModel protocol; `spec.error_rate` and `spec.seed` come from the team config.
 
     A chat of a seed kind (Weaver, VideoZoomer, SAGE: m1/team/single.py) goes to that kind's rule policy
-    (m1/synth/seed_rules.py), which reads the frames it is sent; hence `accepts_images`."""
+    (m1/synth/seed_rules.py runs it), which reads the frames it is sent; hence `accepts_images`."""
 
     accepts_images = True
 
@@ -182,7 +183,7 @@ class TeacherChatModel:
         self.calls += 1
         out = []
         for r in requests:
-            if seed_rules.seed_kind(r.messages):
+            if chat_kind(r.messages):
                 text, evidence = seed_rules.write(r.messages, getattr(r, "images", None))
             else:
                 text, evidence = self.write(r.messages)

@@ -7,7 +7,7 @@ of the policy model (one per temperature where `run(temperatures=)` sets episode
 requests of all tool calls one batched call per vision model.
 
     turn 0    user: glance (uniform frames, each after its time) + question
-    turn k    policy reply -> parsed (m1/kinds/parsers.py) -> tool call(s) | answer
+    turn k    policy reply -> parsed (the kind's parser, m1/kinds/<kind>.py) -> tool call(s) | answer
               tool call -> observation text + the frames it returned, as the next user turn
     last turn the user turn says no tools are left; a reply without an answer leaves the question unanswered
 
@@ -25,12 +25,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from m1.config import TeamConfig
-from m1.kinds import prompts, settings_for
-from m1.kinds.parsers import SeedReply, ToolCall, parse_reply
+from m1.kinds import prompts
+from m1.kinds.settings import settings_for
+from m1.kinds.parsers import SeedReply, ToolCall
 from m1.kinds.tools import Context, Observation, Pending, SeedTools
 from m1.models.base import ChatModel, ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, text_only
 from m1.models.hub import ModelHub
-from m1.registry import KINDS, is_seed
+from m1.registry import is_seed, seed_kind, seed_kind_names
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology, Turn
 from m1.team import budget
 from m1.team.engine import TeamEngine
@@ -78,18 +79,21 @@ class _Run:
 
 
 class SingleAgentTeam(TeamEngine):
-    """The engine of a weaver / zoomer / sage agent; a Team as m1/contracts.py describes it, like m1.team.cpp.Team."""
+    """The engine of a seed-kind agent (weaver, zoomer, sage, or one registered elsewhere); a Team as
+    m1/contracts.py describes it, like m1.team.cpp.Team."""
 
     def __init__(self, cfg: TeamConfig, hub: ModelHub | None = None, pool: VideoPool | None = None):
         if len(cfg.agents) != 1 or not is_seed(cfg.agents[0].kind):
-            raise ValueError(f"team {cfg.name!r}: SingleAgentTeam runs one agent of a seed kind ({', '.join(KINDS)})")
+            raise ValueError(f"team {cfg.name!r}: SingleAgentTeam runs one agent of a seed kind "
+                             f"({', '.join(seed_kind_names())})")
         super().__init__(cfg, hub, pool)
         self.agent = cfg.agents[0]
         self.kind = self.agent.kind
+        self.spec = seed_kind(self.kind)  # its prompts, parser and tools (m1/kinds/<kind>.py)
         self.settings = settings_for(self.kind, cfg.seed_system)
         self.order = [self.agent.name]
         self.tools = SeedTools(self.settings, cfg.tools, self._clip)
-        self.system = prompts.system_prompt(self.kind, self.settings.tools, self.settings.zoom_frames)
+        self.system = self.spec.system(self.settings)
 
     # ------------------------------------------------------------------ entry point
     def _draw_topology(self, rng: random.Random) -> Topology:
@@ -112,7 +116,7 @@ class SingleAgentTeam(TeamEngine):
                 break
             if turn == last:
                 for r in live:
-                    self._append_text(r, prompts.LAST_TURN[self.kind])
+                    self._append_text(r, self.spec.last_turn)
             self._policy_turn(live, turn, final=turn == last)
         wall = time.perf_counter() - t0
         for r in runs:
@@ -257,7 +261,7 @@ class SingleAgentTeam(TeamEngine):
         pending = []
         for r, out in zip(runs, outs):
             r.timings["llm"] += dt
-            reply = parse_reply(self.kind, out.text, r.question, self.settings.tools)
+            reply = self.spec.parse(out.text, r.question, self.settings.tools)
             phase = "act" if reply.calls and not final else "answer"
             r.generations.append(Generation(
                 agent=self.agent.name, phase=phase, step=turn, prompt=_copy(r.messages), completion=out.text,

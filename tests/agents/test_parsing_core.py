@@ -128,7 +128,7 @@ def test_guard_turns_an_exception_into_a_format_failure():
 
 def test_parsers_route_their_bugs_through_the_guard(monkeypatch):
     import m1.agents.parsers as cpp
-    import m1.kinds.parsers as seeds
+    import m1.kinds.weaver as seeds
 
     def boom(*_):
         raise RuntimeError("bug")

@@ -72,7 +72,8 @@ def test_a_training_step_credits_with_a_new_rule(extension, tmp_path, video, m1_
 
 def test_agent_kinds_are_checked_against_the_registry(extension):
     from m1.config import TeamConfig
-    from m1.registry import CPP, WEAVER
+    from m1.kinds.weaver import WEAVER
+    from m1.registry import CPP
     from m1.team.kinds import KindSpec, register_kind
 
     team = relay_team(extension)
@@ -84,3 +85,70 @@ def test_agent_kinds_are_checked_against_the_registry(extension):
         register_kind(KindSpec(extension.RELAY, object))
     with pytest.raises(ValueError, match="is a seed kind"):
         register_kind(KindSpec(WEAVER, extension.RelayTeam))
+
+
+# ------------------------------------------------------------------------------------------------ a fifth seed kind
+@pytest.fixture
+def skimmer(registries):  # noqa: F811
+    from tests.fixtures import seed_kind
+
+    seed_kind.register()
+    return seed_kind
+
+
+def skim_team(ext, **over) -> dict:
+    synth = {"kind": "chat", "backend": "synth"}  # M1-Synth's backend: it runs the kind's own rule policy
+    return {"name": "skim-test", "models": {"policy": synth, "vision": {"kind": "vision", "backend": "synth"}},
+            "agents": [{"name": "skim", "model": "policy", "kind": ext.SKIMMER}], "tools": {"browser": "vision"},
+            **over}
+
+
+def test_infer_runs_a_fifth_seed_kind_registered_as_one_spec(skimmer, tmp_path):
+    """tests/fixtures/seed_kind.py is the whole kind: `m1 infer` runs its glance, its rule policy's trim (Weaver's
+    tool, reused) and its answer in its own syntax, and the trace and results line hold them."""
+    from m1.cli import app
+    from m1.synth.corpus import seed_kind_loops
+
+    loops = seed_kind_loops()
+    folder, questions, _ = make_synth_world(tmp_path / "world", videos=1, seed=3, duration=30,
+                                            questions_per_video=1)
+    team_file = tmp_path / "skim.yaml"
+    team_file.write_text(yaml.safe_dump(skim_team(skimmer)))
+    out, traces = tmp_path / "results.jsonl", tmp_path / "traces"
+    res = CliRunner().invoke(app, ["infer", str(folder), "--questions", str(questions), "--team", str(team_file),
+                                   "--out", str(out), "--trace-dir", str(traces)])
+    assert res.exit_code == 0, res.output
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row.get("error") is None and row["aggregation"] == f"single ({skimmer.SKIMMER})", row
+    [trace] = traces.glob("*.json")
+    episode = json.loads(trace.read_text())
+    first, last = (g["completion"] for g in (episode["generations"][0], episode["generations"][-1]))
+    assert first == 'I look at the first half closely.<call>{"start": 0.0, "end": 15.0}</call>'
+    assert last.endswith(f"<final>{row['answer']}</final>") and row["answer"], last
+    [turn] = episode["memory"]["skim"]["turns"]
+    assert turn["tool"] == skimmer.TRIM and turn["span"] == [0.0, 15.0] and turn["error"] is None
+    assert len(turn["timestamps"]) == 15 and row["frames_used"] > skimmer.SPEC.glance_frames  # 1 fps over 15 s
+    assert all(g["parse_ok"] for g in episode["generations"])
+    assert skimmer.CALLS["rules"] == 2 and skimmer.CALLS["parse"] == 2 and skimmer.CALLS["tool"] == 1
+    assert seed_kind_loops() == loops  # no corpus_loop: the tokenizer corpus is left as it was
+
+
+def test_a_fifth_seed_kind_is_checked_rewarded_and_trained_as_its_spec_says(skimmer):
+    from m1.config import TeamConfig
+    from m1.marl.rewards import RewardConfig, seed_reward
+    from m1.marl.team_kinds import SEED_PHASES, team_kind
+    from m1.schema import AgentRecord, Episode, Question, Topology
+    from m1.team.kinds import kind_of, make_team
+    from m1.team.single import SingleAgentTeam
+
+    cfg = TeamConfig.model_validate(skim_team(skimmer))
+    assert type(make_team(cfg)) is SingleAgentTeam and kind_of(cfg).name == skimmer.SKIMMER
+    assert (team_kind(cfg).name, team_kind(cfg).phases) == (skimmer.SKIMMER, SEED_PHASES)
+    assert RewardConfig(kind=skimmer.SKIMMER).kind == skimmer.SKIMMER
+    with pytest.raises(ValueError, match=f"'video_zoom' is not a {skimmer.SKIMMER} tool"):
+        TeamConfig.model_validate(skim_team(skimmer, seed_system={"tools": ["video_zoom"]}))
+    q = Question(id="q", video="v.mp4", text="What colour?", options=["red", "blue"], answer="B")
+    ep = Episode(id="q", question=q, topology=Topology(agents=["skim"], active=["skim"], edges=[]),
+                 memory={"skim": AgentRecord(answer="B")}, final_answer="B", aggregation="single")
+    r = seed_reward(ep, skimmer.SKIMMER)
+    assert (r.correct, r.step, r.total) == (1.0, 0.25, 1.25) and skimmer.CALLS["reward"] == 1

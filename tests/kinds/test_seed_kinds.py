@@ -13,16 +13,20 @@ import pytest
 from tests.conftest import make_synth_world
 
 from m1.config import ConfigError, TeamConfig, load_team
-from m1.kinds import DEFAULTS, settings_for
-from m1.kinds.parsers import SeedReply, loads_lenient, parse_sage, parse_weaver, parse_zoomer
+from m1.kinds.parsers import SeedReply, loads_lenient
+from m1.kinds.sage import parse_sage
+from m1.kinds.settings import settings_for
+from m1.kinds.weaver import parse_weaver
+from m1.kinds.zoomer import parse_zoomer
+from m1.registry import seed_kind
 from m1.schema import Episode, Question
 
 MCQ = Question(id="q1", video="v.mp4", text="What colour is the car?", options=["red", "blue", "green", "grey"])
 OPEN = Question(id="q2", video="v.mp4", text="What does the boy drop?", task="open")
 GROUND = Question(id="q3", video="v.mp4", text="When does the man sit down?", task="grounding")
 NUMERIC = Question(id="q4", video="v.mp4", text="How many balls bounce?", task="numeric")
-WEAVER = list(DEFAULTS["weaver"].tools)
-SAGE = list(DEFAULTS["sage"].tools)
+WEAVER = list(seed_kind("weaver").tools)
+SAGE = list(seed_kind("sage").tools)
 NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
 
 

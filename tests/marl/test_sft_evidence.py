@@ -115,10 +115,14 @@ def test_communicate_key_info_copies_the_question():
 
 def weaver_chat():
     """A Weaver chat after its temporal_grounding call: the rule then trims after the span the tool reported."""
-    from m1.kinds.prompts import first_turn, system_prompt
+    from m1.config import SeedSystemConfig
+    from m1.kinds.prompts import first_turn
+    from m1.kinds.settings import settings_for
+    from m1.kinds.weaver import system
 
     q = Question(id="w", video="v.mp4", text="What appears right after the red square leaves?", options=["a", "b"])
-    return [{"role": "system", "content": system_prompt("weaver", ["temporal_grounding", "trim"])},
+    settings = settings_for("weaver", SeedSystemConfig(tools=["temporal_grounding", "trim"]))
+    return [{"role": "system", "content": system(settings)},
             {"role": "user", "content": first_turn("weaver", q, 60.0, [0, 4], [0.0, 30.0])},
             {"role": "assistant", "content": '<tool_call>{"tool_name": "temporal_grounding"}</tool_call>'},
             {"role": "user", "content": [{"type": "text", "text": "[temporal_grounding] the red square is on screen "

@@ -1,0 +1,228 @@
+"""What a seed kind's rule-based policy reads and writes (SeedKindSpec `rules`): its chat, read into a `Chat`, and
+the helpers the kinds' rules share. M1-Synth runs them (m1/synth/seed_rules.py) as the teacher is run for CPP.
+
+A rule reads only its chat (never the world script): the system prompt (which kind, which tools are offered), the
+question block, the tool observations, and the frames in it. It sees those frames through `Senses`, which whoever
+runs the rules provides (M1-Synth: the synth vision model's pixel reader and the world's words), so that this layer
+needs nothing of the synthetic world. Where a rule reads its chat's text (a stated time, the video's length, the span
+a tool reported), `Read` and `ReplyBuilder` record where (m1/evidence.py ChatEvidence, for SFT's attention loss);
+what it reads off pixels is not text and cites nothing.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from m1.evidence import ReplyBuilder
+from m1.models.base import part_starts
+from m1.registry import seed_kind, seed_kinds
+
+TIME = re.compile(r"\b(\d{1,2}):(\d{2})\b")  # a clock time in a question ("at 01:15")
+Cue = tuple[str, list[str], float | None]  # (kind of question, objects it names, a stated time in seconds)
+
+
+@dataclass
+class Reading:
+    """What frames showed about the question: the answer read off them (None: nothing), whether its objects were
+    seen, the reader's notes on them, the question's options, and `runs(object)`: each run of consecutive sightings
+    of an object (`.first`, `.last` in seconds)."""
+
+    answer: str | None
+    seen: bool
+    notes: list[str] = field(default_factory=list)
+    options: list[str] = field(default_factory=list)
+    runs: Callable[[str], list] = lambda name: []
+
+
+class Senses(Protocol):
+    """How a rule policy looks at its frames and reads its question's wording."""
+
+    def look(self, chat: Chat, positions: list[int] | None) -> Reading:
+        """The chat's frames (all, or those at `positions` in image order), read as a VLM policy would."""
+
+    def cue(self, text: str) -> Cue:
+        """(kind of question, objects it names, a stated time) from the question line."""
+
+
+@dataclass
+class Chat:
+    """What the policy reads of its conversation."""
+
+    kind: str
+    tools: list[str]
+    question: str  # the question block: "Question: ...", options, task line
+    text: str  # the question line alone
+    task: str
+    duration: float
+    glance: list[int]  # positions (in image order) of the first turn's frames
+    times: list[float]  # time of every image part, in order
+    replies: list[str]  # the policy's own earlier replies
+    observations: list[str]  # tool observation lines, in order
+    last_turn: bool
+    senses: Senses
+    images: list[np.ndarray] = field(default_factory=list)
+    # where the rules' reads sit, as (message, start, end) in the messages' text_only contents (m1/evidence.py):
+    # the question line's text, the video's length, each tool observation
+    question_at: tuple[int, int, int] | None = None
+    duration_at: tuple[int, int, int] | None = None
+    observation_at: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def look(self, positions: list[int] | None = None) -> Reading:
+        """Look at the chat's frames (all, or those at `positions`), sorted by time, one per time."""
+        return self.senses.look(self, positions)
+
+    def cue(self) -> Cue:
+        return self.senses.cue(self.text)
+
+
+def chat_kind(messages: list[dict]) -> str | None:
+    """Which seed kind a chat belongs to, from the marks its system prompt holds (None: not a seed-kind chat). Later
+    kinds are tried first, so a kind whose prompt holds an earlier one's marks is still told apart."""
+    system = next((m.get("content") for m in messages if m.get("role") == "system"), None)
+    if not isinstance(system, str):
+        return None
+    specs = list(seed_kinds().values())[::-1]
+    return next((s.name for s in specs if s.marks and all(m in system for m in s.marks)), None)
+
+
+def listed_tools(system: str) -> list[str]:
+    """The tools a system prompt lists as `- name: ...` lines (the default SeedKindSpec `offered_tools`)."""
+    return re.findall(r"^- ([a-z_\-]+): ", system, re.M)
+
+
+def read_chat(messages: list[dict], images: list[np.ndarray] | None, senses: Senses) -> Chat:
+    kind = chat_kind(messages) or ""
+    spec = seed_kind(kind) if kind else None
+    system = messages[0].get("content", "") if messages else ""
+    tools = ((spec.offered_tools or listed_tools) if spec else listed_tools)(system)
+    times, glance, observations, users = [], [], [], []
+    spots: dict[str, Any] = {"observation_at": []}
+    for n, m in enumerate(messages):
+        if m.get("role") != "user":
+            continue
+        parts = (m["content"] if isinstance(m.get("content"), list)
+                 else [{"type": "text", "text": str(m.get("content"))}])
+        for p, at in zip(parts, part_starts(parts)):
+            if p.get("type") == "image":
+                if len(users) == 0:
+                    glance.append(len(times))
+                times.append(float(p.get("time", 0.0)))
+            else:
+                text = str(p.get("text", ""))
+                if text.startswith("["):
+                    observations.append(text)
+                    spots["observation_at"].append((n, at, at + len(text)))
+                if not users:
+                    _spot(spots, "question_at", r"^Question: (.+)$", text, n, at)
+                    _spot(spots, "duration_at", r"The video lasts ([\d.]+) s", text, n, at)
+        users.append(" ".join(str(p.get("text", "")) for p in parts if p.get("type") != "image"))
+    first = users[0] if users else ""
+    qm = re.search(r"^Question: .*?(?=^Task:|\Z)", first, re.M | re.S)
+    question = qm.group(0).strip() if qm else first
+    line = re.search(r"^Question: (.+)$", first, re.M)
+    task = re.search(r"^Task: (.+)$", first, re.M)
+    dur = re.search(r"The video lasts ([\d.]+) s", first)
+    last = spec is not None and bool(users) and spec.last_turn in users[-1]
+    return Chat(kind=kind, tools=tools, question=question, text=line.group(1).strip() if line else "",
+                task=_task(task.group(1) if task else ""), duration=float(dur.group(1)) if dur else 0.0,
+                glance=glance, times=times, replies=[m.get("content", "") for m in messages
+                                                     if m.get("role") == "assistant"],
+                observations=observations, last_turn=last, senses=senses, images=list(images or []), **spots)
+
+
+def _spot(spots: dict[str, Any], name: str, pattern: str, text: str, message: int, at: int) -> None:
+    """Keep where `pattern`'s group 1 (stripped) first sits in a text part starting at `at` of `message`."""
+    m = re.search(pattern, text, re.M)
+    if m and name not in spots:
+        raw = m.group(1)
+        a = m.start(1) + len(raw) - len(raw.lstrip())
+        spots[name] = (message, at + a, at + a + len(raw.strip()))
+
+
+def _task(line: str) -> str:
+    low = line.lower()
+    for word, task in (("multiple choice", "mcq"), ("temporal grounding", "grounding"), ("numeric", "numeric")):
+        if low.startswith(word):
+            return task
+    return "open"
+
+
+@dataclass(frozen=True)
+class Read:
+    """A value a rule read off its chat: written into a reply's JSON, it cites `sources` (m1/evidence.py)."""
+
+    value: Any
+    sources: tuple
+
+
+def write_json(out: ReplyBuilder, value: Any) -> None:
+    """`json.dumps(value)` written piece by piece into `out`, each `Read` in it citing where it was read."""
+    if isinstance(value, Read):
+        out.read(json.dumps(value.value), value.sources)
+    elif isinstance(value, dict):
+        out.add("{")
+        for i, (k, v) in enumerate(value.items()):
+            out.add((", " if i else "") + json.dumps(k) + ": ")
+            write_json(out, v)
+        out.add("}")
+    elif isinstance(value, (list, tuple)):
+        out.add("[")
+        for i, v in enumerate(value):
+            out.add(", " if i else "")
+            write_json(out, v)
+        out.add("]")
+    else:
+        out.add(json.dumps(value))
+
+
+def time_at(chat: Chat) -> tuple:
+    """Where the question states its time (the sources of a read of it), or nothing."""
+    t = TIME.search(chat.text)
+    if chat.question_at is None or t is None:
+        return ()
+    m, a, _ = chat.question_at
+    return ((m, a + t.start(), a + t.end()),)
+
+
+def length_at(chat: Chat) -> tuple:
+    """Where the first turn states the video's length (the sources of a read of it), or nothing."""
+    return (chat.duration_at,) if chat.duration_at else ()
+
+
+def fallback(chat: Chat) -> str:
+    """A guess in the task's form, when nothing could be read."""
+    return {"mcq": "A", "numeric": "0", "grounding": "[0.0 - 1.0]"}.get(chat.task, "unknown")
+
+
+def evidence(r: Reading) -> str:
+    """What the frames showed about the question's objects, and the chosen option's words: the reasoning a student
+    can copy its answer from (an answer letter alone gives a tiny policy nothing to learn from)."""
+    bits = [n.rstrip(".") for n in r.notes]
+    letter = (r.answer or "").strip()
+    if len(letter) == 1 and "A" <= letter <= "Z" and ord(letter) - 65 < len(r.options):
+        bits.append(f"The answer is {r.options[ord(letter) - 65]}")
+    return "".join(f". {b}" for b in bits)
+
+
+TOOL_SAYS = "the tool's result"  # why an answer is a tool's span
+
+
+def answer_now(chat: Chat, prefer: str | None = None) -> tuple[str, str]:
+    """(answer, why) from every frame seen; `prefer` (a tool's span) when the frames settle nothing."""
+    r = chat.look()
+    if r.answer is not None and (r.seen or prefer is None):
+        return r.answer, (f"I read {len(set(chat.times))} frames" + ("" if r.seen else " but could not see it")
+                          + evidence(r))
+    if prefer is not None:
+        return prefer, TOOL_SAYS
+    return fallback(chat), "a guess"
+
+
+def calls_made(chat: Chat, tag: str) -> int:
+    """The policy's earlier replies that hold a `<tag>`."""
+    return sum(bool(re.search(rf"<{tag}>", r)) for r in chat.replies)
