@@ -133,6 +133,35 @@ def infer(
     _exit_for_errors(summary, allow_errors)
 
 
+def _score_predictions(benchmark: str, qs, n_skipped: int, out: Path, title: str, debug: bool) -> None:
+    """Score OUT/predictions.jsonl with the benchmark's own metrics into OUT/metrics.json and metrics.md and print the
+    table; with nothing labelled to score, say so instead. An invalid question's error row is not scored."""
+    from m1.data.loaders import INVALID
+    from m1.data.metrics import format_table, score_benchmark
+    from m1.data.questions import InputError
+    from m1.results import ResultsFile
+
+    preds_path = out / "predictions.jsonl"
+    try:
+        rows = ResultsFile(preds_path).read()
+    except InputError as exc:
+        fail(str(exc), exc, debug)
+    preds = {r["id"]: r["answer"] for r in rows if r.get("answer") is not None}
+    listed = {r["id"] for r in rows}
+    answered = [q for q in qs if q.id in listed and INVALID not in q.meta]
+    try:
+        metrics = score_benchmark(benchmark, preds, answered)
+    except ValueError as exc:  # nothing labelled to score (every question invalid, or a split without truths)
+        typer.secho(f"not scored: {exc}; the answers are in {preds_path}", fg=typer.colors.YELLOW, err=True)
+        return
+    metrics["n_questions"], metrics["n_skipped_records"] = len(answered), n_skipped
+    metrics["n_invalid"] = sum(INVALID in q.meta for q in qs)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    table = format_table(metrics, title=title)
+    (out / "metrics.md").write_text(table + "\n")
+    typer.echo(table)
+
+
 @app.command("eval")
 def eval_(
     benchmark: str = typer.Option(..., "--benchmark", "-b",
@@ -154,10 +183,8 @@ def eval_(
     """Run a team on a benchmark and score it with the benchmark's own metrics (resumable; locking,
     stops and --shard as for `m1 infer`)."""
     from m1.config import ConfigError, load_team
-    from m1.data.loaders import INVALID, load_benchmark
-    from m1.data.metrics import format_table, score_benchmark
-    from m1.data.questions import InputError
-    from m1.results import ResultsFile, parse_shard
+    from m1.data.loaders import load_benchmark
+    from m1.results import parse_shard
     from m1.run import run_questions
 
     try:
@@ -182,27 +209,8 @@ def eval_(
     if split:  # a part is not scored; the merged predictions are
         typer.echo(f"part {split[0]} of {split[1]} written; when every part is done: m1 merge {preds_path}, "
                    f"then rerun this command without --shard to score")
-        _exit_for_errors(summary, allow_errors)
-        return
-    try:
-        rows = ResultsFile(preds_path).read()
-    except InputError as exc:
-        fail(str(exc), exc, debug)
-    preds = {r["id"]: r["answer"] for r in rows if r.get("answer") is not None}
-    listed = {r["id"] for r in rows}
-    answered = [q for q in qs if q.id in listed and INVALID not in q.meta]  # an invalid question is an error row
-    try:
-        metrics = score_benchmark(benchmark, preds, answered)
-    except ValueError as exc:  # nothing labelled to score (every question invalid, or a split without truths)
-        typer.secho(f"not scored: {exc}; the answers are in {preds_path}", fg=typer.colors.YELLOW, err=True)
-        _exit_for_errors(summary, allow_errors)
-        return
-    metrics["n_questions"], metrics["n_skipped_records"] = len(answered), len(issues)
-    metrics["n_invalid"] = sum(INVALID in q.meta for q in qs)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    table = format_table(metrics, title=f"{benchmark} — team {cfg.name}")
-    (out / "metrics.md").write_text(table + "\n")
-    typer.echo(table)
+    else:
+        _score_predictions(benchmark, qs, len(issues), out, f"{benchmark} — team {cfg.name}", debug)
     _exit_for_errors(summary, allow_errors)
 
 

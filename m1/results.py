@@ -356,6 +356,92 @@ class MergeSummary:
         return f"merged {len(self.parts)} parts: {self.rows} results in input order -> {self.out}{tail}"
 
 
+def _split_of(out: Path) -> tuple[Path, int, list[str]]:
+    """The manifest of the sharded run into `out`: its path, the number of parts and every id in input order."""
+    manifest = shards_manifest(out)
+    if not manifest.is_file():
+        found = sorted(p.name for p in out.parent.glob(f"{out.name}.part-*-of-*.jsonl"))
+        raise InputError(f"{manifest}: no record of a sharded run into {out}"
+                         + (f" (found {', '.join(found)}, but not the manifest their workers write)" if found else
+                            "; run the workers first: m1 infer ... --out " + f"{out} --shard i/n"))
+    split = json.loads(manifest.read_text())
+    return manifest, int(split["n"]), list(split["ids"])
+
+
+def _refuse_absent(out: Path, parts: list[Path], ids: list[str]) -> None:
+    """InputError naming each missing part, the ids it should hold and the worker that writes it."""
+    n = len(parts)
+    absent = [i for i, p in enumerate(parts) if not p.is_file()]
+    if not absent:
+        return
+
+    def share(i: int) -> str:
+        mine = ids[i::n]
+        more = f", ... ({len(mine)} in all)" if len(mine) > 5 else ""
+        return f"{parts[i].name} (ids {', '.join(map(repr, mine[:5]))}{more})"
+
+    raise InputError(f"cannot merge into {out}: {'; '.join(share(i) for i in absent)} missing; run those workers "
+                     f"({', '.join(f'--shard {i}/{n}' for i in absent)}) first")
+
+
+def _part_lines(parts: list[Path], ids: list[str], manifest: Path) -> tuple[dict[str, tuple[str, int]], list[str]]:
+    """Each id's line and the index of the part it is in (a worker's torn last line cut first), and what is wrong
+    with the parts' lines: an id listed twice, in two parts, outside its part's share, or missing from it."""
+    n = len(parts)
+    problems: list[str] = []
+    lines: dict[str, tuple[str, int]] = {}  # id -> (line, part index)
+    for i, p in enumerate(parts):
+        ResultsFile(p)  # cuts a torn last line of a killed worker
+        own = set(ids[i::n])
+        seen_here: set[str] = set()
+        for line in p.read_text().splitlines():
+            rid = json.loads(line)["id"]
+            if rid in seen_here:
+                problems.append(f"{p.name} lists {rid!r} twice")
+                continue
+            seen_here.add(rid)
+            if rid in lines:
+                problems.append(f"parts disagree: {rid!r} is in both {parts[lines[rid][1]].name} and {p.name}")
+                continue
+            if rid not in own:
+                problems.append(f"{p.name} holds {rid!r}, which is not in its share of the split "
+                                f"(recorded in {manifest.name})")
+            lines[rid] = (line, i)
+        missing = [x for x in ids[i::n] if x not in seen_here]
+        if missing:
+            more = f", ... ({len(missing)} in all)" if len(missing) > 5 else ""
+            problems.append(f"{p.name} misses {', '.join(map(repr, missing[:5]))}{more}: rerun that worker "
+                            f"(--shard {i}/{n}) to finish it")
+    return lines, problems
+
+
+def _part_teams(parts: list[Path]) -> tuple[list[dict | None], list[str]]:
+    """The team record beside each part (None: none), and a problem for each part written by another team than the
+    first part's."""
+    stamps = [p.with_name(p.name + ".team.json") for p in parts]
+    sigs = [json.loads(t.read_text()) if t.is_file() else None for t in stamps]
+    problems: list[str] = []
+    for i in range(1, len(parts)):
+        if sigs[i] != sigs[0] and sigs[i] is not None and sigs[0] is not None:
+            a, b = _flat(sigs[0]), _flat(sigs[i])
+            diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            problems.append(f"parts disagree: {parts[0].name} and {parts[i].name} were written by different "
+                            f"teams (differ in {', '.join(diff[:5])})")
+    return sigs, problems
+
+
+def _write_merged(out: Path, data: bytes, n: int) -> bool:
+    """Write the merge whole into `out`; True when `out` already held exactly it. Refused when `out` holds results
+    that are not this merge."""
+    if not (out.is_file() and out.stat().st_size):
+        write_whole(out, data)
+        return False
+    if out.read_bytes() == data:
+        return True
+    raise InputError(f"{out} already holds {len(out.read_text().splitlines())} results that are not "
+                     f"this merge of {n} parts; move it or merge into another file")
+
+
 def merge_parts(out: Path, delete_parts: bool = False) -> MergeSummary:
     """Join `<out>.part-i-of-n.jsonl` into `out`: every id of the split exactly once, in input order.
 
@@ -364,72 +450,20 @@ def merge_parts(out: Path, delete_parts: bool = False) -> MergeSummary:
     another team. `out` is written whole (temporary file renamed); if it already exists it must hold
     exactly this merge. The parts stay unless `delete_parts`."""
     out = Path(out)
-    manifest = shards_manifest(out)
-    if not manifest.is_file():
-        found = sorted(p.name for p in out.parent.glob(f"{out.name}.part-*-of-*.jsonl"))
-        raise InputError(f"{manifest}: no record of a sharded run into {out}"
-                         + (f" (found {', '.join(found)}, but not the manifest their workers write)" if found else
-                            "; run the workers first: m1 infer ... --out " + f"{out} --shard i/n"))
-    split = json.loads(manifest.read_text())
-    n, ids = int(split["n"]), list(split["ids"])
+    manifest, n, ids = _split_of(out)
     parts = [part_path(out, i, n) for i in range(n)]
-    absent = [i for i, p in enumerate(parts) if not p.is_file()]
-    if absent:
-        def share(i: int) -> str:
-            mine = ids[i::n]
-            more = f", ... ({len(mine)} in all)" if len(mine) > 5 else ""
-            return f"{parts[i].name} (ids {', '.join(map(repr, mine[:5]))}{more})"
-
-        raise InputError(f"cannot merge into {out}: {'; '.join(share(i) for i in absent)} missing; run those workers "
-                         f"({', '.join(f'--shard {i}/{n}' for i in absent)}) first")
-    problems: list[str] = []
+    _refuse_absent(out, parts, ids)
     with ExitStack() as locks:
         for p in parts:
             locks.enter_context(hold(p, "part file", "wait for that worker to finish, then merge"))
         locks.enter_context(hold(out, "results file", "wait for it to finish, or merge into another file"))
-        lines: dict[str, tuple[str, int]] = {}  # id -> (line, part index)
-        for i, p in enumerate(parts):
-            ResultsFile(p)  # cuts a torn last line of a killed worker
-            own = set(ids[i::n])
-            seen_here: set[str] = set()
-            for line in p.read_text().splitlines():
-                rid = json.loads(line)["id"]
-                if rid in seen_here:
-                    problems.append(f"{p.name} lists {rid!r} twice")
-                    continue
-                seen_here.add(rid)
-                if rid in lines:
-                    problems.append(f"parts disagree: {rid!r} is in both {parts[lines[rid][1]].name} and {p.name}")
-                    continue
-                if rid not in own:
-                    problems.append(f"{p.name} holds {rid!r}, which is not in its share of the split "
-                                    f"(recorded in {manifest.name})")
-                lines[rid] = (line, i)
-            missing = [x for x in ids[i::n] if x not in seen_here]
-            if missing:
-                more = f", ... ({len(missing)} in all)" if len(missing) > 5 else ""
-                problems.append(f"{p.name} misses {', '.join(map(repr, missing[:5]))}{more}: rerun that worker "
-                                f"(--shard {i}/{n}) to finish it")
-        stamps = [p.with_name(p.name + ".team.json") for p in parts]
-        sigs = [json.loads(t.read_text()) if t.is_file() else None for t in stamps]
-        for i in range(1, n):
-            if sigs[i] != sigs[0] and sigs[i] is not None and sigs[0] is not None:
-                a, b = _flat(sigs[0]), _flat(sigs[i])
-                diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-                problems.append(f"parts disagree: {parts[0].name} and {parts[i].name} were written by different "
-                                f"teams (differ in {', '.join(diff[:5])})")
+        lines, problems = _part_lines(parts, ids, manifest)
+        sigs, disagree = _part_teams(parts)
+        problems += disagree
         if problems:
             raise InputError(f"cannot merge into {out}:\n" + "\n".join(f"  - {x}" for x in problems))
-        data = "".join(lines[x][0] + "\n" for x in ids).encode()
         summary = MergeSummary(out=out, rows=len(ids), parts=parts)
-        if out.is_file() and out.stat().st_size:
-            if out.read_bytes() == data:
-                summary.already = True
-            else:
-                raise InputError(f"{out} already holds {len(out.read_text().splitlines())} results that are not "
-                                 f"this merge of {n} parts; move it or merge into another file")
-        else:
-            write_whole(out, data)
+        summary.already = _write_merged(out, "".join(lines[x][0] + "\n" for x in ids).encode(), n)
         if sigs[0] is not None:
             write_whole(out.with_name(out.name + ".team.json"), json.dumps(sigs[0], indent=1).encode())
         if delete_parts:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,12 +161,24 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
                                       f"questions answered in {out}; rerun the same command to continue") from None
 
 
-def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSignals,
-         keep_errors: bool = False, keep_stale: bool = False) -> RunSummary:
-    from tqdm import tqdm
+@dataclass
+class ResumePlan:
+    """What a run of a results file does, decided before anything is asked: which questions to ask, which lines
+    it replaces rather than appends, and the summary it starts from (what it leaves as it is)."""
 
-    check_team(Path(out), cfg)
-    results = ResultsFile(out)
+    todo: list[Question]  # to ask, in input order (at most `limit`)
+    invalid: list[Question]  # rejected by check_question: error rows, never asked
+    retry: set[str]  # ids of todo whose line is replaced: an earlier error or a changed question
+    stale: set[str]  # ids whose question changed since their line was written
+    fps: dict[str, str]  # id -> the question's fingerprint as asked now
+    stat: dict  # the fingerprints' video cache, shared with `changed_since` for the rest of the run
+    summary: RunSummary
+
+
+def plan_resume(questions: list[Question], results: ResultsFile, limit: int | None, keep_errors: bool,
+                keep_stale: bool) -> ResumePlan:
+    """Compare `questions` with the lines `results` already holds: a question without a line is asked, one whose line
+    records an error (unless `keep_errors`) or that changed since its line (unless `keep_stale`) is asked again."""
     stat: dict = {}
     fps = {q.id: fingerprint(q, stat) for q in questions}
     failed = results.failed & {q.id for q in questions}
@@ -174,88 +187,130 @@ def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSign
              and not same_question(results.fps.get(q.id), q, fps[q.id], stat)}
     retry = (set() if keep_errors else failed) | (set() if keep_stale else stale)
     todo = [q for q in questions if q.id not in results.done or q.id in retry]
-    summary = RunSummary(out=Path(out), skipped_done=len(questions) - len(todo),
+    summary = RunSummary(out=results.path, skipped_done=len(questions) - len(todo),
                          kept_errors=len(failed) if keep_errors else 0, kept_stale=len(stale) if keep_stale else 0)
     if limit is not None:
         todo = todo[:limit]
     retry &= {q.id for q in todo}
-    invalid = [q for q in todo if INVALID in q.meta]
-    todo = [q for q in todo if INVALID not in q.meta]
-    index = None
-    if trace_dir is not None:
-        index = TraceIndex(Path(trace_dir))
-    def write(row: dict) -> None:  # inside stop.write()
-        if row["id"] in retry:  # an earlier error or a changed question: its line is replaced, the id listed once
-            results.replace(row)
-            if row["id"] in stale:
-                summary.changed += 1
-            else:
-                summary.retried += 1
-                summary.retried_failed += int(bool(row.get("error")))
-        else:
-            results.append(row)
+    return ResumePlan(todo=[q for q in todo if INVALID not in q.meta], invalid=[q for q in todo if INVALID in q.meta],
+                      retry=retry, stale=stale, fps=fps, stat=stat, summary=summary)
 
-    for q in invalid:  # never asked: an error row naming the field, the rest of the run goes on
-        row = {**invalid_row(q), "fp": fps[q.id]}
-        with stop.write():
-            write(row)
-        summary.errors.append(f"{q.id}: {row['error']}")
-    if not todo:
-        if index is not None:  # a rerun of a finished (or killed after its last line) run: index what is there
-            with stop.write():
-                index.write()
-        return summary
+
+class RunWriter:
+    """Where a run's answers go, each inside `stop.write()` (a signal waits for it): the results line (appended, or
+    put in place of a retried id's line), the episode's trace and, now and then, the trace index; and the counts of
+    the plan's summary."""
+
+    def __init__(self, results: ResultsFile, plan: ResumePlan, stop: StopOnSignals, trace_dir: Path | None):
+        self.results, self.plan, self.summary, self.stop = results, plan, plan.summary, stop
+        self.trace_dir = None if trace_dir is None else Path(trace_dir)
+        self.index = None if self.trace_dir is None else TraceIndex(self.trace_dir)
+        self.index_written = time.monotonic()
+
+    def _line(self, row: dict) -> None:  # inside stop.write()
+        if row["id"] in self.plan.retry:  # an earlier error or a changed question: its line replaced, the id once
+            self.results.replace(row)
+            if row["id"] in self.plan.stale:
+                self.summary.changed += 1
+            else:
+                self.summary.retried += 1
+                self.summary.retried_failed += int(bool(row.get("error")))
+        else:
+            self.results.append(row)
+
+    def invalid(self, q: Question) -> None:
+        """A question never asked: an error row naming the field; the rest of the run goes on."""
+        row = {**invalid_row(q), "fp": self.plan.fps[q.id]}
+        with self.stop.write():
+            self._line(row)
+        self.summary.errors.append(f"{q.id}: {row['error']}")
+
+    def answering(self, team: Team, bar) -> Callable[[Episode], None]:
+        """The team's per-episode callback: the episode written, the progress bar moved, the summary counted. The
+        trace index is rewritten at most every INDEX_EVERY_S from now."""
+        self.index_written = time.monotonic()
+
+        def done(ep: Episode) -> None:
+            changed = None if ep.error else changed_since(ep.question, self.plan.stat)
+            if changed:  # the answer may mix two files' frames: an error row, which a rerun answers again
+                ep = ep.model_copy(update={"error": changed, "final_answer": None, "final_reason": ""})
+            row = {**result_row(ep), "fp": self.plan.fps[ep.id]}
+            self._episode(ep, row, team)
+            bar.update(1)
+            self._count(ep, row)
+
+        return done
+
+    def _episode(self, ep: Episode, row: dict, team: Team) -> None:
+        """The episode's trace (`team.pool` read only then), its results line, and the trace index when due."""
+        with self.stop.write():
+            if self.trace_dir is not None:
+                try:
+                    write_trace(self.trace_dir, ep, pool=team.pool, index=self.index)
+                except WriteError as exc:
+                    raise WriteError(exc.path, exc.exc, question=ep.id, safe=len(self.results.done),
+                                     results=self.results.path) from None
+            self._line(row)
+            if self.index is not None and time.monotonic() - self.index_written >= INDEX_EVERY_S:
+                self.index_written = time.monotonic()
+                try:
+                    self.index.write()
+                except WriteError:
+                    pass  # derived from the traces; the next trace or the end of the run reports a full disk
+
+    def _count(self, ep: Episode, row: dict) -> None:
+        if ep.error:
+            self.summary.errors.append(f"{ep.id}: {ep.error}")
+            folder = Path(ep.question.video).parent
+            if ep.question.video and not folder.is_dir():  # the whole folder went away (an unmounted disk, a move)
+                self.summary.vanished.setdefault(str(folder), []).append(ep.id)
+        else:
+            self.summary.answered += 1
+        if "correct" in row and not ep.error:
+            self.summary.graded += 1
+            self.summary.correct += int(row["correct"])
+
+    def write_index(self) -> None:
+        """The trace index of what the folder holds, at the end of a run."""
+        if self.index is not None:
+            with self.stop.write():
+                self.index.write()
+
+    def index_after_failure(self) -> None:
+        """A stopped or failed run still leaves an index of what it wrote; the error in flight says what went wrong,
+        so a full disk here is not reported over it."""
+        if self.index is not None:
+            try:
+                self.index.write()
+            except WriteError:
+                pass
+
+
+def _run(cfg, questions, out, trace_dir, limit, team, progress, stop: StopOnSignals,
+         keep_errors: bool = False, keep_stale: bool = False) -> RunSummary:
+    from tqdm import tqdm
+
+    check_team(Path(out), cfg)
+    results = ResultsFile(out)
+    plan = plan_resume(questions, results, limit, keep_errors, keep_stale)
+    writer = RunWriter(results, plan, stop, trace_dir)
+    for q in plan.invalid:
+        writer.invalid(q)
+    if not plan.todo:  # a rerun of a finished (or killed after its last line) run: index what is there
+        writer.write_index()
+        return plan.summary
     team = team or make_team(cfg)
     team.over_budget_rows = True  # a question too long for a model is its own error row, not a stop
     team.server_error_rows = True  # a served model that stops answering: error rows for the batch in flight
     t0 = time.perf_counter()
-    bar = tqdm(total=len(todo), desc=f"team {cfg.name}", unit="q", disable=not progress)
-    last_index = [time.monotonic()]  # when the index was last written (first: INDEX_EVERY_S into the run)
-
-    def done(ep: Episode) -> None:
-        changed = None if ep.error else changed_since(ep.question, stat)
-        if changed:  # the answer may mix two files' frames: an error row, which a rerun answers again
-            ep = ep.model_copy(update={"error": changed, "final_answer": None, "final_reason": ""})
-        row = {**result_row(ep), "fp": fps[ep.id]}
-        with stop.write():
-            if trace_dir is not None:
-                try:
-                    write_trace(Path(trace_dir), ep, pool=team.pool, index=index)
-                except WriteError as exc:
-                    raise WriteError(exc.path, exc.exc, question=ep.id, safe=len(results.done),
-                                     results=Path(out)) from None
-            write(row)
-            if index is not None and time.monotonic() - last_index[0] >= INDEX_EVERY_S:
-                last_index[0] = time.monotonic()
-                try:
-                    index.write()
-                except WriteError:
-                    pass  # derived from the traces; the next trace or the end of the run reports a full disk
-        bar.update(1)
-        if ep.error:
-            summary.errors.append(f"{ep.id}: {ep.error}")
-            folder = Path(ep.question.video).parent
-            if ep.question.video and not folder.is_dir():  # the whole folder went away (an unmounted disk, a move)
-                summary.vanished.setdefault(str(folder), []).append(ep.id)
-        else:
-            summary.answered += 1
-        if "correct" in row and not ep.error:
-            summary.graded += 1
-            summary.correct += int(row["correct"])
-
+    bar = tqdm(total=len(plan.todo), desc=f"team {cfg.name}", unit="q", disable=not progress)
     try:
-        team.run(todo, on_episode=done)
+        team.run(plan.todo, on_episode=writer.answering(team, bar))
     except BaseException:
-        if index is not None:  # a stopped or failed run still leaves an index of what it wrote
-            try:
-                index.write()
-            except WriteError:
-                pass  # the error in flight says what went wrong
+        writer.index_after_failure()
         raise
     finally:
         bar.close()
-    if index is not None:
-        with stop.write():
-            index.write()
-    summary.seconds = time.perf_counter() - t0
-    return summary
+    writer.write_index()
+    plan.summary.seconds = time.perf_counter() - t0
+    return plan.summary

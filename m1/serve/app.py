@@ -16,8 +16,9 @@ import threading
 import uuid
 import zlib
 from collections import OrderedDict
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 from m1.contracts import Team
 from m1.schema import Episode, Question
@@ -89,13 +90,149 @@ class TraceStore:
             return len(self._items)
 
 
+def error_response(exc: ApiError):
+    """The one JSON error a refused request gets: OpenAI's error body, the status and any headers (Retry-After)."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@contextmanager
+def storage_refusals():
+    """Turn the server's own disk or file-table failures inside the block into the 5xx `server_storage_error` picks;
+    any other OSError goes on as it is (an internal error)."""
+    try:
+        yield
+    except OSError as exc:
+        refused = server_storage_error(exc)
+        if refused is None:
+            raise
+        raise refused from None
+
+
+def check_key(request, api_key: str | None) -> None:
+    """401 unless the request carries `Authorization: Bearer <api_key>` (compared in constant time); no key, no check."""
+    if api_key is None:
+        return
+    got = request.headers.get("authorization", "")
+    token = got[7:] if got[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(token.encode("utf-8", "replace"), api_key.encode()):
+        raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
+
+
+async def read_body(request, max_bytes: int) -> Any:
+    """The request's JSON body, read no further than `max_bytes` whatever Content-Length claimed (413 past it); 400
+    for a body that is not JSON or that the client stopped sending half-way (one warning, no internal error)."""
+    from starlette.requests import ClientDisconnect
+
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > max_bytes:
+        raise ApiError(413, f"body of {int(size)} bytes: at most {max_bytes}")
+    raw = bytearray()
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_bytes:
+                raise ApiError(413, f"body over {max_bytes} bytes")
+    except ClientDisconnect:  # the client hung up mid-body: nobody to answer, nothing went wrong here
+        log.warning("client %s hung up after %d bytes of its body; request dropped",
+                    request.client.host if request.client else "?", len(raw))
+        raise ApiError(400, "the client disconnected before its body was complete") from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise bad("the body is not valid JSON") from None
+
+
+async def await_episode(batcher: Batcher, job, timeout_s: float) -> Episode:
+    """The episode the batcher ran for `job`: 504 (and the job cancelled) past `timeout_s`; the server's disk or file
+    table failing it (e.g. out of file handles opening the video) is a 5xx."""
+    with storage_refusals():
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(job.future), timeout_s)
+        except asyncio.TimeoutError:  # before storage_refusals sees it: a TimeoutError is an OSError too
+            batcher.cancel(job)
+            raise ApiError(504, f"no answer within {timeout_s:g} s (--timeout)", kind="timeout") from None
+
+
+def refuse_failed(ep: Episode) -> None:
+    """A 400 on `messages` for an episode that ended in an error: a prompt over a model's context or the prompt
+    budget, or a video that could not be read; the upload's temp folder is not named."""
+    if not ep.error:
+        return
+    msg = ep.error.replace(str(Path(ep.question.video).parent), "<upload>")
+    if msg.startswith("prompt too long: "):  # over a model's context or the prompt budget: both counts
+        raise bad(msg, "messages")
+    raise bad(f"unreadable video: {msg}", "messages")
+
+
+async def reply_for(request, body: dict, ep: Episode, team_name: str, traces: TraceStore):
+    """The chat-completions reply of an answered episode (`body`: the request, a JSON object by now), kept in
+    `traces` under a fresh id that is also the reply's id and names its trace page."""
+    from fastapi.responses import JSONResponse
+
+    tid = uuid.uuid4().hex
+    await asyncio.get_running_loop().run_in_executor(None, traces.add, tid, ep)
+    base = str(request.base_url).rstrip("/")
+    reply = ChatCompletionResponse.from_episode(ep, team_name, f"{base}/traces/{tid}", ignored_fields(body),
+                                                reply_id=tid)
+    return JSONResponse(reply.model_dump())
+
+
+def admit(request, draining: bool, api_key: str | None) -> None:
+    """Refuse a request before its body is read: 503 while the server drains for shutdown, 401 without the key."""
+    if draining:
+        raise ApiError(503, "the server is shutting down", kind="server_shutting_down")
+    check_key(request, api_key)
+
+
+async def answer_chat(request, team_name: str, limits: Limits, batcher: Batcher, traces: TraceStore,
+                      api_key: str | None, draining: bool):
+    """One chat-completions request from admission to reply, each refusal one JSON error. The upload's temp folder
+    is removed here until the batcher takes it over (it removes it once the episode ran)."""
+    tmp = None
+    try:
+        admit(request, draining, api_key)
+        body = await read_body(request, limits.max_body_bytes)
+        with storage_refusals():  # the upload's folder and the video written into it
+            tmp = Path(tempfile.mkdtemp(prefix="m1-serve-"))
+            q = await asyncio.get_running_loop().run_in_executor(None, parse_request, body, team_name, limits, tmp)
+        job = batcher.submit(q, tmp)
+        tmp = None
+        ep = await await_episode(batcher, job, limits.timeout_s)
+        refuse_failed(ep)
+        return await reply_for(request, body, ep, team_name, traces)
+    except ApiError as exc:
+        return error_response(exc)
+    finally:
+        cleanup(tmp)
+
+
+def add_error_handlers(app) -> None:
+    """One JSON error for what FastAPI itself refuses (404, a malformed request) and for any fault of the server,
+    which is logged in one line and never shown as a traceback."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc):
+        return error_response(ApiError(exc.status_code, str(exc.detail), kind="not_found_error"
+                                       if exc.status_code == 404 else "invalid_request_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc):
+        return error_response(bad("malformed request"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc):  # a fault of the server, never of the request: no traceback in the body
+        log.error("internal error: %s: %s", type(exc).__name__, exc)
+        return error_response(ApiError(500, "internal server error; see the server's log", kind="server_error"))
+
+
 def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_kept: int = 1000):
     """The FastAPI app serving `team`. `api_key`: the key clients must send as `Authorization: Bearer KEY`."""
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import HTMLResponse, JSONResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-    from starlette.requests import ClientDisconnect
+    from fastapi.responses import HTMLResponse
 
     name = team.cfg.name
     state = {"draining": False}
@@ -110,38 +247,14 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
 
     app = FastAPI(title=f"m1 serve: {name}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batcher, app.state.traces, app.state.serve_state = batcher, traces, state
-
-    def error(exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc):
-        return error(ApiError(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404
-                              else "invalid_request_error"))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request, exc):
-        return error(bad("malformed request"))
-
-    @app.exception_handler(Exception)
-    async def _internal(request, exc):  # a fault of the server, never of the request: no traceback in the body
-        log.error("internal error: %s: %s", type(exc).__name__, exc)
-        return error(ApiError(500, "internal server error; see the server's log", kind="server_error"))
-
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        token = got[7:] if got[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode("utf-8", "replace"), api_key.encode()):
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
+    add_error_handlers(app)
 
     @app.get("/v1/models")
     async def models(request: Request):
         try:
-            check_key(request)
+            check_key(request, api_key)
         except ApiError as exc:
-            return error(exc)
+            return error_response(exc)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "m1",
                                             "agents": [a.name for a in team.cfg.agents]}]}
 
@@ -155,70 +268,13 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
 
         ep = await asyncio.get_running_loop().run_in_executor(None, traces.get, trace_id)
         if ep is None:
-            return error(ApiError(404, f"no trace {trace_id!r} (the server keeps the last {traces_kept})",
-                                  kind="not_found_error"))
+            return error_response(ApiError(404, f"no trace {trace_id!r} (the server keeps the last {traces_kept})",
+                                           kind="not_found_error"))
         html = await asyncio.get_running_loop().run_in_executor(None, render_html, ep)
         return HTMLResponse(html)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        tmp = None
-        try:
-            if state["draining"]:
-                raise ApiError(503, "the server is shutting down", kind="server_shutting_down")
-            check_key(request)
-            size = request.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-                raise ApiError(413, f"body of {int(size)} bytes: at most {limits.max_body_bytes}")
-            raw = bytearray()
-            try:
-                async for chunk in request.stream():  # read up to the limit only, whatever Content-Length claimed
-                    raw += chunk
-                    if len(raw) > limits.max_body_bytes:
-                        raise ApiError(413, f"body over {limits.max_body_bytes} bytes")
-            except ClientDisconnect:  # the client hung up mid-body: nobody to answer, nothing went wrong here
-                log.warning("client %s hung up after %d bytes of its body; request dropped",
-                            request.client.host if request.client else "?", len(raw))
-                return error(ApiError(400, "the client disconnected before its body was complete"))
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-                raise bad("the body is not valid JSON") from None
-            loop = asyncio.get_running_loop()
-            try:
-                tmp = Path(tempfile.mkdtemp(prefix="m1-serve-"))
-                q = await loop.run_in_executor(None, parse_request, body, name, limits, tmp)
-            except OSError as exc:  # the server's disk or file table, not the request: one log line, a 5xx
-                refused = server_storage_error(exc)
-                if refused is None:
-                    raise
-                raise refused from None
-            job = batcher.submit(q, tmp)
-            tmp = None  # the batcher removes it once the episode ran
-            try:
-                ep = await asyncio.wait_for(asyncio.wrap_future(job.future), limits.timeout_s)
-            except asyncio.TimeoutError:
-                batcher.cancel(job)
-                raise ApiError(504, f"no answer within {limits.timeout_s:g} s (--timeout)", kind="timeout") from None
-            except OSError as exc:  # e.g. out of file handles opening the video: the server's fault, a 5xx
-                refused = server_storage_error(exc)
-                if refused is None:
-                    raise
-                raise refused from None
-            if ep.error:
-                msg = ep.error.replace(str(Path(ep.question.video).parent), "<upload>")
-                if msg.startswith("prompt too long: "):  # over a model's context or the prompt budget: both counts
-                    raise bad(msg, "messages")
-                raise bad(f"unreadable video: {msg}", "messages")
-            tid = uuid.uuid4().hex
-            await loop.run_in_executor(None, traces.add, tid, ep)
-            base = str(request.base_url).rstrip("/")
-            reply = ChatCompletionResponse.from_episode(ep, name, f"{base}/traces/{tid}", ignored_fields(body),
-                                                        reply_id=tid)
-            return JSONResponse(reply.model_dump())
-        except ApiError as exc:
-            return error(exc)
-        finally:
-            cleanup(tmp)
+        return await answer_chat(request, name, limits, batcher, traces, api_key, state["draining"])
 
     return app
