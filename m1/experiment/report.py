@@ -23,7 +23,8 @@ from typing import Any
 
 from m1.experiment.config import Experiment, ExperimentError
 from m1.experiment.rows import compact_eval, plan_name, read_results, tools
-from m1.experiment.runner import StageRun, eval_questions, read_record, read_stage, stage_identity, torn_results
+from m1.experiment.records import read_record, stage_identity
+from m1.experiment.stages import StageRun, eval_questions, read_stage, torn_results
 from m1.files import write_whole
 from m1.plots import PlotError, read_metrics
 
