@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 MERGED_DIR = "merged"
 
 
-# ------------------------------------------------------------------------------------------------ stages
+# ------------------------------------------------------------------------------------------------ one stage
 def _run_train(exp: Experiment, run: StageRun, seat: list[str], progress: Callable[[str], None]) -> dict:
     # looked up at each call (not at the top), so tests that wrap these entry points reach them
     from m1.marl.launch import train_main

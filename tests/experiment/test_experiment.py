@@ -13,7 +13,7 @@ from tests.conftest import make_video
 from m1.cli import app
 from m1.config import ConfigError
 from m1.experiment.config import load_experiment
-from m1.experiment.report import paired, t_quantile_975
+from m1.experiment.stats import paired, t_quantile_975
 from m1.marl.sft import write_examples
 from m1.team.kinds import TEAM_KINDS, KindSpec
 from tests.marl.test_sft import EXAMPLES
@@ -382,7 +382,8 @@ def test_export_writes_the_seated_agents_as_full_models(tmp_path, m1_cache):
 def test_report_counts_answers_changed_against_the_baseline(tmp_path):
     """Per seed, an arm's answers against the baseline arm's (`baseline:`, not the first arm here): changed, fixed
     (wrong -> right), broken (right -> wrong) and the exact sign test, as the results files give them."""
-    from m1.experiment.report import sign_test_p, write_report
+    from m1.experiment.report import write_report
+    from m1.experiment.stats import sign_test_p
     from m1.experiment.stages import STAGE_FILE
 
     n = 12
@@ -448,7 +449,8 @@ def test_plan_of_the_paper_ablations_shares_stages(tmp_path, monkeypatch):
 def test_report_plan_choices_from_result_rows(tmp_path):
     """Per family the best plan (its agents' own answers right most often, every arm pooled) and, per arm, the share
     of plans that are it, the most chosen plan and the strict-format share, from the results rows' first plans."""
-    from m1.experiment.report import ArmResult, plan_choices, write_report
+    from m1.experiment.report import write_report
+    from m1.experiment.stats import ArmResult, plan_choices
     from m1.experiment.stages import STAGE_FILE
 
     fams = ["a", "a", "b", "b"]
@@ -475,7 +477,7 @@ def test_report_plan_choices_from_result_rows(tmp_path):
             rows.append({"id": f"q{i}", "answer": "A", "correct": True, "agents": ag})
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (folder / STAGE_FILE).write_text(json.dumps({"results": {"results": str(folder / "results.jsonl")}}))
-    from m1.experiment.report import collect
+    from m1.experiment.stats import collect
 
     arms, families = collect(exp)
     got = plan_choices(arms, families, dict(zip([f"q{i}" for i in range(4)], fams)), min_uses=1)
@@ -488,10 +490,11 @@ def test_report_plan_choices_from_result_rows(tmp_path):
     md = write_report(exp)["text"]
     assert "## Plans chosen" not in md  # 4 uses per plan and family: below the 20 a best plan needs
     assert isinstance(arms[0], ArmResult)
-    from m1.experiment.report import render_markdown, summarize
+    from m1.experiment.report import render_markdown
+    from m1.experiment.stats import ReportStats, summarize
 
     rows, fams_, notes = summarize(exp)
-    md = render_markdown(exp, rows, fams_, notes, plans=got)
+    md = render_markdown(exp, ReportStats(rows, fams_, notes, plans=got))
     # cells: best plan share; mean success rate of the chosen plans (z's unrated); the most chosen plan
     assert "| a | VR→FB (100.0%, 6) | 33; 50.0; GS→RB 33 | 67; 100.0; VR→FB 67 |" in md
     # over all families: the share of plans that are their own family's best, and their family success rates
