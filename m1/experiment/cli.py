@@ -53,7 +53,7 @@ def run(
     if plan:
         from m1.config import ConfigError
         from m1.marl.cluster import PlanError
-        from m1.experiment.runner import plan_text
+        from m1.experiment.plan import plan_text
 
         try:
             text, fits = plan_text(exp, gpus, gpu_mem)
@@ -88,7 +88,7 @@ def report(experiment: str = typer.Argument(..., help=_EXP_HELP),
     and plots/<arm>.png in the experiment's out_dir. Built from the eval rows, which the committed records under
     rows_dir hold where the run folders are absent."""
     from m1.experiment.report import write_report
-    from m1.experiment.runner import ExperimentError
+    from m1.experiment.config import ExperimentError
     from m1.data.questions import InputError
 
     exp = _load(experiment, overrides)
@@ -113,7 +113,7 @@ def export(experiment: str = typer.Argument(..., help=_EXP_HELP),
     A team config can then point `path` at them (configs/team/mini_trained.yaml reads assets/mini_team)."""
     from m1.config import ConfigError
     from m1.experiment.export import export_agents
-    from m1.experiment.runner import ExperimentError
+    from m1.experiment.config import ExperimentError
 
     exp = _load(experiment, overrides)
     try:

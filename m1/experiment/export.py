@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from m1.config import load_team
-from m1.experiment.config import Experiment
-from m1.experiment.runner import (STAGE_FILE, ExperimentError, StageRun, eval_overrides, eval_team,
-                                  read_stage)
+from m1.experiment.config import Experiment, ExperimentError
+from m1.experiment.stages import STAGE_FILE, StageRun, eval_overrides, eval_team, read_stage
 from m1.models.hf import HFChatModel
 
 SOURCE_FILE = "SOURCE.md"

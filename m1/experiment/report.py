@@ -1,267 +1,146 @@
-"""`m1 experiment report`: accuracy per arm (mean +- sd over seeds, overall and per question family), paired
-differences against the baseline arm (the first, unless `baseline:` names another) with the answers each arm
-changed against it, training curves per arm.
-
-Every number is read from the eval stages' compact rows (`compact_eval`: per graded question its family, the team's
-answer, whether it is right, and each agent's first plan): made from the stage's results file when its run folder is
-here, else read from the committed rows the runner wrote under `rows_dir`, so a report needs no out_dir; a question's
-family is its `meta.family` in the questions file, else its `task`. The paired difference of an arm is taken seed by
-seed against the baseline arm (the same seed's SFT data order, rollouts and sampling), so seed-to-seed spread common
-to both arms cancels; its 95% interval is mean +- t(0.975, n-1) * sd / sqrt(n), and with one seed there is none. Per
-seed, the questions an arm answers right and the baseline wrong ("fixed") or the reverse ("broken") get an exact
-two-sided sign test: a gain made of few fixes and no breaks is learning, many changes both ways a perturbation.
+"""`m1 experiment report`'s files: report.md and report.csv from the numbers `stats.report_stats` computes, plans.csv
+and behaviour.csv where the eval rows carry plans or seed-kind behaviour, and the training curves per arm.
 """
 from __future__ import annotations
 
 import csv
 import io
 import math
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from m1.experiment.config import Experiment, ExperimentError
-from m1.experiment.rows import compact_eval, plan_name, read_results, tools
-from m1.experiment.runner import StageRun, eval_questions, read_record, read_stage, stage_identity, torn_results
+from m1.experiment.rows import plan_name
+from m1.experiment.stats import ALL, BEHAVIOUR, ReportStats, report_stats
 from m1.files import write_whole
 from m1.plots import PlotError, read_metrics
 
-ALL = "all"
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.{digits}f}"
 
 
-# ------------------------------------------------------------------------------------------------ statistics
-def _t_cdf(t: float, df: int) -> float:
-    """P(T <= t) for t >= 0, by Simpson's rule on the density (no scipy in the environment)."""
-    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    n = 4000
-    h = t / n
-    total = 0.0
-    for i in range(n + 1):
-        x = i * h
-        f = math.exp(logc - (df + 1) / 2 * math.log1p(x * x / df))
-        total += f * (1 if i in (0, n) else 4 if i % 2 else 2)
-    return 0.5 + total * h / 3
+def _signed(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:+.1f}"
 
 
-def t_quantile_975(df: int) -> float:
-    """t(0.975, df) by bisection on the CDF (12.706 at df 1, 4.303 at df 2, -> 1.960)."""
-    if df < 1:
-        raise ValueError(f"t quantile needs df >= 1, got {df}")
-    lo, hi = 0.0, 64.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_cdf(mid, df) < 0.975 else (lo, mid)
-    return (lo + hi) / 2
-
-
-def sign_test_p(fixed: int, broken: int) -> float:
-    """Exact two-sided sign (McNemar) test on the questions that changed from wrong to right or back: the chance of
-    a split at least this uneven if each were a fair coin (1 when none changed)."""
-    n, k = fixed + broken, min(fixed, broken)
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
-
-
-def mean_sd(xs: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (nan with fewer than two values)."""
-    m = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else float("nan")
-    return m, sd
-
-
-def paired(diffs: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high) of the 95% t interval of paired differences; low/high nan for one pair."""
-    m, sd = mean_sd(diffs)
-    if len(diffs) < 2:
-        return m, float("nan"), float("nan")
-    half = t_quantile_975(len(diffs) - 1) * sd / math.sqrt(len(diffs))
-    return m, m - half, m + half
-
-
-# ------------------------------------------------------------------------------------------------ reading results
-@dataclass
-class ArmResult:
-    """Per seed, per family (and "all"): (correct, graded) of one arm's eval results."""
-
-    arm: str
-    counts: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    missing: list[int] = field(default_factory=list)  # seeds whose eval stage has not finished
-    answers: dict[int, dict[str, tuple[Any, bool]]] = field(default_factory=dict)  # seed -> id -> (answer, correct)
-    # seed -> id -> agent (its place in the row) -> (first plan, written in the strict format, its own answer right)
-    plans: dict[int, dict[str, dict[int, tuple[tuple[str, ...], bool, bool]]]] = field(default_factory=dict)
-    family_of: dict[str, str] = field(default_factory=dict)  # question id -> family
-    formats: dict[str, list[int]] = field(default_factory=dict)  # phase -> [strict, generations], from traces
-    shared: dict[int, int] = field(default_factory=dict)  # seed -> the seed whose eval it is (sft_share)
-    notes: list[str] = field(default_factory=list)  # why rows were left out
-    # seed -> id -> {frames, calls[, zooms]}: how a seed-kind team answered (`rows.behaviour`)
-    behaviour: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
-
-    def accuracy(self, seed: int, family: str) -> float | None:
-        c, n = self.counts[seed].get(family, (0, 0))
-        return c / n if n else None
-
-
-def eval_rows(exp: Experiment, arm: str, seed: int, questions: list) -> tuple[dict[str, Any] | None, str | None]:
-    """The compact rows of an arm's eval at a seed and a note: from its run folder when finished here
-    (`questions`: a list the eval questions are read into once), else its committed record and rows under rows_dir
-    when made with this config (else None, and why)."""
-    folder = exp.stage_dir(arm, seed, "eval")
-    record = read_stage(folder)
-    if record is not None:
-        torn = torn_results(folder, record)
-        if torn is not None:  # never a silently short row set
-            raise ExperimentError(f"arm {arm} seed {seed}: {torn}; rerun `m1 experiment run` to repair it, then "
-                                  "the report")
-        if not questions:
-            questions += eval_questions(exp)[0]
-        return compact_eval(record, folder, questions, exp.eval.source if exp.eval else "-"), None
-    run = StageRun(exp.owner(arm, "eval"), exp.stage_seed(arm, seed, "eval"), "eval", folder)
-    record = read_record(exp, run)
-    if record is None:
-        return None, None
-    ident = stage_identity(exp, run.arm, run.seed, "eval")
-    path = exp.record_path(arm, seed, "eval")
-    if record.get("identity") != ident:
-        return None, (f"arm {arm} seed {seed}: {path} was recorded with another config (identity "
-                      f"{record.get('identity')}, now {ident}; left out: rerun `m1 experiment run`)")
-    return {**record, "rows": read_results(path.with_suffix(".jsonl"))}, None
-
-
-def collect(exp: Experiment) -> tuple[list[ArmResult], list[str]]:
-    """Read every finished eval stage (`eval_rows`). Returns the arms' counts and the families in order (all
-    first)."""
-    if exp.eval is None:
-        raise ExperimentError(f"experiment {exp.name}: no eval stage, nothing to report")
-    families: list[str] = []
-    questions: list = []
-    out = []
+def render_markdown(exp: Experiment, stats: ReportStats) -> str:
+    """report.md: each table of `stats` formatted, in %, the sections without numbers left out."""
+    base, families = exp.base_arm, stats.families
+    by = {(r["arm"], r["family"]): r for r in stats.rows}
+    lines = [f"# Experiment {exp.name}", "",
+             f"Seeds {exp.seeds}; eval questions {exp.eval.source if exp.eval else '-'}. Accuracy in %, mean ± sd "
+             f"over seeds (sd n/a with one seed). Paired difference: arm minus {base}, seed by seed; SE = sd/√n of "
+             f"those; 95% interval mean ± t(0.975, n−1)·SE (n/a with one seed).", "",
+             "## Accuracy", "", "| arm | " + " | ".join(families) + " |", "|---" * (len(families) + 1) + "|"]
     for arm in exp.arms:
-        res = ArmResult(arm)
-        for seed in exp.seeds:
-            compact, note = eval_rows(exp, arm, seed, questions)
-            if compact is None:
-                res.missing.append(seed)
-                res.notes += [note] if note else []
-                continue
-            families += [f for f in compact["families"] if f not in families]
-            head = exp.stage_seed(arm, seed, "eval")
-            if head != seed:
-                res.shared[seed] = head
-            counts: dict[str, list[int]] = {ALL: [0, 0]}
-            answers = res.answers.setdefault(seed, {})
-            plans = res.plans.setdefault(seed, {})
-            for row in compact["rows"]:
-                answers[row["id"]] = (row["answer"], row["correct"])
-                plans[row["id"]] = {i: (tools(p), bool(ok), bool(right))
-                                    for i, (p, ok, right) in enumerate(row["agents"])}
-                res.family_of[row["id"]] = fam = row["family"]
-                if "frames" in row:
-                    res.behaviour.setdefault(seed, {})[row["id"]] = {k: row[k] for k in ("frames", "calls", "zooms")
-                                                                     if k in row}
-                for key in (ALL, fam):
-                    c = counts.setdefault(key, [0, 0])
-                    c[0] += row["correct"]
-                    c[1] += 1
-            res.counts[seed] = {k: (v[0], v[1]) for k, v in counts.items()}
-            if head == seed:
-                for phase, (ok, n) in compact.get("formats", {}).items():
-                    c = res.formats.setdefault(phase, [0, 0])
-                    c[0] += ok
-                    c[1] += n
-        out.append(res)
-    return out, [ALL] + families
+        cells = ["n/a" if not r["seeds"] else f"{_pct(r['mean'])} ± {_pct(r['sd'])}"
+                 for r in (by[(arm, fam)] for fam in families)]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    if len(exp.arms) > 1:
+        lines += _paired_section(exp, by, families)
+    if stats.changes:
+        lines += _changes_section(base, stats.changes)
+    if stats.plans and stats.plans["best"]:
+        lines += _plans_section(exp, stats.plans, families)
+    if stats.formats:
+        lines += _formats_section(stats.formats)
+    if stats.behaviour:
+        lines += _behaviour_section(stats.behaviour)
+    lines += ["", "## Per seed", "", "| arm | seed | " + " | ".join(families) + " |",
+              "|---" * (len(families) + 2) + "|"]
+    for arm in exp.arms:
+        for s in by[(arm, families[0])]["seeds"]:
+            cells = [_pct(r["accuracy"][r["seeds"].index(s)]) if s in r["seeds"] else "n/a"
+                     for r in (by[(arm, fam)] for fam in families)]
+            lines.append(f"| {arm} | {s} | " + " | ".join(cells) + " |")
+    if stats.notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in stats.notes]
+    return "\n".join(lines) + "\n"
 
 
-def answer_changes(arms: list[ArmResult], base: str) -> list[dict[str, Any]]:
-    """Per arm and seed, its graded answers against the baseline's of the same seed, on the questions both graded:
-    how many changed, wrong -> right ("fixed"), right -> wrong ("broken"), and the sign test's p."""
-    ref = next(a for a in arms if a.arm == base)
-    out = []
-    for res in arms:
-        if res is ref:
-            continue
-        for seed in sorted(res.answers):
-            if seed not in ref.answers:
-                continue
-            mine, theirs = res.answers[seed], ref.answers[seed]
-            ids = [i for i in mine if i in theirs]
-            fixed = sum(mine[i][1] and not theirs[i][1] for i in ids)
-            broken = sum(theirs[i][1] and not mine[i][1] for i in ids)
-            out.append({"arm": res.arm, "seed": seed, "n": len(ids),
-                        "changed": sum(mine[i][0] != theirs[i][0] for i in ids), "fixed": fixed, "broken": broken,
-                        "p": sign_test_p(fixed, broken)})
-    return out
+def _paired_section(exp: Experiment, by: dict[tuple[str, str], dict[str, Any]], families: list[str]) -> list[str]:
+    """Each arm's paired difference to the baseline, per family: per seed, mean ± SE, 95% interval."""
+    lines = ["", f"## Paired difference to {exp.base_arm} (points)", "",
+             "| arm | family | per seed | mean ± SE | 95% interval |", "|---|---|---|---|---|"]
+    for arm in (a for a in exp.arms if a != exp.base_arm):
+        for fam in families:
+            r = by[(arm, fam)]
+            per = ", ".join(f"seed{s}: {_signed(d)}" for s, d in zip(r["diff_seeds"], r["diff"])) or "n/a"
+            ci = ("n/a" if math.isnan(r["diff_low"]) else f"[{_signed(r['diff_low'])}, {_signed(r['diff_high'])}]")
+            mean = _signed(r["diff_mean"]) + ("" if math.isnan(r["diff_se"]) else f" ± {100 * r['diff_se']:.1f}")
+            lines.append(f"| {arm} | {fam} | {per} | {mean} | {ci} |")
+    return lines
 
 
-def plan_choices(arms: list[ArmResult], families: list[str], family_of: dict[str, str], min_uses: int = 20,
-                 references: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """What the agents planned (results rows' first plans, every seed pooled). A plan's success rate in a family: how
-    often the agents that wrote it in the strict format answered right (a plan the parser filled in, such as an
-    untrained agent's, was nobody's choice), pooled over the student arms (not `references`, teams such as the
-    rule-based teacher whose better reading would credit its own plans; over every arm if all are references).
-    Per family the best plan: the highest success rate with at least `min_uses` uses (so one lucky question does not
-    decide it). Per arm and family: the share of plans that are the best plan, the most chosen plan and its share,
-    `value` (the mean success rate of its strict plans: what the plan choice alone is worth), and every plan's share
-    (`shares`); per arm, the share of plans in the strict format. Empty without plans."""
-    raters = {res.arm for res in arms if res.arm not in references} or {res.arm for res in arms}
-    uses: dict[str, dict[tuple[str, ...], list[int]]] = {}
-    per_arm: dict[str, dict[str, list]] = {}
-    strict: dict[str, list[int]] = {}
-    for res in arms:
-        rates = res.arm in raters
-        for seed, by_id in res.plans.items():
-            for qid, agents in by_id.items():
-                fam = family_of.get(qid)
-                if fam is None:
-                    continue
-                for plan, ok, right in agents.values():
-                    for key in (fam, ALL):
-                        if rates and ok:  # a plan the parser repaired or filled in was not chosen
-                            u = uses.setdefault(key, {}).setdefault(plan, [0, 0])
-                            u[0] += right
-                            u[1] += 1
-                        per_arm.setdefault(res.arm, {}).setdefault(key, []).append((plan, ok))
-                    st = strict.setdefault(res.arm, [0, 0])
-                    st[0] += ok
-                    st[1] += 1
-    if not per_arm:
-        return {}
-    best = {}
-    for fam in families:
-        if fam == ALL:
-            continue
-        pool = {p: c for p, c in uses.get(fam, {}).items() if c[1] >= min_uses}
-        if pool:
-            plan, (right, n) = max(pool.items(), key=lambda kv: (kv[1][0] / kv[1][1], kv[1][1]))
-            best[fam] = (plan, right / n, n)
-    table = {}
-    for arm, fams in per_arm.items():
-        table[arm] = {}
-        for fam, chosen in fams.items():
-            plans = [p for p, _ in chosen]
-            counts = Counter(plans)
-            top, count = counts.most_common(1)[0]
-            strict_counts = Counter(p for p, ok in chosen if ok)  # the value of choices, not of the parser's repairs
-            rated = [(c, uses[fam][p]) for p, c in strict_counts.items()
-                     if uses.get(fam, {}).get(p, [0, 0])[1] >= min_uses]
-            table[arm][fam] = {
-                "best_share": (counts[best[fam][0]] / len(plans)) if fam in best else None,
-                "top": top, "top_share": count / len(plans), "n": len(plans),
-                "value": (sum(c * r / n for c, (r, n) in rated) / sum(c for c, _ in rated)) if rated else None,
-                "shares": {p: c / len(plans) for p, c in counts.most_common()}, "rated": sum(c for c, _ in rated)}
-        # over all families, a plan is worth its success rate in the family it was chosen for
-        parts = [c for fam, c in table[arm].items() if fam != ALL and c["value"] is not None]
-        # over all families, a plan is worth its success rate in the family it was chosen for, and is "best" when
-        # it is its own family's best plan
-        if ALL in table[arm]:
-            rated = sum(c["rated"] for c in parts)
-            table[arm][ALL]["value"] = sum(c["value"] * c["rated"] for c in parts) / rated if rated else None
-            table[arm][ALL]["rated"] = rated
-            with_best = [c for fam, c in table[arm].items() if fam != ALL and c["best_share"] is not None]
-            n = sum(c["n"] for c in with_best)
-            table[arm][ALL]["best_share"] = sum(c["best_share"] * c["n"] for c in with_best) / n if n else None
-    rates = {fam: {p: (r / n, n) for p, (r, n) in by.items()} for fam, by in uses.items()}
-    return {"best": best, "arms": table, "strict": {a: ok / n for a, (ok, n) in strict.items()}, "rates": rates}
+def _changes_section(base: str, changes: list[dict[str, Any]]) -> list[str]:
+    """Per arm and seed, the answers it changed, fixed and broke against the baseline, with the sign test's p."""
+    lines = ["", f"## Answers changed against {base}, per seed", "",
+             f"On the questions both graded: answers that differ; fixed = wrong for {base}, right for the arm; "
+             "broken = the reverse; p = exact two-sided sign test on fixed vs broken.", "",
+             "| arm | seed | questions | changed | fixed | broken | sign test p |", "|---" * 7 + "|"]
+    for c in changes:
+        lines.append(f"| {c['arm']} | {c['seed']} | {c['n']} | {c['changed']} | {c['fixed']} | {c['broken']} | "
+                     f"{c['p']:.3g} |")
+    return lines
+
+
+def _plans_section(exp: Experiment, plans: dict[str, Any], families: list[str]) -> list[str]:
+    """Per family its best plan and, per arm, how often it chose it, what its choices are worth, its favourite."""
+    fams = [ALL] + [f for f in families if f in plans["best"]]
+    arms = [a for a in exp.arms if a in plans["arms"]]
+    lines = ["", "## Plans chosen (every agent's first plan, all seeds)", "",
+             "Best plan of a family: the plan whose agents answered right most often, over every arm (≥ 20 "
+             "uses; success rates pooled over the student arms, not the reference teams). Cells: % of the "
+             "arm's plans that are that best plan; the mean success rate of the plans it wrote in the strict "
+             "format (what its plan choice alone is worth); its most chosen plan and that plan's %. GS Global "
+             "Sampling, VR Video Retrieval, TSR Time Stamp Retrieval, IR Image Retrieval, "
+             "RB Rough / FB Fine Browser, ST Space Tool, GT Grounding Tool.", "",
+             "| family | best plan (its agents right, uses) | " + " | ".join(arms) + " |",
+             "|---" * (len(arms) + 2) + "|"]
+    for fam in fams:
+        plan, acc, n = plans["best"].get(fam, ((), float("nan"), 0))
+        cells = []
+        for arm in arms:
+            c = plans["arms"][arm].get(fam)
+            cells.append("n/a" if c is None else
+                         f"{_pct(c['best_share'], 0)}; {_pct(c['value'])}; "
+                         f"{plan_name(c['top'])} {100 * c['top_share']:.0f}")
+        head = "each family's own" if fam == ALL else f"{plan_name(plan)} ({_pct(acc)}%, {n})"
+        lines.append(f"| {fam} | {head} | " + " | ".join(cells) + " |")
+    lines.append("| plans in the strict format | | " + " | ".join(
+        f"{100 * plans['strict'][a]:.0f}%" for a in arms) + " |")
+    return lines
+
+
+def _formats_section(formats: dict[str, dict[str, float]]) -> list[str]:
+    """Per traced arm and phase, the % of replies in the strict format."""
+    phases = [p for p in ("plan", "communicate", "answer", "summary") if any(p in f for f in formats.values())]
+    lines = ["", "## Replies in the strict format (% of generations, all seeds; from the eval traces)", "",
+             "| arm | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
+    for arm, f in formats.items():
+        lines.append(f"| {arm} | " + " | ".join(f"{100 * f[p]:.0f}" if p in f else "n/a" for p in phases) + " |")
+    return lines
+
+
+def _behaviour_section(behaviour: list[dict[str, Any]]) -> list[str]:
+    """The seed-kind teams' frames, tool calls and zooms per seed (all families), zoom columns where any zoomed."""
+    zoom = any(r["zoom_s"] is not None for r in behaviour)
+    lines = ["", "## Behaviour of the seed-kind teams (all families)", "",
+             "Per graded question: frames the team saw (policy and tools), tool calls, % answered without a "
+             "tool call" + ("; over every executed zoom: its segment length (s) and fps" if zoom else "") +
+             ". Mean: over the seeds; n/a: not recorded (rows written before these fields).", "",
+             "| arm | seed | questions | frames | tool calls | no tool call % |"
+             + (" zoom s | zoom fps |" if zoom else ""), "|---" * (8 if zoom else 6) + "|"]
+
+    def num(x: float | None, fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    for r in (r for r in behaviour if r["family"] == ALL):
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['questions']} | {num(r['frames'], '.1f')} | "
+                     f"{num(r['calls'], '.2f')} | {_pct(r['no_tool'])} |"
+                     + (f" {num(r['zoom_s'], '.1f')} | {num(r['zoom_fps'], '.2f')} |" if zoom else ""))
+    return lines
 
 
 def _write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> Path:
@@ -272,6 +151,17 @@ def _write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> Path:
     w.writerows(rows)
     write_whole(path, buf.getvalue().encode())
     return path
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """Fractions, unrounded: arm, family, seeds and accuracies (';'-joined), mean, sd, and the paired difference."""
+    cols = ["arm", "family", "n_seeds", "seeds", "accuracy", "graded", "mean", "sd", "diff", "diff_mean",
+            "diff_low", "diff_high"]
+    return _write_csv(path, cols, [
+        [r["arm"], r["family"], len(r["seeds"]), ";".join(map(str, r["seeds"])),
+         ";".join(repr(a) for a in r["accuracy"]), r["graded"], repr(r["mean"]), repr(r["sd"]),
+         ";".join(repr(d) for d in r.get("diff", []))]
+        + [repr(r[k]) if k in r else "" for k in ("diff_mean", "diff_low", "diff_high")] for r in rows])
 
 
 def write_plans_csv(path: Path, plans: dict[str, Any]) -> Path:
@@ -286,226 +176,11 @@ def write_plans_csv(path: Path, plans: dict[str, Any]) -> Path:
     return _write_csv(path, ["arm", "family", "plan", "share", "plans", "success_rate", "success_uses"], out)
 
 
-def strict_format(arms: list[ArmResult]) -> dict[str, dict[str, float]]:
-    """Per arm that traced its eval (`eval.traces`), per phase: the share of its agents' replies that parsed in the
-    strict format, over every traced question of every seed (training teaches format before it teaches answers).
-    Arms without traces are left out."""
-    return {res.arm: {phase: ok / n for phase, (ok, n) in res.formats.items() if n} for res in arms if res.formats}
-
-
-BEHAVIOUR = ("frames", "calls", "no_tool", "zoom_s", "zoom_fps")
-
-
-def _mean(xs: list) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
-def _behaviour_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per question: frames seen, tool calls, the share answered without a call; over every zoom: its length (s) and
-    fps. None where nothing was measured (never a zero that was not observed)."""
-    calls = [r["calls"] for r in rows if r.get("calls") is not None]
-    zooms = [z for r in rows for z in r.get("zooms", [])]
-    return {"questions": len(rows), "frames": _mean([r["frames"] for r in rows if r.get("frames") is not None]),
-            "calls": _mean(calls), "no_tool": _mean([c == 0 for c in calls]),
-            "zoom_s": _mean([z[0] for z in zooms]), "zoom_fps": _mean([z[1] for z in zooms])}
-
-
-def behaviour_table(arms: list[ArmResult], families: list[str]) -> list[dict[str, Any]]:
-    """How the seed-kind arms (Weaver, VideoZoomer, SAGE: those whose rows carry `frames`) behave, as their papers
-    measure it (`_behaviour_of`): per arm, family and seed, then the arm's mean over its seeds (seed "mean"; a seed
-    sharing another's eval counted once). A seed whose rows carry none of it (a record written before they did)
-    has questions 0 and every value None. Empty when no arm's rows carry `frames`."""
-    out = []
-    for res in arms:
-        if not any(res.behaviour.values()):
-            continue
-        seeds = [s for s in sorted(res.counts) if s not in res.shared]
-        for fam in families:
-            per = [{"arm": res.arm, "family": fam, "seed": s, **_behaviour_of(
-                [b for q, b in res.behaviour.get(s, {}).items() if fam in (ALL, res.family_of.get(q))])}
-                for s in seeds]
-            mean = {k: _mean([r[k] for r in per if r[k] is not None]) for k in BEHAVIOUR}
-            out += per + [{"arm": res.arm, "family": fam, "seed": "mean",
-                           "questions": sum(r["questions"] for r in per), **mean}]
-    return out
-
-
 def write_behaviour_csv(path: Path, table: list[dict[str, Any]]) -> Path:
     """`behaviour_table` unrounded, one row per arm x family x seed (and "mean"); a value not measured is empty."""
     return _write_csv(path, ["arm", "family", "seed", "questions", *BEHAVIOUR],
                       [[r["arm"], r["family"], r["seed"], r["questions"]]
                        + ["" if r[k] is None else repr(r[k]) for k in BEHAVIOUR] for r in table])
-
-
-def shared_note(exp: Experiment) -> str | None:
-    """The report's line on SFT runs shared by several seeds (`sft_share`), None where each seed has its own."""
-    if exp.sft is None or exp.sft_share == 1:
-        return None
-    groups: dict[int, list[int]] = {}
-    for seed in exp.seeds:
-        groups.setdefault(seed - seed % exp.sft_share, []).append(seed)
-
-    def span(g: list[int]) -> str:
-        return f"{g[0]}-{g[-1]}" if len(g) > 2 and g == list(range(g[0], g[-1] + 1)) else ", ".join(map(str, g))
-
-    only = [a for a in exp.arms if exp.arm_stages(a)[:-1] == ["sft"] and exp.arm_stages(a)[-1] == "eval"]
-    line = (f"SFT shared by seeds {' / '.join(span(g) for g in groups.values())} (sft_share {exp.sft_share}): every "
-            "MARL seed starts from its group's SFT weights, with its own rollouts and data order")
-    if only:
-        line += (f"; arms that train only SFT ({', '.join(only)}) are answered once per group: their mean ± sd and "
-                 f"per-seed rows are over seeds {', '.join(map(str, groups))}, their rows reused seed by seed for the "
-                 "paired differences and answer changes")
-    return line
-
-
-def summarize(exp: Experiment, collected: tuple[list[ArmResult], list[str]] | None = None
-              ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """One row per arm x family: per-seed accuracies, mean, sd, and the paired difference to the baseline arm.
-    Also returns the families and notes (missing seeds, shared SFT). `collected`: `collect(exp)`'s result, if
-    already read. A seed that reuses another's eval (`ArmResult.shared`) counts once in the mean and sd, and seed by
-    seed in the paired differences."""
-    arms, families = collected or collect(exp)
-    base = next(a for a in arms if a.arm == exp.base_arm)
-    rows, notes = [], []
-    for res in arms:
-        if res.missing:
-            notes.append(f"arm {res.arm}: eval not finished for seeds {res.missing} (left out)")
-        notes += res.notes
-        for fam in families:
-            every = {s: res.accuracy(s, fam) for s in res.counts}
-            every = {s: a for s, a in every.items() if a is not None}
-            per_seed = {s: a for s, a in every.items() if s not in res.shared}
-            row: dict[str, Any] = {"arm": res.arm, "family": fam, "seeds": sorted(per_seed),
-                                   "accuracy": [per_seed[s] for s in sorted(per_seed)],
-                                   "graded": sum(res.counts[s].get(fam, (0, 0))[1] for s in per_seed)}
-            row["mean"], row["sd"] = mean_sd(row["accuracy"]) if per_seed else (float("nan"), float("nan"))
-            if res is not base:
-                both = [s for s in sorted(every) if s in base.counts and base.accuracy(s, fam) is not None]
-                diffs = [every[s] - base.accuracy(s, fam) for s in both]  # type: ignore[operator]
-                row["diff_seeds"], row["diff"] = both, diffs
-                row["diff_mean"], row["diff_low"], row["diff_high"] = (
-                    paired(diffs) if diffs else (float("nan"),) * 3)
-            rows.append(row)
-    note = shared_note(exp)
-    return rows, families, notes + ([note] if note else [])
-
-
-# ------------------------------------------------------------------------------------------------ writing
-def _pct(x: float | None, digits: int = 1) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.{digits}f}"
-
-
-def _signed(x: float) -> str:
-    return "n/a" if math.isnan(x) else f"{100 * x:+.1f}"
-
-
-def render_markdown(exp: Experiment, rows: list[dict[str, Any]], families: list[str], notes: list[str],
-                    changes: list[dict[str, Any]] | None = None,
-                    formats: dict[str, dict[str, float]] | None = None, plans: dict[str, Any] | None = None,
-                    behaviour: list[dict[str, Any]] | None = None) -> str:
-    arms = list(exp.arms)
-    base = exp.base_arm
-    by = {(r["arm"], r["family"]): r for r in rows}
-    lines = [f"# Experiment {exp.name}", "",
-             f"Seeds {exp.seeds}; eval questions {exp.eval.source if exp.eval else '-'}. Accuracy in %, mean ± sd "
-             f"over seeds (sd n/a with one seed). Paired difference: arm minus {base}, seed by seed; SE = sd/√n of "
-             f"those; 95% interval mean ± t(0.975, n−1)·SE (n/a with one seed).", "",
-             "## Accuracy", "", "| arm | " + " | ".join(families) + " |", "|---" * (len(families) + 1) + "|"]
-    for arm in arms:
-        cells = []
-        for fam in families:
-            r = by[(arm, fam)]
-            cells.append("n/a" if not r["seeds"] else f"{_pct(r['mean'])} ± {_pct(r['sd'])}")
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    if len(arms) > 1:
-        lines += ["", f"## Paired difference to {base} (points)", "",
-                  "| arm | family | per seed | mean ± SE | 95% interval |", "|---|---|---|---|---|"]
-        for arm in (a for a in arms if a != base):
-            for fam in families:
-                r = by[(arm, fam)]
-                per = ", ".join(f"seed{s}: {_signed(d)}" for s, d in zip(r["diff_seeds"], r["diff"])) or "n/a"
-                ci = ("n/a" if math.isnan(r["diff_low"]) else f"[{_signed(r['diff_low'])}, {_signed(r['diff_high'])}]")
-                se = mean_sd(r["diff"])[1] / math.sqrt(len(r["diff"])) if len(r["diff"]) > 1 else float("nan")
-                mean = _signed(r["diff_mean"]) + ("" if math.isnan(se) else f" ± {100 * se:.1f}")
-                lines.append(f"| {arm} | {fam} | {per} | {mean} | {ci} |")
-    if changes:
-        lines += ["", f"## Answers changed against {base}, per seed", "",
-                  f"On the questions both graded: answers that differ; fixed = wrong for {base}, right for the arm; "
-                  "broken = the reverse; p = exact two-sided sign test on fixed vs broken.", "",
-                  "| arm | seed | questions | changed | fixed | broken | sign test p |", "|---" * 7 + "|"]
-        for c in changes:
-            lines.append(f"| {c['arm']} | {c['seed']} | {c['n']} | {c['changed']} | {c['fixed']} | {c['broken']} | "
-                         f"{c['p']:.3g} |")
-    if plans and plans["best"]:
-        fams = [ALL] + [f for f in families if f in plans["best"]]
-        arms_p = [a for a in arms if a in plans["arms"]]
-        lines += ["", "## Plans chosen (every agent's first plan, all seeds)", "",
-                  "Best plan of a family: the plan whose agents answered right most often, over every arm (≥ 20 "
-                  "uses; success rates pooled over the student arms, not the reference teams). Cells: % of the "
-                  "arm's plans that are that best plan; the mean success rate of the plans it wrote in the strict "
-                  "format (what its plan choice alone is worth); its most chosen plan and that plan's %. GS Global "
-                  "Sampling, VR Video Retrieval, TSR Time Stamp Retrieval, IR Image Retrieval, "
-                  "RB Rough / FB Fine Browser, ST Space Tool, GT Grounding Tool.", "",
-                  "| family | best plan (its agents right, uses) | " + " | ".join(arms_p) + " |",
-                  "|---" * (len(arms_p) + 2) + "|"]
-        for fam in fams:
-            plan, acc, n = plans["best"].get(fam, ((), float("nan"), 0))
-            cells = []
-            for arm in arms_p:
-                c = plans["arms"][arm].get(fam)
-                cells.append("n/a" if c is None else
-                             f"{_pct(c['best_share'], 0)}; {_pct(c['value'])}; "
-                             f"{plan_name(c['top'])} {100 * c['top_share']:.0f}")
-            head = "each family's own" if fam == ALL else f"{plan_name(plan)} ({_pct(acc)}%, {n})"
-            lines.append(f"| {fam} | {head} | " + " | ".join(cells) + " |")
-        lines.append("| plans in the strict format | | " + " | ".join(
-            f"{100 * plans['strict'][a]:.0f}%" for a in arms_p) + " |")
-    if formats:
-        phases = [p for p in ("plan", "communicate", "answer", "summary") if any(p in f for f in formats.values())]
-        lines += ["", "## Replies in the strict format (% of generations, all seeds; from the eval traces)", "",
-                  "| arm | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
-        for arm, f in formats.items():
-            lines.append(f"| {arm} | " + " | ".join(f"{100 * f[p]:.0f}" if p in f else "n/a" for p in phases) + " |")
-    if behaviour:
-        zoom = any(r["zoom_s"] is not None for r in behaviour)
-        lines += ["", "## Behaviour of the seed-kind teams (all families)", "",
-                  "Per graded question: frames the team saw (policy and tools), tool calls, % answered without a "
-                  "tool call" + ("; over every executed zoom: its segment length (s) and fps" if zoom else "") +
-                  ". Mean: over the seeds; n/a: not recorded (rows written before these fields).", "",
-                  "| arm | seed | questions | frames | tool calls | no tool call % |"
-                  + (" zoom s | zoom fps |" if zoom else ""), "|---" * (8 if zoom else 6) + "|"]
-
-        def num(x: float | None, fmt: str) -> str:
-            return "n/a" if x is None else format(x, fmt)
-
-        for r in (r for r in behaviour if r["family"] == ALL):
-            lines.append(f"| {r['arm']} | {r['seed']} | {r['questions']} | {num(r['frames'], '.1f')} | "
-                         f"{num(r['calls'], '.2f')} | {_pct(r['no_tool'])} |"
-                         + (f" {num(r['zoom_s'], '.1f')} | {num(r['zoom_fps'], '.2f')} |" if zoom else ""))
-    lines += ["", "## Per seed", "", "| arm | seed | " + " | ".join(families) + " |",
-              "|---" * (len(families) + 2) + "|"]
-    for arm in arms:
-        seeds = by[(arm, families[0])]["seeds"]
-        for s in seeds:
-            cells = []
-            for fam in families:
-                r = by[(arm, fam)]
-                cells.append(_pct(r["accuracy"][r["seeds"].index(s)]) if s in r["seeds"] else "n/a")
-            lines.append(f"| {arm} | {s} | " + " | ".join(cells) + " |")
-    if notes:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
-
-
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
-    """Fractions, unrounded: arm, family, seeds and accuracies (';'-joined), mean, sd, and the paired difference."""
-    cols = ["arm", "family", "n_seeds", "seeds", "accuracy", "graded", "mean", "sd", "diff", "diff_mean",
-            "diff_low", "diff_high"]
-    return _write_csv(path, cols, [
-        [r["arm"], r["family"], len(r["seeds"]), ";".join(map(str, r["seeds"])),
-         ";".join(repr(a) for a in r["accuracy"]), r["graded"], repr(r["mean"]), repr(r["sd"]),
-         ";".join(repr(d) for d in r.get("diff", []))]
-        + [repr(r[k]) if k in r else "" for k in ("diff_mean", "diff_low", "diff_high")] for r in rows])
 
 
 # Panels drawn per training stage: (stage, [(metric, label), ...] the first one present, moving-average window).
@@ -588,24 +263,18 @@ def write_report(exp: Experiment) -> dict[str, Any]:
     frames and tool calls: seed-kind teams) and plots/<arm>.png (from the training stages' metrics, where their run
     folders are here) into the experiment's out_dir; returns paths and rows."""
     out = Path(exp.out_dir)
-    collected = collect(exp)
-    rows, families, notes = summarize(exp, collected)
-    changes = answer_changes(collected[0], exp.base_arm)
-    if all(not r["seeds"] for r in rows):
+    stats = report_stats(exp)
+    if stats.empty:
         raise ExperimentError(f"{out}: no finished eval stage yet (run `m1 experiment run` first)")
     out.mkdir(parents=True, exist_ok=True)
-    formats = strict_format(collected[0])
-    references = frozenset(a for a, spec in exp.arms.items() if spec.eval_team is not None)
-    family_of = {q: f for res in collected[0] for q, f in res.family_of.items()}
-    choices = plan_choices(collected[0], families, family_of, references=references)
-    acts = behaviour_table(collected[0], families)
-    md = render_markdown(exp, rows, families, notes, changes, formats, choices, acts)
+    md = render_markdown(exp, stats)
     (out / "report.md").write_text(md)
-    csv_path = write_csv(out / "report.csv", rows)
-    if choices:
-        write_plans_csv(out / "plans.csv", choices)
-    if acts:
-        write_behaviour_csv(out / "behaviour.csv", acts)
+    csv_path = write_csv(out / "report.csv", stats.rows)
+    if stats.plans:
+        write_plans_csv(out / "plans.csv", stats.plans)
+    if stats.behaviour:
+        write_behaviour_csv(out / "behaviour.csv", stats.behaviour)
     plots = plot_arms(exp, out / "plots")
-    return {"markdown": out / "report.md", "csv": csv_path, "plots": plots, "rows": rows, "text": md,
-            "notes": notes, "changes": changes, "formats": formats, "plans": choices, "behaviour": acts}
+    return {"markdown": out / "report.md", "csv": csv_path, "plots": plots, "rows": stats.rows, "text": md,
+            "notes": stats.notes, "changes": stats.changes, "formats": stats.formats, "plans": stats.plans,
+            "behaviour": stats.behaviour}

@@ -79,7 +79,7 @@ def store_record(record: Path) -> Path:
     kept = store_rows(Path(record).with_suffix(".jsonl"))
     if data.get("rows") != kept.name:
         data["rows"] = kept.name
-        write_whole(Path(record), (json.dumps(data, indent=1) + "\n").encode())  # as runner.write_record does
+        write_whole(Path(record), (json.dumps(data, indent=1) + "\n").encode())  # as records.write_record does
     return kept
 
 

@@ -111,7 +111,8 @@ def test_experiment_data_stage_splits_a_dataset_once(world, tmp_path, m1_cache):
     import yaml
 
     from m1.experiment.config import load_experiment
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
 
     split = tmp_path / "split"
     spec = {"name": "d", "out_dir": str(tmp_path / "exp"), "seeds": [0],

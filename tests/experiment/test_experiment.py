@@ -13,7 +13,7 @@ from tests.conftest import make_video
 from m1.cli import app
 from m1.config import ConfigError
 from m1.experiment.config import load_experiment
-from m1.experiment.report import paired, t_quantile_975
+from m1.experiment.stats import paired, t_quantile_975
 from m1.marl.sft import write_examples
 from m1.team.kinds import TEAM_KINDS, KindSpec
 from tests.marl.test_sft import EXAMPLES
@@ -73,7 +73,8 @@ def _count(monkeypatch, module, name, calls, fail_on=None):
 @pytest.mark.slow
 def test_experiment_runs_skips_finished_stages_and_reports(tmp_path, m1_cache, monkeypatch):
     from m1.experiment.report import write_report
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
 
     exp = load_experiment(tiny_experiment(tmp_path))
     out = tmp_path / "exp"
@@ -194,7 +195,7 @@ def test_report_statistics_from_result_files(tmp_path):
     """Three seeds x two arms of finished eval stages (as the runner writes them): mean, sd, paired differences and
     their t interval in report.csv are those of the files' rows."""
     from m1.experiment.report import write_report
-    from m1.experiment.runner import STAGE_FILE
+    from m1.experiment.stages import STAGE_FILE
 
     fams = ["a", "a", "b", "b", "b"]
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(
@@ -253,7 +254,9 @@ def test_shared_and_skipped_stages_data_stage_and_seeds_in_worker_processes(tmp_
     """Arms that agree up to a stage run it once (in the first one's folder); an arm runs only its `stages` (a
     reference team via `eval_team`); the data stage renders its worlds and refuses eval videos a training stage
     uses; seed 1 starts from other tiny weights; two seeds in two worker processes give the records of one."""
-    from m1.experiment.runner import ExperimentError, read_stage, run_experiment, stage_runs
+    from m1.experiment.config import ExperimentError
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage, stage_runs
 
     path = tiny_experiment(tmp_path)
     spec = yaml.safe_load(path.read_text())
@@ -322,7 +325,8 @@ def test_export_writes_the_seated_agents_as_full_models(tmp_path, m1_cache):
     no optimizer state; an existing folder replaced whole."""
     from m1.config import ModelSpec, load_team
     from m1.experiment.export import export_agents
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
     from m1.marl.learner import read_safetensors
     from m1.models.base import ChatRequest, SamplingParams
     from m1.models.hf import HFChatModel
@@ -378,8 +382,9 @@ def test_export_writes_the_seated_agents_as_full_models(tmp_path, m1_cache):
 def test_report_counts_answers_changed_against_the_baseline(tmp_path):
     """Per seed, an arm's answers against the baseline arm's (`baseline:`, not the first arm here): changed, fixed
     (wrong -> right), broken (right -> wrong) and the exact sign test, as the results files give them."""
-    from m1.experiment.report import sign_test_p, write_report
-    from m1.experiment.runner import STAGE_FILE
+    from m1.experiment.report import write_report
+    from m1.experiment.stats import sign_test_p
+    from m1.experiment.stages import STAGE_FILE
 
     n = 12
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(
@@ -444,8 +449,9 @@ def test_plan_of_the_paper_ablations_shares_stages(tmp_path, monkeypatch):
 def test_report_plan_choices_from_result_rows(tmp_path):
     """Per family the best plan (its agents' own answers right most often, every arm pooled) and, per arm, the share
     of plans that are it, the most chosen plan and the strict-format share, from the results rows' first plans."""
-    from m1.experiment.report import ArmResult, plan_choices, write_report
-    from m1.experiment.runner import STAGE_FILE
+    from m1.experiment.report import write_report
+    from m1.experiment.stats import ArmResult, plan_choices
+    from m1.experiment.stages import STAGE_FILE
 
     fams = ["a", "a", "b", "b"]
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(
@@ -471,7 +477,7 @@ def test_report_plan_choices_from_result_rows(tmp_path):
             rows.append({"id": f"q{i}", "answer": "A", "correct": True, "agents": ag})
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (folder / STAGE_FILE).write_text(json.dumps({"results": {"results": str(folder / "results.jsonl")}}))
-    from m1.experiment.report import collect
+    from m1.experiment.stats import collect
 
     arms, families = collect(exp)
     got = plan_choices(arms, families, dict(zip([f"q{i}" for i in range(4)], fams)), min_uses=1)
@@ -484,10 +490,11 @@ def test_report_plan_choices_from_result_rows(tmp_path):
     md = write_report(exp)["text"]
     assert "## Plans chosen" not in md  # 4 uses per plan and family: below the 20 a best plan needs
     assert isinstance(arms[0], ArmResult)
-    from m1.experiment.report import render_markdown, summarize
+    from m1.experiment.report import render_markdown
+    from m1.experiment.stats import ReportStats, summarize
 
     rows, fams_, notes = summarize(exp)
-    md = render_markdown(exp, rows, fams_, notes, plans=got)
+    md = render_markdown(exp, ReportStats(rows, fams_, notes, plans=got))
     # cells: best plan share; mean success rate of the chosen plans (z's unrated); the most chosen plan
     assert "| a | VR→FB (100.0%, 6) | 33; 50.0; GS→RB 33 | 67; 100.0; VR→FB 67 |" in md
     # over all families: the share of plans that are their own family's best, and their family success rates
@@ -511,7 +518,8 @@ def test_eval_on_benchmarks_reports_one_family_each(tmp_path, m1_cache):
     """`eval.benchmarks` (as `m1 eval` reads them) instead of one questions file: ids get the benchmark's name and
     the report has a row per benchmark; exactly one of `questions` and `benchmarks`."""
     from m1.experiment.report import write_report
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
 
     video = make_video(tmp_path / "videos" / "v.mp4", seconds=4, fps=2)
     for name, n in (("holmes", 2), ("lvb", 3)):
@@ -538,7 +546,8 @@ def test_eval_on_benchmarks_reports_one_family_each(tmp_path, m1_cache):
 def test_experiment_lock_and_a_resumed_eval_stage_counts_every_attempt(tmp_path, monkeypatch):
     """One run of an experiment at a time (`<out_dir>/.lock`, the holder named); an eval stage stopped after two of
     four answers and rerun records all four, and the wall time of both attempts."""
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
     from m1.locks import LockError, hold_dir
     from m1.results import ResultsFile
     from tests.core.test_run_safety import ScriptedTeam
@@ -582,7 +591,8 @@ def test_two_eval_folders_share_the_trained_stages_and_seeds_run_on_fixed_thread
     import torch
 
     from m1.experiment import runner as exp_runner
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
     from tests.core.test_run_safety import ScriptedTeam
 
     spec = yaml.safe_load(tiny_experiment(tmp_path).read_text())

@@ -115,7 +115,8 @@ def test_rows_of_500_questions_of_four_agents_are_small(tmp_path):
     import gzip
 
     from m1.experiment.rows import read_results
-    from m1.experiment.runner import StageRun, write_record
+    from m1.experiment.records import write_record
+    from m1.experiment.stages import StageRun
 
     exp = load_experiment(_eval_only(tmp_path, n=3, seeds=(0,)))
     qs = [Question(id=f"s1001-synth_{i // 10:03d}-q{i % 10:02d}", video="v.mp4", text="?", task="grounding",
@@ -148,7 +149,8 @@ def test_a_rerun_without_out_dir_skips_recorded_stages_and_retrains_what_a_new_e
     """After out_dir is lost (another machine), a rerun repeats nothing the records hold; an eval whose config
     changed runs again (said so), and the training stages it needs are trained again (naming the stage that needs
     them), while the other arm stays recorded."""
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
 
     path = tiny_experiment(tmp_path)
     exp = load_experiment(path)
@@ -198,7 +200,8 @@ def test_load_warning_when_something_else_uses_the_cores(tmp_path, monkeypatch):
     at start and before each stage, the load in the stage record; no load average: no warning, no failure."""
     import os
 
-    from m1.experiment.runner import read_stage, run_experiment, warn_load
+    from m1.experiment.runner import run_experiment, warn_load
+    from m1.experiment.stages import read_stage
 
     said: list[str] = []
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
@@ -237,7 +240,8 @@ def test_sft_shared_by_the_marl_seeds_of_its_group(tmp_path, m1_cache):
     run seed 0 first, then the seeds that start from its SFT."""
     from m1.config import ConfigError
     from m1.experiment.report import write_report
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
 
     spec = yaml.safe_load(tiny_experiment(tmp_path).read_text())
     spec.update(seeds=[0, 1, 2], sft_share=3, arms={"full": None, "sft_only": {"stages": ["sft", "eval"]}},
@@ -276,7 +280,7 @@ def test_the_recipe_files_share_their_training_records(monkeypatch):
     same training records under the same identities, each file its own eval rows."""
     from pathlib import Path
 
-    from m1.experiment.runner import stage_identity
+    from m1.experiment.records import stage_identity
 
     monkeypatch.delenv("M1_EXPERIMENT_ROWS")
     final, dev = load_experiment("mini_recipe"), load_experiment("mini_recipe_dev")

@@ -110,7 +110,7 @@ def test_plan_of_the_mini_team_experiment(tmp_path, monkeypatch):
     """The four rows as arms: SFT runs once per seed (in `sft`'s folder), `untrained` and `teacher` only answer; seed
     k shifts the untrained weights and the teacher's error draws; --plan runs and writes nothing."""
     from m1.experiment.config import load_experiment
-    from m1.experiment.runner import init_seat
+    from m1.experiment.stages import init_seat
 
     monkeypatch.chdir(tmp_path)  # out_dir and the worlds are relative: nothing may appear there
     res = CliRunner().invoke(app, ["experiment", "run", "mini_team", "--plan"])
@@ -167,7 +167,8 @@ def test_mini_team_experiment_with_tiny_budgets(tmp_path, m1_cache):
     from m1.experiment.config import load_experiment
     from m1.experiment.export import export_agents
     from m1.experiment.report import write_report
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
 
     exp = load_experiment(_mini_experiment(tmp_path))
     assert exp.eval.traces is True  # plan formats are read from the traces
@@ -241,7 +242,8 @@ def test_weak_plan_experiment_with_tiny_budgets(tmp_path, m1_cache):
 
     from m1.experiment.config import load_experiment
     from m1.experiment.report import write_report
-    from m1.experiment.runner import read_stage, run_experiment
+    from m1.experiment.runner import run_experiment
+    from m1.experiment.stages import read_stage
     from m1.marl.sft import read_examples
 
     exp = load_experiment(_mini_experiment(tmp_path, "mini_weakplan", "mini_weakplan"))

@@ -60,7 +60,7 @@ def test_compact_rows_carry_frames_calls_and_zooms_only_for_seed_kinds(tmp_path)
 
 def _experiment(tmp_path, rows_of):
     """Eval-only experiment of arms x seeds whose results files hold `rows_of[(arm, seed)]`."""
-    from m1.experiment.runner import STAGE_FILE
+    from m1.experiment.stages import STAGE_FILE
 
     fams = ["a", "a", "b", "b"]
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(

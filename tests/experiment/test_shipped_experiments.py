@@ -6,7 +6,7 @@ import pytest
 
 from m1.config import CONFIG_DIR
 from m1.experiment.config import load_experiment
-from m1.experiment.runner import StageRun, check_configs, load_stage_config
+from m1.experiment.stages import StageRun, check_configs, load_stage_config
 
 EXPERIMENTS = sorted((CONFIG_DIR / "experiments").glob("*.yaml"))
 
