@@ -9,8 +9,8 @@ tokenises and scores its own samples.
 Old log-probs: with `grpo.old_logprobs: policy` (default) the surrogate uses `logp.detach()` — one update per
 rollout batch, TRL's on-policy case, ratio exactly 1 with the gradient of logp. `rollout` uses the sampler's
 log-probs instead, `sampler` weights each token by a truncated importance weight (the modes and the loss types are
-registries in m1/marl/grpo.py). Whenever the samples carry the sampler's log-probs, `logp_gap` logs the mean
-|recomputed - sampled| log-prob, which should be ~0.
+registries in m1/marl/grpo.py, the policy objectives in m1/marl/objectives.py). Whenever the samples carry the
+sampler's log-probs, `logp_gap` logs the mean |recomputed - sampled| log-prob, which should be ~0.
 
 Vision-language policies (a seed kind's `kind: vision` Qwen2-VL / Qwen2.5-VL model, backend hf): a sample's prompt ids
 keep the processor's image-pad tokens, and the forward pass gets the `pixel_values` / `image_grid_thw` of its frames,
@@ -38,7 +38,8 @@ from m1.config import ModelSpec
 from m1.evidence import chat_token_evidence
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.distributed import deepspeed_engine, resolve_ds_config
-from m1.marl.grpo import LOSSES, OLD_LOGPROBS, grpo_loss, token_logprobs
+from m1.marl.grpo import LOSSES, OLD_LOGPROBS, token_logprobs
+from m1.marl.objectives import LOSS_TOTALS, grpo_loss
 from m1.marl.rollout import Sample, derive_seed
 from m1.models.base import ChatRequest, image_frames, prompt_ids, text_only
 from m1.models.hf import HFChatModel, HFVisionModel, resolve_device
@@ -577,10 +578,10 @@ class AgentLearner:
         return loss, stats
 
     def _grpo_loss(self, micro: list[Sample], micro_rows: list, step: StepSize):
-        """`grpo_loss` of one micro-batch with the configured loss type and old-log-prob mode (both registries of
-        m1/marl/grpo.py), weighted against the whole step: a token-level loss is normalised by the step's token
-        count, any other by the micro-batch's share of the step's samples. Per-token stats are means over the
-        tokens run; `logp_gap` is the mean |recomputed - sampled| log-prob, which should be ~0 on-policy."""
+        """`grpo_loss` of one micro-batch with the configured objective (m1/marl/objectives.py), loss type and
+        old-log-prob mode (m1/marl/grpo.py), weighted against the whole step: a token-level loss is normalised by the
+        step's token count, any other by the micro-batch's share of the step's samples. Per-token stats are means
+        over the tokens run; `logp_gap` is the mean |recomputed - sampled| log-prob, which should be ~0 on-policy."""
         import torch
 
         g = self.grpo
@@ -597,14 +598,12 @@ class AgentLearner:
         per_token = 1.0 / max(step.run_tokens, 1)
         stats = {k: v if k.endswith("_max") else v * per_token for k, v in mode_stats.items()}
         adv = torch.tensor([s.advantage for s in micro], device=self.device, dtype=torch.float32)
-        loss, loss_stats = grpo_loss(logp, old, ref, adv, mask, beta=g.beta, clip_eps_low=g.clip_eps_low,
-                                     clip_eps_high=g.clip_eps_high, loss_type=g.loss_type,
-                                     max_completion_length=self.cfg.max_completion_tokens,
-                                     num_items_in_batch=step.tokens, is_weight=is_weight)
+        loss, loss_stats = grpo_loss(logp, old, ref, adv, mask, g, num_items_in_batch=step.tokens, is_weight=is_weight,
+                                     max_completion_length=self.cfg.max_completion_tokens)
         if not LOSSES[g.loss_type].token_level:
             loss = loss * (len(micro) / step.samples)
-        share = float(mask.sum()) / max(step.run_tokens, 1)
-        stats.update({k: loss_stats[k] * share for k in ("kl", "clip_frac", "ratio_mean") if k in loss_stats})
+        share = float(mask.sum()) / max(step.run_tokens, 1)  # the objective's metrics and kl are token means
+        stats.update({k: v * share for k, v in loss_stats.items() if k not in LOSS_TOTALS})
         if sampled is not None:
             stats["logp_gap"] = float(((logp.detach() - sampled).abs() * mask).sum()) * per_token
         return loss, stats

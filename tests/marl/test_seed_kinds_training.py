@@ -161,7 +161,7 @@ def test_observations_are_context_never_targets(world, m1_cache):
     from m1.config import ModelSpec, TeamConfig
     from m1.marl.config import GRPOSettings, LearnerConfig
     from m1.marl.learner import AgentLearner
-    from m1.marl.grpo import multi_agent_advantages
+    from m1.marl.advantages import group_advantages
     from m1.marl.rollout import build_samples, run_rollouts, score
     from m1.models.hub import ModelHub
     from m1.team.single import SingleAgentTeam
@@ -176,7 +176,7 @@ def test_observations_are_context_never_targets(world, m1_cache):
     qs = [q for q in world[2] if q.task == "mcq"][:2]
     batch = run_rollouts(team, qs, 2, topo.complete(["weaver"]))
     rewards = score(batch, ["weaver"], lambda eps: seed_rewards(eps, "weaver"))
-    adv = multi_agent_advantages(rewards, scale=True)
+    adv = {a: group_advantages(r) for a, r in rewards.items()}
     samples = build_samples(batch, adv, {"weaver": 1.0})["weaver"]
     assert len(samples) == 2 * 2 * 2 and [s.phase for s in samples[:2]] == ["act", "answer"]
     tok = learner.tokenizer

@@ -36,7 +36,7 @@ def rollout(world, m1_cache):
     from m1.config import ModelSpec, TeamConfig
     from m1.marl.config import GRPOSettings, LearnerConfig
     from m1.marl.learner import AgentLearner
-    from m1.marl.grpo import multi_agent_advantages
+    from m1.marl.advantages import group_advantages
     from m1.marl.rollout import build_samples, run_rollouts, score
     from m1.models.hub import ModelHub
     from m1.team import topology as topo
@@ -52,7 +52,7 @@ def rollout(world, m1_cache):
     batch = run_rollouts(team, world[2][:2], 2, topo.complete(["weaver"]))
     assert all(e.error is None for e in batch.flat)
     rewards = score(batch, ["weaver"], varied_reward)
-    samples = build_samples(batch, multi_agent_advantages(rewards, scale=True), {"weaver": 1.0})["weaver"]
+    samples = build_samples(batch, {a: group_advantages(r) for a, r in rewards.items()}, {"weaver": 1.0})["weaver"]
     return learner, batch, samples
 
 
