@@ -193,9 +193,9 @@ def test_observations_are_context_never_targets(world, m1_cache):
             for s in mine:
                 target = tok.decode(s.completion_ids)
                 assert "[trim]" not in target and obs.output[:40] not in target and "<frame" not in target
-    _, mask = learner.completion_logprobs(learner.policy, learner._rows(samples), 1.0)
+    _, mask = learner.completion_logprobs(learner.policy, learner.scorer.rows(samples), 1.0)
     assert mask.sum(1).tolist() == [float(len(s.completion_ids)) for s in samples]  # the loss sees replies only
-    learner_rows = learner._rows(samples)
+    learner_rows = learner.scorer.rows(samples)
     assert all(p == s.prompt_ids and c == s.completion_ids for (p, c), s in zip(learner_rows, samples))
 
 

@@ -528,7 +528,7 @@ def test_sampler_importance_weights_correct_engine_logprobs(m1_cache):
 
     probe = learner("policy")
     with torch.no_grad():
-        logp, mask = probe.completion_logprobs(probe.policy, probe._rows(samples), 1.0)
+        logp, mask = probe.completion_logprobs(probe.policy, probe.scorer.rows(samples), 1.0)
     exact = [s.__class__(**{**s.__dict__, "logprobs": logp[i, :len(s.completion_ids)].tolist()})
              for i, s in enumerate(samples)]
     plain, same = learner("policy").update(exact, 1e-2), learner("sampler").update(exact, 1e-2)
