@@ -127,7 +127,7 @@ class OurSide:
         self.lengths: list[int] = []
 
     def step(self, chats: list[list[dict]], index: int) -> float:
-        from m1.marl.grpo import group_advantages
+        from m1.marl.advantages import group_advantages
         from m1.marl.rollout import Sample
         from m1.models.base import ChatRequest, SamplingParams
 

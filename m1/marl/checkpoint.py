@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from m1.marl.learner import _rng_state, _set_rng_state
+from m1.marl.learner_io import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def save_checkpoint(out_dir: Path, step: int, learners, state: dict[str, Any], k
         learners.save(tmp / "agents")
         for rel, source in (folders or {}).items():
             shutil.copytree(source, tmp / rel)
-        torch.save(_rng_state(), tmp / "rng.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
         (tmp / STATE).write_text(json.dumps({**state, "manifest": True, "interim": interim}, indent=2))
         write_manifest(tmp)
         marker_tmp.write_text(final.name)
@@ -286,7 +286,7 @@ def load_checkpoint(folder: Path, learners, agents: list[str], seed: int, verifi
         raise ValueError(f"{folder}: checkpoint seed {state['seed']} differs from the config's {seed}")
     try:
         learners.load(folder / "agents")
-        _set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+        set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
     except ValueError:  # the learners' own one-line checks (finetune, GPU count)
         raise
     except Exception as exc:  # a file no manifest vouched for (a checkpoint older than manifests) that does not read

@@ -16,8 +16,11 @@ from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from m1.attention_loss import AttentionLossSettings
 from m1.config import ConfigError, ModelSpec, Strict, TeamConfig, load_config, load_team
+from m1.marl.advantages import ESTIMATORS
 from m1.marl.credit import CREDITS, check_credit
-from m1.marl.grpo import LOSSES, OLD_LOGPROBS
+from m1.marl.entries import check_choice
+from m1.marl.grpo import LOSSES, OLD_LOGPROBS, default_old_logprobs
+from m1.marl.objectives import OBJECTIVES
 from m1.marl.rewards import RewardConfig, reward_kind
 from m1.marl.team_kinds import CPP_PHASES, check_seed_policies, seed_kind, seed_phases, team_kind
 
@@ -190,19 +193,35 @@ class RolloutConfig(Strict):
 
 
 class GRPOSettings(Strict):
-    """Loss numerics; see m1/marl/grpo.py for the formulas."""
+    """Loss numerics: a policy objective (m1/marl/objectives.py), an advantage estimator (m1/marl/advantages.py),
+    the reduction and old log-probs (m1/marl/grpo.py). Each objective and estimator states which of these settings
+    it reads, requires and refuses; the config refuses a combination its entry refuses."""
 
+    objective: str = Field(default="clip", description=(
+        "The policy objective, a name registered in m1/marl/objectives.py OBJECTIVES. clip: PPO's clipped ratio "
+        "(clip_eps_low both ways, delta). clip_higher (DAPO): the upper bound 1 + clip_eps_high. gspo: one ratio "
+        "per sequence, exp of its mean token log-ratio, clipped (needs loss_type grpo). cispo (MiniMax-M1): the "
+        "importance weight capped at 1 + clip_eps_high, without gradient, times A log p (needs a token-level "
+        "loss_type such as dapo)."))
     beta: float = Field(1e-5, ge=0.0, description="Weight of the k3 KL term; 0 skips the reference forward.")
-    clip_eps_low: float = Field(0.2, ge=0.0, description="The ratio is clipped below at 1 - this.")
-    clip_eps_high: float | None = Field(None, ge=0.0, description="The ratio is clipped above at 1 + this; None: "
-                                                                  "clip_eps_low.")
+    clip_eps_low: float = Field(0.2, ge=0.0, description=(
+        "clip, clip_higher, gspo: the ratio is clipped below at 1 - this (clip: above at 1 + this too)."))
+    clip_eps_high: float | None = Field(None, ge=0.0, description=(
+        "clip_higher, gspo: the ratio is clipped above at 1 + this (gspo: None means clip_eps_low). cispo: the "
+        "importance weight is capped at 1 + this."))
+    delta: float | None = Field(None, gt=1.0, description=(
+        "clip, clip_higher, gspo: cap on the unclipped ratio, so a negative advantage cannot be multiplied by an "
+        "unbounded ratio (INTELLECT-2's two-sided clip, TRL's delta); None: no cap."))
     loss_type: str = Field(default="grpo", description=(
         "How per-token losses are reduced to one: a name registered in m1/marl/grpo.py LOSSES."))
-    scale_rewards: bool = Field(default=True, description="Divide advantages by the group's std; False: Dr. GRPO.")
-    baseline: Literal["group", "greedy"] = Field(default="group", description=(
-        "group: advantages against the K rollouts' mean (GRPO). greedy (ours, after ReMax): each question is also "
-        "run once greedily, untrained, and a rollout's advantage is its reward minus that run's, so a sample gains "
-        "only by beating the decoding the team is evaluated with."))
+    scale_rewards: bool = Field(default=True, description="group: divide advantages by the group's std; False: Dr. "
+                                                          "GRPO.")
+    baseline: str = Field(default="group", description=(
+        "The advantage estimator, a name registered in m1/marl/advantages.py ESTIMATORS. group: advantages against "
+        "the K rollouts' mean, scaled by their std with scale_rewards (GRPO). greedy (ours, after ReMax): each "
+        "question is also run once greedily, untrained, and a rollout's advantage is its reward minus that run's, "
+        "so a sample gains only by beating the decoding the team is evaluated with. rloo: a reward minus the mean "
+        "of the group's other rewards (REINFORCE leave-one-out). greedy and rloo need scale_rewards: false."))
     old_logprobs: str | None = Field(default=None, description=(
         "The old policy of the ratio. policy: logp.detach() (TRL's on-policy case). rollout: the sampler's "
         "log-probs (generation may lag the weights). sampler: logp.detach(), each token weighted by "
@@ -210,6 +229,20 @@ class GRPOSettings(Strict):
         "None: sampler with rollout.engine vllm or max_staleness > 0, else policy. The modes: m1/marl/grpo.py "
         "OLD_LOGPROBS."))
     is_cap: float = Field(2.0, gt=0.0, description="sampler: cap on the truncated importance weight.")
+
+    @field_validator("objective")
+    @classmethod
+    def _registered_objective(cls, v: str) -> str:
+        if v not in OBJECTIVES:
+            raise ValueError(f"unknown objective {v!r}; registered: {sorted(OBJECTIVES)}")
+        return v
+
+    @field_validator("baseline")
+    @classmethod
+    def _registered_baseline(cls, v: str) -> str:
+        if v not in ESTIMATORS:
+            raise ValueError(f"unknown baseline {v!r}; registered: {sorted(ESTIMATORS)}")
+        return v
 
     @field_validator("loss_type")
     @classmethod
@@ -438,8 +471,18 @@ class TrainConfig(Strict):
         kind = team_kind(team)
         kind.check(self, team, trained)
         check_credit(self, kind)
+        self._check_grpo()
         reward_kind(self.rewards, team)
         return self
+
+    def _check_grpo(self) -> None:
+        """The chosen objective's and estimator's own rules (m1/marl/entries.py), read with grpo.old_logprobs as
+        the run will use it."""
+        old = self.grpo.old_logprobs or default_old_logprobs(self.rollout.engine, self.rollout.max_staleness)
+        run = self.model_copy(update={"grpo": self.grpo.model_copy(update={"old_logprobs": old})})
+        defaults = {k: f.default for k, f in GRPOSettings.model_fields.items()}
+        check_choice(OBJECTIVES, self.grpo.objective, "grpo.objective", run, defaults)
+        check_choice(ESTIMATORS, self.grpo.baseline, "grpo.baseline", run, defaults)
 
     def team_config(self) -> TeamConfig:
         return _team(self.team, self.team_overrides)

@@ -9,17 +9,17 @@ the choice of three small registries, each entry owning the extra rollouts it ne
     quality or another generation's format does not decide which answer is reinforced;
   - `agent`: question i of the run has one focus agent (trained agent i mod n) sampling while its teammates decode
     greedily; only the focus agent is credited, within its own K episodes.
-- `BASELINES` (`grpo.baseline`) — what a reward is compared with:
-  - `group` (GRPO): the mean (and std, with `grpo.scale_rewards`) of the agent's K rollouts of the question;
-  - `greedy` (after ReMax): one more greedy run of each question; a rollout gains only by beating the greedy
-    decoding the team is evaluated with.
+- `ESTIMATORS` (`grpo.baseline`, m1/marl/advantages.py) — what a reward is compared with: `group` (GRPO's mean
+  and std of the agent's K rollouts of the question), `greedy` (one more greedy run of each question, after ReMax),
+  `rloo` (the mean of the group's other rollouts); an estimator that asks for the greedy run gets it here;
 - `rollout.dynamic_sampling` (DAPO): a question whose groups all tie carries no signal; it is dropped and the next
   questions of the data cursor run in its place, for at most `rollout.max_refill` more rounds.
 
-Each entry states what it cannot be combined with in `check`, which the config's validator calls: the only place
-those rules live. A credit rule is a class registered with `@register_credit`; `rollout.credit` accepts any
-registered name. Which phases carry the outcome advantage (`OUTCOME_PHASES`) stays in m1/marl/rollout.py with
-`generation_credit`, which tests and the samples record call without a rule (rollout cannot import this module).
+A credit rule states what it cannot be combined with in `check`, an estimator in its `requires` / `refuses` rules
+(m1/marl/entries.py); the config's validator reads both, the only place those rules live. A credit rule is a class
+registered with `@register_credit`; `rollout.credit` accepts any registered name. Which phases carry the outcome
+advantage (`OUTCOME_PHASES`) stays in m1/marl/rollout.py with `generation_credit`, which tests and the samples
+record call without a rule (rollout cannot import this module).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from m1.marl.grpo import baseline_advantages, multi_agent_advantages
+from m1.marl.advantages import ESTIMATORS, estimate_advantages
 from m1.marl.rollout import RolloutBatch, RolloutError, Sample, build_samples, generation_credit
 
 Rewards = dict[str, list[list[float]]]  # agent -> [question][rollout]
@@ -108,54 +108,10 @@ class AgentCredit(EpisodeCredit):
                              "has one agent (use credit: episode)")
 
 
-# ------------------------------------------------------------------------------------------------ baselines
-class GroupBaseline:
-    """GRPO: a reward against the mean (and std, when scaled) of the agent's K rollouts of the question."""
-
-    name: ClassVar[str] = "group"
-
-    def __init__(self, scale: bool):
-        self.scale = scale
-
-    def extra_rollouts(self, run: Callable, questions, topology) -> RolloutBatch | None:
-        return None
-
-    def advantages(self, rewards: Rewards, base: Rewards | None) -> dict[str, Any]:
-        return multi_agent_advantages(rewards, scale=self.scale)
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        pass
-
-
-class GreedyBaseline(GroupBaseline):
-    """A reward minus that of one greedy run of the question (not trained on), unscaled."""
-
-    name = "greedy"
-
-    def extra_rollouts(self, run, questions, topology):
-        return run(questions, 1, topology, greedy=True)
-
-    def advantages(self, rewards, base):
-        return {a: baseline_advantages(r, [g[0] for g in base[a]]) for a, r in rewards.items()}
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        if cfg.grpo.scale_rewards:
-            raise ValueError("grpo.baseline 'greedy' takes rewards minus the greedy run's, unscaled: set "
-                             "grpo.scale_rewards: false")
-        if cfg.rollout.dynamic_sampling:
-            raise ValueError("rollout.dynamic_sampling drops groups whose K rewards tie, but under grpo.baseline "
-                             "'greedy' such a group still has signal (rewards minus the greedy run's); use one")
-
-
-BASELINES: dict[str, type[GroupBaseline]] = {b.name: b for b in (GroupBaseline, GreedyBaseline)}
-
-
 def check_credit(cfg, kind) -> None:
-    """The one place the credit settings of a TrainConfig are checked against each other and the team kind."""
+    """The one place the credit rule of a TrainConfig is checked against the other settings and the team kind (the
+    advantage estimator's rules are its entry's, m1/marl/advantages.py)."""
     CREDITS[cfg.rollout.credit].check(cfg, kind)
-    BASELINES[cfg.grpo.baseline].check(cfg)
 
 
 # ------------------------------------------------------------------------------------------------ dynamic sampling
@@ -238,7 +194,7 @@ class CreditStrategy:
 
     def __init__(self, cfg, trained: Sequence[str], run: Callable, reward: Callable, take: Callable):
         self.rule = CREDITS[cfg.rollout.credit]()
-        self.baseline = BASELINES[cfg.grpo.baseline](cfg.grpo.scale_rewards)
+        self.estimator, self.grpo = ESTIMATORS[cfg.grpo.baseline], cfg.grpo
         self.k, self.per_step, self.refill = (cfg.rollout.num_generations, cfg.rollout.questions_per_step,
                                               cfg.rollout.max_refill)
         self.dynamic = cfg.rollout.dynamic_sampling
@@ -252,18 +208,18 @@ class CreditStrategy:
             focus = self.rule.focus(self.trained, first, len(questions))
             batch = self._run(questions, self.k, topology, focus)
             rounds, live = [batch], None
-        greedy = self.baseline.extra_rollouts(self._run, questions, topology)
+        greedy = self._run(questions, 1, topology, greedy=True) if self.estimator.greedy_reference else None
         clock.lap("rollout")
         if not self.dynamic:
             rewards = self._reward(batch)
         base = self._reward(greedy) if greedy is not None else None
-        advantages = self.baseline.advantages(self.rule.credited(rewards, batch.focus), base)
+        advantages = self.advantages(self.rule.credited(rewards, batch.focus), base)
         outcome = None
         if self.rule.outcome:
             if not batch.outcomes:
                 raise RolloutError(f"rollout.credit {self.rule.name!r} needs rewards with an `outcome` part "
                                    "(RewardBreakdown); this reward function returns plain numbers")
-            outcome = self.baseline.advantages(batch.outcomes, greedy.outcomes if greedy is not None else None)
+            outcome = self.advantages(batch.outcomes, greedy.outcomes if greedy is not None else None)
         metrics = {}
         if live is not None:
             metrics = {"groups/dropped_share": dropped, "groups/refill_rounds": len(rounds) - 1,
@@ -272,6 +228,10 @@ class CreditStrategy:
             flat = [r for a in base for g in base[a] for r in g if not math.isnan(r)]
             metrics["greedy/reward"] = sum(flat) / len(flat) if flat else float("nan")
         return StepCredit(batch, advantages, outcome, rounds, live, greedy, metrics)
+
+    def advantages(self, rewards: Rewards, reference: Rewards | None) -> dict[str, Any]:
+        """Agent -> [G, K] advantages of `rewards` under the run's estimator (`reference`: the greedy run's)."""
+        return estimate_advantages(self.estimator, rewards, reference, self.grpo)
 
     def _refilled(self, questions, first: int, topology):
         """Dynamic sampling: run and score `questions`, keep each question where some agent's group has reward

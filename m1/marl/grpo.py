@@ -1,12 +1,10 @@
-"""Multi-agent GRPO numerics as small pure tensor functions.
+"""GRPO's tensor primitives as small pure functions: token log-probs, the k3 KL, the loss reductions
+(`grpo.loss_type`) and the old log-probs of the ratio (`grpo.old_logprobs`). The policy objectives and `grpo_loss`,
+which composes them, are in m1/marl/objectives.py; the advantage estimators in m1/marl/advantages.py.
 
 Reference numerics: TRL 1.16.0 ``GRPOTrainer`` (parity is tested in ``tests/marl/test_grpo.py`` by running TRL's own
 ``_compute_loss``). Choices:
 
-- advantage ``A = (r - mean_g) / (std_g + 1e-4)`` with Bessel-corrected std over the K rollouts of one question
-  for one agent; groups with fewer than two scored samples, or no spread, give ``A = 0`` exactly; NaN rewards
-  (e.g. an agent dropped from a rollout by the random topology) are left out of the group statistics and get 0;
-- token-level importance ratio, clipped ``[1 - eps_low, 1 + eps_high]`` (clip-higher when ``eps_high`` is set);
 - k3 KL to the reference, not clamped (TRL; verl and OpenRLHF clamp to [-10, 10]);
 - loss aggregation named as in TRL (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``) plus ``token-mean`` (verl's name for
   TRL's ``bnpo``). Gradient accumulation is left to the caller: TRL divides ``grpo``/``bnpo``/``dr_grpo`` by the
@@ -24,9 +22,8 @@ torch is imported inside the functions so that importing this module stays cheap
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,90 +32,6 @@ if TYPE_CHECKING:
     import torch
 
     Tensor = torch.Tensor
-
-ADV_EPS = 1e-4  # TRL adds this to the group std
-
-
-# --------------------------------------------------------------------------------------------- advantages
-
-
-def _as_reward_tensor(rewards: Any) -> "torch.Tensor":
-    import torch
-
-    if isinstance(rewards, torch.Tensor):
-        out = rewards.detach()
-        if not out.is_floating_point():
-            out = out.to(torch.float32)
-        return out
-    try:
-        return torch.tensor(rewards, dtype=torch.float32)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"rewards must be a tensor or a rectangular list of numbers (use NaN for missing samples), got {rewards!r}"
-        ) from exc
-
-
-def group_advantages(rewards: Any, eps: float = ADV_EPS, scale: bool = True) -> "torch.Tensor":
-    """Group-relative advantages ``(r - mean) / (std + eps)`` along the last axis.
-
-    ``rewards`` is ``[G, K]`` (G questions x K rollouts for one agent) or ``[K]`` (one group); the result has the
-    same shape. ``std`` is Bessel-corrected as in TRL (``torch.std`` default). ``scale=False`` gives ``r - mean``
-    (Dr. GRPO / TRL ``scale_rewards="none"``). NaN marks a missing sample: it is ignored in mean/std and its
-    advantage is 0. A group with fewer than two samples or zero spread yields exactly 0 (TRL's std is NaN for a
-    single sample and verl would return ``A = r``; a single rollout carries no relative signal, so we choose 0).
-    """
-    import torch
-
-    if eps < 0:
-        raise ValueError(f"group_advantages: eps must be >= 0, got {eps}")
-    r = _as_reward_tensor(rewards)
-    if r.dim() not in (1, 2):
-        raise ValueError(f"group_advantages: rewards must have shape [K] or [G, K], got {tuple(r.shape)}")
-    if r.numel() == 0:
-        return r.clone()
-    squeeze = r.dim() == 1
-    if squeeze:
-        r = r.unsqueeze(0)
-    present = ~torch.isnan(r)
-    count = present.sum(dim=-1, keepdim=True)
-    filled = torch.where(present, r, torch.zeros_like(r))
-    mean = filled.sum(dim=-1, keepdim=True) / count.clamp(min=1)
-    centered = torch.where(present, r - mean, torch.zeros_like(r))
-    adv = centered
-    if scale:
-        var = (centered**2).sum(dim=-1, keepdim=True) / (count - 1).clamp(min=1)
-        adv = centered / (var.sqrt() + eps)
-    # Singleton groups and groups without spread carry no signal; force exact zeros so that rounding in the mean
-    # (e.g. three rewards of 0.1) cannot leak a tiny residual divided by eps into the loss.
-    hi = torch.where(present, r, torch.full_like(r, -math.inf)).amax(dim=-1, keepdim=True)
-    lo = torch.where(present, r, torch.full_like(r, math.inf)).amin(dim=-1, keepdim=True)
-    informative = (count > 1) & (hi > lo)
-    adv = torch.where(present & informative, adv, torch.zeros_like(adv))
-    return adv.squeeze(0) if squeeze else adv
-
-
-def baseline_advantages(rewards: Any, baseline: Any) -> "torch.Tensor":
-    """Advantages ``r - b`` of ``[G, K]`` rewards against one baseline per group ``[G]`` (ours, after ReMax: the
-    reward of the question's greedy run, so a sample is pushed up only when it beats greedy decoding). NaN in a
-    reward or in its group's baseline gives 0."""
-    import torch
-
-    r, b = _as_reward_tensor(rewards), _as_reward_tensor(baseline)
-    if r.dim() != 2 or b.shape != r.shape[:1]:
-        raise ValueError(f"baseline_advantages: rewards must be [G, K] and the baseline [G], got "
-                         f"{tuple(r.shape)} and {tuple(b.shape)}")
-    adv = r - b.unsqueeze(-1)
-    return torch.where(torch.isnan(adv), torch.zeros_like(adv), adv)
-
-
-def multi_agent_advantages(
-    rewards: Mapping[str, Any], eps: float = ADV_EPS, scale: bool = True
-) -> dict[str, "torch.Tensor"]:
-    """Per-agent advantages: each agent's ``[G, K]`` rewards are normalised within its own groups only."""
-    if not isinstance(rewards, Mapping):
-        raise ValueError(f"multi_agent_advantages: expected a mapping agent -> rewards, got {type(rewards).__name__}")
-    return {agent: group_advantages(r, eps=eps, scale=scale) for agent, r in rewards.items()}
-
 
 # --------------------------------------------------------------------------------------------- log-probs
 
@@ -249,132 +162,6 @@ def aggregate(
     )
 
 
-# --------------------------------------------------------------------------------------------- policy loss
-
-
-def _check_inputs(logp, old_logp, advantages, mask):
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be [B, T], got {tuple(logp.shape)}")
-    if mask.shape != logp.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} must match logp {tuple(logp.shape)}")
-    if old_logp is not None and old_logp.shape != logp.shape:
-        raise ValueError(f"old_logp {tuple(old_logp.shape)} must match logp {tuple(logp.shape)}")
-    B, T = logp.shape
-    if advantages.dim() == 1:
-        if advantages.shape[0] != B:
-            raise ValueError(f"advantages {tuple(advantages.shape)} must have one value per sequence (B={B})")
-        return advantages.unsqueeze(1)
-    if advantages.dim() == 2 and advantages.shape[0] == B and advantages.shape[1] in (1, T):
-        return advantages
-    raise ValueError(f"advantages must be [B], [B, 1] or [B, T] with B={B}, T={T}; got {tuple(advantages.shape)}")
-
-
-def _masked_mean(x: "Tensor", mask: "Tensor") -> float:
-    x = x.expand_as(mask)
-    return float((x * mask).sum() / mask.sum().clamp(min=1.0))
-
-
-def _clipped_objective(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    clip_eps_low: float,
-    clip_eps_high: float | None,
-    delta: float | None,
-    importance_sampling_level: str,
-):
-    """Per-token ``-min(r A, clip(r) A)``, the raw ratio and the clip stats of ``grpo_loss``."""
-    import torch
-
-    if clip_eps_low < 0 or (clip_eps_high is not None and clip_eps_high < 0):
-        raise ValueError(f"clip eps must be >= 0, got low={clip_eps_low} high={clip_eps_high}")
-    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    adv = _check_inputs(logp, old_logp, advantages, mask).to(logp.dtype)
-    if old_logp is None:  # single update per generation: ratio is 1 but keeps the gradient of logp
-        old_logp = logp.detach()
-    log_ratio = logp - old_logp
-    if importance_sampling_level == "token":
-        log_w = log_ratio
-    elif importance_sampling_level == "sequence":  # GSPO: one ratio per sequence from the mean log-ratio
-        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    else:
-        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
-    ratio = torch.exp(log_w)
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + eps_high)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # optional cap on the ratio (TRL delta)
-    per_token = -torch.min(unclipped * adv, clipped * adv)
-    low = ((ratio < 1 - clip_eps_low) & (adv < 0)).to(logp.dtype)
-    high = ((ratio > 1 + eps_high) & (adv > 0)).to(logp.dtype)
-    stats = {
-        "ratio_mean": _masked_mean(ratio.detach(), mask),
-        "clip_frac_low": _masked_mean(low, mask),
-        "clip_frac_high": _masked_mean(high, mask),
-        "clip_frac": _masked_mean(torch.maximum(low, high), mask),
-        "num_tokens": float(mask.sum()),
-    }
-    return per_token, ratio, stats
-
-
-def grpo_loss(
-    logp: "torch.Tensor",
-    old_logp: "torch.Tensor | None",
-    ref_logp: "torch.Tensor | None",
-    advantages: "torch.Tensor",
-    mask: "torch.Tensor",
-    beta: float = 0.0,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float | None = None,
-    loss_type: str = "grpo",
-    max_completion_length: int | None = None,
-    *,
-    num_items_in_batch: Any = None,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
-    is_weight: "torch.Tensor | None" = None,
-) -> tuple["torch.Tensor", dict[str, float]]:
-    """The GRPO objective: per-token clipped surrogate ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``
-    ``+ beta * k3 KL``, then one ``loss_type`` aggregation (a name registered in ``LOSSES``).
-
-    ``logp``/``old_logp``/``ref_logp``/``mask`` are ``[B, T]`` (mask 1 on the agent's own generated tokens, 0 on
-    prompt, padding, tool outputs and text other agents wrote to the shared memory); ``advantages`` is ``[B]`` (or
-    ``[B, T]``). ``old_logp=None`` means on-policy (``logp.detach()``). ``clip_eps_high`` defaults to
-    ``clip_eps_low``; set it higher for DAPO clip-higher. As in TRL the KL is added per token before aggregation, so
-    it is weighted exactly like the policy term; ``ref_logp`` may be ``None`` only when ``beta == 0``. ``is_weight``
-    [B, T] (no gradient) multiplies the policy term per token before the KL is added: the truncated importance weight
-    that corrects for completions sampled by an engine whose numerics differ from the trainer's (TRL's vLLM
-    correction). Returns the scalar loss and float stats: ``ratio_mean``, ``clip_frac`` (tokens whose gradient the
-    clip removes, TRL's "region" ratio), ``clip_frac_low``, ``clip_frac_high``, ``num_tokens``, ``policy_loss`` (the
-    aggregated policy term alone), ``kl`` (masked token mean of k3, whenever ``ref_logp`` is given) and ``loss``.
-    """
-    if beta < 0:
-        raise ValueError(f"grpo_loss: beta must be >= 0, got {beta}")
-    if beta != 0 and ref_logp is None:
-        raise ValueError(f"grpo_loss: beta={beta} needs ref_logp (reference-model log-probs)")
-    mask = mask.to(logp.dtype)
-    per_token, _, stats = _clipped_objective(
-        logp, old_logp, advantages, mask, clip_eps_low, clip_eps_high, delta, importance_sampling_level
-    )
-    agg = functools.partial(
-        aggregate,
-        mask=mask,
-        loss_type=loss_type,
-        max_completion_length=max_completion_length,
-        num_items_in_batch=num_items_in_batch,
-    )
-    if is_weight is not None:
-        per_token = per_token * is_weight.detach()
-    stats["policy_loss"] = float(agg(per_token.detach()))
-    if ref_logp is not None:
-        kl = kl_k3(logp, ref_logp)
-        stats["kl"] = _masked_mean(kl.detach(), mask)
-        if beta != 0:
-            per_token = per_token + beta * kl
-    loss = agg(per_token)
-    stats["loss"] = float(loss.detach())
-    return loss, stats
-
-
 # --------------------------------------------------------------------------------------------- old log-probs
 
 
@@ -399,6 +186,12 @@ def register_old_logprobs(name: str):
         return fn
 
     return add
+
+
+def default_old_logprobs(engine: str, max_staleness: int) -> str:
+    """The mode a run with `grpo.old_logprobs` unset uses: an engine's numerics, or weights up to `max_staleness`
+    updates old, call for the sampler's log-probs (`sampler`); else the policy's own (`policy`)."""
+    return "sampler" if engine == "vllm" or max_staleness > 0 else "policy"
 
 
 def _sampled(sampled: "Tensor | None", mode: str) -> "Tensor":
@@ -433,15 +226,12 @@ def _old_sampler(logp, mask, sampled, grpo):
 
 
 __all__: Sequence[str] = (
-    "ADV_EPS",
     "LOSSES",
     "OLD_LOGPROBS",
     "LossType",
     "aggregate",
-    "grpo_loss",
-    "group_advantages",
+    "default_old_logprobs",
     "kl_k3",
-    "multi_agent_advantages",
     "register_loss",
     "register_old_logprobs",
     "token_logprobs",

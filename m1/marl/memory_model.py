@@ -87,7 +87,7 @@ def weight_bytes(spec: ModelSpec, default: int = 2) -> int:
 
 
 def trained_weight_bytes(learner: LearnerConfig, zero: bool = True) -> int:
-    """Bytes of each weight as a learner holds and saves it (m1/marl/learner.py `weights_dtype`): bf16 (precision
+    """Bytes of each weight as a learner holds and saves it (m1/marl/learner_load.py `weights_dtype`): bf16 (precision
     bf16, or auto on a GPU) for LoRA's frozen base and adapter under ZeRO, and for a full fine-tune under ZeRO (its
     fp32 master lives in the optimizer); fp32 otherwise (a plain-torch full fine-tune keeps fp32 weights, since a
     1e-7 step would round away in bf16)."""
@@ -153,7 +153,7 @@ def reference_bytes(shape: TextShape, learner: LearnerConfig) -> int:
 
 
 def checkpoint_bytes(shape: TextShape, learner: LearnerConfig) -> int:
-    """One agent's share of a checkpoint, as m1/marl/learner.py `save` writes it: the trained weights in the dtype
+    """One agent's share of a checkpoint, as m1/marl/learner_io.py `save_learner` writes it: the trained weights in the dtype
     they are held in (`trained_weight_bytes`: model/ or adapter/ safetensors, written once) + the optimizer state.
 
     Optimizer: under ZeRO (learner.deepspeed) the ranks' shards hold the fp32 master and Adam m, v: 12 bytes per

@@ -13,6 +13,7 @@ from m1.config import TeamConfig
 from m1.contracts import TeamKind
 from m1.marl.planner import rollout_batch
 from m1.marl.config import TrainConfig
+from m1.marl.grpo import default_old_logprobs
 from m1.marl.rollout import agent_temperature, training_team_config
 from m1.marl.team_kinds import team_kind
 
@@ -36,8 +37,7 @@ class RunSettings:
 def resolve(cfg: TrainConfig, plan=None) -> RunSettings:
     """`cfg` as it will train; `plan`: the placement plan reserved on GPUs (it sizes the rollout batch)."""
     if cfg.grpo.old_logprobs is None:
-        # an engine's numerics, or weights up to max_staleness updates old: the sampler's log-probs correct for both
-        old = "sampler" if cfg.rollout.engine == "vllm" or cfg.rollout.max_staleness > 0 else "policy"
+        old = default_old_logprobs(cfg.rollout.engine, cfg.rollout.max_staleness)
         cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"old_logprobs": old})})
     team = training_team_config(cfg.team_config(), cfg.rollout.temperature)
     team = team.model_copy(update={"limits": team.limits.model_copy(update=_limits(cfg, team, plan))})

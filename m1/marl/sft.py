@@ -28,7 +28,7 @@ from m1.marl.checkpoint import find_latest_checkpoint, load_checkpoint, resume_p
 from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
 from m1.marl.groups import build_learners, host_driver_models, reserve_placement
 from m1.marl.launch import infer_command, run_training
-from m1.marl.learner import seed_everything
+from m1.marl.learner_io import seed_everything
 from m1.marl.loop import run_steps
 from m1.marl.rewards import RewardConfig
 from m1.marl.rollout import training_team_config

@@ -56,7 +56,7 @@ def seed_phases(phases, where: str, kind: str, default) -> list[str] | None:
 def check_seed_policies(team: TeamConfig, trained: list[str], where: str, engine: str = "hf") -> None:
     """A trained seed-kind policy must be one the learner can score: a text chat model (backend hf or vllm; frames
     reach it as `[frame at t s]` placeholders) or a vision-language model on backend hf (frames reach it as images,
-    and the learner feeds their pixels to its forward pass; m1/marl/learner.py). Other vision backends are refused,
+    and the learner feeds their pixels to its forward pass; m1/marl/scorer.py). Other vision backends are refused,
     and so is a vLLM rollout engine for a vision-language policy (its multimodal requests are not built)."""
     for a in team.agents:
         if a.name not in trained:

@@ -39,7 +39,7 @@ from m1.marl.credit import CreditStrategy, StepCredit
 from m1.marl.groups import build_learners, host_driver_models, reserve_placement
 from m1.contracts import LearnerGroup, RolloutEngine, Team
 from m1.marl.judge import LLMJudge, RubricJudge
-from m1.marl.learner import seed_everything
+from m1.marl.learner_io import seed_everything
 from m1.marl.loop import run_steps
 from m1.marl.producer import Producer, StepItem, sampling_version
 from m1.marl.resolve import resolve

@@ -175,16 +175,18 @@ def test_registering_a_name_twice_with_other_settings_is_refused():
 # ------------------------------------------------------------------------------------------------ extending M1
 @pytest.fixture
 def registries():
-    """Restore the tool, tool implementation, team kind, seed kind and credit registries after a test registers into
-    them (they are module-level, mutated in place, and other tests count their entries)."""
+    """Restore the tool, tool implementation, team kind, seed kind, credit, policy objective and advantage
+    estimator registries after a test registers into them (they are module-level, mutated in place, and other tests
+    count their entries)."""
     from m1 import registry
-    from m1.marl import credit
+    from m1.marl import advantages, credit, objectives
     from m1.team import kinds
     from m1.tools import browse, select
 
     registry.seed_kinds()  # M1's own seed kinds registered before the copy, so that restoring keeps them
     tables = (registry.TOOLS, registry.TOOL_NAMES, registry.SELECT_TOOLS, registry.BROWSE_TOOLS, registry.PLAN_KINDS,
-              registry.SEED_KINDS, select.SELECT, browse.KIND, kinds.TEAM_KINDS, credit.CREDITS)
+              registry.SEED_KINDS, select.SELECT, browse.KIND, kinds.TEAM_KINDS, credit.CREDITS, objectives.OBJECTIVES,
+              advantages.ESTIMATORS)
     saved = [type(x)(x) for x in tables]
     yield
     for live, old in zip(tables, saved):

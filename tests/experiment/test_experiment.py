@@ -327,7 +327,7 @@ def test_export_writes_the_seated_agents_as_full_models(tmp_path, m1_cache):
     from m1.experiment.export import export_agents
     from m1.experiment.runner import run_experiment
     from m1.experiment.stages import read_stage
-    from m1.marl.learner import read_safetensors
+    from m1.marl.learner_io import read_safetensors
     from m1.models.base import ChatRequest, SamplingParams
     from m1.models.hf import HFChatModel
 

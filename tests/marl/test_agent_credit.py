@@ -14,7 +14,7 @@ import pytest
 from tests.fakes import FakeVision, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.credit import AgentCredit
-from m1.marl.grpo import multi_agent_advantages
+from m1.marl.advantages import group_advantages
 from m1.marl.rollout import build_samples, run_rollouts, sample_topology, score, training_team_config
 from m1.models.base import Completion
 from tests.marl.test_trainer import AGENTS, COMPARED, make_trainer, questions, team_dict, train_cfg
@@ -76,7 +76,8 @@ def credit(video, beta_salt, focus):
     dag = sample_topology(AGENTS, "complete", 1.0, 0.0, None)
     batch = run_rollouts(team, questions(video, 2), 6, dag, focus=focus)
     rewards = score(batch, AGENTS, team_reward)
-    adv = multi_agent_advantages(AgentCredit().credited(rewards, focus) if focus else rewards, scale=True)
+    credited = AgentCredit().credited(rewards, focus) if focus else rewards
+    adv = {a: group_advantages(r) for a, r in credited.items()}
     return batch, adv, build_samples(batch, adv, {a: 1.0 for a in AGENTS}), chats
 
 

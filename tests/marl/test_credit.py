@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from m1.marl.config import TrainConfig
-from m1.marl.credit import BASELINES, CREDITS, informative_groups, merge_batches
+from m1.marl.advantages import ESTIMATORS
+from m1.marl.credit import CREDITS, informative_groups, merge_batches
 from m1.marl.rollout import RolloutBatch, derive_seed, sample_topology, step_topology
 from m1.marl.team_kinds import entropy, plan_entropy
 from m1.schema import Question
@@ -40,7 +41,11 @@ def test_registries_name_every_choice_the_config_offers():
     with pytest.raises(ValueError, match=re.escape(f"rollout.credit: unknown rule 'team' (known: {list(CREDITS)})")):
         rollout.model_validate({"credit": "team"})
     grpo = TrainConfig.model_fields["grpo"].annotation
-    assert set(BASELINES) == set(grpo.model_fields["baseline"].annotation.__args__) == {"group", "greedy"}
+    for name in ESTIMATORS:
+        assert grpo.model_validate({"baseline": name}).baseline == name
+    assert set(ESTIMATORS) == {"group", "greedy", "rloo"}
+    with pytest.raises(ValueError, match=re.escape(f"unknown baseline 'mean'; registered: {sorted(ESTIMATORS)}")):
+        grpo.model_validate({"baseline": "mean"})
 
 
 @pytest.mark.parametrize("over, words", [

@@ -1,4 +1,6 @@
-"""Tests for m1/marl/grpo.py: hand-computed values plus parity with TRL 1.16.0's own GRPO loss code."""
+"""Tests for m1/marl/grpo.py, the group and greedy estimators (m1/marl/advantages.py) and the clip objectives
+through `grpo_loss` (m1/marl/objectives.py): hand-computed values plus parity with TRL 1.16.0's own GRPO loss code.
+The other objectives and estimators: tests/marl/test_objectives.py."""
 
 import math
 import os
@@ -9,19 +11,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from m1.marl.grpo import (
-    LOSSES,
-    grpo_loss,
-    group_advantages,
-    kl_k3,
-    multi_agent_advantages,
-    token_logprobs,
-)
+from m1.marl.advantages import ESTIMATORS, estimate_advantages, group_advantages
+from m1.marl.config import GRPOSettings
+from m1.marl.grpo import LOSSES, kl_k3, token_logprobs
+from m1.marl.objectives import grpo_loss
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 EPS = 1e-4
+
+
+def settings(**kw):
+    """The GRPO settings of a direct `grpo_loss` call: beta 0 unless given."""
+    return GRPOSettings(**{"beta": 0.0, **kw})
 
 
 # --------------------------------------------------------------------------------------------- advantages
@@ -63,14 +66,15 @@ def test_advantages_nan_marks_missing_sample():
 
 
 def test_advantages_unscaled_and_the_baselines():
-    from m1.marl.credit import BASELINES
-
     r = torch.tensor([[1.0, 2.0, 6.0]])
+    unscaled = settings(scale_rewards=False)
     torch.testing.assert_close(group_advantages(r, scale=False), torch.tensor([[-2.0, -1.0, 3.0]]))
-    torch.testing.assert_close(BASELINES["group"](False).advantages({"a": r}, None)["a"],
+    torch.testing.assert_close(estimate_advantages(ESTIMATORS["group"], {"a": r}, None, unscaled)["a"],
                                torch.tensor([[-2.0, -1.0, 3.0]]))  # Dr. GRPO: the group mean, unscaled
-    greedy = BASELINES["greedy"](False).advantages({"a": [[1.0, 2.0, 6.0]]}, {"a": [[2.0]]})["a"]
+    greedy = estimate_advantages(ESTIMATORS["greedy"], {"a": [[1.0, 2.0, 6.0]]}, {"a": [[2.0]]}, unscaled)["a"]
     torch.testing.assert_close(greedy, torch.tensor([[-1.0, 0.0, 4.0]]))  # rewards minus the greedy run's
+    with pytest.raises(ValueError, match="needs the greedy run's rewards"):
+        estimate_advantages(ESTIMATORS["greedy"], {"a": [[1.0, 2.0, 6.0]]}, None, unscaled)
 
 
 def test_advantages_rows_are_independent_and_match_torch_std_and_trl_nanstd():
@@ -91,21 +95,23 @@ def test_advantages_rows_are_independent_and_match_torch_std_and_trl_nanstd():
     assert not torch.allclose(adv2[2], adv[2], atol=1e-3)
 
 
-def test_multi_agent_advantages_per_agent_independent():
+def test_estimated_advantages_are_per_agent_independent():
     rewards = {"qwen3-8b": torch.tensor([[1.0, -1.0, 1.0, -1.0]]), "qwen2.5-3b": torch.tensor([[0.0, 0.0, 9.0, 3.0]])}
-    out = multi_agent_advantages(rewards)
+    group = ESTIMATORS["group"]
+    out = estimate_advantages(group, rewards, None, settings())
     assert set(out) == set(rewards)
     torch.testing.assert_close(out["qwen3-8b"], group_advantages(rewards["qwen3-8b"]))
     torch.testing.assert_close(out["qwen2.5-3b"], group_advantages(rewards["qwen2.5-3b"]))
     # a huge reward of another agent does not change this agent's advantages
-    out2 = multi_agent_advantages({**rewards, "qwen2.5-3b": torch.tensor([[0.0, 0.0, 900.0, 3.0]])})
+    out2 = estimate_advantages(group, {**rewards, "qwen2.5-3b": torch.tensor([[0.0, 0.0, 900.0, 3.0]])}, None,
+                               settings())
     torch.testing.assert_close(out2["qwen3-8b"], out["qwen3-8b"])
     with pytest.raises(ValueError, match="mapping"):
-        multi_agent_advantages([[1.0, 2.0]])
+        estimate_advantages(group, [[1.0, 2.0]], None, settings())
 
 
 def test_greedy_baseline_advantages_are_reward_minus_the_greedy_run():
-    from m1.marl.grpo import baseline_advantages
+    from m1.marl.advantages import baseline_advantages
 
     nan = float("nan")
     got = baseline_advantages([[1.0, -1.0, 1.0], [-1.0, 1.0, nan], [0.5, 0.5, 0.5]], [-1.0, 1.0, nan])
@@ -189,7 +195,7 @@ HAND_POLICY_LOSS = [
 @pytest.mark.parametrize("loss_type, kwargs, expected", HAND_POLICY_LOSS)
 def test_policy_term_hand_computed(loss_type, kwargs, expected):
     logp, old, adv, mask = _hand_example()
-    loss, stats = grpo_loss(logp, old, None, adv, mask, loss_type=loss_type, **kwargs)
+    loss, stats = grpo_loss(logp, old, None, adv, mask, settings(loss_type=loss_type), **kwargs)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert stats["policy_loss"] == pytest.approx(expected, abs=1e-6)
     assert stats["clip_frac"] == pytest.approx(2 / 5)
@@ -206,14 +212,15 @@ def test_policy_term_hand_computed(loss_type, kwargs, expected):
 
 def test_policy_term_clip_higher():
     logp, old, adv, mask = _hand_example()
-    loss, stats = grpo_loss(logp, old, None, adv, mask, clip_eps_high=0.6, loss_type="token-mean")
+    loss, stats = grpo_loss(logp, old, None, adv, mask,
+                            settings(objective="clip_higher", clip_eps_high=0.6, loss_type="token-mean"))
     assert loss.item() == pytest.approx((-1.1 - 1.5 + 1.375) / 5, abs=1e-6)
     assert stats["clip_frac_high"] == 0.0 and stats["clip_frac_low"] == pytest.approx(0.2)
 
 
 def test_policy_term_on_policy_no_clipping_gradient():
     logp, _, adv, mask = _hand_example()
-    loss, stats = grpo_loss(logp, None, None, adv, mask, loss_type="grpo")
+    loss, stats = grpo_loss(logp, None, None, adv, mask, settings(loss_type="grpo"))
     assert loss.item() == pytest.approx((-1.0 + 0.5) / 2, abs=1e-6)
     assert stats["clip_frac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
     loss.backward()
@@ -223,14 +230,17 @@ def test_policy_term_on_policy_no_clipping_gradient():
 
 def test_grpo_loss_errors():
     logp, old, adv, mask = _hand_example()
+    unchecked = SimpleNamespace(objective="clip", beta=0.0, loss_type="sum", clip_eps_low=0.2, delta=None)
     with pytest.raises(ValueError, match="unknown loss_type 'sum'"):
-        grpo_loss(logp, old, None, adv, mask, loss_type="sum")
+        grpo_loss(logp, old, None, adv, mask, unchecked)
+    with pytest.raises(ValueError, match="unknown objective 'ppo'"):
+        grpo_loss(logp, old, None, adv, mask, SimpleNamespace(**{**vars(unchecked), "objective": "ppo"}))
     with pytest.raises(ValueError, match="max_completion_length"):
-        grpo_loss(logp, old, None, adv, mask, loss_type="dr_grpo")
+        grpo_loss(logp, old, None, adv, mask, settings(loss_type="dr_grpo"))
     with pytest.raises(ValueError, match="advantages"):
-        grpo_loss(logp, old, None, torch.ones(3), mask)
+        grpo_loss(logp, old, None, torch.ones(3), mask, settings())
     with pytest.raises(ValueError, match="mask"):
-        grpo_loss(logp, old, None, adv, mask[:, :2])
+        grpo_loss(logp, old, None, adv, mask[:, :2], settings())
     assert set(LOSSES) >= {"grpo", "token-mean", "bnpo", "dr_grpo", "dapo"}
     assert {name for name, loss in LOSSES.items() if loss.token_level} == {"token-mean", "bnpo", "dapo"}
 
@@ -260,14 +270,14 @@ def test_grpo_loss_adds_beta_kl_with_same_aggregation():
     hand = {loss_type: (kw, pol) for loss_type, kw, pol in HAND_POLICY_LOSS[:4]}  # the policy term alone
     for loss_type, kl_weight in (("grpo", 1.0), ("token-mean", 1.0), ("dr_grpo", 5 / 8)):  # dr_grpo: 5 / (2 * 4)
         kw, pol = hand[loss_type]
-        loss, stats = grpo_loss(logp, old, ref, adv, mask, beta=0.1, loss_type=loss_type, **kw)
+        loss, stats = grpo_loss(logp, old, ref, adv, mask, settings(beta=0.1, loss_type=loss_type), **kw)
         assert loss.item() == pytest.approx(pol + 0.1 * k * kl_weight, abs=1e-6)
         assert stats["kl"] == pytest.approx(k, abs=1e-6)
         assert stats["policy_loss"] == pytest.approx(pol, abs=1e-6)
-    loss0, stats0 = grpo_loss(logp, old, None, adv, mask, beta=0.0)
+    loss0, stats0 = grpo_loss(logp, old, None, adv, mask, settings())
     assert "kl" not in stats0 and loss0.item() == pytest.approx(HAND_POLICY_LOSS[0][2], abs=1e-6)
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(logp, old, None, adv, mask, beta=0.1)
+        grpo_loss(logp, old, None, adv, mask, settings(beta=0.1))
 
 
 # --------------------------------------------------------------------------------------------- TRL parity
@@ -375,10 +385,12 @@ def test_parity_with_trl_compute_loss(trl_type, our_type, beta, eps_low, eps_hig
     trl_loss.backward()
 
     logp_ours = logp.clone().requires_grad_(True)
+    objective = "gspo" if isl == "sequence" else "clip" if eps_high == eps_low else "clip_higher"
     loss, stats = grpo_loss(
-        logp_ours, old, ref, adv, mask, beta=beta, clip_eps_low=eps_low,
-        clip_eps_high=None if eps_high == eps_low else eps_high, loss_type=our_type,
-        max_completion_length=max_len, delta=delta, importance_sampling_level=isl,
+        logp_ours, old, ref, adv, mask,
+        settings(objective=objective, beta=beta, clip_eps_low=eps_low, loss_type=our_type, delta=delta,
+                 clip_eps_high=None if eps_high == eps_low else eps_high),
+        max_completion_length=max_len,
     )
     loss.backward()
 
@@ -404,11 +416,10 @@ def test_parity_with_trl_dapo_global_normaliser():
     generation_tokens = 4 * float(mask.sum())  # e.g. 2 ranks x 2 micro-batches of similar size
     stub = _trl_self("dapo", 0.04, 0.2, 0.28, logp=logp, num_processes=2, grad_accum=2, steps_per_generation=2)
     trl_loss = GRPOTrainer._compute_loss(stub, None, _trl_inputs(mask, adv, old, ref, num_items=generation_tokens))
-    ours, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.04, clip_eps_high=0.28, loss_type="dapo",
-                        num_items_in_batch=generation_tokens / 2)
+    dapo = settings(objective="clip_higher", beta=0.04, clip_eps_high=0.28, loss_type="dapo")
+    ours, _ = grpo_loss(logp, old, ref, adv, mask, dapo, num_items_in_batch=generation_tokens / 2)
     torch.testing.assert_close(ours, trl_loss, atol=1e-6, rtol=0)
-    assert ours.item() != pytest.approx(grpo_loss(logp, old, ref, adv, mask, beta=0.04, clip_eps_high=0.28,
-                                                  loss_type="dapo")[0].item())
+    assert ours.item() != pytest.approx(grpo_loss(logp, old, ref, adv, mask, dapo)[0].item())
 
 
 def test_parity_with_trl_end_to_end_tiny_model():
@@ -456,7 +467,7 @@ def test_parity_with_trl_end_to_end_tiny_model():
     logits = model(input_ids=torch.cat([prompt, completion], 1),
                    attention_mask=torch.cat([torch.ones_like(prompt), mask], 1)).logits
     logp = token_logprobs(logits[:, P - 1 : -1], completion, temperature)
-    loss, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.04, loss_type="grpo")
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, settings(beta=0.04, loss_type="grpo"))
     loss.backward()
 
     torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)

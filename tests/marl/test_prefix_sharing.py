@@ -151,8 +151,8 @@ def test_update_step_is_the_same_with_and_without_sharing(finetune, m1_cache):
         # rounding in near-zero gradient entries into full-size steps); micro-batches of 6 split the groups
         lrn = learner("qwen2", finetune=finetune, share=share, beta=0.05, lr=1e-2, eps=1.0, micro_batch_size=6)
         calls = []
-        inner = lrn._shared_prompt_logprobs
-        lrn._shared_prompt_logprobs = lambda model, rows, *a: calls.append(len(rows)) or inner(model, rows, *a)
+        inner = lrn.scorer._shared_prompt_logprobs
+        lrn.scorer._shared_prompt_logprobs = lambda model, rows, *a: calls.append(len(rows)) or inner(model, rows, *a)
         stats = lrn.update(batch, lr=1e-2)
         results.append((stats, lrn.parameters()))
         # share on: the first micro-batch (6 rows, 4 distinct prompts) repeats a prompt, in the policy and

@@ -163,7 +163,7 @@ def test_observations_are_context_never_targets(world, m1_cache):
     from m1.config import ModelSpec, TeamConfig
     from m1.marl.config import GRPOSettings, LearnerConfig
     from m1.marl.learner import AgentLearner
-    from m1.marl.grpo import multi_agent_advantages
+    from m1.marl.advantages import group_advantages
     from m1.marl.rollout import build_samples, run_rollouts, score
     from m1.models.hub import ModelHub
     from m1.team.single import SingleAgentTeam
@@ -178,7 +178,7 @@ def test_observations_are_context_never_targets(world, m1_cache):
     qs = [q for q in world[2] if q.task == "mcq"][:2]
     batch = run_rollouts(team, qs, 2, topo.complete(["weaver"]))
     rewards = score(batch, ["weaver"], lambda eps: seed_rewards(eps, "weaver"))
-    adv = multi_agent_advantages(rewards, scale=True)
+    adv = {a: group_advantages(r) for a, r in rewards.items()}
     samples = build_samples(batch, adv, {"weaver": 1.0})["weaver"]
     assert len(samples) == 2 * 2 * 2 and [s.phase for s in samples[:2]] == ["act", "answer"]
     tok = learner.tokenizer
@@ -195,9 +195,9 @@ def test_observations_are_context_never_targets(world, m1_cache):
             for s in mine:
                 target = tok.decode(s.completion_ids)
                 assert "[trim]" not in target and obs.output[:40] not in target and "<frame" not in target
-    _, mask = learner.completion_logprobs(learner.policy, learner._rows(samples), 1.0)
+    _, mask = learner.completion_logprobs(learner.policy, learner.scorer.rows(samples), 1.0)
     assert mask.sum(1).tolist() == [float(len(s.completion_ids)) for s in samples]  # the loss sees replies only
-    learner_rows = learner._rows(samples)
+    learner_rows = learner.scorer.rows(samples)
     assert all(p == s.prompt_ids and c == s.completion_ids for (p, c), s in zip(learner_rows, samples))
 
 

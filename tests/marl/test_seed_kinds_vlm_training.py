@@ -36,7 +36,7 @@ def rollout(world, m1_cache):
     from m1.config import ModelSpec, TeamConfig
     from m1.marl.config import GRPOSettings, LearnerConfig
     from m1.marl.learner import AgentLearner
-    from m1.marl.grpo import multi_agent_advantages
+    from m1.marl.advantages import group_advantages
     from m1.marl.rollout import build_samples, run_rollouts, score
     from m1.models.hub import ModelHub
     from m1.team import topology as topo
@@ -52,7 +52,7 @@ def rollout(world, m1_cache):
     batch = run_rollouts(team, world[2][:2], 2, topo.complete(["weaver"]))
     assert all(e.error is None for e in batch.flat)
     rewards = score(batch, ["weaver"], varied_reward)
-    samples = build_samples(batch, multi_agent_advantages(rewards, scale=True), {"weaver": 1.0})["weaver"]
+    samples = build_samples(batch, {a: group_advantages(r) for a, r in rewards.items()}, {"weaver": 1.0})["weaver"]
     return learner, batch, samples
 
 
@@ -80,14 +80,14 @@ def test_loss_mask_is_the_reply_tokens_only(rollout):
     config = learner.chat.model.config
     special = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
     vision = learner.vision_inputs(samples)
-    _, mask = learner.completion_logprobs(learner.policy, learner._rows(samples), 1.0, vision)
+    _, mask = learner.completion_logprobs(learner.policy, learner.scorer.rows(samples), 1.0, vision)
     assert mask.sum(1).tolist() == [float(len(s.completion_ids)) for s in samples]
     tok = learner.tokenizer
     for s in samples:
         assert not special & set(s.completion_ids)  # no image (or any vision) token is ever a target
         target = tok.decode(s.completion_ids)
         assert "<frame" not in target and "[trim]" not in target  # observations are context
-    assert all(p == s.prompt_ids and c == s.completion_ids for (p, c), s in zip(learner._rows(samples), samples))
+    assert all(p == s.prompt_ids and c == s.completion_ids for (p, c), s in zip(learner.scorer.rows(samples), samples))
 
 
 def test_learner_logprobs_match_generation_only_with_the_images(rollout):
@@ -97,14 +97,14 @@ def test_learner_logprobs_match_generation_only_with_the_images(rollout):
 
     learner, _, samples = rollout
     learner.policy.eval()
-    rows = learner._rows(samples)
+    rows = learner.scorer.rows(samples)
     vision = learner.vision_inputs(samples)
     with torch.no_grad():
         logp, mask = learner.completion_logprobs(learner.policy, rows, 1.0, vision)
         blind, _ = learner.completion_logprobs(learner.policy, rows, 1.0, None)
         other = dict(vision, pixel_values=torch.zeros_like(vision["pixel_values"]))
         wrong, _ = learner.completion_logprobs(learner.policy, rows, 1.0, other)
-    sampled = learner._padded([s.logprobs for s in samples], logp.shape[1])
+    sampled = learner.scorer.padded([s.logprobs for s in samples], logp.shape[1])
     gap = ((logp - sampled).abs() * mask).max().item()
     assert gap < 1e-4, gap
     assert ((blind - sampled).abs() * mask).max().item() > 1e-3
@@ -116,12 +116,12 @@ def test_a_prompt_that_does_not_fit_is_an_error_not_a_cut(rollout):
 
     learner, _, samples = rollout
     short = learner.cfg.model_copy(update={"max_prompt_tokens": 8})
-    learner.cfg, keep = short, learner.cfg
+    learner.scorer.cfg, keep = short, learner.scorer.cfg
     try:
         with pytest.raises(ValueError, match="exceeds learner.max_prompt_tokens=8"):
-            learner._rows(samples[:1])
+            learner.scorer.rows(samples[:1])
     finally:
-        learner.cfg = keep
+        learner.scorer.cfg = keep
     bad = replace(samples[0], frames=samples[0].frames[:-1])
     with pytest.raises(ValueError, match="image-pad tokens but its"):
         learner.vision_inputs([bad])

@@ -57,6 +57,13 @@ def train_cfg(out, finetune="full", steps=1, **over):
     return TrainConfig.model_validate(data)
 
 
+def group_all(rewards):
+    """GRPO's group advantages (std-scaled) of every agent's [G, K] rewards."""
+    from m1.marl.advantages import group_advantages
+
+    return {a: group_advantages(r) for a, r in rewards.items()}
+
+
 def make_trainer(cfg, video, reward_fn=varied_reward):
     from m1.marl.trainer import Trainer
 
@@ -187,7 +194,6 @@ def test_dag_sampling_matches_configured_probabilities():
 
 
 def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video):
-    from m1.marl.grpo import multi_agent_advantages
     from m1.models.hub import ModelHub
     from m1.team.cpp import Team
 
@@ -208,7 +214,7 @@ def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video
     assert all(e.topology == dag for e in batch.flat)  # one DAG for the whole step
     rewards = score(batch, AGENTS, lambda eps: [{"alpha": float(i % 3), "beta": 1.0} for i in range(len(eps))])
     assert rewards["alpha"] == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
-    adv = multi_agent_advantages(rewards, scale=True)
+    adv = group_all(rewards)
     samples = build_samples(batch, adv, {"alpha": 1.0, "beta": 1.0})
     for a in AGENTS:
         gens = [(g, k, gen) for g, grp in enumerate(batch.episodes) for k, e in enumerate(grp)
@@ -245,7 +251,6 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     other generations by the total reward."""
     from types import SimpleNamespace
 
-    from m1.marl.grpo import multi_agent_advantages
 
     dag = sample_topology(AGENTS, "complete", 1, 0, None)
     batch = run_rollouts(scripted_team(mcq="summarizer"), questions(video, 1), 3, dag)
@@ -253,8 +258,8 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     rewards = score(batch, AGENTS, lambda eps: [{a: SimpleNamespace(total=float(k), outcome=float(-k))
                                                  for a in AGENTS} for k in range(len(eps))])
     assert batch.outcomes["alpha"] == [[0.0, -1.0, -2.0]]
-    samples = build_samples(batch, multi_agent_advantages(rewards, scale=True), {"alpha": 1.0, "beta": 1.0},
-                            multi_agent_advantages(batch.outcomes, scale=True))
+    samples = build_samples(batch, group_all(rewards), {"alpha": 1.0, "beta": 1.0},
+                            group_all(batch.outcomes))
     by_phase = {}
     for s in samples["alpha"]:
         by_phase.setdefault(s.phase, {})[s.rollout] = round(s.advantage, 3)
@@ -262,8 +267,8 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     assert by_phase["summary"] == {0: 1.0, 1: 0.0, 2: -1.0}  # alpha, the first agent, summarizes
     assert by_phase["plan"] == {0: -1.0, 1: 0.0, 2: 1.0}
     # rollout.train_phases: the other phases' generations are not trained on; the kept ones keep their credit
-    only = build_samples(batch, multi_agent_advantages(rewards, scale=True), {"alpha": 1.0, "beta": 1.0},
-                         multi_agent_advantages(batch.outcomes, scale=True), phases=("answer", "summary"))
+    only = build_samples(batch, group_all(rewards), {"alpha": 1.0, "beta": 1.0},
+                         group_all(batch.outcomes), phases=("answer", "summary"))
     assert [(s.phase, s.rollout, s.advantage) for s in only["alpha"]] == [
         (s.phase, s.rollout, s.advantage) for s in samples["alpha"] if s.phase in ("answer", "summary")]
     assert {s.phase for s in only["alpha"]} == {"answer", "summary"} and {s.phase for s in only["beta"]} == {"answer"}
@@ -286,13 +291,12 @@ def test_greedy_baseline_step_credits_rewards_minus_the_greedy_run(tmp_path, vid
     sampled rollouts are those of a plain step, and the greedy team's result is logged."""
     import torch
 
-    from m1.marl.credit import GreedyBaseline, GroupBaseline
+    from m1.marl.credit import CreditStrategy
 
     seen = []
-    for cls in (GroupBaseline, GreedyBaseline):
-        real = cls.advantages
-        monkeypatch.setattr(cls, "advantages", lambda self, r, b, real=real: seen.append(((r, b), real(self, r, b)))
-                            or seen[-1][1])
+    real = CreditStrategy.advantages
+    monkeypatch.setattr(CreditStrategy, "advantages", lambda self, r, b: seen.append(((r, b), real(self, r, b)))
+                        or seen[-1][1])
     plain = make_trainer(train_cfg(tmp_path / "plain", grpo={"beta": 0.05, "scale_rewards": False}),
                          video).train_step()
     row = make_trainer(train_cfg(tmp_path / "greedy", grpo={"beta": 0.05, "scale_rewards": False,
@@ -522,7 +526,7 @@ def test_sampler_importance_weights_correct_engine_logprobs(m1_cache):
 
     probe = learner("policy")
     with torch.no_grad():
-        logp, mask = probe.completion_logprobs(probe.policy, probe._rows(samples), 1.0)
+        logp, mask = probe.completion_logprobs(probe.policy, probe.scorer.rows(samples), 1.0)
     exact = [s.__class__(**{**s.__dict__, "logprobs": logp[i, :len(s.completion_ids)].tolist()})
              for i, s in enumerate(samples)]
     plain, same = learner("policy").update(exact, 1e-2), learner("sampler").update(exact, 1e-2)

@@ -158,8 +158,8 @@ def test_prompt_loss_adds_the_prompts_token_mean_and_keeps_the_completions(m1_ca
     lrn = learner("qwen3", micro_batch_size=64, micro_batch_tokens=None)
     lrn.policy.eval()
     with torch.no_grad():
-        want, want_mask = lrn._joint_logprobs(lrn.policy, rows, 1.0)
-        c_logp, c_mask, p_logp, p_mask = lrn._sequence_logprobs(lrn.policy, rows)
+        want, want_mask = lrn.scorer._joint_logprobs(lrn.policy, rows, 1.0)
+        c_logp, c_mask, p_logp, p_mask = lrn.scorer.sequence_logprobs(lrn.policy, rows)
         torch.testing.assert_close(c_logp * c_mask, want * want_mask, atol=1e-5, rtol=0)
         assert torch.equal(c_mask, want_mask)
         assert p_mask.sum() == sum(len(p) - 1 for p, _ in rows)

@@ -103,17 +103,17 @@ def test_prompt_budget_over_budget_is_an_error_or_a_configured_drop(world):
 
 def test_prompt_budget_learner_refuses_a_long_prompt_instead_of_cutting_its_head():
     from m1.marl.config import LearnerConfig
-    from m1.marl.learner import AgentLearner
     from m1.marl.rollout import Sample
+    from m1.marl.scorer import Scorer
 
     me = SimpleNamespace(agent="alpha", vl=False, cfg=LearnerConfig(max_prompt_tokens=8, max_completion_tokens=3))
     short = Sample(agent="alpha", question_id="q1", group=0, rollout=0, phase="answer", prompt_ids=list(range(8)),
                    completion_ids=[1, 2, 3, 4], logprobs=None, reward=0.0, advantage=0.0)
-    assert AgentLearner._rows(me, [short]) == [(list(range(8)), [1, 2, 3])]
+    assert Scorer.rows(me, [short]) == [(list(range(8)), [1, 2, 3])]
     long = Sample(**{**short.__dict__, "prompt_ids": list(range(9)), "question_id": "q2", "phase": "communicate"})
     with pytest.raises(ValueError, match=r"agent 'alpha': a prompt of 9 tokens \(question 'q2', communicate\) "
                                          r"exceeds learner.max_prompt_tokens=8"):
-        AgentLearner._rows(me, [short, long])
+        Scorer.rows(me, [short, long])
 
 
 def test_prompt_budget_count_learner_check_and_model_tokenize_a_prompt_once(monkeypatch):

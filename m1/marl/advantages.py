@@ -1,0 +1,184 @@
+"""Advantage estimators: what a rollout's reward is compared with (`grpo.baseline`), one registered entry each.
+
+An estimator receives one agent's rewards as a `[G, K]` tensor, row g the K rollouts of question g (its group; NaN
+marks a missing sample: an agent dropped from a rollout, or not credited there), the reward of one greedy run of
+each question `[G]` when it asks for that run (`greedy_reference`, else None), and its own settings; it returns the
+`[G, K]` advantages, 0 where a sample is missing. Shipped:
+
+- `group` (GRPO): ``(r - mean_g) / (std_g + 1e-4)`` with the Bessel-corrected std of the group, or ``r - mean_g``
+  with `grpo.scale_rewards: false` (Dr. GRPO); groups of one sample or without spread give exactly 0;
+- `greedy` (ours, after ReMax): ``r - r_greedy``, the reward of one untrained greedy run of the question;
+- `rloo` (REINFORCE leave-one-out): ``r_i - mean_{j != i} r_j`` over the group's present samples.
+
+An estimator states in `requires` / `refuses` what it cannot be combined with (m1/marl/entries.py); the config's
+validator reads them. A new one is `register_estimator(AdvantageEstimator(name=..., estimate=...))`;
+`grpo.baseline` accepts any registered name. torch is imported inside the functions.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from m1.marl.entries import Entry, Rule, register
+
+if TYPE_CHECKING:
+    import torch
+
+ADV_EPS = 1e-4  # TRL adds this to the group std
+
+
+# --------------------------------------------------------------------------------------------- the numerics
+
+
+def _as_reward_tensor(rewards: Any) -> "torch.Tensor":
+    import torch
+
+    if isinstance(rewards, torch.Tensor):
+        out = rewards.detach()
+        if not out.is_floating_point():
+            out = out.to(torch.float32)
+        return out
+    try:
+        return torch.tensor(rewards, dtype=torch.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"rewards must be a tensor or a rectangular list of numbers (use NaN for missing samples), got {rewards!r}"
+        ) from exc
+
+
+def group_advantages(rewards: Any, eps: float = ADV_EPS, scale: bool = True) -> "torch.Tensor":
+    """Group-relative advantages ``(r - mean) / (std + eps)`` along the last axis.
+
+    ``rewards`` is ``[G, K]`` (G questions x K rollouts for one agent) or ``[K]`` (one group); the result has the
+    same shape. ``std`` is Bessel-corrected as in TRL (``torch.std`` default). ``scale=False`` gives ``r - mean``
+    (Dr. GRPO / TRL ``scale_rewards="none"``). NaN marks a missing sample: it is ignored in mean/std and its
+    advantage is 0. A group with fewer than two samples or zero spread yields exactly 0 (TRL's std is NaN for a
+    single sample and verl would return ``A = r``; a single rollout carries no relative signal, so we choose 0).
+    """
+    import torch
+
+    if eps < 0:
+        raise ValueError(f"group_advantages: eps must be >= 0, got {eps}")
+    r = _as_reward_tensor(rewards)
+    if r.dim() not in (1, 2):
+        raise ValueError(f"group_advantages: rewards must have shape [K] or [G, K], got {tuple(r.shape)}")
+    if r.numel() == 0:
+        return r.clone()
+    squeeze = r.dim() == 1
+    if squeeze:
+        r = r.unsqueeze(0)
+    present = ~torch.isnan(r)
+    count = present.sum(dim=-1, keepdim=True)
+    filled = torch.where(present, r, torch.zeros_like(r))
+    mean = filled.sum(dim=-1, keepdim=True) / count.clamp(min=1)
+    centered = torch.where(present, r - mean, torch.zeros_like(r))
+    adv = centered
+    if scale:
+        var = (centered**2).sum(dim=-1, keepdim=True) / (count - 1).clamp(min=1)
+        adv = centered / (var.sqrt() + eps)
+    # Singleton groups and groups without spread carry no signal; force exact zeros so that rounding in the mean
+    # (e.g. three rewards of 0.1) cannot leak a tiny residual divided by eps into the loss.
+    adv = torch.where(_informative(r, present), adv, torch.zeros_like(adv))
+    return adv.squeeze(0) if squeeze else adv
+
+
+def _informative(r: "torch.Tensor", present: "torch.Tensor") -> "torch.Tensor":
+    """[G, K]: the present samples of groups with two or more present samples that differ."""
+    import torch
+
+    count = present.sum(dim=-1, keepdim=True)
+    hi = torch.where(present, r, torch.full_like(r, -math.inf)).amax(dim=-1, keepdim=True)
+    lo = torch.where(present, r, torch.full_like(r, math.inf)).amin(dim=-1, keepdim=True)
+    return present & (count > 1) & (hi > lo)
+
+
+def baseline_advantages(rewards: Any, baseline: Any) -> "torch.Tensor":
+    """Advantages ``r - b`` of ``[G, K]`` rewards against one baseline per group ``[G]`` (ours, after ReMax: the
+    reward of the question's greedy run, so a sample is pushed up only when it beats greedy decoding). NaN in a
+    reward or in its group's baseline gives 0."""
+    import torch
+
+    r, b = _as_reward_tensor(rewards), _as_reward_tensor(baseline)
+    if r.dim() != 2 or b.shape != r.shape[:1]:
+        raise ValueError(f"baseline_advantages: rewards must be [G, K] and the baseline [G], got "
+                         f"{tuple(r.shape)} and {tuple(b.shape)}")
+    adv = r - b.unsqueeze(-1)
+    return torch.where(torch.isnan(adv), torch.zeros_like(adv), adv)
+
+
+def rloo_advantages(rewards: Any) -> "torch.Tensor":
+    """Leave-one-out advantages ``r_i - mean_{j != i} r_j`` of ``[G, K]`` rewards, over each group's present
+    (non-NaN) samples: ``n / (n - 1) * (r_i - mean)`` for a group of n. A missing sample, a group of fewer than two
+    present samples and a group without spread give exactly 0 (as `group_advantages`)."""
+    import torch
+
+    r = _as_reward_tensor(rewards)
+    if r.dim() != 2:
+        raise ValueError(f"rloo_advantages: rewards must be [G, K], got {tuple(r.shape)}")
+    present = ~torch.isnan(r)
+    filled = torch.where(present, r, torch.zeros_like(r))
+    count = present.sum(dim=-1, keepdim=True)
+    others = (filled.sum(dim=-1, keepdim=True) - filled) / (count - 1).clamp(min=1)
+    return torch.where(_informative(r, present), r - others, torch.zeros_like(r))
+
+
+# --------------------------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageEstimator(Entry):
+    """A registered `grpo.baseline`: `estimate(rewards [G, K], reference [G] | None, settings) -> [G, K]`."""
+
+    estimate: Callable[..., "torch.Tensor"]
+    greedy_reference: bool = False  # run each question once greedily (not trained on); its reward is `reference`
+
+
+ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_estimator(estimator: AdvantageEstimator) -> AdvantageEstimator:
+    """Make `estimator` selectable as `grpo.baseline: <name>`."""
+    return register(ESTIMATORS, estimator, "advantage estimator")
+
+
+def estimate_advantages(estimator: AdvantageEstimator, rewards: Mapping[str, Any],
+                        reference: Mapping[str, Any] | None, grpo: Any) -> dict[str, "torch.Tensor"]:
+    """Per-agent advantages: each agent's ``[G, K]`` rewards against its own groups only. `reference` is agent ->
+    the greedy run's ``[G][1]`` rewards (its episodes, one per question), given when the estimator asks for it."""
+    if not isinstance(rewards, Mapping):
+        raise ValueError(f"estimate_advantages: expected a mapping agent -> rewards, got {type(rewards).__name__}")
+    if estimator.greedy_reference and reference is None:
+        raise ValueError(f"advantage estimator {estimator.name!r} needs the greedy run's rewards")
+    settings = estimator.own_settings(grpo)
+    out = {}
+    for agent, r in rewards.items():
+        ref = _as_reward_tensor([g[0] for g in reference[agent]]) if estimator.greedy_reference else None
+        out[agent] = estimator.estimate(_as_reward_tensor(r), ref, settings)
+    return out
+
+
+def _unscaled(why: str) -> Rule:
+    return Rule("grpo.scale_rewards", bool, f"{why}; set grpo.scale_rewards: false")
+
+
+GROUP = register_estimator(AdvantageEstimator(
+    name="group", settings=("scale_rewards",),
+    estimate=lambda rewards, reference, s: group_advantages(rewards, scale=s.scale_rewards)))
+GREEDY = register_estimator(AdvantageEstimator(
+    name="greedy", greedy_reference=True,
+    estimate=lambda rewards, reference, s: baseline_advantages(rewards, reference),
+    refuses=(_unscaled("it takes rewards minus the greedy run's, unscaled"),
+             Rule("rollout.dynamic_sampling", bool,
+                  "dynamic sampling drops groups whose K rewards tie, but against the greedy run such a group still "
+                  "has signal (rewards minus the greedy run's); use one"))))
+RLOO = register_estimator(AdvantageEstimator(
+    name="rloo", estimate=lambda rewards, reference, s: rloo_advantages(rewards),
+    refuses=(_unscaled("it takes rewards minus the mean of the group's other samples, unscaled"),)))
+
+
+__all__: Sequence[str] = (
+    "ADV_EPS", "ESTIMATORS", "AdvantageEstimator", "baseline_advantages", "estimate_advantages", "group_advantages",
+    "register_estimator", "rloo_advantages",
+)

@@ -1,0 +1,239 @@
+"""The policy objectives (m1/marl/objectives.py) and advantage estimators (m1/marl/advantages.py) are registries:
+each shipped entry against its defining formula on hand-computed tensors and, where TRL 1.16 implements it, against
+TRL's own `_compute_loss`; the rules each entry declares are what the config refuses; and an objective and an
+estimator registered here, outside m1/, train one MARL step.
+
+TRL parity: clip_higher is TRL's `epsilon_high` (its cases run in tests/marl/test_grpo.py TRL_CASES, which route
+asymmetric bounds to clip_higher), gspo is `importance_sampling_level="sequence"`, cispo is `loss_type="cispo"`
+with TRL's `epsilon_high` = 1 + our `clip_eps_high`. RLOO is pinned against its formula only: TRL's RLOOTrainer
+computes the leave-one-out baseline inline in its generation step, with no function to call on a reward table.
+"""
+import math
+
+import pytest
+import torch
+
+from m1.marl.advantages import ESTIMATORS, AdvantageEstimator, estimate_advantages, register_estimator, \
+    rloo_advantages
+from m1.marl.config import GRPOSettings
+from m1.marl.objectives import OBJECTIVES, PolicyObjective, grpo_loss, masked_mean, register_objective
+from tests.core.test_registry import registries  # noqa: F401 (the fixture)
+from tests.marl.test_grpo import _random_batch, _trl_inputs, _trl_self
+from tests.marl.test_trainer import AGENTS, make_trainer, train_cfg
+
+
+def settings(**kw):
+    return GRPOSettings(**{"beta": 0.0, **kw})
+
+
+def _batch(log_ratios, logp, mask, adv):
+    """(logp with gradient, old log-probs, advantages, mask) with old = logp - log_ratio."""
+    logp = torch.tensor(logp)
+    old = logp - torch.tensor(log_ratios)
+    return logp.requires_grad_(True), old, torch.tensor(adv), torch.tensor(mask)
+
+
+# ------------------------------------------------------------------------------------------------ by hand
+def test_clip_higher_bounds_the_ratio_above_at_1_plus_eps_high():
+    # seq 0 (A = 1): ratios 1.25 (inside [0.8, 1.28]) and 1.3 (clipped to 1.28); seq 1 (A = -1): ratio 0.7, the
+    # clipped term -0.8 is the smaller one, so the token is clipped below
+    logp, old, adv, mask = _batch([[math.log(1.25), math.log(1.3)], [math.log(0.7), 0.0]],
+                                  [[-1.0, -1.0], [-1.0, -1.0]], [[1.0, 1.0], [1.0, 0.0]], [1.0, -1.0])
+    grpo = settings(objective="clip_higher", clip_eps_high=0.28, loss_type="token-mean")
+    loss, stats = grpo_loss(logp, old, None, adv, mask, grpo)
+    assert loss.item() == pytest.approx((-1.25 - 1.28 + 0.8) / 3, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.25 / 3, 0.0], [0.0, 0.0]]), atol=1e-6, rtol=0)
+    assert stats["clip_frac_high"] == pytest.approx(1 / 3) and stats["clip_frac_low"] == pytest.approx(1 / 3)
+    # the symmetric clip bounds the first token too: 1.25 -> 1.2
+    symmetric, _ = grpo_loss(logp, old, None, adv, mask, settings(loss_type="token-mean"))
+    assert symmetric.item() == pytest.approx((-1.2 - 1.2 + 0.8) / 3, abs=1e-6)
+
+
+def test_gspo_takes_one_ratio_per_sequence_from_its_mean_token_log_ratio():
+    # seq 0 (A = 1): log-ratios 0.1, 0.3 (and 5.0 on padding): s = exp(0.2) = 1.2214 > 1.2, clipped, no gradient.
+    # seq 1 (A = -0.5): log-ratios -0.5, 0, 0.5 (token ratios 0.61 and 1.65, which a token-level clip would
+    # clip): s = exp(0) = 1, inside the bounds
+    logp, old, adv, mask = _batch([[0.1, 0.3, 5.0], [-0.5, 0.0, 0.5]], [[-1.0, -2.0, -3.0], [-1.0, -0.5, -2.0]],
+                                  [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], [1.0, -0.5])
+    loss, stats = grpo_loss(logp, old, None, adv, mask, settings(objective="gspo"))
+    assert loss.item() == pytest.approx((-1.2 + 0.5) / 2, abs=1e-6)  # mean over sequences of -min(s A, clip(s) A)
+    loss.backward()
+    # d(-A s)/dlogp_t = -A s / |y| for each of seq 1's tokens, then the mean over the two sequences
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 0.0], [0.5 / 3 / 2] * 3]), atol=1e-6, rtol=0)
+    s0 = math.exp(0.2)
+    assert stats["ratio_mean"] == pytest.approx((2 * s0 + 3 * 1.0) / 5, abs=1e-6)  # per token, as the learner logs
+    assert stats["clip_frac"] == stats["clip_frac_high"] == pytest.approx(2 / 5) and stats["clip_frac_low"] == 0
+    token, _ = grpo_loss(logp, old, None, adv, mask, settings())
+    assert token.item() != pytest.approx(loss.item(), abs=1e-3)  # the token-level clip differs
+
+
+def test_cispo_weights_log_probs_by_the_capped_ratio_without_its_gradient():
+    # seq 0 (A = 1): ratios 0.5, 1, 3 (capped at 1 + 1.0 = 2), log-probs -1, -2, -0.5; seq 1 (A = -1): ratio 1.5
+    logp, old, adv, mask = _batch([[math.log(0.5), 0.0, math.log(3.0)], [math.log(1.5), 0.0, 0.0]],
+                                  [[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]], [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]],
+                                  [1.0, -1.0])
+    grpo = settings(objective="cispo", clip_eps_high=1.0, loss_type="dapo")
+    loss, stats = grpo_loss(logp, old, None, adv, mask, grpo)
+    # -sg(w) A logp per token: 0.5, 2.0, 1.0 and -1.5; the token mean over the batch's 4 tokens
+    assert loss.item() == pytest.approx((0.5 + 2.0 + 1.0 - 1.5) / 4, abs=1e-6)
+    loss.backward()
+    # every token keeps its gradient -w A / 4, the capped one too (w = 2 there)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5 / 4, -1.0 / 4, -2.0 / 4], [1.5 / 4, 0.0, 0.0]]),
+                               atol=1e-6, rtol=0)
+    assert stats["clip_frac"] == pytest.approx(1 / 4)  # the capped token with A > 0
+    assert stats["ratio_mean"] == pytest.approx((0.5 + 1.0 + 3.0 + 1.5) / 4, abs=1e-6)
+
+
+def test_rloo_compares_each_reward_with_the_mean_of_the_others():
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, nan], [3.0, nan, nan, nan], [1.0, 4.0, nan, 7.0]])
+    adv = rloo_advantages(rewards)
+    # row 0: 1 - 1/3 and 0 - 2/3; row 1 ties and row 2 has one sample: 0; row 3: 1 - 5.5, 4 - 4, 7 - 2.5
+    want = torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [0.0] * 4, [0.0] * 4, [-4.5, 0.0, 0.0, 4.5]])
+    torch.testing.assert_close(adv, want, atol=1e-6, rtol=0)
+    # = n / (n - 1) times the group-mean advantage
+    torch.testing.assert_close(adv[0], 4 / 3 * (rewards[0] - rewards[0].mean()), atol=1e-6, rtol=0)
+    got = estimate_advantages(ESTIMATORS["rloo"], {"a": rewards.tolist()}, None, settings(scale_rewards=False))
+    torch.testing.assert_close(got["a"], want, atol=1e-6, rtol=0)
+    assert torch.equal(rloo_advantages([[0.1, 0.1, 0.1]]), torch.zeros(1, 3))  # exact zeros for a tied group
+
+
+# ------------------------------------------------------------------------------------------------ TRL parity
+def _parity(trl_type, trl_eps_high, grpo, isl="token", seed=3, empty_row=False):
+    """Our loss and gradient under `grpo` against TRL's `_compute_loss` with the same batch; returns both metric
+    sets."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    logp, old, ref, adv, mask = _random_batch(seed=seed, empty_row=empty_row)
+    logp_trl = logp.clone().requires_grad_(True)
+    stub = _trl_self(trl_type, grpo.beta, grpo.clip_eps_low, trl_eps_high, logp=logp_trl, delta=grpo.delta, isl=isl)
+    trl_loss = GRPOTrainer._compute_loss(stub, None, _trl_inputs(mask, adv, old, ref if grpo.beta else None))
+    trl_loss.backward()
+    logp_ours = logp.clone().requires_grad_(True)
+    loss, stats = grpo_loss(logp_ours, old, ref, adv, mask, grpo)
+    loss.backward()
+    torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logp_ours.grad, logp_trl.grad, atol=1e-6, rtol=0)
+    return stats, stub._metrics["train"]
+
+
+@pytest.mark.parametrize("beta, eps_low, eps_high, delta, empty_row", [
+    (0.0, 3e-4, 4e-4, None, False),  # the GSPO paper's bounds
+    (0.04, 3e-4, 4e-4, None, True),
+    (0.04, 0.2, None, 1.3, False),
+])
+def test_gspo_matches_trl_sequence_level_importance_sampling(beta, eps_low, eps_high, delta, empty_row):
+    grpo = settings(objective="gspo", beta=beta, clip_eps_low=eps_low, clip_eps_high=eps_high, delta=delta)
+    stats, trl = _parity("grpo", eps_low if eps_high is None else eps_high, grpo, isl="sequence", empty_row=empty_row)
+    if beta:
+        assert stats["kl"] == pytest.approx(trl["kl"][-1], abs=1e-6)
+    if eps_low < 0.01:
+        assert stats["clip_frac"] > 0, "the fixture should clip some sequences"
+
+
+@pytest.mark.parametrize("beta, eps_high, seed", [(0.0, 0.5, 3), (0.04, 0.5, 4), (0.04, 3.0, 5)])
+def test_cispo_matches_trl(beta, eps_high, seed):
+    grpo = settings(objective="cispo", beta=beta, clip_eps_high=eps_high, loss_type="dapo")
+    stats, trl = _parity("cispo", 1 + eps_high, grpo, seed=seed)
+    assert stats["clip_frac"] == pytest.approx(trl["cispo_clip_ratio"][-1], abs=1e-6)
+    if eps_high < 1:
+        assert stats["clip_frac"] > 0, "the fixture should cap some weights"
+
+
+# ------------------------------------------------------------------------------------------------ the entries' rules
+@pytest.mark.parametrize("grpo, words", [
+    ({"clip_eps_high": 0.28}, r"grpo.clip_eps_high=0.28 is not read by grpo.objective 'clip'.*clip_higher"),
+    ({"objective": "clip_higher"}, "cannot run with grpo.clip_eps_high=None"),
+    ({"objective": "gspo", "loss_type": "dapo"}, "'gspo' cannot run with grpo.loss_type='dapo'"),
+    ({"objective": "gspo", "old_logprobs": "sampler"}, "'gspo' cannot run with grpo.old_logprobs='sampler'"),
+    ({"objective": "cispo", "clip_eps_high": 4.0}, "'cispo' cannot run with grpo.loss_type='grpo'"),
+    ({"objective": "cispo", "clip_eps_high": 4.0, "loss_type": "dapo", "delta": 2.0},
+     "grpo.delta=2.0 is not read by grpo.objective 'cispo'"),
+    ({"objective": "cispo", "clip_eps_high": 4.0, "loss_type": "dapo", "clip_eps_low": 0.1}, "clip_eps_low"),
+    ({"baseline": "rloo"}, "'rloo' cannot run with grpo.scale_rewards=True"),
+    ({"objective": "ppo"}, r"unknown objective 'ppo'; registered: \['cispo', 'clip', 'clip_higher', 'gspo'\]"),
+    ({"baseline": "mean"}, r"unknown baseline 'mean'; registered: \['greedy', 'group', 'rloo'\]"),
+])
+def test_the_config_refuses_what_the_chosen_entry_refuses(tmp_path, grpo, words):
+    with pytest.raises(ValueError, match=words):
+        train_cfg(tmp_path, grpo=grpo)
+
+
+def test_gspo_refuses_the_sampler_weight_a_vllm_engine_would_default_to(tmp_path):
+    """The rules read grpo.old_logprobs as the run will use it: unset, max_staleness > 0 means sampler."""
+    with pytest.raises(ValueError, match="old_logprobs='sampler'"):
+        train_cfg(tmp_path, grpo={"objective": "gspo"}, rollout={"max_staleness": 1})
+    cfg = train_cfg(tmp_path, grpo={"objective": "gspo", "old_logprobs": "rollout"}, rollout={"max_staleness": 1})
+    assert cfg.grpo.objective == "gspo"
+
+
+@pytest.mark.parametrize("grpo", [
+    {}, {"objective": "clip", "delta": 1.5}, {"objective": "clip_higher", "clip_eps_high": 0.28},
+    {"objective": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4},
+    {"objective": "cispo", "clip_eps_high": 4.0, "loss_type": "dapo"},
+    {"baseline": "rloo", "scale_rewards": False}, {"baseline": "greedy", "scale_rewards": False},
+])
+def test_the_config_accepts_each_entry_with_its_settings(tmp_path, grpo):
+    cfg = train_cfg(tmp_path, grpo=grpo)
+    assert cfg.grpo.objective in OBJECTIVES and cfg.grpo.baseline in ESTIMATORS
+    changed = {k for k, v in grpo.items() if v != GRPOSettings.model_fields[k].default}
+    assert set(cfg.recorded()["grpo"]) == {"beta", *changed}  # new keys at their defaults leave records alone
+
+
+def test_an_entry_gets_only_its_own_settings_and_names_are_not_taken_twice(registries):  # noqa: F811
+    clip = OBJECTIVES["clip"]
+    assert vars(clip.own_settings(settings(delta=1.5))) == {"clip_eps_low": 0.2, "delta": 1.5}
+    assert register_objective(clip) is clip  # the same spec again: a no-op
+    with pytest.raises(ValueError, match="policy objective 'clip' is already registered"):
+        register_objective(PolicyObjective(name="clip", loss=clip.loss))
+    with pytest.raises(ValueError, match="advantage estimator 'group' is already registered"):
+        register_estimator(AdvantageEstimator(name="group", estimate=lambda r, ref, s: r))
+
+
+# ------------------------------------------------------------------------------------------------ from outside m1/
+def _reinforce(calls):
+    """Plain REINFORCE, -A log p per token, with one metric of its own."""
+
+    def loss(logp, old_logp, advantages, mask, own):
+        calls.append("objective")
+        assert vars(own) == {}  # it declared no settings, so none reach it
+        return -advantages * logp, {"logp_mean": masked_mean(logp.detach(), mask)}
+
+    return PolicyObjective(name="reinforce", loss=loss)
+
+
+def _sign_of_gap(calls):
+    """+1 above the group's mean reward, -1 below, 0 for a missing sample."""
+
+    def estimate(rewards, reference, own):
+        calls.append("estimator")
+        assert reference is None and vars(own) == {"scale_rewards": False}
+        return torch.nan_to_num(torch.sign(rewards - rewards.nanmean(dim=-1, keepdim=True)), nan=0.0)
+
+    return AdvantageEstimator(name="sign_of_gap", estimate=estimate, settings=("scale_rewards",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("new", ["objective", "estimator"])
+def test_an_entry_registered_here_trains_one_step(registries, new, tmp_path, video, m1_cache):  # noqa: F811
+    """A policy objective or an advantage estimator registered from this file: one MARL step selects it by name
+    (beside the shipped default of the other registry), calls it, and moves every trained agent's parameters; the
+    objective's own metric reaches the step's row."""
+    calls: list[str] = []
+    grpo = {"beta": 0.0, "scale_rewards": False}
+    if new == "objective":
+        register_objective(_reinforce(calls))
+        grpo["objective"] = "reinforce"
+    else:
+        register_estimator(_sign_of_gap(calls))
+        grpo["baseline"] = "sign_of_gap"
+    tr = make_trainer(train_cfg(tmp_path / "run", grpo=grpo), video)
+    before = {a: tr.learners.parameters(a) for a in AGENTS}
+    row = tr.train_step()
+    assert calls.count(new) >= (len(AGENTS) if new == "objective" else 1)
+    for a in AGENTS:
+        after = tr.learners.parameters(a)
+        assert row[f"{a}/adv_abs_mean"] > 0
+        assert any(not torch.equal(after[n], before[a][n]) for n in after), a
+        assert (row[f"{a}/logp_mean"] < 0) if new == "objective" else f"{a}/logp_mean" not in row
