@@ -374,7 +374,8 @@ def view(
     (log.samples_every), each linking to that step's trace pages. Only 127.0.0.1 is served: traces hold questions
     and model output."""
     from m1.marl.view import build_run_index, is_training_run
-    from m1.trace import INDEX_NAME, build_index, find_trace_dir, index_is_stale, serve
+    from m1.trace import INDEX_NAME
+    from m1.trace_index import build_index, find_trace_dir, index_is_stale, serve
 
     try:
         if is_training_run(run_dir):
