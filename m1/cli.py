@@ -136,7 +136,7 @@ def infer(
 def _score_predictions(benchmark: str, qs, n_skipped: int, out: Path, title: str, debug: bool) -> None:
     """Score OUT/predictions.jsonl with the benchmark's own metrics into OUT/metrics.json and metrics.md and print the
     table; with nothing labelled to score, say so instead. An invalid question's error row is not scored."""
-    from m1.data.loaders import INVALID
+    from m1.data.records import INVALID
     from m1.data.metrics import format_table, score_benchmark
     from m1.data.questions import InputError
     from m1.results import ResultsFile

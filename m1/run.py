@@ -18,7 +18,7 @@ from pathlib import Path
 
 from m1.config import TeamConfig
 from m1.contracts import Team
-from m1.data.loaders import INVALID
+from m1.data.records import INVALID
 from m1.files import WriteError, write_whole
 from m1.locks import hold
 from m1.results import (ResultsFile, changed_since, check_team, fingerprint, invalid_row, part_path, record_split,
