@@ -2,7 +2,7 @@
 (the trainer's way) vs one agent after another.
 
 `--engine standin` (default): each agent talks to its own local stdlib server speaking the vLLM completions API that
-`EngineChat` (m1/models/vllm_server.py) uses: token-id prompts in, token ids and log-probs out. A server decodes the
+`EngineChat` (m1/models/vllm_client.py) uses: token-id prompts in, token ids and log-probs out. A server decodes the
 prompt with the agents' tiny tokenizer, sleeps `--delay`, and answers with a well-formed reply (plan, continue(),
 answer), so the team runs every phase.
 
@@ -57,7 +57,7 @@ def engine(delay: float, tok) -> SlowServer:
 def make_team(urls: dict[str, tuple[str, str]], tokenizer, sequential: bool, limits: dict | None = None):
     """The 4-agent team with agent a's chat model an `EngineChat` on urls[a] = (URL, served model name)."""
     from m1.config import TeamConfig
-    from m1.models.vllm_server import EngineChat
+    from m1.models.vllm_client import EngineChat
     from m1.team.cpp import Team
     from m1.video import VideoPool
 

@@ -136,7 +136,7 @@ def infer(
 def _score_predictions(benchmark: str, qs, n_skipped: int, out: Path, title: str, debug: bool) -> None:
     """Score OUT/predictions.jsonl with the benchmark's own metrics into OUT/metrics.json and metrics.md and print the
     table; with nothing labelled to score, say so instead. An invalid question's error row is not scored."""
-    from m1.data.loaders import INVALID
+    from m1.data.records import INVALID
     from m1.data.metrics import format_table, score_benchmark
     from m1.data.questions import InputError
     from m1.results import ResultsFile
@@ -374,7 +374,8 @@ def view(
     (log.samples_every), each linking to that step's trace pages. Only 127.0.0.1 is served: traces hold questions
     and model output."""
     from m1.marl.view import build_run_index, is_training_run
-    from m1.trace import INDEX_NAME, build_index, find_trace_dir, index_is_stale, serve
+    from m1.trace import INDEX_NAME
+    from m1.trace_index import build_index, find_trace_dir, index_is_stale, serve
 
     try:
         if is_training_run(run_dir):

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from m1 import files
 from m1.config import TeamConfig
-from m1.data.loaders import INVALID
 from m1.data.metrics import is_correct
 from m1.data.questions import InputError
+from m1.data.records import INVALID
 from m1.files import WriteError, write_whole
 from m1.kinds.zoomer import ZOOM
 from m1.locks import hold

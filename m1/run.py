@@ -18,7 +18,7 @@ from pathlib import Path
 
 from m1.config import TeamConfig
 from m1.contracts import Team
-from m1.data.loaders import INVALID
+from m1.data.records import INVALID
 from m1.files import WriteError, write_whole
 from m1.locks import hold
 from m1.results import (ResultsFile, changed_since, check_team, fingerprint, invalid_row, part_path, record_split,
@@ -26,7 +26,8 @@ from m1.results import (ResultsFile, changed_since, check_team, fingerprint, inv
 from m1.schema import Episode, Question
 from m1.signals import Stopped, StopOnSignals
 from m1.team.kinds import make_team
-from m1.trace import TraceIndex, render_html, trace_name
+from m1.trace import render_html, trace_name
+from m1.trace_index import TraceIndex
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A CPU stand-in for a vLLM rollout engine: a tiny HF causal LM behind vLLM's HTTP shapes.
 
-Serves exactly the endpoints and JSON fields m1/models/vllm_server.py uses (see its docstring), so the
+Serves exactly the endpoints and JSON fields m1/models/vllm_client.py uses (see its docstring), so the
 client, the launcher and weight sync are tested without a GPU:
   GET /health, GET /v1/models, POST /v1/completions (token-id prompts, seeded sampling, logprobs,
   prompt_logprobs, echo, return_token_ids / return_tokens_as_token_ids), POST /v1/load_lora_adapter,

@@ -428,8 +428,22 @@ _BARE_LETTER = re.compile(r"[A-Z][.)]?")
 
 
 def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
+    strict, strict_note = _parse_strict_answer(raw, question, summary)
+    if strict is not None:
+        return strict
+    return _parse_lenient_answer(raw, question, summary, strict_note)
+
+
+def _answer_labels(summary: bool) -> tuple[str, str]:
+    """The answer's and the reason's section labels: a summary's, or an agent's answer's."""
+    return ("Final Answer", "Reason Summary") if summary else ("Answer", "Reason")
+
+
+def _parse_strict_answer(raw: str, question: Question, summary: bool) -> tuple[AnswerParse | None, str | None]:
+    """(the answer, None) when the reply has the exact sections in one of the accepted layouts, each value in its
+    exact form; else (None, why the first layout found fell short, or None when none was found)."""
     task = question.task
-    ans_lab, rsn_lab = ("Final Answer", "Reason Summary") if summary else ("Answer", "Reason")
+    ans_lab, rsn_lab = _answer_labels(summary)
     layouts = [(ans_lab, rsn_lab)]
     if task == "grounding" and not summary:
         # the span may sit in ##Timestamp (what the prompt asks) or, equally exact, in ##Answer
@@ -445,14 +459,16 @@ def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
         reason = fields[rsn_lab]
         sv = _strict_value(value, question)
         if sv is not None and reason:
-            return AnswerParse(sv[0], _squash(reason), sv[1], ok=True, lenient=False)
-        strict_note = (f"{'Timestamp' if 'Timestamp' in fields else ans_lab} value {value[:40]!r} is not in the exact "
-                       f"form for a {task} answer"
-                       if sv is None else f"empty ##{rsn_lab}")
-        break
-    else:
-        strict_note = None
-    # lenient
+            return AnswerParse(sv[0], _squash(reason), sv[1], ok=True, lenient=False), None
+        return None, (f"{'Timestamp' if 'Timestamp' in fields else ans_lab} value {value[:40]!r} is not in the exact "
+                      f"form for a {task} answer"
+                      if sv is None else f"empty ##{rsn_lab}")
+    return None, None
+
+
+def _parse_lenient_answer(raw: str, question: Question, summary: bool, strict_note: str | None) -> AnswerParse:
+    """The answer read from loose sections or from prose: never ok (the format failed), lenient when a value was
+    found."""
     secs = _sections(raw)
     ans_labels = ("finalanswer", "answer") if summary else ("answer", "finalanswer")
     rsn_labels = ("reasonsummary", "reason", "summary") if summary else ("reason", "reasonsummary", "summary")
@@ -463,7 +479,19 @@ def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
     reason = _squash(reason)
     errors = [strict_note or "format not strict"]
     if not secs:
-        errors.append(f"no ##{ans_lab} marker")
+        errors.append(f"no ##{_answer_labels(summary)[0]} marker")
+    value, span, err = _lenient_answer_value(raw, secs, ans, question)
+    if value is None:
+        return AnswerParse("", reason, None, ok=False, lenient=False,
+                           error=_join(errors + [err or "no answer found"]))
+    return AnswerParse(value, reason, span, ok=False, lenient=True, error=_join(errors))
+
+
+def _lenient_answer_value(raw: str, secs: list[tuple[str, str]], ans: str | None, question: Question
+                          ) -> tuple[str | None, tuple[float, float] | None, str | None]:
+    """(value, span, error): a grounding span from ##Timestamp, ##Answer or the whole reply; else the ##Answer
+    section's value; else, with no answer section, a letter, number or first line found in the prose."""
+    task = question.task
     value = span = err = None
     if task == "grounding":
         ts = _first(secs, "timestamp")
@@ -477,20 +505,16 @@ def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
         if value is None and task == "mcq":
             value, free_err = _letter_in_free_text(ans, question.options)
             err = err or free_err if value is None else None
+    elif task == "mcq":
+        value, err = _letter_in_free_text(raw, question.options)
+    elif task == "numeric":
+        m = _ANSWER_PHRASE.search(raw)
+        value = normalize_number(m.group(1)) if m else None
+        if value is None and len(raw) <= 40:
+            value = normalize_number(raw)
+        err = None if value else "no number found"
     else:
-        if task == "mcq":
-            value, err = _letter_in_free_text(raw, question.options)
-        elif task == "numeric":
-            m = _ANSWER_PHRASE.search(raw)
-            value = normalize_number(m.group(1)) if m else None
-            if value is None and len(raw) <= 40:
-                value = normalize_number(raw)
-            err = None if value else "no number found"
-        else:
-            first_line = next((ln for ln in raw.splitlines() if ln.strip()), "")
-            value = _squash(first_line) or None
-            err = None if value else "empty reply"
-    if value is None:
-        return AnswerParse("", reason, None, ok=False, lenient=False,
-                           error=_join(errors + [err or "no answer found"]))
-    return AnswerParse(value, reason, span, ok=False, lenient=True, error=_join(errors))
+        first_line = next((ln for ln in raw.splitlines() if ln.strip()), "")
+        value = _squash(first_line) or None
+        err = None if value else "empty reply"
+    return value, span, err

@@ -1,6 +1,6 @@
 """Reading the questions of a run: `--question` asked of every video of a folder, or a JSONL file of questions.
 
-It sits with the benchmark loaders (m1/data/loaders.py), whose `check_question` is the one validation of a question,
+It sits with the benchmark loaders, whose `check_question` (m1/data/records.py) is the one validation of a question,
 so `m1 infer`, the experiment runner, the MARL stream, M1-Synth and the lmms-eval bridge read questions through the
 data layer, without importing the run. `InputError` is defined here, the lowest module that raises it; the results
 file (m1/results.py) raises it too, and the commands catch this one class for every bad input of a run.
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from m1.data.loaders import check_question
+from m1.data.records import check_question
 from m1.schema import Question
 from m1.video import list_videos
 

@@ -147,7 +147,7 @@ class RolloutConfig(Strict):
         "limits.batch_episodes. A vllm engine gets the whole step at once (auto only)."))
     engine: Literal["hf", "vllm"] = Field(default="hf", description=(
         "Who generates the trained agents' rollouts. hf: each learner's own policy. vllm: a vLLM server per trained "
-        "agent (m1/models/vllm_server.py), weights synced after every update, launched by M1 (engine_command) or "
+        "agent (m1/models/vllm_client.py), weights synced after every update, launched by M1 (engine_command) or "
         "run by you (engine_url)."))
     engine_url: str | dict[str, str] | None = Field(default=None, description=(
         "vllm: the servers you run: one URL when one agent is trained, else {agent: URL}; None: M1 launches them."))

@@ -164,10 +164,28 @@ class PlacementPlan:
                else "GPU memory not given")
         lines = [f"placement plan {self.name}: {len(self.nodes)} node(s), GPUs per node {self.nodes}, {mem}; "
                  f"{self.gpus_needed} GPUs needed of {sum(self.nodes)}"]
+        lines += self._gpu_table()
+        unplaced = [u for u in self.units if len(u.slots) < u.gpus]
+        for u in unplaced:
+            peak = f"{u.memory.peak:.1f} GB per GPU" if u.memory else "size unknown"
+            lines.append(f"  not placed: {u.role} {u.name} ({u.model}), {u.gpus} GPU(s), {peak}")
+        lines.append("(peak = weights + optimizer + grads + reference + max(activations, kv) + reserve)")
+        lines += self._storage_lines()
+        lines += self._batch_lines()
+        lines += [f"note: {n}" for n in self.notes]
+        if self.fits:
+            lines.append("fits: yes")
+        else:
+            lines.append("fits: NO")
+            lines += [f"problem: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+    def _gpu_table(self) -> list[str]:
+        """The header and one line per GPU (a run of free GPUs on a node is one line)."""
         short = {"optimizer": "optim", "reference": "ref", "activations": "act"}
         head = f"{'node':>4} {'gpu':>5}  {'role':<7} {'name':<14} {'rank':>5} {'est GB':>7}  " + " ".join(
             f"{short.get(k, k):>7}" for k in MemoryEstimate().parts())
-        lines += [head, "-" * len(head)]
+        lines = [head, "-" * len(head)]
         taken = self.by_gpu()
         for node, count in enumerate(self.nodes):
             for gpu in range(count):
@@ -185,12 +203,11 @@ class PlacementPlan:
                     continue
                 parts = " ".join(f"{v:7.1f}" for v in u.memory.parts().values())
                 lines.append(f"{node:>4} {gpu:>5}  {u.role:<7} {u.name:<14} {rank_s:>5} {u.memory.peak:7.1f}  {parts}")
-        unplaced = [u for u in self.units if len(u.slots) < u.gpus]
-        for u in unplaced:
-            peak = f"{u.memory.peak:.1f} GB per GPU" if u.memory else "size unknown"
-            lines.append(f"  not placed: {u.role} {u.name} ({u.model}), {u.gpus} GPU(s), {peak}")
-        lines.append("(peak = weights + optimizer + grads + reference + max(activations, kv) + reserve)")
-        lines.append(f"checkpoint: {self.checkpoint_one_gb:.1f} GB each, {self.checkpoint_gb:.1f} GB kept on disk")
+        return lines
+
+    def _storage_lines(self) -> list[str]:
+        """What the checkpoints take on disk and what the reference copy takes on the GPUs."""
+        lines = [f"checkpoint: {self.checkpoint_one_gb:.1f} GB each, {self.checkpoint_gb:.1f} GB kept on disk"]
         if self.checkpoint_agents_gb:
             per = ", ".join(f"{a} {gb:.1f}" for a, gb in self.checkpoint_agents_gb.items())
             lines.append(f"  per agent (GB): {per}; {self.checkpoint_bytes_per_param} bytes per trained parameter "
@@ -208,6 +225,11 @@ class PlacementPlan:
             else:
                 lines.append(f"reference copy: none at beta = 0 (a beta > 0 would add, GB per GPU: {per}; "
                              f"{total:.1f} GB in all)")
+        return lines
+
+    def _batch_lines(self) -> list[str]:
+        """How many rollout episodes, and how many requests of each vision driver, are in flight at once."""
+        lines = []
         if self.rollout is not None:
             r = self.rollout
             fit = ("fits: unknown (no GPU size or learners on the CPU)" if r.fits is None else
@@ -221,13 +243,7 @@ class PlacementPlan:
             fit = ("fits: unknown (no GPU size)" if b.fits is None else f"{b.fits} fit its GPU after the weights")
             lines.append(f"driver {key}: {b.requests} requests per generate call, of up to {b.most} at once "
                          f"({b.setting}; {fit}; {b.tokens} tokens, {b.request_gb:.2f} GB KV + activations each)")
-        lines += [f"note: {n}" for n in self.notes]
-        if self.fits:
-            lines.append("fits: yes")
-        else:
-            lines.append("fits: NO")
-            lines += [f"problem: {p}" for p in self.problems]
-        return "\n".join(lines)
+        return lines
 
 
 def plan_summary(plan: PlacementPlan) -> dict[str, Any]:

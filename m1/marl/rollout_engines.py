@@ -1,6 +1,6 @@
 """Rollout engines for training: a vLLM server per trained agent, its weights synced before every step.
 
-With `rollout.engine: vllm` the team generates through `EngineChat` clients (m1/models/vllm_server.py) instead of the
+With `rollout.engine: vllm` the team generates through `EngineChat` clients (m1/models/vllm_client.py) instead of the
 learners' own Hugging Face `generate`. The servers are either the user's (`rollout.engine_url`) or launched here:
 on GPU clusters as Ray actors in the engine bundles of the placement plan, on a machine without a plan as local
 processes. Before each step's rollouts the learners' current weights go to their engines through shared storage:
@@ -34,8 +34,8 @@ from m1.contracts import RolloutEngine
 from m1.marl.config import TrainConfig
 from m1.marl.rollout import RolloutError
 from m1.models.hf import HFChatModel, resolve_source
-from m1.models.vllm_server import (CPU_BIND_ENV, EngineChat, EngineError, EngineHost, EngineServer, cpu_core_shares,
-                                   free_port, vllm_command)
+from m1.models.vllm_client import EngineChat, EngineError
+from m1.models.vllm_server import CPU_BIND_ENV, EngineHost, EngineServer, cpu_core_shares, free_port, vllm_command
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from m1.files import write_whole
 from m1.run import write_trace
-from m1.trace import INDEX_NAME, TraceIndex, _content
+from m1.trace import INDEX_NAME, _content
+from m1.trace_index import TraceIndex
 
 SAMPLES_DIR = "samples"
 SAMPLES_FILE = "samples.jsonl"

@@ -38,11 +38,12 @@ from m1.marl.config import TrainConfig
 from m1.marl.credit import CreditStrategy, StepCredit
 from m1.marl.groups import build_learners, host_driver_models, reserve_placement
 from m1.contracts import LearnerGroup, RolloutEngine, Team
-from m1.marl.judge import LLMJudge, RubricJudge
 from m1.marl.learner_io import seed_everything
+from m1.marl.llm_judge import LLMJudge
 from m1.marl.loop import run_steps
 from m1.marl.producer import Producer, StepItem, sampling_version
 from m1.marl.resolve import resolve
+from m1.marl.rubric_judge import RubricJudge
 from m1.marl.rollout import RewardFn, RolloutError, derive_seed, run_rollouts, score
 from m1.marl.rollout_engines import HFSamplers, RolloutEngines
 from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples

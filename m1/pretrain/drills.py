@@ -142,40 +142,63 @@ def make_drill(family: str, script: Script, rng: random.Random, frames: int = 16
                ) -> Drill | None:
     """One drill of `family` from `script`, or None when the glance drawn cannot carry it (draw again). The drill
     carries its evidence: each stretch of the target it quotes or reads points at the context that holds it."""
-    colours = list(COLOURS)
     p = TextBuilder()
     if family == "clock":
-        t = rng.randrange(0, int(script.duration))
-        p.add("Clock time ")
-        clock = p.add(fmt_time(t))
-        p.add(" in seconds:")
-        return _finish(family, p, [(f" {t}", [clock], False)])
+        return _clock_drill(script, rng, p)
     if family == "option":
-        value = rng.choice(POSITIONS + colours)
-        p.add("Options:\n")
-        _, letter, at = _options(value, POSITIONS if value in POSITIONS else colours, rng, p)
-        p.add(f"\nWhich option says {value}?\n<answer>")
-        return _finish(family, p, [(f" {letter}", [at], False)])
+        return _option_drill(rng, p)
     if family in ("span", "grounding"):
         return _span(family, script, rng, steps)
     seen = glance(script, rng, frames)
     describe(seen, p)
-    spans: Described = p.described  # type: ignore[attr-defined]
     if family in ("find", "attribute"):
-        names = [n for n, ps in _where(seen).items() if len(ps) == 1]
-        if not names:
-            return None
-        name = rng.choice(names)
-        pos = next(iter(_where(seen)[name]))
-        quote = (f" {name} at the {pos}", spans.places[name], True)
-        if family == "find":
-            p.add(f"\nWhere is the {name}?")
-            return _finish(family, p, [quote], answer=f" {pos}")
-        p.add(f"\nQuestion: Where in the frame does the {name} appear?\nOptions:\n")
-        _, letter, at = _options(pos, POSITIONS, rng, p)
-        p.add("\n<answer>")
-        return _finish(family, p, [quote, (" ->", [], False), (f" {letter}", [at], False)] if steps else
-                       [(f" {letter}", [at], False)])
+        return _place_drill(family, seen, rng, p, steps)
+    return _timed_drill(family, seen, rng, p, steps)
+
+
+def _clock_drill(script: Script, rng: random.Random, p: TextBuilder) -> Drill:
+    """A clock time read as seconds."""
+    t = rng.randrange(0, int(script.duration))
+    p.add("Clock time ")
+    clock = p.add(fmt_time(t))
+    p.add(" in seconds:")
+    return _finish("clock", p, [(f" {t}", [clock], False)])
+
+
+def _option_drill(rng: random.Random, p: TextBuilder) -> Drill:
+    """The letter of the option that says a given value."""
+    colours = list(COLOURS)
+    value = rng.choice(POSITIONS + colours)
+    p.add("Options:\n")
+    _, letter, at = _options(value, POSITIONS if value in POSITIONS else colours, rng, p)
+    p.add(f"\nWhich option says {value}?\n<answer>")
+    return _finish("option", p, [(f" {letter}", [at], False)])
+
+
+def _place_drill(family: str, seen, rng: random.Random, p: TextBuilder, steps: bool) -> Drill | None:
+    """`find`: where a shape seen in one place is; `attribute`: the same as a multiple-choice question (with
+    `steps`, quoting where it was seen first)."""
+    spans: Described = p.described  # type: ignore[attr-defined]
+    names = [n for n, ps in _where(seen).items() if len(ps) == 1]
+    if not names:
+        return None
+    name = rng.choice(names)
+    pos = next(iter(_where(seen)[name]))
+    quote = (f" {name} at the {pos}", spans.places[name], True)
+    if family == "find":
+        p.add(f"\nWhere is the {name}?")
+        return _finish(family, p, [quote], answer=f" {pos}")
+    p.add(f"\nQuestion: Where in the frame does the {name} appear?\nOptions:\n")
+    _, letter, at = _options(pos, POSITIONS, rng, p)
+    p.add("\n<answer>")
+    return _finish(family, p, [quote, (" ->", [], False), (f" {letter}", [at], False)] if steps else
+                   [(f" {letter}", [at], False)])
+
+
+def _timed_drill(family: str, seen, rng: random.Random, p: TextBuilder, steps: bool) -> Drill | None:
+    """`at_time`: the colour of the shape shown at a time, quoting that frame; otherwise the same as a
+    multiple-choice question (with `steps`: the time, the frame quoted, its colour, then the letter)."""
+    spans: Described = p.described  # type: ignore[attr-defined]
     cands = _single_times(seen)
     if not cands:
         return None
@@ -191,7 +214,7 @@ def make_drill(family: str, script: Script, rng: random.Random, frames: int = 16
     p.add("\nQuestion: What colour is the shape that appears at ")
     clock = p.add(fmt_time(_seconds(t)))
     p.add("?\nOptions:\n")
-    _, letter, at = _options(colour, colours, rng, p)
+    _, letter, at = _options(colour, list(COLOURS), rng, p)
     p.add("\n<answer>")
     if not steps:
         return _finish(family, p, [(f" {letter}", [at], False)])

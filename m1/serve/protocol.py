@@ -270,7 +270,7 @@ class ChatCompletionRequest(BaseModel):
     def question(self, max_text_chars: int) -> Question:
         """The Question this request asks, validated as `m1 infer` validates a line (`check_question`); its video
         is "<upload>" until the media are read. A text over `max_text_chars` is a 413 before any model sees it."""
-        from m1.data.loaders import check_question  # m1.data's imports are not needed to start the CLI
+        from m1.data.records import check_question  # m1.data's imports are not needed to start the CLI
 
         self.media()  # one video, checked before the text: the order the hand-written parser had
         texts = [p.text for _, p in self.parts() if isinstance(p, TextPart)]

@@ -378,29 +378,56 @@ def train_clip(out_dir: str | os.PathLike, seed: int = 0, videos: int = DEFAULTS
 
 
 def _train(out: Path, params: dict[str, Any], progress: bool) -> Path:
+    """Build the model (torch seeded first, so its initial weights follow the seed), render its frames, fit it, and
+    write the checkpoint, metrics and manifest into `out`."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    torch.manual_seed(params["seed"])
+    model, preprocess, tokenizer, cfg_path = _build_model(params, out)
+    images, descs = training_frames(params, preprocess, progress=progress)
+    t_data = time.perf_counter() - t0
+    losses = _fit(model, tokenizer, images, descs, params, progress)
+    model.eval()
+    torch.save(model.state_dict(), out / CHECKPOINT)
+    elapsed = time.perf_counter() - t0
+    metrics = {"params": params, "recipe": RECIPE_VERSION, "frames": len(descs),
+               "frames_with_objects": sum(1 for d in descs if d.things),
+               "losses": [round(v, 5) for v in losses],
+               "first_loss": losses[0], "last_loss_mean20": float(np.mean(losses[-20:])),
+               "data_seconds": round(t_data, 2), "train_seconds": round(elapsed - t_data, 2),
+               "total_seconds": round(elapsed, 2), "torch_threads": torch.get_num_threads(),
+               "logit_scale": float(model.logit_scale.detach().exp())}
+    (out / METRICS).write_text(json.dumps(metrics, indent=1) + "\n")
+    (out / MANIFEST).write_text(json.dumps({"recipe": RECIPE_VERSION, "config": cfg_path.name,
+                                            "checkpoint": CHECKPOINT, "params": params},
+                                           indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _lr_at(step: int, params: dict[str, Any]) -> float:
+    """Linear warm-up over a tenth of the steps (at most 100), then a cosine down to 5% of the peak."""
+    steps = params["steps"]
+    warmup = max(1, min(100, steps // 10))
+    if step < warmup:
+        return params["lr"] * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return params["lr"] * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _fit(model, tokenizer, images, descs: list[FrameDesc], params: dict[str, Any], progress: bool) -> list[float]:
+    """Train `model` on batches of frames with one caption each; the loss per step. Batches and captions come from
+    a Random seeded by the seed, the pixel noise from a torch Generator seeded by it: the run repeats exactly."""
     import torch
     from tqdm import tqdm
 
     seed, steps, batch_size = params["seed"], params["steps"], params["batch_size"]
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    model, preprocess, tokenizer, cfg_path = _build_model(params, out)
-    images, descs = training_frames(params, preprocess, progress=progress)
-    t_data = time.perf_counter() - t0
-
+    # weight decay on the weight matrices only (not on embeddings, biases or norms)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
     other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embedding" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": params["weight_decay"]},
                              {"params": other, "weight_decay": 0.0}], lr=params["lr"], betas=(0.9, 0.98))
-    warmup = max(1, min(100, steps // 10))
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return params["lr"] * (step + 1) / warmup
-        frac = (step - warmup) / max(1, steps - warmup)
-        return params["lr"] * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
-
     rng = random.Random(f"m1-synth-clip/batches/{seed}")
     gen = torch.Generator().manual_seed(seed)
     token_cache: dict[str, Any] = {}
@@ -421,7 +448,7 @@ def _train(out: Path, params: dict[str, Any], progress: bool) -> Path:
         # exact pixel values of one encode
         x = x + 0.08 * torch.randn(x.shape, generator=gen)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = _lr_at(step, params)
         img_f = torch.nn.functional.normalize(model.encode_image(x), dim=-1)
         txt_f = torch.nn.functional.normalize(model.encode_text(tokens), dim=-1)
         loss = soft_clip_loss(img_f, txt_f, model.logit_scale.exp(), targets)
@@ -433,21 +460,7 @@ def _train(out: Path, params: dict[str, Any], progress: bool) -> Path:
         losses.append(float(loss.detach()))
         if step % 20 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
-    model.eval()
-    torch.save(model.state_dict(), out / CHECKPOINT)
-    elapsed = time.perf_counter() - t0
-    metrics = {"params": params, "recipe": RECIPE_VERSION, "frames": n,
-               "frames_with_objects": sum(1 for d in descs if d.things),
-               "losses": [round(v, 5) for v in losses],
-               "first_loss": losses[0], "last_loss_mean20": float(np.mean(losses[-20:])),
-               "data_seconds": round(t_data, 2), "train_seconds": round(elapsed - t_data, 2),
-               "total_seconds": round(elapsed, 2), "torch_threads": torch.get_num_threads(),
-               "logit_scale": float(model.logit_scale.detach().exp())}
-    (out / METRICS).write_text(json.dumps(metrics, indent=1) + "\n")
-    (out / MANIFEST).write_text(json.dumps({"recipe": RECIPE_VERSION, "config": cfg_path.name,
-                                            "checkpoint": CHECKPOINT, "params": params},
-                                           indent=2, sort_keys=True) + "\n")
-    return out
+    return losses
 
 
 # ------------------------------------------------------------------------------------------------

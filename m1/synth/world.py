@@ -332,27 +332,46 @@ def make_script(seed: int, duration: float = 300.0, fps: int = 4, width: int = 1
     `sets` is how many groups of planted question targets to place (default: one per 2.5 min,
     at most 3); `fillers` how many extra random events (default: one per 12 s).
     """
+    _check_world_size(duration, fps, width, height)
+    duration = float(round(duration / STEP) * STEP)
+    rng = random.Random(seed)
+    scenes = _make_scenes(rng, duration)
+    b = _Builder(rng, duration, width, height)
+    n_sets = sets if sets is not None else min(3, max(1, int(round(duration / 150))))
+    body = _plant_late_flash(b, duration)
+    medium = (MEDIUM[0], max(12.0, min(MEDIUM[1], duration / 5)))
+    for group in range(n_sets):
+        _plant_set(b, rng, scenes, body, medium, group)
+    _add_long_and_fillers(b, rng, duration, medium, fillers)
+    events = _assign_objects(rng, b.slots)
+    return Script(seed=seed, duration=duration, fps=fps, width=width, height=height, scenes=scenes,
+                  events=events)
+
+
+def _check_world_size(duration: float, fps: int, width: int, height: int) -> None:
     if not 30 <= duration <= 1200:
         raise ValueError(f"duration must be in [30, 1200] seconds, got {duration}")
     if fps < 2:
         raise ValueError(f"fps must be >= 2, got {fps}")
     if width < 128 or height < 128 or width % 2 or height % 2:
         raise ValueError(f"size must be even and >= 128x128, got {width}x{height}")
-    duration = float(round(duration / STEP) * STEP)
-    rng = random.Random(seed)
-    scenes = _make_scenes(rng, duration)
-    b = _Builder(rng, duration, width, height)
-    n_sets = sets if sets is not None else min(3, max(1, int(round(duration / 150))))
 
-    # late flash: the only event starting in the last part of the video
+
+def _plant_late_flash(b: _Builder, duration: float) -> float:
+    """The late flash, the only event starting in the last part of the video; returns where the body before that
+    part ends (the other planted targets stay within it)."""
     late = min(60.0, duration / 4)
     i = b.place(FLASH, "late_flash", "unique", window=(duration - min(30.0, late / 2), duration - 3),
                 motion="still")
     if i is not None:
         b.protected.append((duration - late, duration, i))
-    body = duration - late - 2
+    return duration - late - 2
 
-    medium = (MEDIUM[0], max(12.0, min(MEDIUM[1], duration / 5)))
+
+def _plant_set(b: _Builder, rng: random.Random, scenes: list[Scene], body: float, medium: tuple[float, float],
+               group: int) -> None:
+    """One group of planted question targets, one per family, placed in a shuffled order (so that short videos,
+    which cannot hold every vignette, still cover all families across seeds)."""
 
     def timestamp() -> None:
         t = b.place(SHORT, "timestamp", "common", window=(8.0, body))
@@ -366,21 +385,22 @@ def make_script(seed: int, duration: float = 300.0, fps: int = 4, width: int = 1
             b.place(FLASH, "counting", "count", window=(j * width_k + 1, (j + 1) * width_k - 1),
                     motion="still", group=group)
 
-    for group in range(n_sets):
-        # shuffled so that short videos, which cannot hold every vignette, still cover all
-        # families across seeds
-        plants = [lambda: _plant_spatial(b, body), lambda: _plant_order(b, body, medium), timestamp,
-                  lambda: b.place(GROUNDING, "grounding", "unique", window=(2.0, body)),
-                  lambda: b.place(FLASH, "attribute_position", "unique", window=(2.0, body),
-                                  motion="still"),
-                  lambda: b.place((10.0, max(12.0, medium[1])), "attribute_motion", "unique",
-                                  window=(2.0, body)),
-                  lambda: _plant_in_scene(b, scenes, body),
-                  lambda g=group: counting(g)]
-        rng.shuffle(plants)
-        for plant in plants:
-            plant()
+    plants = [lambda: _plant_spatial(b, body), lambda: _plant_order(b, body, medium), timestamp,
+              lambda: b.place(GROUNDING, "grounding", "unique", window=(2.0, body)),
+              lambda: b.place(FLASH, "attribute_position", "unique", window=(2.0, body),
+                              motion="still"),
+              lambda: b.place((10.0, max(12.0, medium[1])), "attribute_motion", "unique",
+                              window=(2.0, body)),
+              lambda: _plant_in_scene(b, scenes, body),
+              lambda g=group: counting(g)]
+    rng.shuffle(plants)
+    for plant in plants:
+        plant()
 
+
+def _add_long_and_fillers(b: _Builder, rng: random.Random, duration: float, medium: tuple[float, float],
+                          fillers: int | None) -> None:
+    """Long events anywhere, then `fillers` random ones (default: one per 12 s)."""
     n_long = max(1, int(round(duration / 200)))
     long_hi = max(40.0, min(240.0, duration / 3))
     for _ in range(n_long):
@@ -388,10 +408,6 @@ def make_script(seed: int, duration: float = 300.0, fps: int = 4, width: int = 1
     for _ in range(fillers if fillers is not None else int(duration / 12)):
         dur = FLASH if rng.random() < 0.45 else medium
         b.place(dur, "filler", "common", window=(0.0, duration), tries=40)
-
-    events = _assign_objects(rng, b.slots)
-    return Script(seed=seed, duration=duration, fps=fps, width=width, height=height, scenes=scenes,
-                  events=events)
 
 
 def _plant_spatial(b: _Builder, body: float) -> None:

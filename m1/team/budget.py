@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from m1.models.base import ModelError, prompt_ids
 from m1.models.tiny import QWEN_SPLIT
-from m1.models.vllm_server import render_prompt
+from m1.models.vllm_client import render_prompt
 
 # Qwen2 / Qwen2.5 / Qwen3 share one byte-level BPE of 151,643 ranks behind one pre-tokenizer split (QWEN_SPLIT: words,
 # single digits, punctuation runs, newlines). Measured once offline on 1,562 prompts of the rule-based teacher team on

@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kinds",),
     ("team",),
     ("data",),
-    ("trace", "results"),
+    ("trace", "trace_index", "results"),
     ("run",),
     ("marl", "synth", "pretrain"),
     ("experiment",),

@@ -1,4 +1,4 @@
-"""Trace pages and the run index (m1/trace.py), `m1 view`, and the pages in a real headless Chromium.
+"""Trace pages and the run index (m1/trace.py, m1/trace_index.py), `m1 view`, and the pages in a real headless Chromium.
 
 One offline demo run (the shipped mini team on one generated M1-Synth video, three questions, a random DAG
 with agent dropout) feeds every test. The Chromium checks skip where no Chromium binary is installed
@@ -283,7 +283,8 @@ def test_unreadable_video_gives_a_page_with_a_note(demo, tmp_path):
 
 
 def test_model_and_question_text_is_escaped(demo, tmp_path):
-    from m1.trace import _PAGE_JS, TraceIndex, render_html
+    from m1.trace import _PAGE_JS, render_html
+    from m1.trace_index import TraceIndex
 
     ep = _episodes(demo[0] / "traces")[0].model_copy(deep=True)
     evil = "<script>alert('x')</script>"
@@ -449,7 +450,7 @@ def test_view_serves_nothing_a_symlink_leads_to_outside_the_folder(tmp_path):
     import threading
     import urllib.error
 
-    from m1.trace import serve
+    from m1.trace_index import serve
 
     traces, outside = tmp_path / "traces", tmp_path / "outside"
     traces.mkdir()

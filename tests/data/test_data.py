@@ -10,11 +10,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from m1.data.loaders import LoadIssue, load_benchmark  # noqa: E402
+from m1.data.loaders import load_benchmark  # noqa: E402
 from m1.data.metrics import (  # noqa: E402
     accuracy, charades_metrics, extract_choice, format_table, iou, mra, parse_number, parse_span,
     score_benchmark, vsibench_metrics,
 )
+from m1.data.records import LoadIssue  # noqa: E402
 from m1.schema import Question  # noqa: E402
 
 FIX = Path(__file__).parents[1] / "fixtures" / "benchmarks"

@@ -183,7 +183,7 @@ def test_k1_on_engines_lags_one_version_stops_mid_flight_and_resumes_to_the_same
 @pytest.mark.slow
 def test_an_engine_dying_mid_flight_is_one_error_naming_the_agent(tmp_path, video, m1_cache):
     from tests.marl.test_engine_training import make
-    from m1.models.vllm_server import EngineError
+    from m1.models.vllm_client import EngineError
 
     tr = make(_cfg(tmp_path / "dies", 1), video)
     server = tr.engines._servers["beta"]

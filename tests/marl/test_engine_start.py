@@ -13,7 +13,8 @@ import m1.marl.rollout_engines as engines_mod
 from tests.marl.test_trainer import team_dict
 from m1.marl.config import TrainConfig
 from m1.marl.rollout_engines import RolloutEngines
-from m1.models.vllm_server import CPU_BIND_ENV, EngineError, cpu_core_shares
+from m1.models.vllm_client import EngineError
+from m1.models.vllm_server import CPU_BIND_ENV, cpu_core_shares
 
 STANDIN = str(Path(__file__).resolve().parents[1] / "engine_standin.py")
 COMMAND = [sys.executable, STANDIN, "--model", "{model}", "--port", "{port}", "--host", "{host}"]

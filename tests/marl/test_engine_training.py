@@ -103,7 +103,7 @@ def test_engine_run_trains_syncs_and_matches_the_learner(tmp_path, video, m1_cac
 
 @pytest.mark.slow
 def test_engine_killed_mid_step_is_a_clear_error_and_the_resumed_run_repeats_the_losses(tmp_path, video, m1_cache):
-    from m1.models.vllm_server import EngineError
+    from m1.models.vllm_client import EngineError
 
     whole = make(engine_cfg(tmp_path / "whole", steps=3), video)
     try:

@@ -8,14 +8,13 @@ import logging
 import pytest
 from tests.fakes import FakeChat, content
 
-from m1.marl.judge import (
-    RUBRIC_JUDGE_NAME, CorrectItem, JudgeItem, LLMJudge, RateLimiter, RubricJudge, Verdict,
-    collaboration_messages, parse_verdict, question_cues,
-)
+from m1.marl.judge import CorrectItem, JudgeItem, Verdict
+from m1.marl.llm_judge import LLMJudge, RateLimiter, collaboration_messages, parse_verdict
 from m1.marl.rewards import (
     RewardConfig, agent_rewards, batch_agent_rewards, collaboration_reward, format_reward,
     log_breakdowns, result_reward, summarize, tool_penalty,
 )
+from m1.marl.rubric_judge import RUBRIC_JUDGE_NAME, RubricJudge, question_cues
 from m1.models.base import ModelError
 from m1.schema import AgentAnswer, AgentRecord, Decision, Episode, Generation, Question, Topology, Turn
 
@@ -519,7 +518,7 @@ def test_question_cues(text, cue):
     ("", False),
 ])
 def test_key_info_problem(key_info, ok):
-    from m1.marl.judge import key_info_problem
+    from m1.marl.rubric_judge import key_info_problem
 
     q = Question(id="q", video="v.mp4", text="Where is the red square relative to the blue circle, and what colour "
                  "is the ball?", options=["left", "right"], task="mcq", answer="A")

