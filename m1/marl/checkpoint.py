@@ -219,6 +219,24 @@ def _disk_full(exc: BaseException, where: Path) -> bool:
     return False
 
 
+def save_state_file(state: dict[str, Any], path: Path) -> None:
+    """torch.save `state` to `path` atomically (a temp file beside it, renamed over it), for a run whose checkpoint is
+    one file (`m1 pretrain`): a run killed mid-write keeps the previous file, and a full disk is an OSError(ENOSPC)
+    naming `path` with the temp file removed, as `save_checkpoint` does for a folder."""
+    import torch
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        torch.save(state, tmp)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, Exception) and _disk_full(exc, path.parent):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from exc
+        raise
+    os.replace(tmp, path)
+
+
 def save_checkpoint(out_dir: Path, step: int, learners, state: dict[str, Any], keep_last: int,
                     interim: bool = False, folders: dict[str, Path] | None = None) -> Path:
     """Write <out>/checkpoints/step-NNNNNN atomically (temp folder, manifest last, then rename); keep the newest

@@ -28,6 +28,20 @@ from m1.marl.team_kinds import CPP_PHASES, check_seed_policies, seed_kind, seed_
 DEFAULT_LR = {"lora": 2e-6, "full": 1e-7}
 
 
+def scheduled_lr(peak: float, step: int, total_steps: int, warmup: int, schedule: str = "cosine",
+                 floor: float = 0.0) -> float:
+    """The lr of optimizer step `step` (0-based) of `total_steps`: linear warm-up to `peak` over `warmup` steps, then
+    `schedule` (constant, linear or cosine) down to `peak * floor` at the last step. The one schedule of MARL, SFT
+    and `m1 pretrain`."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule == "constant" or total_steps <= warmup:
+        return peak
+    frac = min(1.0, (step - warmup) / max(1, total_steps - warmup))  # 0 at the end of warm-up, 1 past the end
+    decay = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+    return peak * (floor + (1 - floor) * decay)
+
+
 class LoraSettings(Strict):
     """peft LoRA adapter (paper: r=8, alpha=16, dropout 0.05)."""
 
@@ -117,16 +131,7 @@ class LearnerConfig(Strict):
         A decaying schedule ends near 0, so the weights a run ends on are not one noisy full-size step away from
         where the loss had settled (the seed-to-seed spread of small runs shrinks).
         """
-        lr = self.learning_rate()
-        warm = self.warmup_steps
-        if warm and step < warm:
-            return lr * (step + 1) / warm
-        if self.lr_schedule == "constant" or total_steps <= warm:
-            return lr
-        frac = min(1.0, (step - warm) / max(1, total_steps - warm))  # 0 at the end of warm-up, 1 past the end
-        if self.lr_schedule == "linear":
-            return lr * (1.0 - frac)
-        return lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+        return scheduled_lr(self.learning_rate(), step, total_steps, self.warmup_steps, self.lr_schedule)
 
 
 class DataConfig(Strict):

@@ -24,12 +24,13 @@ record call without a rule (rollout cannot import this module).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from m1.marl.advantages import ESTIMATORS, estimate_advantages
-from m1.marl.rollout import RolloutBatch, RolloutError, Sample, build_samples, generation_credit
+from m1.marl.rollout import RewardFn, RolloutBatch, RolloutError, Sample, build_samples, generation_credit, score
+from m1.schema import Question, Topology
 
 Rewards = dict[str, list[list[float]]]  # agent -> [question][rollout]
 
@@ -143,26 +144,39 @@ def merge_batches(parts: Sequence[tuple[RolloutBatch, Sequence[int]]]) -> Rollou
     if not parts:
         raise ValueError("merge_batches: no rounds to merge")
     first = parts[0][0]
-    merged = RolloutBatch(questions=[], episodes=[], topology=first.topology,
-                          rewards={a: [] for a in first.rewards}, outcomes={a: [] for a in first.outcomes},
-                          focus=[] if first.focus is not None else None)
+    questions, episodes, breakdowns = [], [], []
+    rewards: Rewards = {a: [] for a in first.rewards}
+    outcomes: Rewards = {a: [] for a in first.outcomes}
+    focus: list[str] | None = [] if first.focus is not None else None
     for batch, keep in parts:
         k = len(batch.episodes[0]) if batch.episodes else 0
         for g in keep:
-            merged.questions.append(batch.questions[g])
-            merged.episodes.append(batch.episodes[g])
-            merged.breakdowns.extend(batch.breakdowns[g * k:(g + 1) * k])
-            for a in merged.rewards:
-                merged.rewards[a].append(batch.rewards[a][g])
-            for a in merged.outcomes:
-                merged.outcomes[a].append(batch.outcomes[a][g])
-            if merged.focus is not None:
-                merged.focus.append(batch.focus[g])
-    return merged
+            questions.append(batch.questions[g])
+            episodes.append(batch.episodes[g])
+            breakdowns.extend(batch.breakdowns[g * k:(g + 1) * k])
+            for a in rewards:
+                rewards[a].append(batch.rewards[a][g])
+            for a in outcomes:
+                outcomes[a].append(batch.outcomes[a][g])
+            if focus is not None and batch.focus is not None:
+                focus.append(batch.focus[g])
+    return RolloutBatch(questions=questions, episodes=episodes, topology=first.topology, rewards=rewards,
+                        outcomes=outcomes, breakdowns=breakdowns, focus=focus)
 
 
 # ------------------------------------------------------------------------------------------------ one step
-@dataclass
+@dataclass(frozen=True)
+class StepEpisodes:
+    """A step's episodes, run and scored: what its credit is computed from."""
+
+    batch: RolloutBatch  # the episodes the step trains on (dynamic sampling: the kept questions of every round)
+    rounds: list[RolloutBatch]  # every batch the step ran (one, unless dynamic sampling refilled it)
+    live: dict[str, list[bool]] | None  # dynamic sampling: agent -> kept question -> group has signal
+    dropped: float  # dynamic sampling: the share of all groups that tied
+    greedy: RolloutBatch | None  # grpo.baseline greedy: the greedy run of each question (scored)
+
+
+@dataclass(frozen=True)
 class StepCredit:
     """A step's scored episodes and what each generation is credited with."""
 
@@ -185,35 +199,54 @@ class StepCredit:
         return samples
 
 
+class EpisodeSource(Protocol):
+    """Where a credit strategy's episodes come from: the trainer's team and its data cursor (for refills)."""
+
+    def rollouts(self, questions: Sequence[Question], k: int, topology: Topology,
+                 focus: Sequence[str] | None = None, greedy: bool = False) -> RolloutBatch:
+        """K episodes per question (`greedy`: on the team's greedily decoding copy)."""
+        ...
+
+    def take(self, n: int) -> tuple[int, list[Question]]:
+        """(the run's number of the next question, the next n questions) of the data cursor."""
+        ...
+
+
 class CreditStrategy:
-    """The step's rollouts and advantages under one credit rule, one baseline and (optionally) dynamic sampling.
+    """The step's rollouts, scores and advantages under one credit rule, one baseline and (optionally) dynamic
+    sampling; episodes come from `source`, rewards from `reward_fn` for the `trained` agents."""
 
-    `run(questions, k, topology, focus=None, greedy=False)` runs K episodes per question on the trainer's team;
-    `reward(batch)` scores a batch (`score` with the trainer's reward function and trained agents); `take(n)`
-    returns (first question's number, the next n questions) of the data cursor, for refills."""
-
-    def __init__(self, cfg, trained: Sequence[str], run: Callable, reward: Callable, take: Callable):
+    def __init__(self, cfg, trained: Sequence[str], reward_fn: RewardFn, source: EpisodeSource):
         self.rule = CREDITS[cfg.rollout.credit]()
         self.estimator, self.grpo = ESTIMATORS[cfg.grpo.baseline], cfg.grpo
         self.k, self.per_step, self.refill = (cfg.rollout.num_generations, cfg.rollout.questions_per_step,
                                               cfg.rollout.max_refill)
         self.dynamic = cfg.rollout.dynamic_sampling
-        self.trained, self._run, self._reward, self._take = list(trained), run, reward, take
+        self.trained, self.reward_fn, self.source = list(trained), reward_fn, source
 
-    def step(self, questions, first: int, topology, clock) -> StepCredit:
+    def episodes(self, questions: list[Question], first: int, topology: Topology, clock) -> StepEpisodes:
+        """The step's episodes, run (the clock's `rollout` lap) and then scored; dynamic sampling scores each
+        round as it runs, since which questions it refills depends on their rewards."""
         if self.dynamic:
             batch, rounds, live, dropped = self._refilled(questions, first, topology)
-            rewards = batch.rewards
         else:
-            focus = self.rule.focus(self.trained, first, len(questions))
-            batch = self._run(questions, self.k, topology, focus)
-            rounds, live = [batch], None
-        greedy = self._run(questions, 1, topology, greedy=True) if self.estimator.greedy_reference else None
+            batch = self.source.rollouts(questions, self.k, topology,
+                                         self.rule.focus(self.trained, first, len(questions)))
+            live, dropped = None, 0.0
+        greedy = self.source.rollouts(questions, 1, topology, greedy=True) if self.estimator.greedy_reference else None
         clock.lap("rollout")
         if not self.dynamic:
-            rewards = self._reward(batch)
-        base = self._reward(greedy) if greedy is not None else None
-        advantages = self.advantages(self.rule.credited(rewards, batch.focus), base)
+            batch = score(batch, self.trained, self.reward_fn)
+            rounds = [batch]
+        if greedy is not None:
+            greedy = score(greedy, self.trained, self.reward_fn)
+        return StepEpisodes(batch, rounds, live, dropped, greedy)
+
+    def credit(self, episodes: StepEpisodes) -> StepCredit:
+        """What each generation of the step's scored episodes is credited with, and the strategy's metrics."""
+        batch, greedy = episodes.batch, episodes.greedy
+        base = greedy.rewards if greedy is not None else None
+        advantages = self.advantages(self.rule.credited(batch.rewards, batch.focus), base)
         outcome = None
         if self.rule.outcome:
             if not batch.outcomes:
@@ -221,13 +254,13 @@ class CreditStrategy:
                                    "(RewardBreakdown); this reward function returns plain numbers")
             outcome = self.advantages(batch.outcomes, greedy.outcomes if greedy is not None else None)
         metrics = {}
-        if live is not None:
-            metrics = {"groups/dropped_share": dropped, "groups/refill_rounds": len(rounds) - 1,
+        if episodes.live is not None:
+            metrics = {"groups/dropped_share": episodes.dropped, "groups/refill_rounds": len(episodes.rounds) - 1,
                        "groups/kept": len(batch.questions)}
-        if greedy is not None:  # the greedy team on the step's questions: what evaluation measures
+        if base is not None:  # the greedy team on the step's questions: what evaluation measures
             flat = [r for a in base for g in base[a] for r in g if not math.isnan(r)]
             metrics["greedy/reward"] = sum(flat) / len(flat) if flat else float("nan")
-        return StepCredit(batch, advantages, outcome, rounds, live, greedy, metrics)
+        return StepCredit(batch, advantages, outcome, episodes.rounds, episodes.live, greedy, metrics)
 
     def advantages(self, rewards: Rewards, reference: Rewards | None) -> dict[str, Any]:
         """Agent -> [G, K] advantages of `rewards` under the run's estimator (`reference`: the greedy run's)."""
@@ -236,14 +269,14 @@ class CreditStrategy:
     def _refilled(self, questions, first: int, topology):
         """Dynamic sampling: run and score `questions`, keep each question where some agent's group has reward
         spread, and run the next questions of the data cursor in place of the others, for at most `max_refill`
-        more rounds. Returns the kept questions' merged batch, every round's batch, which (agent, kept question)
-        groups carry signal, and the share of all groups that tied."""
+        more rounds. Returns the kept questions' merged batch, every round's scored batch, which (agent, kept
+        question) groups carry signal, and the share of all groups that tied."""
         parts, rounds, flags = [], [], {a: [] for a in self.trained}
         groups = tied = 0
         while True:
             focus = self.rule.focus(self.trained, first, len(questions))
-            batch = self._run(questions, self.k, topology, focus)
-            credited = self.rule.credited(self._reward(batch), focus)
+            batch = score(self.source.rollouts(questions, self.k, topology, focus), self.trained, self.reward_fn)
+            credited = self.rule.credited(batch.rewards, focus)
             live = informative_groups(credited, batch.outcomes if self.rule.outcome else None)
             keep = [g for g in range(len(questions)) if any(live[a][g] for a in self.trained)]
             for a in self.trained:
@@ -255,5 +288,5 @@ class CreditStrategy:
             need = self.per_step - sum(len(k) for _, k in parts)
             if need == 0 or len(rounds) > self.refill:
                 break
-            first, questions = self._take(need)
+            first, questions = self.source.take(need)
         return merge_batches(parts), rounds, flags, tied / groups if groups else 0.0

@@ -22,9 +22,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
+from m1.marl.credit import StepCredit
 from m1.marl.rollout import RolloutError
 
 log = logging.getLogger(__name__)
@@ -35,18 +36,26 @@ def sampling_version(step: int, k: int) -> int:
     return max(0, step - k)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepItem:
     """One step's rollouts, scored and credited, as the producer hands them to the learners."""
 
     step: int
     version: int  # the weights that sampled it
-    credit: Any  # StepCredit
+    credit: StepCredit
     samples: dict[str, list]
     topology: Any
     cursor: int  # the data cursor after the step's questions (what a checkpoint of this step keeps)
     epoch: float  # the data stream's epoch after the step (fractional)
     seconds: dict[str, float] = field(default_factory=dict)  # activate, rollout, reward, wait_weights, ...
+
+
+class StepMaker(Protocol):
+    """What the producer thread runs: the trainer's rollouts-to-samples part of a step."""
+
+    def produce_step(self, step: int, version: int) -> StepItem:
+        """Step `step`'s rollouts, scores, credit and samples, sampled with weight version `version`."""
+        ...
 
 
 @dataclass
@@ -58,7 +67,7 @@ class _Failure:
 class Producer:
     """Runs steps `start`..`last - 1` of `trainer` ahead of its updates, at most `k` versions stale."""
 
-    def __init__(self, trainer, k: int, start: int, last: int, poll_s: float = 0.5):
+    def __init__(self, trainer: StepMaker, k: int, start: int, last: int, poll_s: float = 0.5):
         self.trainer, self.k, self.start, self.last, self.poll_s = trainer, k, start, last, poll_s
         self._items: queue.Queue = queue.Queue()
         self._staged = -1  # the newest version the trainer staged on the engines
@@ -125,7 +134,8 @@ class Producer:
                 item = self.trainer.produce_step(step, version)
                 # this thread's own CPU seconds (with one torch thread, all of its work): well below its rollout's
                 # wall seconds while nothing else needs the cores, it waited for the GIL
-                item.seconds.update(wait_weights=waited, producer_cpu=time.thread_time() - cpu)
+                item = replace(item, seconds={**item.seconds, "wait_weights": waited,
+                                              "producer_cpu": time.thread_time() - cpu})
                 if self._halt.is_set():
                     return
                 self._items.put(item)

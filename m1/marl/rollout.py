@@ -30,7 +30,7 @@ import hashlib
 import json
 import random
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from m1.config import AgentSpec, TeamConfig
@@ -77,9 +77,10 @@ class Sample:
     evidence: list[tuple[int, tuple[int, ...]]] | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutBatch:
-    """The episodes of one step, grouped [question][rollout], and the DAG they ran on."""
+    """The episodes of one step, grouped [question][rollout], and the DAG they ran on; `score` returns a copy with
+    the rewards filled in rather than changing a batch another part of the step may still read."""
 
     questions: list[Question]
     episodes: list[list[Episode]]
@@ -171,14 +172,13 @@ def run_rollouts(team: Team, questions: Sequence[Question], k: int, topology: To
                         focus=list(focus) if focus is not None else None)
 
 
-def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> dict[str, list[list[float]]]:
-    """Fill `batch.rewards[agent][g][k]` (NaN where an agent has no reward, e.g. a failed episode), and
-    `batch.outcomes` alike when every reward has an `.outcome` (RewardBreakdown)."""
+def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> RolloutBatch:
+    """`batch` scored: `rewards[agent][g][k]` (NaN where an agent has no reward, e.g. a failed episode), the
+    per-episode `breakdowns`, and `outcomes` alike when every reward has an `.outcome` (RewardBreakdown)."""
     flat = batch.flat
     per_episode = reward_fn(flat)
     if len(per_episode) != len(flat):
         raise RolloutError(f"reward function returned {len(per_episode)} results for {len(flat)} episodes")
-    batch.breakdowns = list(per_episode)
     k = len(batch.episodes[0]) if batch.episodes else 0
     rewards: dict[str, list[list[float]]] = {a: [] for a in agents}
     outcomes: dict[str, list[list[float]]] = {a: [] for a in agents}
@@ -194,9 +194,7 @@ def score(batch: RolloutBatch, agents: Sequence[str], reward_fn: RewardFn) -> di
             rewards[a][g].append(float("nan") if total is None else float(total))
             if has_outcome:
                 outcomes[a][g].append(float("nan") if value is None else float(value.outcome))
-    batch.rewards = rewards
-    batch.outcomes = outcomes if has_outcome else {}
-    return rewards
+    return replace(batch, rewards=rewards, outcomes=outcomes if has_outcome else {}, breakdowns=list(per_episode))
 
 
 OUTCOME_PHASES = ("answer", "summary")  # what `credit: phase` trains on the outcome: the generations that decide it
@@ -212,21 +210,22 @@ class Credit:
 
 
 def generation_credit(batch: RolloutBatch, advantages: dict[str, Any],
-                      answer_advantages: dict[str, Any] | None = None,
+                      outcome_advantages: dict[str, Any] | None = None,
                       phases: Collection[str] | None = None) -> dict[tuple[int, int, int], Credit]:
     """(g, k, i) -> the Credit of generation i of rollout (g, k), for every generation of an agent in `advantages`.
 
-    Every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with `answer_advantages`
-    (credit: phase), its answers and summaries get answer_advantages[agent][g, k] instead. It is trained on unless its episode failed, its phase is
-    not in `phases` (`rollout.train_phases`), or another agent is its question's focus (`credit: agent`). The
-    samples of a step (`build_samples`) and the record of what it trained on (m1/marl/samples.py) both read this."""
+    Every generation of the agent in rollout (g, k) gets advantage A[agent][g, k]; with `outcome_advantages`
+    (credit: phase), its answers and summaries get outcome_advantages[agent][g, k] instead. It is trained on unless
+    its episode failed, its phase is not in `phases` (`rollout.train_phases`), or another agent is its question's
+    focus (`credit: agent`). The samples of a step (`build_samples`) and the record of what it trained on
+    (m1/marl/samples.py) both read this."""
     out: dict[tuple[int, int, int], Credit] = {}
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
             for i, gen in enumerate(ep.generations):
                 if gen.agent not in advantages:
                     continue
-                table = (answer_advantages if answer_advantages is not None and gen.phase in OUTCOME_PHASES
+                table = (outcome_advantages if outcome_advantages is not None and gen.phase in OUTCOME_PHASES
                          else advantages)
                 trained = (ep.error is None and (phases is None or gen.phase in phases)
                            and (batch.focus is None or gen.agent == batch.focus[g]))
@@ -236,12 +235,12 @@ def generation_credit(batch: RolloutBatch, advantages: dict[str, Any],
 
 
 def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float],
-                  answer_advantages: dict[str, Any] | None = None,
+                  outcome_advantages: dict[str, Any] | None = None,
                   phases: Collection[str] | None = None) -> dict[str, list[Sample]]:
     """Per-agent samples: one per generation that `generation_credit` marks trained, carrying its reward and
     advantage."""
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
-    credit = generation_credit(batch, advantages, answer_advantages, phases)
+    credit = generation_credit(batch, advantages, outcome_advantages, phases)
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
             seen: dict[str, int] = {}

@@ -44,7 +44,7 @@ from m1.marl.loop import run_steps
 from m1.marl.producer import Producer, StepItem, sampling_version
 from m1.marl.resolve import resolve
 from m1.marl.rubric_judge import RubricJudge
-from m1.marl.rollout import RewardFn, RolloutError, derive_seed, run_rollouts, score
+from m1.marl.rollout import RewardFn, RolloutBatch, RolloutError, derive_seed, run_rollouts
 from m1.marl.rollout_engines import HFSamplers, RolloutEngines
 from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples
 from m1.marl.stream import QuestionStream, load_questions
@@ -100,8 +100,8 @@ class Trainer:
         seed_everything(cfg.seed)
         # on GPUs (placement ray): the plan's GPUs reserved before anything loads
         self.placement = reserve_placement(cfg) if cfg.placement == "ray" else None
-        self.run = resolve(cfg, self.placement.plan if self.placement is not None else None)
-        self.cfg, self.team_cfg, self.kind, self.trained = self.run.cfg, self.run.team, self.run.kind, self.run.trained
+        self.settings = resolve(cfg, self.placement.plan if self.placement is not None else None)
+        self.cfg, self.team_cfg, self.kind, self.trained = self.settings.cfg, self.settings.team, self.settings.kind, self.settings.trained
         self.hub = hub if hub is not None else ModelHub(self.team_cfg.models)
         self.hub.specs.update(self.team_cfg.models)  # split keys of agents that shared a model
         self.pool = VideoPool()
@@ -127,8 +127,7 @@ class Trainer:
             if reward_fn is None and self.kind.needs_judge and judge is None:
                 self.judge = build_judge(self.cfg, hosted.get("judge"))
             self.reward_fn = reward_fn or self.kind.reward_fn(self.cfg, self.team_cfg, self.judge)
-            self.credit = CreditStrategy(self.cfg, self.trained, self._rollouts,
-                                         lambda batch: score(batch, self.trained, self.reward_fn), self._take)
+            self.credit = CreditStrategy(self.cfg, self.trained, self.reward_fn, source=self)
             if resume is not None:
                 self.load_checkpoint(resume, verified=True)
         except BaseException:
@@ -139,7 +138,7 @@ class Trainer:
         """The trained agents' learners (and vLLM engines), registered in the hub under their agents' model keys so
         the team generates with the weights being trained; on GPUs, the driver models the plan hosts. Returns the
         hosted models."""
-        cfg, keys, models = self.cfg, self.run.model_keys, self.team_cfg.models
+        cfg, keys, models = self.cfg, self.settings.model_keys, self.team_cfg.models
         specs = {a: (keys[a], models[keys[a]]) for a in self.trained}
         judge = {"judge": cfg.judge.model} if cfg.judge.model is not None else {}
         hosted = host_driver_models(self.placement, {**models, **judge}) if self.placement is not None else {}
@@ -241,10 +240,11 @@ class Trainer:
         clock.lap("activate")
         first = self.data.cursor  # the run's number of the step's first question
         questions = self.data.take(cfg.rollout.questions_per_step)
-        topology = self.kind.topology(self.run.agents, cfg.rollout, cfg.seed, step)
+        topology = self.kind.topology(self.settings.agents, cfg.rollout, cfg.seed, step)
         self.rollout_step = step
-        credit = self.credit.step(questions, first, topology, clock)  # laps rollout
-        samples = credit.samples(self.run.temperatures, self.run.phases)
+        episodes = self.credit.episodes(questions, first, topology, clock)  # rollouts, then scores; laps rollout
+        credit = self.credit.credit(episodes)
+        samples = credit.samples(self.settings.temperatures, self.settings.phases)
         if self.engines is not None:
             self.engines.check_versions(samples, version)
         clock.lap("reward")
@@ -282,12 +282,13 @@ class Trainer:
         return {"throughput/episodes_per_s": len(episodes) / wall, "throughput/tokens_per_s": tokens / wall,
                 "time/wall": wall}
 
-    def _rollouts(self, questions, k: int, topology, focus=None, greedy: bool = False):
-        """K episodes per question on the run's team (`greedy`: its greedily decoding copy)."""
+    def rollouts(self, questions, k: int, topology, focus=None, greedy: bool = False) -> RolloutBatch:
+        """K episodes per question on the run's team (`greedy`: its greedily decoding copy); the credit
+        strategy's EpisodeSource."""
         return run_rollouts(self._team(greedy), questions, k, topology, focus)
 
-    def _take(self, n: int):
-        """(the run's number of the next question, the next n questions) of the data cursor."""
+    def take(self, n: int) -> tuple[int, list]:
+        """(the run's number of the next question, the next n questions) of the data cursor, for refills."""
         first = self.data.cursor
         return first, self.data.take(n)
 
@@ -308,7 +309,7 @@ class Trainer:
         """<out_dir>/samples/step-NNNNNN/ (samples.jsonl and trace pages) and the trackers' samples table."""
         with naming_full_disk(self.out / "samples"):
             folder, rows = write_step_samples(self.out, self.step, credit.batch,
-                                              credit.generation_credit(self.run.phases), credit.live, self.page_pool)
+                                              credit.generation_credit(self.settings.phases), credit.live, self.page_pool)
         if self.trackers is not None:
             self.trackers.table("samples", TABLE_COLUMNS, table_rows(rows), self.step)
         return folder

@@ -14,7 +14,6 @@ with `record.json` (the config, steps, curves' last rows, held-out accuracy per 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import time
@@ -23,6 +22,9 @@ from typing import Any, Callable
 
 from m1.attention_loss import HeadScores, evidence_attention_loss, supervised_layers
 from m1.evidence import token_evidence
+from m1.marl.checkpoint import save_state_file
+from m1.marl.config import scheduled_lr
+from m1.marl.learner_io import rng_state, set_rng_state
 from m1.pretrain.config import TEXT, PretrainConfig
 from m1.pretrain.drills import CHAINS, Drill, DrillSource
 
@@ -119,11 +121,9 @@ class Pretrainer:
 
     # ------------------------------------------------------------------------------------------ training
     def lr_at(self, step: int) -> float:
+        """Warm-up, then cosine decay to lr * min_lr_ratio: the schedule MARL and SFT use (m1/marl/config.py)."""
         cfg = self.cfg
-        if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
-        f = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
+        return scheduled_lr(cfg.lr, step, cfg.steps, cfg.warmup, "cosine", cfg.min_lr_ratio)
 
     def train_step(self) -> dict[str, float]:
         import torch
@@ -207,7 +207,10 @@ class Pretrainer:
         self.step, self.cpu_seconds = state["step"], state["cpu_seconds"]
         self.rng.setstate(state["mix_rng"])
         self.train_drills.rng.setstate(state["drill_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        if "rng" in state:
+            set_rng_state(state["rng"])
+        else:  # a checkpoint written before the process RNG states were kept whole: torch's alone
+            torch.set_rng_state(state["torch_rng"])
         metrics = self.out / METRICS
         if metrics.is_file():  # rows written after the checkpoint are written again by this run
             keep = [r for r in metrics.read_text().splitlines() if r and json.loads(r)["step"] <= self.step]
@@ -215,15 +218,11 @@ class Pretrainer:
         self.progress(f"pretrain: resuming {self.out} at step {self.step}")
 
     def save(self, cpu_now: float) -> None:
-        import torch
-
+        """`checkpoint.pt`, written atomically: weights, optimizer, step, CPU seconds and every random state."""
         state = {"config": self.cfg.model_dump(mode="json"), "model": self.model.state_dict(),
                  "optimizer": self.opt.state_dict(), "step": self.step, "cpu_seconds": cpu_now,
-                 "mix_rng": self.rng.getstate(), "drill_rng": self.train_drills.rng.getstate(),
-                 "torch_rng": torch.get_rng_state()}
-        tmp = self.out / (CHECKPOINT + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.out / CHECKPOINT)
+                 "mix_rng": self.rng.getstate(), "drill_rng": self.train_drills.rng.getstate(), "rng": rng_state()}
+        save_state_file(state, self.out / CHECKPOINT)
 
     def log(self, row: dict[str, Any]) -> None:
         with (self.out / METRICS).open("a") as f:

@@ -75,7 +75,8 @@ def credit(video, beta_salt, focus):
     team, chats = noisy_team(beta_salt)
     dag = sample_topology(AGENTS, "complete", 1.0, 0.0, None)
     batch = run_rollouts(team, questions(video, 2), 6, dag, focus=focus)
-    rewards = score(batch, AGENTS, team_reward)
+    batch = score(batch, AGENTS, team_reward)
+    rewards = batch.rewards
     credited = AgentCredit().credited(rewards, focus) if focus else rewards
     adv = {a: group_advantages(r) for a, r in credited.items()}
     return batch, adv, build_samples(batch, adv, {a: 1.0 for a in AGENTS}), chats

@@ -449,6 +449,31 @@ def test_full_disk_reported_by_a_library_without_errno_is_still_disk_full(tmp_pa
     assert err.value.filename == str(tmp_path / "metrics.jsonl")
 
 
+def test_one_file_state_is_replaced_whole_and_a_full_disk_keeps_the_old_one(tmp_path, monkeypatch):
+    """`save_state_file` (m1 pretrain's checkpoint.pt): the new state or the old one, never a torn or stray file."""
+    import torch
+
+    from m1.marl.checkpoint import save_state_file
+
+    path = tmp_path / "checkpoint.pt"
+    save_state_file({"step": 1}, path)
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **kw):
+        real_save(obj, f, *a, **kw)  # bytes on disk, then the failure: what must not be left behind
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError) as err:
+        save_state_file({"step": 2}, path)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert torch.load(path)["step"] == 1
+    save_state_file({"step": 2}, path)
+    assert torch.load(path)["step"] == 2
+
+
 # ------------------------------------------------------------------------------------------------ errors, not tracebacks
 @pytest.mark.slow
 def test_cli_errors_are_one_line_unless_debug(tmp_path, video, monkeypatch):

@@ -177,7 +177,8 @@ def test_observations_are_context_never_targets(world, m1_cache):
     team = SingleAgentTeam(cfg, hub=hub)
     qs = [q for q in world[2] if q.task == "mcq"][:2]
     batch = run_rollouts(team, qs, 2, topo.complete(["weaver"]))
-    rewards = score(batch, ["weaver"], lambda eps: seed_rewards(eps, "weaver"))
+    batch = score(batch, ["weaver"], lambda eps: seed_rewards(eps, "weaver"))
+    rewards = batch.rewards
     adv = {a: group_advantages(r) for a, r in rewards.items()}
     samples = build_samples(batch, adv, {"weaver": 1.0})["weaver"]
     assert len(samples) == 2 * 2 * 2 and [s.phase for s in samples[:2]] == ["act", "answer"]

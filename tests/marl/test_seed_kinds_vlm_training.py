@@ -51,7 +51,8 @@ def rollout(world, m1_cache):
     team = SingleAgentTeam(cfg, hub=hub)
     batch = run_rollouts(team, world[2][:2], 2, topo.complete(["weaver"]))
     assert all(e.error is None for e in batch.flat)
-    rewards = score(batch, ["weaver"], varied_reward)
+    batch = score(batch, ["weaver"], varied_reward)
+    rewards = batch.rewards
     samples = build_samples(batch, {a: group_advantages(r) for a, r in rewards.items()}, {"weaver": 1.0})["weaver"]
     return learner, batch, samples
 

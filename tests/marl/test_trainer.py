@@ -212,7 +212,8 @@ def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video
     batch = run_rollouts(Team(cfg, hub=hub), questions(video, 2), 3, dag)
     assert [[e.question.id for e in g] for g in batch.episodes] == [["q0"] * 3, ["q1"] * 3]
     assert all(e.topology == dag for e in batch.flat)  # one DAG for the whole step
-    rewards = score(batch, AGENTS, lambda eps: [{"alpha": float(i % 3), "beta": 1.0} for i in range(len(eps))])
+    batch = score(batch, AGENTS, lambda eps: [{"alpha": float(i % 3), "beta": 1.0} for i in range(len(eps))])
+    rewards = batch.rewards
     assert rewards["alpha"] == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
     adv = group_all(rewards)
     samples = build_samples(batch, adv, {"alpha": 1.0, "beta": 1.0})
@@ -255,8 +256,9 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
     dag = sample_topology(AGENTS, "complete", 1, 0, None)
     batch = run_rollouts(scripted_team(mcq="summarizer"), questions(video, 1), 3, dag)
     # rollout k: total rises with k (a better plan), the outcome falls (a worse answer)
-    rewards = score(batch, AGENTS, lambda eps: [{a: SimpleNamespace(total=float(k), outcome=float(-k))
-                                                 for a in AGENTS} for k in range(len(eps))])
+    batch = score(batch, AGENTS, lambda eps: [{a: SimpleNamespace(total=float(k), outcome=float(-k))
+                                               for a in AGENTS} for k in range(len(eps))])
+    rewards = batch.rewards
     assert batch.outcomes["alpha"] == [[0.0, -1.0, -2.0]]
     samples = build_samples(batch, group_all(rewards), {"alpha": 1.0, "beta": 1.0},
                             group_all(batch.outcomes))
@@ -273,8 +275,7 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
         (s.phase, s.rollout, s.advantage) for s in samples["alpha"] if s.phase in ("answer", "summary")]
     assert {s.phase for s in only["alpha"]} == {"answer", "summary"} and {s.phase for s in only["beta"]} == {"answer"}
     # plain-number rewards have no outcome part (the trainer then refuses phase credit: next test)
-    score(batch, AGENTS, lambda eps: [{a: 1.0 for a in AGENTS} for _ in eps])
-    assert batch.outcomes == {}
+    assert score(batch, AGENTS, lambda eps: [{a: 1.0 for a in AGENTS} for _ in eps]).outcomes == {}
 
 
 def test_phase_credit_needs_rewards_with_an_outcome(tmp_path, video, m1_cache):
