@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m1.config import load_team
+from m1.config import CONFIG_DIR, load_team
 from m1.experiment.config import Experiment, ExperimentError
 from m1.experiment.rows import compact_eval, rows_file, write_rows
 from m1.experiment.stages import (StageRun, eval_overrides, eval_questions, eval_team, first_training_stage,
@@ -28,8 +28,14 @@ from m1.plots import PlotError, read_metrics
 def stage_identity(exp: Experiment, arm: str, seed: int, stage: str) -> str:
     """What a stage computes, as a short hash: the resolved configs (the values the code does not default) of every
     stage of the arm up to it, with their seeds, initial-weight shifts and the synthetic worlds their paths name. Not
-    out_dir nor the seated weights' paths: the same experiment gives the same identity on another machine, an edited
+    out_dir nor where the repository lies (a team's `../assets/x` resolves to an absolute path; the hash reads it
+    from the repository's root): the same experiment gives the same identity on another machine or clone, an edited
     config or override another one."""
+    return hashlib.sha256(identity_text(exp, arm, seed, stage).encode()).hexdigest()[:16]
+
+
+def identity_text(exp: Experiment, arm: str, seed: int, stage: str, root: str = "") -> str:
+    """The text `stage_identity` hashes: paths under the repository's root written relative to it (or under `root`)."""
     stages = exp.arm_stages(arm)
     first = first_training_stage(exp, arm)
     parts: list[Any] = []
@@ -50,7 +56,8 @@ def stage_identity(exp: Experiment, arm: str, seed: int, stage: str) -> str:
     text = json.dumps(parts, sort_keys=True)
     worlds = [w.model_dump(mode="json") for w in (exp.data.worlds if exp.data else [])
               if f'"{Path(w.out)}"' in text or f'"{Path(w.out)}/' in text]
-    return hashlib.sha256(json.dumps([parts, worlds], sort_keys=True).encode()).hexdigest()[:16]
+    repo = json.dumps(str(CONFIG_DIR.resolve().parent) + "/")[1:-1]
+    return json.dumps([parts, worlds], sort_keys=True).replace(repo, root + "/" if root else "")
 
 
 def read_record(exp: Experiment, run: StageRun) -> dict[str, Any] | None:

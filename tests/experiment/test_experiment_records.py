@@ -292,3 +292,20 @@ def test_the_recipe_files_share_their_training_records(monkeypatch):
     assert (final.record_path("sft", 0, "eval").name, dev.record_path("sft", 0, "eval").name) == (
         "eval.json", "eval_dev.json")
     assert stage_identity(final, "sft", 0, "eval") != stage_identity(dev, "sft", 0, "eval")
+
+
+def test_an_identity_does_not_depend_on_where_the_repository_lies(monkeypatch):
+    """mini_from_base seats `../../assets/mini_base`, which the team loader makes absolute: the identity reads it
+    relative to the repository's root, so a clone elsewhere (CI, another machine) finds the committed records its own."""
+    from m1.config import CONFIG_DIR
+    from m1.experiment.records import identity_text, stage_identity
+
+    monkeypatch.delenv("M1_EXPERIMENT_ROWS", raising=False)
+    exp = load_experiment("mini_base_recipe")
+    here = identity_text(exp, "sft", 0, "sft")
+    assert '"assets/mini_base"' in here and str(CONFIG_DIR.resolve().parent) not in here
+    elsewhere = identity_text(exp, "sft", 0, "sft", root="/elsewhere/m1")
+    assert '"/elsewhere/m1/assets/mini_base"' in elsewhere and elsewhere.replace("/elsewhere/m1/", "") == here
+    # the committed record of this stage carries the identity this clone computes
+    record = json.loads(exp.record_path("sft", 0, "sft").read_text())
+    assert record["identity"] == stage_identity(exp, "sft", 0, "sft")
