@@ -10,7 +10,22 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+S = TypeVar("S")
+
+
+def add_entry(table: dict[str, S], name: str, spec: S, what: str) -> bool:
+    """Put `spec` in `table` under `name`, the one rule every registry of M1 follows: True when it is new, False
+    when that same spec is there already (registering twice, e.g. a module imported again, is a no-op); another
+    spec under a taken name is a ValueError that `what` names ("tool", "seed kind", "policy objective")."""
+    if name in table:
+        if table[name] == spec:
+            return False
+        raise ValueError(f"{what} {name!r} is already registered with other settings")
+    table[name] = spec
+    return True
+
 
 TOOL_GROUPS = ("select", "browse")  # select sets the focus, browse reads it
 
@@ -47,13 +62,9 @@ def register_tool(spec: ToolSpec) -> ToolSpec:
     """Add a tool to the registry (config validation, parsers, prompts and preflight then know it)."""
     if spec.group not in TOOL_GROUPS:
         raise ValueError(f"tool {spec.name!r}: unknown group {spec.group!r} (known: {list(TOOL_GROUPS)})")
-    if spec.name in TOOLS:
-        if TOOLS[spec.name] == spec:
-            return spec
-        raise ValueError(f"tool {spec.name!r} is already registered with other settings")
-    TOOLS[spec.name] = spec
-    TOOL_NAMES[spec.name] = spec.group
-    (SELECT_TOOLS if spec.group == "select" else BROWSE_TOOLS).append(spec.name)
+    if add_entry(TOOLS, spec.name, spec, "tool"):
+        TOOL_NAMES[spec.name] = spec.group
+        (SELECT_TOOLS if spec.group == "select" else BROWSE_TOOLS).append(spec.name)
     return spec
 
 
@@ -172,11 +183,7 @@ def register_seed_kind(spec: SeedKindSpec) -> SeedKindSpec:
     missing = [t for t in spec.tools if t not in spec.tool_code]
     if missing:
         raise ValueError(f"seed kind {spec.name!r}: tools without code: {missing}")
-    if spec.name in SEED_KINDS:
-        if SEED_KINDS[spec.name] == spec:
-            return spec
-        raise ValueError(f"seed kind {spec.name!r} is already registered with other settings")
-    SEED_KINDS[spec.name] = spec
+    add_entry(SEED_KINDS, spec.name, spec, "seed kind")
     return spec
 
 

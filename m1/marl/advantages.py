@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from m1.marl.entries import Entry, Rule, register
+from m1.marl.entries import Entry, Rule
+from m1.registry import add_entry
 
 if TYPE_CHECKING:
     import torch
@@ -140,7 +141,8 @@ ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 def register_estimator(estimator: AdvantageEstimator) -> AdvantageEstimator:
     """Make `estimator` selectable as `grpo.baseline: <name>`."""
-    return register(ESTIMATORS, estimator, "advantage estimator")
+    add_entry(ESTIMATORS, estimator.name, estimator, "advantage estimator")
+    return estimator
 
 
 def estimate_advantages(estimator: AdvantageEstimator, rewards: Mapping[str, Any],

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
 from m1.attention_loss import AttentionLossSettings
 from m1.config import ConfigError, ModelSpec, Strict, TeamConfig, load_config, load_team
@@ -235,32 +235,14 @@ class GRPOSettings(Strict):
         "OLD_LOGPROBS."))
     is_cap: float = Field(2.0, gt=0.0, description="sampler: cap on the truncated importance weight.")
 
-    @field_validator("objective")
+    @field_validator("objective", "baseline", "loss_type", "old_logprobs")
     @classmethod
-    def _registered_objective(cls, v: str) -> str:
-        if v not in OBJECTIVES:
-            raise ValueError(f"unknown objective {v!r}; registered: {sorted(OBJECTIVES)}")
-        return v
-
-    @field_validator("baseline")
-    @classmethod
-    def _registered_baseline(cls, v: str) -> str:
-        if v not in ESTIMATORS:
-            raise ValueError(f"unknown baseline {v!r}; registered: {sorted(ESTIMATORS)}")
-        return v
-
-    @field_validator("loss_type")
-    @classmethod
-    def _registered_loss(cls, v: str) -> str:
-        if v not in LOSSES:
-            raise ValueError(f"unknown loss_type {v!r}; registered: {sorted(LOSSES)}")
-        return v
-
-    @field_validator("old_logprobs")
-    @classmethod
-    def _registered_old_logprobs(cls, v: str | None) -> str | None:
-        if v is not None and v not in OLD_LOGPROBS:
-            raise ValueError(f"unknown old_logprobs {v!r}; registered: {sorted(OLD_LOGPROBS)}")
+    def _registered(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """Each of these settings names an entry of its registry (old_logprobs may stay None)."""
+        table = {"objective": OBJECTIVES, "baseline": ESTIMATORS, "loss_type": LOSSES,
+                 "old_logprobs": OLD_LOGPROBS}[info.field_name]
+        if v is not None and v not in table:
+            raise ValueError(f"unknown {info.field_name} {v!r}; registered: {sorted(table)}")
         return v
 
 

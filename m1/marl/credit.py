@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Protocol
 
 from m1.marl.advantages import ESTIMATORS, estimate_advantages
 from m1.marl.rollout import RewardFn, RolloutBatch, RolloutError, Sample, build_samples, generation_credit, score
+from m1.registry import add_entry
 from m1.schema import Question, Topology
 
 Rewards = dict[str, list[list[float]]]  # agent -> [question][rollout]
@@ -41,9 +42,7 @@ CREDITS: dict[str, type[EpisodeCredit]] = {}
 
 def register_credit(cls: type[EpisodeCredit]) -> type[EpisodeCredit]:
     """Class decorator: make a credit rule (an EpisodeCredit subclass) selectable as `rollout.credit: <name>`."""
-    if CREDITS.get(cls.name, cls) is not cls:
-        raise ValueError(f"credit rule {cls.name!r} is already registered")
-    CREDITS[cls.name] = cls
+    add_entry(CREDITS, cls.name, cls, "credit rule")
     return cls
 
 

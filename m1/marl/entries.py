@@ -7,7 +7,7 @@ of the run with the reason an error gives. The rules live with the entry; `check
 validator, reads them from there. A setting another entry of the same registry reads, set away from its default
 while the chosen entry neither reads it nor has a rule about it, is refused too: it would be silently ignored.
 
-The registries follow the pattern of m1/registry.py's tools: a frozen spec per name, registering the same spec
+The registries follow m1/registry.py's rule (`add_entry`): a frozen spec per name, registering the same spec
 again is a no-op, another spec under a taken name is refused.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -45,19 +45,6 @@ class Entry:
         """The `grpo` settings it reads or has a rule about."""
         ruled = {r.setting.split(".", 1)[1] for r in (*self.requires, *self.refuses) if r.setting.startswith("grpo.")}
         return set(self.settings) | ruled
-
-
-E = TypeVar("E", bound=Entry)
-
-
-def register(table: dict[str, E], entry: E, what: str) -> E:
-    """Add `entry` to `table` under its name (`what` names the registry in errors)."""
-    if entry.name in table:
-        if table[entry.name] == entry:
-            return entry
-        raise ValueError(f"{what} {entry.name!r} is already registered with other settings")
-    table[entry.name] = entry
-    return entry
 
 
 def setting_value(cfg: Any, dotted: str) -> Any:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from m1.registry import add_entry
 
 if TYPE_CHECKING:
     import torch
@@ -103,9 +104,7 @@ def register_loss(name: str, *, token_level: bool = False):
     ``name`` (``grpo.loss_type`` in a config accepts exactly the registered names)."""
 
     def add(fn: Callable[..., "torch.Tensor"]) -> Callable[..., "torch.Tensor"]:
-        if name in LOSSES:
-            raise ValueError(f"loss_type {name!r} is already registered")
-        LOSSES[name] = LossType(fn, token_level)
+        add_entry(LOSSES, name, LossType(fn, token_level), "loss_type")
         return fn
 
     return add
@@ -180,9 +179,7 @@ def register_old_logprobs(name: str):
     """
 
     def add(fn: OldLogprobs) -> OldLogprobs:
-        if name in OLD_LOGPROBS:
-            raise ValueError(f"old_logprobs mode {name!r} is already registered")
-        OLD_LOGPROBS[name] = fn
+        add_entry(OLD_LOGPROBS, name, fn, "old_logprobs mode")
         return fn
 
     return add

@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from m1.marl.entries import Entry, Rule, register
+from m1.marl.entries import Entry, Rule
+from m1.registry import add_entry
 from m1.marl.grpo import LOSSES, aggregate, kl_k3
 
 if TYPE_CHECKING:
@@ -52,7 +53,8 @@ OBJECTIVES: dict[str, PolicyObjective] = {}
 
 def register_objective(objective: PolicyObjective) -> PolicyObjective:
     """Make `objective` selectable as `grpo.objective: <name>`."""
-    return register(OBJECTIVES, objective, "policy objective")
+    add_entry(OBJECTIVES, objective.name, objective, "policy objective")
+    return objective
 
 
 def masked_mean(x: "Tensor", mask: "Tensor") -> float:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from m1.config import TeamConfig
 from m1.contracts import Team
-from m1.registry import CPP, PLAN_KINDS, is_seed, seed_kind_names
+from m1.registry import CPP, PLAN_KINDS, add_entry, is_seed, seed_kind_names
 from m1.models.hub import ModelHub
 from m1.team.cpp import Team as CppTeam
 from m1.team.single import SingleAgentTeam
@@ -36,12 +36,8 @@ def register_kind(spec: KindSpec) -> KindSpec:
     kind is a SeedKindSpec instead (m1/registry.py register_seed_kind), run by the single-agent loop."""
     if is_seed(spec.name):
         raise ValueError(f"team kind {spec.name!r} is a seed kind, registered with register_seed_kind")
-    if spec.name in TEAM_KINDS:
-        if TEAM_KINDS[spec.name] == spec:
-            return spec
-        raise ValueError(f"team kind {spec.name!r} is already registered with another engine")
-    TEAM_KINDS[spec.name] = spec
-    PLAN_KINDS.append(spec.name)
+    if add_entry(TEAM_KINDS, spec.name, spec, "team kind"):
+        PLAN_KINDS.append(spec.name)
     return spec
 
 

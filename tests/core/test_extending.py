@@ -81,7 +81,7 @@ def test_agent_kinds_are_checked_against_the_registry(extension):
         TeamConfig.model_validate({**team, "agents": [{**a, "kind": "relais"} for a in team["agents"]]})
     with pytest.raises(ValueError, match=r"a team's agents share one kind, got \['relay', 'cpp'\]"):
         TeamConfig.model_validate({**team, "agents": [team["agents"][0], {**team["agents"][1], "kind": CPP}]})
-    with pytest.raises(ValueError, match="already registered with another engine"):
+    with pytest.raises(ValueError, match="team kind 'relay' is already registered with other settings"):
         register_kind(KindSpec(extension.RELAY, object))
     with pytest.raises(ValueError, match="is a seed kind"):
         register_kind(KindSpec(WEAVER, extension.RelayTeam))
