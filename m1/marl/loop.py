@@ -1,7 +1,7 @@
 """The step loop the SFT and MARL trainers share: steps, metrics, trackers, checkpoints, stopping on a signal.
 
-A trainer brings its own step (`train_step`, which advances `trainer.step` and returns the step's metrics row); this
-loop does the rest the same way for both: every row to metrics.jsonl and the trackers, a checkpoint every
+A trainer brings its own step (`train_step`, which advances `trainer.step` and returns the step's metrics row, or
+None for a step that logs nothing); this loop does the rest the same way for SFT, MARL and `m1 pretrain`: every row to metrics.jsonl and the trackers, a checkpoint every
 `checkpoint.every` steps and at the last, one more of the current step when a signal stopped the run, and a lost
 Ray rank named with the step it broke (and where a rerun resumes).
 """
@@ -16,7 +16,8 @@ from m1.marl.stream import MetricsLog
 from m1.marl.trackers import open_trackers
 
 
-def run_steps(trainer: StepTrainer, total: int, step: Callable[[], dict[str, Any]], what: str, stop_after: int | None = None,
+def run_steps(trainer: StepTrainer, total: int, step: Callable[[], dict[str, Any] | None], what: str,
+              stop_after: int | None = None,
               stop: StopFlag | None = None) -> list[dict[str, Any]]:
     """Run `step()` until `trainer.step` reaches `total` (or `stop_after` more steps, e.g. to simulate a killed run,
     or until `stop` is set); `what` names a step in errors ("step", "SFT step"). Returns the trainer's history."""
@@ -38,7 +39,8 @@ def run_steps(trainer: StepTrainer, total: int, step: Callable[[], dict[str, Any
                 raise
             with naming_full_disk(logger.path):
                 logger.write(row)
-            trainer.history.append(row)
+            if row is not None:
+                trainer.history.append(row)
             if trainer.step % cfg.checkpoint.every == 0 or trainer.step == total:
                 try:
                     trainer.save_checkpoint()

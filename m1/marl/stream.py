@@ -39,16 +39,19 @@ class MetricsLog:
 
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
-    def write(self, row: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
-        if self.trackers is not None:
-            self.trackers.log(row)
+    def write(self, row: dict[str, Any] | None) -> None:
+        """One step done: its row to the file and the trackers (None: a step that logs nothing, as m1 pretrain's
+        between its evaluations) and the bar one step on."""
+        if row is not None:
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+            with self.path.open("a") as f:
+                f.write(json.dumps(clean) + "\n")
+            if self.trackers is not None:
+                self.trackers.log(row)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
-                                 reward=f"{row.get('reward/mean', float('nan')):.3f}")
+            if row is not None:
+                self.bar.set_postfix({k: f"{row[k]:.4f}" for k in ("loss", "reward/mean") if k in row})
 
     def close(self, failed: bool = False) -> None:
         if self.trackers is not None:

@@ -7,6 +7,7 @@ from pydantic import Field, PositiveInt, model_validator
 
 from m1.attention_loss import AttentionLossSettings
 from m1.config import Strict, TinySpec, load_config
+from m1.marl.config import CheckpointConfig, LogConfig
 from m1.pretrain.drills import CHAINS, FAMILIES
 
 TEXT = "text"  # the mix's name for plain next-token modelling on the world's texts
@@ -60,6 +61,9 @@ class PretrainConfig(Strict):
         "Stages in order of their start step, the first at 0: frames per glance and, optionally, the mix."))
     eval: EvalSettings = Field(default_factory=EvalSettings, description="Held-out evaluation.")
     checkpoint_every: PositiveInt = Field(default=250, description="Steps between checkpoints.")
+    name: str = Field(default="pretrain", description="The run's name in the trackers.")
+    log: LogConfig = Field(default_factory=lambda: LogConfig(backends=[]), description=(
+        "Trackers besides metrics.jsonl (its rows: one per evaluation) and the progress bar, as MARL's `log`."))
     threads: PositiveInt = Field(default=1, description="CPU threads torch may use.")
     seed: int = Field(default=0, description="Seed of the drills drawn and of training.")
     world_duration: float = Field(default=120.0, ge=30, le=1200, description="Seconds of each synth world video "
@@ -90,6 +94,11 @@ class PretrainConfig(Strict):
 
     def mix_at(self, step: int) -> dict[str, float]:
         return ([self.mix] + [s.mix for s in self.curriculum if s.start <= step and s.mix is not None])[-1]
+
+    @property
+    def checkpoint(self) -> CheckpointConfig:
+        """The step loop's checkpoint settings (m1/marl/loop.py): one file, rewritten every `checkpoint_every`."""
+        return CheckpointConfig(every=self.checkpoint_every, keep_last=1)
 
     @property
     def graded(self) -> list[str]:

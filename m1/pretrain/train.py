@@ -22,14 +22,14 @@ from typing import Any, Callable
 
 from m1.attention_loss import HeadScores, evidence_attention_loss, supervised_layers
 from m1.evidence import token_evidence
-from m1.marl.checkpoint import save_state_file
+from m1.marl.checkpoint import StopFlag, save_state_file
 from m1.marl.config import scheduled_lr
 from m1.marl.learner_io import rng_state, set_rng_state
+from m1.marl.loop import run_steps
 from m1.pretrain.config import TEXT, PretrainConfig
-from m1.pretrain.drills import CHAINS, Drill, DrillSource
+from m1.pretrain.drills import Drill, DrillSource
 
 CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
 
 
 def grade(drill: Drill, generated: str) -> bool:
@@ -65,7 +65,11 @@ class Pretrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.train_drills = DrillSource("train", cfg.seed, cfg.world_duration)
         self.rng = random.Random(cfg.seed + 1)  # the mix's draws
-        self.step, self.cpu_seconds = 0, 0.0
+        self.step, self.cpu_seconds, self.checkpointed = 0, 0.0, 0
+        self.history: list[dict[str, Any]] = []  # the rows this process logged (the step loop's)
+        self.tracker_ids: dict[str, str] = {}
+        self.trackers, self.learners, self.placement = None, None, None  # the step loop's; no learner groups here
+        self._cpu_started, self._wall, self._recent = time.process_time(), time.time(), []
         self._texts: list[list[int]] | None = None
         self._eval_sets: dict[tuple[int, int, str], dict[str, list[Drill]]] = {}
         self._resume()
@@ -196,7 +200,6 @@ class Pretrainer:
 
         path = self.out / CHECKPOINT
         if not path.is_file():
-            (self.out / METRICS).unlink(missing_ok=True)
             return
         state = torch.load(path, weights_only=False)
         # read through today's model, so that a setting added since (with its default) does not refuse the resume
@@ -205,60 +208,51 @@ class Pretrainer:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.step, self.cpu_seconds = state["step"], state["cpu_seconds"]
+        self.checkpointed, self.tracker_ids = self.step, state.get("tracker_ids", {})
         self.rng.setstate(state["mix_rng"])
         self.train_drills.rng.setstate(state["drill_rng"])
         if "rng" in state:
             set_rng_state(state["rng"])
         else:  # a checkpoint written before the process RNG states were kept whole: torch's alone
             torch.set_rng_state(state["torch_rng"])
-        metrics = self.out / METRICS
-        if metrics.is_file():  # rows written after the checkpoint are written again by this run
-            keep = [r for r in metrics.read_text().splitlines() if r and json.loads(r)["step"] <= self.step]
-            metrics.write_text("".join(r + "\n" for r in keep))
         self.progress(f"pretrain: resuming {self.out} at step {self.step}")
 
-    def save(self, cpu_now: float) -> None:
-        """`checkpoint.pt`, written atomically: weights, optimizer, step, CPU seconds and every random state."""
-        state = {"config": self.cfg.model_dump(mode="json"), "model": self.model.state_dict(),
-                 "optimizer": self.opt.state_dict(), "step": self.step, "cpu_seconds": cpu_now,
-                 "mix_rng": self.rng.getstate(), "drill_rng": self.train_drills.rng.getstate(), "rng": rng_state()}
-        save_state_file(state, self.out / CHECKPOINT)
+    def cpu_now(self) -> float:
+        """CPU seconds of every run of this out_dir so far."""
+        return self.cpu_seconds + time.process_time() - self._cpu_started
 
-    def log(self, row: dict[str, Any]) -> None:
-        with (self.out / METRICS).open("a") as f:
-            f.write(json.dumps(row) + "\n")
+    def save_checkpoint(self, interim: bool = False) -> Path:
+        """`checkpoint.pt`, written atomically: weights, optimizer, step, CPU seconds and every random state (one
+        file, so an interim checkpoint of a stopped run is the same file)."""
+        state = {"config": self.cfg.model_dump(mode="json"), "model": self.model.state_dict(),
+                 "optimizer": self.opt.state_dict(), "step": self.step, "cpu_seconds": self.cpu_now(),
+                 "mix_rng": self.rng.getstate(), "drill_rng": self.train_drills.rng.getstate(), "rng": rng_state(),
+                 "tracker_ids": self.tracker_ids}
+        save_state_file(state, self.out / CHECKPOINT)
+        self.checkpointed = self.step
+        return self.out / CHECKPOINT
 
     # ------------------------------------------------------------------------------------------ the run
-    def run(self, stop=lambda: False) -> dict[str, Any] | None:
-        """Train to `cfg.steps` (from the checkpoint if any); the record, or None when `stop()` ended it early."""
-        from tqdm import tqdm
-
+    def logged_step(self) -> dict[str, Any] | None:
+        """One training step; after every `eval.every`-th and the last, the evaluation's row (the steps' means
+        since the last row, the dev accuracy per family), else None."""
         cfg = self.cfg
-        started, spent = time.process_time(), self.cpu_seconds
-        cpu = lambda: spent + time.process_time() - started  # noqa: E731
-        recent: list[dict[str, float]] = []
-        wall = time.time()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True)
-        try:
-            while self.step < cfg.steps:
-                recent.append(self.train_step())
-                bar.update(1)
-                if self.step % cfg.eval.every == 0 or self.step == cfg.steps:
-                    acc = self.evaluate(cfg.eval.drills)
-                    row = {"step": self.step, "frames": cfg.frames_at(self.step),
-                           **_means(recent),
-                           "lr": self.lr_at(self.step - 1), "cpu_s": round(cpu(), 1),
-                           "wall_s": round(time.time() - wall, 1), "dev": acc}
-                    recent = []
-                    self.log(row)
-                    bar.set_postfix_str(" ".join(f"{k[:4]}={v:.2f}" for k, v in acc.items() if k in CHAINS))
-                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or stop():
-                    self.save(cpu())
-                if stop():
-                    return None
-        finally:
-            bar.close()
-        return self.finish(cpu())
+        self._recent.append(self.train_step())
+        if self.step % cfg.eval.every and self.step != cfg.steps:
+            return None
+        acc = self.evaluate(cfg.eval.drills)
+        row = {"step": self.step, "frames": cfg.frames_at(self.step), **_means(self._recent),
+               "lr": self.lr_at(self.step - 1), "cpu_s": round(self.cpu_now(), 1),
+               "wall_s": round(time.time() - self._wall, 1), "dev": acc}
+        self._recent = []
+        return row
+
+    def run(self, stop: StopFlag | None = None, stop_after: int | None = None) -> dict[str, Any] | None:
+        """Train to `cfg.steps` from the checkpoint if any, in the step loop MARL and SFT use (m1/marl/loop.py:
+        metrics.jsonl, trackers, checkpoints, `stop` set by a signal); the record, or None when it stopped early."""
+        self._cpu_started, self._wall, self._recent = time.process_time(), time.time(), []
+        run_steps(self, self.cfg.steps, self.logged_step, "pretrain step", stop_after=stop_after, stop=stop)
+        return self.finish(self.cpu_now()) if self.step == self.cfg.steps else None
 
     def finish(self, cpu_seconds: float) -> dict[str, Any]:
         """Save the base and its record (held-out accuracy on `eval.final_drills` per family)."""
@@ -266,7 +260,7 @@ class Pretrainer:
         self.model.save_pretrained(base)
         self.tok.save_pretrained(base)
         acc = self.evaluate(self.cfg.eval.final_drills, seed=54321, split="held_out")
-        rows = [json.loads(r) for r in (self.out / METRICS).read_text().splitlines() if r]
+        rows = [json.loads(r) for r in (self.out / "metrics.jsonl").read_text().splitlines() if r]
         record = {"config": self.cfg.recorded(), "steps": self.step, "held_out": acc,
                   "graded": {f: acc[f] for f in self.cfg.graded}, "cpu_seconds": round(cpu_seconds, 1),
                   "core_hours": round(cpu_seconds / 3600, 3),
@@ -289,7 +283,7 @@ def pretrain_main(config_path: str | Path, overrides: list[str] | None = None,
     with stop_on_signals() as flag:
         trainer = Pretrainer(cfg, progress)
         progress(f"pretrain: {cfg.steps} steps of {cfg.batch_size} into {trainer.out} (starting at {trainer.step})")
-        record = trainer.run(stop=lambda: bool(flag))
+        record = trainer.run(stop=flag)
         if record is None:
             progress(f"pretrain: {flag.name} received; step {trainer.step} is checkpointed in "
                      f"{trainer.out / CHECKPOINT}")

@@ -174,9 +174,10 @@ def test_pretrain_trains_evaluates_and_resumes_exactly(tmp_path, m1_cache):
     assert set(record["graded"]) == {"grounding"} and record["cpu_seconds"] > 0
     assert any(not torch.equal(before[k], v) for k, v in whole.model.state_dict().items())
     assert (tmp_path / "a" / "pt" / "base" / "record.json").is_file()
+    assert [r["step"] for r in whole.history] == [3, 6]  # the shared step loop logs the evaluations' rows alone
 
     first = Pretrainer(_cfg(tmp_path / "b"), progress=lambda s: None)
-    assert first.run(stop=lambda: first.step >= 3) is None and first.step == 3
+    assert first.run(stop_after=3) is None and first.step == 3
     second = Pretrainer(_cfg(tmp_path / "b"), progress=lambda s: None)
     assert second.step == 3
     second.run()
