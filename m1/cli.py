@@ -272,6 +272,20 @@ def _print_plan(kind: str, config: str, overrides: list[str], gpus: Optional[int
         fail("the plan does not fit:\n" + "\n".join(f"  - {p}" for p in plan.problems))
 
 
+def _plan_or_train(kind: str, config: str, overrides: Optional[list[str]], plan: bool, gpus: Optional[int],
+                   gpu_mem: Optional[float], resume_from: Optional[str], debug: bool) -> None:
+    """`m1 train` (kind marl) and `m1 sft`: print the plan with --plan, else train under the guard of exit codes."""
+    if plan:
+        _print_plan(kind, config, overrides or [], gpus, gpu_mem)
+        return
+    if kind == "marl":
+        from m1.marl.launch import train_main as main
+    else:
+        from m1.marl.sft import sft_main as main
+    sets = list(overrides or []) + ([f"checkpoint.resume_from={resume_from}"] if resume_from else [])
+    train_guarded(lambda: main(config, sets, progress=typer.echo), debug)
+
+
 _PLAN_HELP = "Print the placement plan (GPUs and estimated memory per GPU) and exit; loads no model."
 _GPUS_HELP = "Plan for N GPUs (cluster.gpus_per_node per node) instead of asking Ray / this machine."
 _MEM_HELP = "Memory of one GPU in GB for the plan (default: cluster.gpu_mem_gb, else the local GPUs)."
@@ -295,13 +309,7 @@ def train(
     Exit status: 0 done; 2 an error (one `error:` line); 143 after SIGTERM, 130 after SIGINT: the step
     under way finished and was checkpointed ("stopped at step N"); rerun the same command to resume. A
     second signal stops at once, losing the steps after the newest checkpoint."""
-    if plan:
-        _print_plan("marl", config, overrides or [], gpus, gpu_mem)
-        return
-    from m1.marl.launch import train_main
-
-    sets = list(overrides or []) + ([f"checkpoint.resume_from={resume_from}"] if resume_from else [])
-    train_guarded(lambda: train_main(config, sets, progress=typer.echo), debug)
+    _plan_or_train("marl", config, overrides, plan, gpus, gpu_mem, resume_from, debug)
 
 
 @app.command()
@@ -319,13 +327,7 @@ def sft(
 
     Exit status as for `m1 train`: 0, 2 (an error), 143 / 130 (stopped by SIGTERM / SIGINT after
     checkpointing the last step; rerun to resume)."""
-    if plan:
-        _print_plan("sft", config, overrides or [], gpus, gpu_mem)
-        return
-    from m1.marl.sft import sft_main
-
-    sets = list(overrides or []) + ([f"checkpoint.resume_from={resume_from}"] if resume_from else [])
-    train_guarded(lambda: sft_main(config, sets, progress=typer.echo), debug)
+    _plan_or_train("sft", config, overrides, plan, gpus, gpu_mem, resume_from, debug)
 
 
 @app.command()
