@@ -75,6 +75,7 @@ class Batcher:
         self.batches: deque[int] = deque(maxlen=1000)  # sizes of the last batches run (tests, the benchmark)
         self._thread = threading.Thread(target=self._loop, name="m1-serve-team", daemon=True)
         self._thread.start()
+
     def submit(self, q: Question, tmp: Path | None) -> _Job:
         with self._cv:
             if self._stop:
@@ -110,26 +111,39 @@ class Batcher:
             if not jobs:
                 continue
             self.batches.append(len(jobs))
+            self._run_batch(jobs)
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        """Run one batch and resolve its requests. Its places in the queue are freed before the replies go out: a
+        client that sends its next request the moment it has its answer is not refused (429) for its own
+        finished batch."""
+        episodes, error = None, None
+        try:
             try:
                 episodes = self.team.run([j.question for j in jobs])
-                for j, ep in zip(jobs, episodes):
-                    if not j.future.done():  # a timed-out request's future was cancelled
-                        j.future.set_result(ep)
             except Exception as exc:  # a model that failed: every request of the batch gets a 500, the server stays
+                error = exc
                 if out_of_handles(exc) is None:  # out of file handles: the app logs it once per request, as a 503
                     log.error("batch of %d failed: %s: %s", len(jobs), type(exc).__name__, exc)
-                for j in jobs:
-                    if not j.future.done():
-                        j.future.set_exception(exc)
-            finally:
-                for j in jobs:
-                    uploaded = j.tmp is not None and Path(j.tmp) in Path(j.question.video).parents
-                    if uploaded:  # its reader, frames, CLIP rows: dropped
-                        self.team.forget_video(j.question.video)
-                    cleanup(j.tmp)
-                with self._cv:
-                    self._busy = 0
-                    self._cv.notify_all()
+            with self._cv:
+                self._busy = 0
+                self._cv.notify_all()
+            for i, j in enumerate(jobs):
+                if j.future.done():  # a timed-out request's future was cancelled
+                    continue
+                if error is None:
+                    j.future.set_result(episodes[i])
+                else:
+                    j.future.set_exception(error)
+        finally:
+            for j in jobs:
+                uploaded = j.tmp is not None and Path(j.tmp) in Path(j.question.video).parents
+                if uploaded:  # its reader, frames, CLIP rows: dropped
+                    self.team.forget_video(j.question.video)
+                cleanup(j.tmp)
+            with self._cv:
+                self._busy = 0
+                self._cv.notify_all()
 
     def _gather(self) -> None:
         """Let requests that arrive together join one batch: wait `gather_s`, and again while more keep arriving
