@@ -289,7 +289,7 @@ def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int)
         finally:
             torch.set_num_threads(before)
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     if workers * threads > (os.cpu_count() or 1):
         progress(f"warning: {workers} seeds x {threads} torch thread(s) (threads_per_seed) on {os.cpu_count()} "
@@ -298,17 +298,18 @@ def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int)
     logs.mkdir(parents=True, exist_ok=True)
     progress(f"{len(exp.seeds)} seeds in {workers} worker processes, {threads} torch thread(s) each "
              f"(threads_per_seed, whatever --jobs is); their logs in {logs}")
-    # the seeds that train an SFT shared by their group (sft_share) first, then the seeds that start from it
-    heads = [s for s in exp.seeds if exp.sft is None or s % exp.sft_share == 0]
-    waves = [w for w in (heads, [s for s in exp.seeds if s not in heads]) if w]
     outcomes: dict[int, dict[str, Any]] = {}
+    first, after = seed_order(exp)
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-        for wave in waves:
-            futures = {seed: ex.submit(_seed_worker, exp, seed, workers, str(logs / f"seed{seed}.log"))
-                       for seed in wave}
-            outcomes.update({seed: f.result() for seed, f in futures.items()})  # every seed of a wave runs to its end
-            if any(o.get("exit_status") for o in outcomes.values()):
-                break
+        running = {ex.submit(_seed_worker, exp, seed, workers, str(logs / f"seed{seed}.log")): seed for seed in first}
+        while running:  # every seed submitted runs to its end; after a signal no further one is submitted
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                seed = running.pop(future)
+                outcomes[seed] = future.result()
+                if not any(o.get("exit_status") for o in outcomes.values()):
+                    running.update({ex.submit(_seed_worker, exp, s, workers, str(logs / f"seed{s}.log")): s
+                                    for s in after.get(seed, [])})
     failed = [(seed, o) for seed, o in outcomes.items() if "error" in o]
     stopped = [o["exit_status"] for _, o in failed if o.get("exit_status")]
     if stopped:
@@ -321,6 +322,14 @@ def _run_experiment(exp: Experiment, progress: Callable[[str], None], jobs: int)
         mine = [run for run in stage_runs(exp) if run.seed == seed]
         by_run.update({(run.arm, seed, run.stage): r for run, r in zip(mine, o["records"])})
     return [by_run[(run.arm, run.seed, run.stage)] for run in stage_runs(exp)]  # in the order of one process
+
+
+def seed_order(exp: Experiment) -> tuple[list[int], dict[int, list[int]]]:
+    """The seeds to start at once, and for each seed those that start from its SFT (sft_share: the seed that trains
+    a group's SFT first, the rest of the group as soon as it is done, not when every group's is)."""
+    heads = [s for s in exp.seeds if exp.sft is None or s % exp.sft_share == 0]
+    after = {h: [s for s in exp.seeds if s not in heads and s - s % exp.sft_share == h] for h in heads}
+    return heads, after  # config validation keeps a group's SFT seed among the seeds
 
 
 def _seed_worker(exp: Experiment, seed: int, workers: int, log_path: str) -> dict[str, Any]:

@@ -309,3 +309,14 @@ def test_an_identity_does_not_depend_on_where_the_repository_lies(monkeypatch):
     # the committed record of this stage carries the identity this clone computes
     record = json.loads(exp.record_path("sft", 0, "sft").read_text())
     assert record["identity"] == stage_identity(exp, "sft", 0, "sft")
+
+
+def test_a_seed_waits_for_its_own_groups_sft_alone(monkeypatch):
+    """With jobs > 1, seed 1 starts as soon as seed 0 (its group's SFT) is done, not once every group's SFT is."""
+    from m1.experiment.runner import seed_order
+
+    monkeypatch.delenv("M1_EXPERIMENT_ROWS", raising=False)
+    exp = load_experiment("mini_base_recipe")
+    assert (exp.seeds, exp.sft_share) == ([0, 1, 2, 3, 4, 5], 2)
+    assert seed_order(exp) == ([0, 2, 4], {0: [1], 2: [3], 4: [5]})
+    assert seed_order(load_experiment("mini_base_recipe", ["seeds=[0,1,4,5]"])) == ([0, 4], {0: [1], 4: [5]})
