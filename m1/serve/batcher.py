@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from m1.contracts import Team
-from m1.schema import Question
+from m1.schema import Episode, Question
 from m1.serve.limits import Limits
 from m1.serve.protocol import ApiError
 from m1.video import out_of_handles
@@ -117,7 +117,8 @@ class Batcher:
         """Run one batch and resolve its requests. Its places in the queue are freed before the replies go out: a
         client that sends its next request the moment it has its answer is not refused (429) for its own
         finished batch."""
-        episodes, error = None, None
+        episodes: list[Episode] = []
+        error: Exception | None = None
         try:
             try:
                 episodes = self.team.run([j.question for j in jobs])
