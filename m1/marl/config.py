@@ -386,7 +386,20 @@ def _team(team: str | TeamConfig, overrides: list[str]) -> TeamConfig:
     return team if isinstance(team, TeamConfig) else load_team(team, overrides)
 
 
-class TrainConfig(Strict):
+class RunSettings(Strict):
+    """Where a training run keeps its state and runs, the same for `m1 train` and `m1 sft`: checkpoints, trackers,
+    learner placement, the Ray cluster and the GPUs it is planned on."""
+
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resuming.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Trackers and samples.")
+    placement: Literal["local", "ray"] = Field(default="local", description=(
+        "local: every learner in this process; ray: each trained agent's learner as Ray actors placed by the plan."))
+    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster, with placement ray.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description=(
+        "The GPUs the run is planned on (`m1 train --plan`, `m1 sft --plan`)."))
+
+
+class TrainConfig(RunSettings):
     """One MARL run: a team, its questions, rollouts, rewards, GRPO and one learner per agent."""
 
     name: str = Field(default="marl", description="The run's name (trackers, records).")
@@ -408,13 +421,6 @@ class TrainConfig(Strict):
     steps: int = Field(200, ge=1, description="Training steps.")
     seed: int = Field(default=0, description="Seed of the data order, the DAGs, sampling and training.")
     out_dir: str = Field(default="runs/marl", description="Where checkpoints, metrics and samples go.")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resuming.")
-    log: LogConfig = Field(default_factory=LogConfig, description="Trackers and samples.")
-    placement: Literal["local", "ray"] = Field(default="local", description=(
-        "local: every learner in this process; ray: each agent's learner as Ray actors."))
-    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster, with placement ray.")
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description=(
-        "The GPUs the run is planned on (`m1 train --plan`)."))
 
     @model_validator(mode="after")
     def _checks(self) -> TrainConfig:
@@ -512,7 +518,7 @@ class SFTDataConfig(Strict):
         "Teacher worker processes, each over whole videos; the examples are the same as one process's."))
 
 
-class SFTConfig(Strict):
+class SFTConfig(RunSettings):
     """Supervised fine-tuning of every agent of a team on kept teacher plans."""
 
     name: str = Field(default="sft", description="The run's name (trackers, records).")
@@ -530,13 +536,6 @@ class SFTConfig(Strict):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps; None: after the epochs.")
     seed: int = Field(default=0, description="Seed of the example order and of training.")
     out_dir: str = Field(default="runs/sft", description="Where examples, checkpoints and metrics go.")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resuming.")
-    log: LogConfig = Field(default_factory=LogConfig, description="Trackers and samples.")
-    placement: Literal["local", "ray"] = Field(default="local", description=(
-        "local: every learner in this process; ray: each student's learner as Ray actors placed by the plan."))
-    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster, with placement ray.")
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description=(
-        "The GPUs the run is planned on (`m1 sft --plan`)."))
 
     @model_validator(mode="after")
     def _checks(self) -> SFTConfig:
