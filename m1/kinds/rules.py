@@ -5,8 +5,9 @@ A rule reads only its chat (never the world script): the system prompt (which ki
 question block, the tool observations, and the frames in it. It sees those frames through `Senses`, which whoever
 runs the rules provides (M1-Synth: the synth vision model's pixel reader and the world's words), so that this layer
 needs nothing of the synthetic world. Where a rule reads its chat's text (a stated time, the video's length, the span
-a tool reported), `Read` and `ReplyBuilder` record where (m1/evidence.py ChatEvidence, for SFT's attention loss);
-what it reads off pixels is not text and cites nothing.
+a tool reported, an option), `Read` and `ReplyBuilder` record where (m1/evidence.py ChatEvidence, for SFT's attention
+loss). What it reads off a frame cites that frame's place in the chat (its time label and, for a text policy, the
+description that stands for its pixels): a note on the frames cites the frames it was read from.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from m1.models.base import part_starts
 from m1.registry import seed_kind, seed_kinds
 
 TIME = re.compile(r"\b(\d{1,2}):(\d{2})\b")  # a clock time in a question ("at 01:15")
+OPTION = re.compile(r"^\s*\(?([A-H])[):.]\s*(.+?)\s*$", re.M)  # an option line ("B: a red triangle")
 Cue = tuple[str, list[str], float | None]  # (kind of question, objects it names, a stated time in seconds)
 
 
@@ -37,6 +39,7 @@ class Reading:
     notes: list[str] = field(default_factory=list)
     options: list[str] = field(default_factory=list)
     runs: Callable[[str], list] = lambda name: []
+    note_times: list[tuple[float, ...]] = field(default_factory=list)  # the frames (by time) each note is read from
 
 
 class Senses(Protocol):
@@ -67,10 +70,13 @@ class Chat:
     senses: Senses
     images: list[np.ndarray] = field(default_factory=list)
     # where the rules' reads sit, as (message, start, end) in the messages' text_only contents (m1/evidence.py):
-    # the question line's text, the video's length, each tool observation
+    # the question line's text, the video's length, each tool observation, each image part (with the time label
+    # just before it), each option's text in order from A
     question_at: tuple[int, int, int] | None = None
     duration_at: tuple[int, int, int] | None = None
     observation_at: list[tuple[int, int, int]] = field(default_factory=list)
+    frame_at: list[tuple[int, int, int]] = field(default_factory=list)
+    option_at: list[tuple[int, int, int]] = field(default_factory=list)
 
     def look(self, positions: list[int] | None = None) -> Reading:
         """Look at the chat's frames (all, or those at `positions`), sorted by time, one per time."""
@@ -101,17 +107,20 @@ def read_chat(messages: list[dict], images: list[np.ndarray] | None, senses: Sen
     system = messages[0].get("content", "") if messages else ""
     tools = ((spec.offered_tools or listed_tools) if spec else listed_tools)(system)
     times, glance, observations, users = [], [], [], []
-    spots: dict[str, Any] = {"observation_at": []}
+    spots: dict[str, Any] = {"observation_at": [], "frame_at": [], "option_at": []}
     for n, m in enumerate(messages):
         if m.get("role") != "user":
             continue
         parts = (m["content"] if isinstance(m.get("content"), list)
                  else [{"type": "text", "text": str(m.get("content"))}])
-        for p, at in zip(parts, part_starts(parts)):
+        starts = part_starts([*parts, {"type": "text", "text": ""}])  # and where the content ends
+        for i, (p, at) in enumerate(zip(parts, starts)):
             if p.get("type") == "image":
                 if len(users) == 0:
                     glance.append(len(times))
                 times.append(float(p.get("time", 0.0)))
+                label = i > 0 and str(parts[i - 1].get("text", "")).startswith("<frame")
+                spots["frame_at"].append((n, starts[i - 1] if label else at, starts[i + 1]))
             else:
                 text = str(p.get("text", ""))
                 if text.startswith("["):
@@ -120,6 +129,8 @@ def read_chat(messages: list[dict], images: list[np.ndarray] | None, senses: Sen
                 if not users:
                     _spot(spots, "question_at", r"^Question: (.+)$", text, n, at)
                     _spot(spots, "duration_at", r"The video lasts ([\d.]+) s", text, n, at)
+                    if not spots["option_at"] and "Options:" in text:
+                        spots["option_at"] = _options_at(text, n, at)
         users.append(" ".join(str(p.get("text", "")) for p in parts if p.get("type") != "image"))
     first = users[0] if users else ""
     qm = re.search(r"^Question: .*?(?=^Task:|\Z)", first, re.M | re.S)
@@ -133,6 +144,17 @@ def read_chat(messages: list[dict], images: list[np.ndarray] | None, senses: Sen
                 glance=glance, times=times, replies=[m.get("content", "") for m in messages
                                                      if m.get("role") == "assistant"],
                 observations=observations, last_turn=last, senses=senses, images=list(images or []), **spots)
+
+
+def _options_at(text: str, message: int, at: int) -> list[tuple[int, int, int]]:
+    """Where each option's text sits, A first, in the text part holding the options block."""
+    block = text.index("Options:")
+    found: list[tuple[int, int, int]] = []
+    for m in OPTION.finditer(text, block):
+        if ord(m.group(1)) - 65 != len(found):
+            break
+        found.append((message, at + m.start(2), at + m.end(2)))
+    return found
 
 
 def _spot(spots: dict[str, Any], name: str, pattern: str, text: str, message: int, at: int) -> None:
@@ -160,10 +182,38 @@ class Read:
     sources: tuple
 
 
+@dataclass(frozen=True)
+class Said:
+    """Words a rule writes in pieces, each (text, sources, copy) citing where it was read (`copy` as in
+    m1/evidence.py): its reasoning, written into a reply by `say` or, as a JSON string, by `write_json`."""
+
+    pieces: tuple[tuple[str, tuple, bool], ...] = ()
+
+    def __add__(self, other: Said | str) -> Said:
+        return Said(self.pieces + (other.pieces if isinstance(other, Said) else ((other, (), False),)))
+
+    def __radd__(self, other: str) -> Said:
+        return Said(((other, (), False),) + self.pieces)
+
+    def __str__(self) -> str:
+        return "".join(text for text, _, _ in self.pieces)
+
+
+def say(out: ReplyBuilder, said: Said | str, escape: bool = False) -> None:
+    """Write `said` into `out`, each piece citing its sources (`escape`: as inside a JSON string)."""
+    for text, sources, copy in said.pieces if isinstance(said, Said) else ((said, (), False),):
+        out.read(json.dumps(text)[1:-1] if escape else text, sources, copy)
+
+
 def write_json(out: ReplyBuilder, value: Any) -> None:
-    """`json.dumps(value)` written piece by piece into `out`, each `Read` in it citing where it was read."""
+    """`json.dumps(value)` written piece by piece into `out`, each `Read` in it citing where it was read (a `Said`
+    is written as a string)."""
     if isinstance(value, Read):
         out.read(json.dumps(value.value), value.sources)
+    elif isinstance(value, Said):
+        out.add('"')
+        say(out, value, escape=True)
+        out.add('"')
     elif isinstance(value, dict):
         out.add("{")
         for i, (k, v) in enumerate(value.items()):
@@ -199,28 +249,55 @@ def fallback(chat: Chat) -> str:
     return {"mcq": "A", "numeric": "0", "grounding": "[0.0 - 1.0]"}.get(chat.task, "unknown")
 
 
-def evidence(r: Reading) -> str:
-    """What the frames showed about the question's objects, and the chosen option's words: the reasoning a student
-    can copy its answer from (an answer letter alone gives a tiny policy nothing to learn from)."""
-    bits = [n.rstrip(".") for n in r.notes]
+def frames_at(chat: Chat, times) -> tuple:
+    """Where the frames shown at `times` sit in the chat (the sources of what was read off them)."""
+    want = set(times)
+    return tuple(at for t, at in zip(chat.times, chat.frame_at) if t in want)
+
+
+def _chosen(chat: Chat, r: Reading) -> tuple[int | None, tuple]:
+    """The option the answer letter names (None: no option) and where its text sits in the question."""
     letter = (r.answer or "").strip()
-    if len(letter) == 1 and "A" <= letter <= "Z" and ord(letter) - 65 < len(r.options):
-        bits.append(f"The answer is {r.options[ord(letter) - 65]}")
-    return "".join(f". {b}" for b in bits)
+    if not (len(letter) == 1 and "A" <= letter <= "Z" and ord(letter) - 65 < len(r.options)):
+        return None, ()
+    k = ord(letter) - 65
+    at = chat.option_at[k] if len(chat.option_at) == len(r.options) else None
+    return k, ((at,) if at is not None and at[2] - at[1] == len(r.options[k]) else ())
+
+
+def evidence(chat: Chat, r: Reading) -> Said:
+    """What the frames showed about the question's objects, each note citing its frames, and the chosen option's
+    words, copied from the question: the reasoning a student can read its answer from (an answer letter alone gives
+    a tiny policy nothing to learn from)."""
+    said = Said()
+    for note, times in zip(r.notes, [*r.note_times, *[()] * (len(r.notes) - len(r.note_times))]):
+        said = said + ". " + Said(((note.rstrip("."), frames_at(chat, times), False),))
+    k, at = _chosen(chat, r)
+    if k is not None:
+        said = said + ". The answer is " + Said(((r.options[k], at, True),))
+    return said
+
+
+def answer_read(chat: Chat, r: Reading, answer: str) -> Read:
+    """The answer as read: a letter from its option's text, any other answer from the frames the notes read."""
+    k, at = _chosen(chat, r)
+    if k is not None:
+        return Read(answer, at)
+    return Read(answer, frames_at(chat, {t for times in r.note_times for t in times}))
 
 
 TOOL_SAYS = "the tool's result"  # why an answer is a tool's span
 
 
-def answer_now(chat: Chat, prefer: str | None = None) -> tuple[str, str]:
+def answer_now(chat: Chat, prefer: Read | None = None) -> tuple[Read, Said | str]:
     """(answer, why) from every frame seen; `prefer` (a tool's span) when the frames settle nothing."""
     r = chat.look()
     if r.answer is not None and (r.seen or prefer is None):
-        return r.answer, (f"I read {len(set(chat.times))} frames" + ("" if r.seen else " but could not see it")
-                          + evidence(r))
+        return answer_read(chat, r, r.answer), (f"I read {len(set(chat.times))} frames"
+                                                + ("" if r.seen else " but could not see it") + evidence(chat, r))
     if prefer is not None:
         return prefer, TOOL_SAYS
-    return fallback(chat), "a guess"
+    return Read(fallback(chat), ()), "a guess"
 
 
 def calls_made(chat: Chat, tag: str) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from m1.evidence import ChatEvidence, ReplyBuilder
 from m1.kinds.parsers import SeedReply, ToolCall, answer_from_prose, answer_value, canonical_name, finish, guard, \
     loads_lenient, tag
-from m1.kinds.rules import Chat, Read, evidence, fallback, length_at, time_at, write_json
+from m1.kinds.rules import Chat, Read, Said, answer_read, evidence, fallback, length_at, time_at, write_json
 from m1.kinds.settings import KindSettings
 from m1.kinds.tools import Context, Observation, Pending, SeedTools, ToolFailure, done, hms
 from m1.registry import SeedKindSpec, register_seed_kind
@@ -227,7 +227,7 @@ def reasonable_tools(episode: Episode, agent: str, calls: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ M1-Synth rule policy
-def _reply(final: str | None, reasoning: str, calls: list[tuple[str, dict, str]], first: bool
+def _reply(final: Read | None, reasoning: Said | str, calls: list[tuple[str, dict, str]], first: bool
            ) -> tuple[str, tuple[ChatEvidence, ...]]:
     rec = {"needed": bool(calls), "why_no_tool": "" if calls else "the frames answer the question",
            "tool_calls": [{"rationale": why, "name": n, "arguments": a} for n, a, why in calls]}
@@ -246,9 +246,9 @@ def rules(chat: Chat) -> tuple[str, tuple[ChatEvidence, ...]]:
     first = not chat.replies
     r = chat.look()
     if r.seen or not chat.tools or chat.last_turn:
-        answer = r.answer if r.answer is not None else fallback(chat)
+        answer = answer_read(chat, r, r.answer) if r.answer is not None else Read(fallback(chat), ())
         why = (f"the {len(set(chat.times))} frames show it" if r.seen else "the evidence is thin; best guess"
-               ) + evidence(r)
+               ) + evidence(chat, r)
         return _reply(answer, why, [], first)
     kind, objs, t = chat.cue()
     dur = chat.duration
@@ -277,8 +277,8 @@ def rules(chat: Chat) -> tuple[str, tuple[ChatEvidence, ...]]:
             return _reply(None, "I need frames of that moment", [
                 (EXTRACT, {"start": Read(hms(s), at), "end": Read(hms(e), at + length_at(chat)),
                            "type": "frames"}, "look at the moment densely")], first)
-    answer = r.answer if r.answer is not None else fallback(chat)
-    return _reply(answer, "answering from what I could see" + evidence(r), [], first)
+    answer = answer_read(chat, r, r.answer) if r.answer is not None else Read(fallback(chat), ())
+    return _reply(answer, "answering from what I could see" + evidence(chat, r), [], first)
 
 
 # ------------------------------------------------------------------------------------------ the spec

@@ -48,7 +48,7 @@ class SynthSenses:
         answer = m.group(1) if m else (a.group(1).strip() if a else None)
         if answer is not None and answer.lower() in ("not seen", "not found"):
             answer = None
-        return Reading(answer, bool(out.meta.get("seen")), reader.notes, reader.options, reader.of)
+        return Reading(answer, bool(out.meta.get("seen")), reader.notes, reader.options, reader.of, reader.note_times)
 
     def cue(self, text: str) -> Cue:
         """(kind of question, objects it names, a stated time) from the question's wording."""
@@ -69,8 +69,8 @@ SENSES = SynthSenses()
 
 
 def write(messages: list[dict], images: list[np.ndarray] | None) -> tuple[str, tuple[ChatEvidence, ...]]:
-    """The rule policy's reply to a seed-kind chat, and where it reads the chat's text (m1/evidence.py ChatEvidence;
-    what it reads off pixels is not text and is not cited)."""
+    """The rule policy's reply to a seed-kind chat, and where it reads the chat (m1/evidence.py ChatEvidence: its
+    text, and the places of the frames it reads off pixels)."""
     chat = read_chat(messages, images, SENSES)
     rules = seed_kind(chat.kind).rules
     if rules is None:

@@ -315,6 +315,11 @@ class _Answerer:
         self.options = parse_options(prompt)
         self.runs = self._runs()
         self.notes: list[str] = []  # sentences about the objects the question is about
+        self.note_times: list[tuple[float, ...]] = []  # the times of the frames each note is read from
+
+    def _note(self, text: str, *times: float) -> None:
+        self.notes.append(text)
+        self.note_times.append(tuple(dict.fromkeys(times)))
 
     def _runs(self) -> list[Run]:
         """Follow each object through consecutive frames; same name and a nearby centre."""
@@ -411,11 +416,11 @@ class _Answerer:
             for k, opt in enumerate(self.options):
                 if target and target in _norm(opt):
                     return f"##Answer: {LETTERS[k]}", True
-            self.notes.append(f"What I saw ({answer}) matches none of the options.")
+            self._note(f"What I saw ({answer}) matches none of the options.")
         if not self.options:
             return "##Answer: not seen", False
         k = int(hashlib.sha256(self.prompt.encode()).hexdigest(), 16) % len(self.options)
-        self.notes.append("The frames do not show what the question asks about; the answer is a guess.")
+        self._note("The frames do not show what the question asks about; the answer is a guess.")
         return f"##Answer: {LETTERS[k]}", False
 
     # one method per question template: returns (final line, whether the evidence was seen)
@@ -425,54 +430,55 @@ class _Answerer:
         lo, hi = t - 1.5, t + min(self.gap() + 1.0, 6.0)
         cands = [r for r in self.runs if lo <= r.first <= hi]
         if not cands:
-            self.notes.append(f"Nothing appears around {fmt_time(t)} in these frames.")
+            self._note(f"Nothing appears around {fmt_time(t)} in these frames.")
             return self._choose(None)
         r = min(cands, key=lambda r: (abs(r.first - t), r.name))
-        self.notes.append(f"At {fmt_time(r.first)} a {r.name} appears at the {self._where(r.sightings[0][1])}.")
+        self._note(f"At {fmt_time(r.first)} a {r.name} appears at the {self._where(r.sightings[0][1])}.", r.first)
         return self._choose(r.name.split()[0])
 
     def _order(self, m):
         ref = f"{m.group(1)} {m.group(2)}"
         runs = self.of(ref)
         if not runs:
-            self.notes.append(f"The {ref} is not visible in these frames.")
+            self._note(f"The {ref} is not visible in these frames.")
             return self._choose(None)
         last = runs[-1]
         if last.k1 == len(self.seen) - 1:
-            self.notes.append(f"The {ref} is still visible in the last frame; I cannot see it leave.")
+            self._note(f"The {ref} is still visible in the last frame; I cannot see it leave.", last.last)
             return self._choose(None)
         gone = self.times[last.k1 + 1]
         if gone - last.last > ORDER_WINDOW:
-            self.notes.append(f"The {ref} is last seen at {fmt_time(last.last)}, but the next frame is at "
-                              f"{fmt_time(gone)}; I cannot tell when it left.")
+            self._note(f"The {ref} is last seen at {fmt_time(last.last)}, but the next frame is at "
+                       f"{fmt_time(gone)}; I cannot tell when it left.", last.last, gone)
             return self._choose(None)
         after = [r for r in self.runs if r.name != ref and r.k0 > last.k1 and r.first - last.last <= 2 * ORDER_WINDOW]
         if not after:
-            self.notes.append(f"The {ref} leaves after {fmt_time(last.last)}; nothing new appears right after it.")
+            self._note(f"The {ref} leaves after {fmt_time(last.last)}; nothing new appears right after it.",
+                       last.last, gone)
             return self._choose(None)
         nxt = min(after, key=lambda r: (r.k0, r.name))
-        self.notes.append(f"The {ref} is last seen at {fmt_time(last.last)}; next a {nxt.name} appears at "
-                          f"{fmt_time(nxt.first)}.")
+        self._note(f"The {ref} is last seen at {fmt_time(last.last)}; next a {nxt.name} appears at "
+                   f"{fmt_time(nxt.first)}.", last.last, nxt.first)
         return self._choose(nxt.name)
 
     def _position(self, m):
         name = f"{m.group(1)} {m.group(2)}"
         sights = [s for r in self.of(name) for s in r.sightings]
         if not sights:
-            self.notes.append(f"The {name} is not visible in these frames.")
+            self._note(f"The {name} is not visible in these frames.")
             return self._choose(None)
         f = self.seen[0]
         cx = float(np.mean([b.cx for _, b in sights]))
         cy = float(np.mean([b.cy for _, b in sights]))
         where = ("top" if cy < f.height / 2 else "bottom") + " " + ("left" if cx < f.width / 2 else "right")
-        self.notes.append(f"At {fmt_time(sights[0][0])} the {name} is at the {where}.")
+        self._note(f"At {fmt_time(sights[0][0])} the {name} is at the {where}.", *(t for t, _ in sights))
         return self._choose(where)
 
     def _motion(self, m):
         name = f"{m.group(1)} {m.group(2)}"
         sights = [s for r in self.of(name) for s in r.sightings]
         if len(sights) < 2:
-            self.notes.append(f"The {name} is not seen in two frames, so its motion is unknown.")
+            self._note(f"The {name} is not seen in two frames, so its motion is unknown.", *(t for t, _ in sights))
             return self._choose(None)
         (t0, a), (t1, b) = sights[0], sights[-1]
         dx, dy = b.cx - a.cx, b.cy - a.cy
@@ -482,17 +488,17 @@ class _Answerer:
             way = "right" if dx > 0 else "left"
         else:
             way = "down" if dy > 0 else "up"
-        self.notes.append(f"From {fmt_time(t0)} to {fmt_time(t1)} the {name} {MOTION_TEXT[way]}.")
+        self._note(f"From {fmt_time(t0)} to {fmt_time(t1)} the {name} {MOTION_TEXT[way]}.", t0, t1)
         return self._choose(MOTION_TEXT[way])
 
     def _counting(self, m):
         name = f"{m.group(1)} {m.group(2)}"
         runs = self.of(name)
         if runs:
-            self.notes.append(f"The {name} is seen {len(runs)} time(s): "
-                              + ", ".join(fmt_time(r.first) for r in runs) + ".")
+            self._note(f"The {name} is seen {len(runs)} time(s): " + ", ".join(fmt_time(r.first) for r in runs) + ".",
+                       *(r.first for r in runs))
         else:
-            self.notes.append(f"No {name} is visible in these frames.")
+            self._note(f"No {name} is visible in these frames.")
         return f"##Answer: {len(runs)}", bool(runs)
 
     def _spatial(self, m):
@@ -504,7 +510,7 @@ class _Answerer:
             if ba is not None and bb is not None:
                 pairs.append((f.t, ba.cx - bb.cx, ba.cy - bb.cy))
         if not pairs:
-            self.notes.append(f"The {a} and the {b} are never visible together in these frames.")
+            self._note(f"The {a} and the {b} are never visible together in these frames.")
             return self._choose(None)
         dx = float(np.mean([p[1] for p in pairs]))
         dy = float(np.mean([p[2] for p in pairs]))
@@ -512,42 +518,43 @@ class _Answerer:
             rel = "left" if dx < 0 else "right"
         else:
             rel = "above" if dy < 0 else "below"
-        self.notes.append(f"At {fmt_time(pairs[0][0])} the {a} is {RELATIONS[rel]} of the {b}.")
+        self._note(f"At {fmt_time(pairs[0][0])} the {a} is {RELATIONS[rel]} of the {b}.", *(p[0] for p in pairs))
         return self._choose(RELATIONS[rel])
 
     def _grounding(self, m):
         name = f"{m.group(1)} {m.group(2)}"
         runs = self.of(name)
         if not runs:
-            self.notes.append(f"The {name} is not visible in these frames.")
+            self._note(f"The {name} is not visible in these frames.")
             return "##Timestamp: not found", False
         k0, k1 = runs[0].k0, runs[-1].k1
         g = self.gap()
         before = self.times[k0] - self.times[k0 - 1] if k0 > 0 else g
         after = self.times[k1 + 1] - self.times[k1] if k1 + 1 < len(self.times) else g
         s, e = max(0.0, self.times[k0] - before / 2), self.times[k1] + after / 2
-        self.notes.append(f"The {name} is seen from {fmt_time(self.times[k0])} to {fmt_time(self.times[k1])}.")
+        self._note(f"The {name} is seen from {fmt_time(self.times[k0])} to {fmt_time(self.times[k1])}.",
+                   self.times[k0], self.times[k1])
         return f"##Timestamp: [{s:.1f} - {e:.1f}]", True
 
     def _late(self, m):
         n = len(self.seen)
         brief = [r for r in self.runs if r.k0 > 0 and r.k1 < n - 1 and r.last - r.first <= 3.5]
         if not brief:
-            self.notes.append("No brief flash is visible in these frames.")
+            self._note("No brief flash is visible in these frames.")
             return "##Answer: not seen", False
         r = max(brief, key=lambda r: (r.first, r.name))
-        self.notes.append(f"A {r.name} flashes briefly at {fmt_time(r.first)}.")
+        self._note(f"A {r.name} flashes briefly at {fmt_time(r.first)}.", r.first)
         return f"##Answer: {r.name}", True
 
     def _background(self, m):
         name = f"{m.group(1)} {m.group(2)}"
         bgs = [f.background for f in self.seen if any(b.name == name for b in f.blobs)]
         if not bgs:
-            self.notes.append(f"The {name} is not visible in these frames.")
+            self._note(f"The {name} is not visible in these frames.")
             return "##Answer: not seen", False
         bg = max(set(bgs), key=lambda x: (bgs.count(x), x))
-        self.notes.append(f"When the {name} is visible (first at {fmt_time(self._first(name))}) the background "
-                          f"is {bg}.")
+        self._note(f"When the {name} is visible (first at {fmt_time(self._first(name))}) the background is {bg}.",
+                   *(f.t for f in self.seen if any(b.name == name for b in f.blobs)))
         return f"##Answer: {bg}", True
 
     def _first(self, name: str) -> float:

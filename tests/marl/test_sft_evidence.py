@@ -328,3 +328,47 @@ def test_sft_warns_when_no_example_records_evidence(tmp_path, m1_cache, caplog):
         assert "none of the 8 examples records evidence" in caplog.text
     finally:
         tr.close()
+
+
+class _Notes:
+    """Senses that read fixed notes off fixed frames (the rules' layer alone, no pixels)."""
+
+    def __init__(self, reading):
+        self.reading = reading
+
+    def look(self, chat, positions):
+        return self.reading
+
+    def cue(self, text):
+        return "order", ["red square"], None
+
+
+def test_a_seed_rule_answer_cites_the_frames_of_each_note_and_copies_its_option():
+    """A Weaver answer turn: each note points at the frames it was read from (their time label and description), the
+    option's words are copied from the options block, the letter is read from that option."""
+    from m1.config import SeedSystemConfig
+    from m1.kinds.prompts import first_turn
+    from m1.kinds.rules import Reading, read_chat
+    from m1.kinds.settings import settings_for
+    from m1.kinds.weaver import rules, system
+    from m1.models.base import text_only
+
+    q = Question(id="w", video="v.mp4", text="What appears right after the red square leaves?",
+                 options=["a blue circle", "a green cross"])
+    parts = first_turn("weaver", q, 60.0, [0, 4, 8], [0.0, 20.0, 40.0])
+    for p in parts:
+        if p["type"] == "image":
+            p["caption"] = f"something at {p['time']:.0f}"
+    msgs = [{"role": "system", "content": system(settings_for("weaver", SeedSystemConfig(tools=[])))},
+            {"role": "user", "content": parts}]
+    notes = ["The red square is last seen at 00:00; next a green cross appears at 00:20."]
+    reading = Reading("B", True, notes, list(q.options), note_times=[(0.0, 20.0)])
+    reply, evidence = rules(read_chat(msgs, None, _Notes(reading)))
+    assert reply == ("Final step: I read 3 frames. The red square is last seen at 00:00; next a green cross appears "
+                     "at 00:20. The answer is a green cross.\n<answer>B</answer>")
+    flat = text_only(msgs)
+    found = [(reply[e.start:e.end], [flat[m]["content"][a:b] for m, a, b in e.sources], e.copy) for e in evidence]
+    assert found == [
+        (notes[0].rstrip("."), ["<frame 0 at 0.0s>[something at 0]", "<frame 1 at 20.0s>[something at 20]"], False),
+        ("a green cross", ["a green cross"], True),
+        ("B", ["a green cross"], False)]
