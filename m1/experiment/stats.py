@@ -336,7 +336,8 @@ def shared_note(exp: Experiment) -> str | None:
     if only:
         line += (f"; arms that train only SFT ({', '.join(only)}) are answered once per group: their mean ± sd and "
                  f"per-seed rows are over seeds {', '.join(map(str, groups))}, their rows reused seed by seed for the "
-                 "paired differences and answer changes")
+                 "paired differences and answer changes against an arm with a run per seed (against one another: "
+                 "once per group)")
     return line
 
 
@@ -345,7 +346,9 @@ def summarize(exp: Experiment, collected: tuple[list[ArmResult], list[str]] | No
     """One row per arm x family: per-seed accuracies, mean, sd, and the paired difference to the baseline arm (per
     seed, mean, standard error sd/sqrt(n) and 95% interval). Also returns the families and notes (missing seeds,
     shared SFT). `collected`: `collect(exp)`'s result, if already read. A seed that reuses another's eval
-    (`ArmResult.shared`) counts once in the mean and sd, and seed by seed in the paired differences."""
+    (`ArmResult.shared`) counts once in the mean and sd, and seed by seed in the paired differences, but for a seed
+    whose baseline eval is reused as well: that pair is its group's first pair again, and counting it twice would
+    narrow the interval with no new evidence."""
     arms, families = collected or collect(exp)
     base = next(a for a in arms if a.arm == exp.base_arm)
     rows, notes = [], []
@@ -362,7 +365,8 @@ def summarize(exp: Experiment, collected: tuple[list[ArmResult], list[str]] | No
                                    "graded": sum(res.counts[s].get(fam, (0, 0))[1] for s in per_seed)}
             row["mean"], row["sd"] = mean_sd(row["accuracy"]) if per_seed else (float("nan"), float("nan"))
             if res is not base:
-                both = [s for s in sorted(every) if s in base.counts and base.accuracy(s, fam) is not None]
+                both = [s for s in sorted(every) if s in base.counts and base.accuracy(s, fam) is not None
+                        and not (s in res.shared and s in base.shared)]
                 diffs = [every[s] - base.accuracy(s, fam) for s in both]  # type: ignore[operator]
                 row["diff_seeds"], row["diff"] = both, diffs
                 row["diff_mean"], row["diff_low"], row["diff_high"] = (

@@ -320,3 +320,16 @@ def test_a_seed_waits_for_its_own_groups_sft_alone(monkeypatch):
     assert (exp.seeds, exp.sft_share) == ([0, 1, 2, 3, 4, 5], 2)
     assert seed_order(exp) == ([0, 2, 4], {0: [1], 2: [3], 4: [5]})
     assert seed_order(load_experiment("mini_base_recipe", ["seeds=[0,1,4,5]"])) == ([0, 4], {0: [1], 4: [5]})
+
+
+def test_two_arms_answered_once_per_group_are_paired_once_per_group(monkeypatch):
+    """mini_base_recipe's committed records: sft_plain and sft (both SFT only, sft_share 2) differ on three SFT runs,
+    not six; each MARL seed still pairs with the SFT it started from."""
+    from m1.experiment.stats import report_stats
+
+    monkeypatch.delenv("M1_EXPERIMENT_ROWS", raising=False)
+    rows = {(r["arm"], r["family"]): r for r in report_stats(load_experiment("mini_base_recipe")).rows}
+    plain = rows[("sft_plain", "all")]
+    assert plain["seeds"] == plain["diff_seeds"] == [0, 2, 4] and len(plain["diff"]) == 3
+    assert plain["diff_low"] < plain["diff_mean"] < plain["diff_high"]
+    assert rows[("sft_marl", "all")]["diff_seeds"] == [0, 1, 2, 3, 4, 5]
