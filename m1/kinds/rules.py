@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from m1.evidence import ReplyBuilder
+from m1.evidence import ChatEvidence, ReplyBuilder
 from m1.models.base import part_starts
 from m1.registry import seed_kind, seed_kinds
 
@@ -203,6 +203,19 @@ def say(out: ReplyBuilder, said: Said | str, escape: bool = False) -> None:
     """Write `said` into `out`, each piece citing its sources (`escape`: as inside a JSON string)."""
     for text, sources, copy in said.pieces if isinstance(said, Said) else ((said, (), False),):
         out.read(json.dumps(text)[1:-1] if escape else text, sources, copy)
+
+
+def answer_reply(before: str, why: Said | str, between: str, answer: Read
+                 ) -> tuple[str, tuple[ChatEvidence, ...]]:
+    """The answer turn `before` + why + `between` + answer + `</answer>`, its reasoning and answer citing their
+    reads."""
+    out = ReplyBuilder()
+    out.add(before)
+    say(out, why)
+    out.add(between)
+    out.read(answer.value, answer.sources)
+    out.add("</answer>")
+    return out.done()
 
 
 def write_json(out: ReplyBuilder, value: Any) -> None:

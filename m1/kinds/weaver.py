@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from m1.evidence import ChatEvidence, ReplyBuilder
 from m1.kinds.parsers import SeedReply, ToolCall, answer_from_prose, answer_value, canonical_name, finish, guard, \
     loads_lenient, reason_of, tags
-from m1.kinds.rules import Chat, Read, answer_now, calls_made, length_at, say, time_at, write_json
+from m1.kinds.rules import Chat, Read, answer_now, answer_reply, calls_made, length_at, time_at, write_json
 from m1.kinds.settings import KindSettings
 from m1.kinds.tools import Context, Observation, Pending, SeedTools, ToolFailure, done, object_phrase
 from m1.models.base import Completion
@@ -322,13 +322,7 @@ def rules(chat: Chat) -> tuple[str, tuple[ChatEvidence, ...]]:
     # the grounding tool's span, when the frames settle nothing
     prefer = Read(f"[{span[0]:.1f} - {span[1]:.1f}]", at) if kind == "grounding" and span else None
     answer, why = answer_now(chat, prefer)
-    out = ReplyBuilder()
-    out.add("Final step: ")
-    say(out, why)
-    out.add(".\n<answer>")
-    out.read(answer.value, answer.sources)
-    out.add("</answer>")
-    return out.done()
+    return answer_reply("Final step: ", why, ".\n<answer>", answer)
 
 
 # ------------------------------------------------------------------------------------------ the spec

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from m1.evidence import ChatEvidence, ReplyBuilder
 from m1.kinds.parsers import SeedReply, ToolCall, answer_from_prose, answer_value, finish, guard, loads_lenient, \
     reason_of, tags
-from m1.kinds.rules import Chat, Read, answer_now, calls_made, length_at, say, time_at, write_json
+from m1.kinds.rules import Chat, Read, answer_now, answer_reply, calls_made, length_at, time_at, write_json
 from m1.kinds.settings import KindSettings
 from m1.kinds.tools import Context, Observation, Pending, SeedTools, ToolFailure, done
 from m1.registry import SeedKindSpec, register_seed_kind
@@ -199,13 +199,7 @@ def rules(chat: Chat) -> tuple[str, tuple[ChatEvidence, ...]]:
                     f"</think><video_zoom>{json.dumps({'segment': [round(ws, 1), round(we, 1)], 'fps': wfps})}"
                     "</video_zoom>"), ()
     answer, why = answer_now(chat)
-    out = ReplyBuilder()
-    out.add("<think>")
-    say(out, why)
-    out.add(".</think><answer>")
-    out.read(answer.value, answer.sources)
-    out.add("</answer>")
-    return out.done()
+    return answer_reply("<think>", why, ".</think><answer>", answer)
 
 
 # ------------------------------------------------------------------------------------------ the spec
