@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from m1.evidence import ChatEvidence, ReplyBuilder
-from m1.models.base import part_starts
+from m1.models.base import part_starts, text_only
 from m1.registry import seed_kind, seed_kinds
 
 TIME = re.compile(r"\b(\d{1,2}):(\d{2})\b")  # a clock time in a question ("at 01:15")
@@ -77,6 +77,7 @@ class Chat:
     observation_at: list[tuple[int, int, int]] = field(default_factory=list)
     frame_at: list[tuple[int, int, int]] = field(default_factory=list)
     option_at: list[tuple[int, int, int]] = field(default_factory=list)
+    frame_text: list[str] = field(default_factory=list)  # each image part's text at frame_at (label + description)
 
     def look(self, positions: list[int] | None = None) -> Reading:
         """Look at the chat's frames (all, or those at `positions`), sorted by time, one per time."""
@@ -107,13 +108,14 @@ def read_chat(messages: list[dict], images: list[np.ndarray] | None, senses: Sen
     system = messages[0].get("content", "") if messages else ""
     tools = ((spec.offered_tools or listed_tools) if spec else listed_tools)(system)
     times, glance, observations, users = [], [], [], []
-    spots: dict[str, Any] = {"observation_at": [], "frame_at": [], "option_at": []}
+    spots: dict[str, Any] = {"observation_at": [], "frame_at": [], "option_at": [], "frame_text": []}
     for n, m in enumerate(messages):
         if m.get("role") != "user":
             continue
         parts = (m["content"] if isinstance(m.get("content"), list)
                  else [{"type": "text", "text": str(m.get("content"))}])
         starts = part_starts([*parts, {"type": "text", "text": ""}])  # and where the content ends
+        flat = text_only([{"content": parts}])[0]["content"]
         for i, (p, at) in enumerate(zip(parts, starts)):
             if p.get("type") == "image":
                 if len(users) == 0:
@@ -121,6 +123,7 @@ def read_chat(messages: list[dict], images: list[np.ndarray] | None, senses: Sen
                 times.append(float(p.get("time", 0.0)))
                 label = i > 0 and str(parts[i - 1].get("text", "")).startswith("<frame")
                 spots["frame_at"].append((n, starts[i - 1] if label else at, starts[i + 1]))
+                spots["frame_text"].append(flat[spots["frame_at"][-1][1]:starts[i + 1]])
             else:
                 text = str(p.get("text", ""))
                 if text.startswith("["):
@@ -278,17 +281,49 @@ def _chosen(chat: Chat, r: Reading) -> tuple[int | None, tuple]:
     return k, ((at,) if at is not None and at[2] - at[1] == len(r.options[k]) else ())
 
 
-def evidence(chat: Chat, r: Reading) -> Said:
-    """What the frames showed about the question's objects, each note citing its frames, and the chosen option's
-    words, copied from the question: the reasoning a student can read its answer from (an answer letter alone gives
-    a tiny policy nothing to learn from)."""
+def evidence(chat: Chat, r: Reading, answer: str | None = None) -> Said:
+    """What the frames showed about the question's objects, each note citing its frames, then (with `answer`) the
+    reading drills' chain to it (`chain`): the reasoning a student can read its answer from (an answer letter alone
+    gives a tiny policy nothing to learn from)."""
     said = Said()
-    for note, times in zip(r.notes, [*r.note_times, *[()] * (len(r.notes) - len(r.note_times))]):
+    for note, times in zip(r.notes, _note_times(r)):
         said = said + ". " + Said(((note.rstrip("."), frames_at(chat, times), False),))
+    return said if answer is None else said + ". Read:" + chain(chat, r, answer)
+
+
+def _note_times(r: Reading) -> list[tuple[float, ...]]:
+    return [*r.note_times, *[()] * (len(r.notes) - len(r.note_times))]
+
+
+CHAIN_FRAMES = 3  # frames a chain quotes at most (a position read off ten sightings needs only the first)
+
+
+def chain(chat: Chat, r: Reading, answer: str) -> Said:
+    """The hops from the chat to `answer` in the notation of the mini base's reading drills (m1/pretrain/drills.py,
+    ` 78 -> 78.8s>[a small red cross at the top left] -> red -> B`): the question's clock time in seconds, each
+    frame the notes read quoted as the chat shows it (after its `<frame k at`), the chosen option's words copied,
+    then the answer. Every hop is one the base practised, each cited, so the student's answer is read off the step
+    just written rather than recalled across the whole chat."""
+    hops: list[Said] = []
+    clock = TIME.search(chat.text)
+    if clock:
+        hops.append(Said(((f" {int(clock.group(1)) * 60 + int(clock.group(2))}", time_at(chat), False),)))
+    times = list(dict.fromkeys(t for ts in _note_times(r) for t in ts))[:CHAIN_FRAMES]
+    for t in times:
+        k = chat.times.index(t) if t in chat.times else None
+        if k is None or k >= len(chat.frame_text):
+            continue
+        text, (m, a, b) = chat.frame_text[k], chat.frame_at[k]
+        cut = text.index(" at ") + 3 if text.startswith("<frame") and " at " in text else 0
+        hops.append(Said(((text[cut:], ((m, a + cut, b),), True),)))
     k, at = _chosen(chat, r)
     if k is not None:
-        said = said + ". The answer is " + Said(((r.options[k], at, True),))
-    return said
+        hops.append(Said(((" ", (), False), (r.options[k], at, True))))
+    hops.append(Said(((" " + answer, answer_read(chat, r, answer).sources, False),)))
+    out = hops[0]
+    for hop in hops[1:]:
+        out = out + " ->" + hop
+    return out
 
 
 def answer_read(chat: Chat, r: Reading, answer: str) -> Read:
@@ -307,7 +342,7 @@ def answer_now(chat: Chat, prefer: Read | None = None) -> tuple[Read, Said | str
     r = chat.look()
     if r.answer is not None and (r.seen or prefer is None):
         return answer_read(chat, r, r.answer), (f"I read {len(set(chat.times))} frames"
-                                                + ("" if r.seen else " but could not see it") + evidence(chat, r))
+                                                + ("" if r.seen else " but could not see it") + evidence(chat, r, r.answer))
     if prefer is not None:
         return prefer, TOOL_SAYS
     return Read(fallback(chat), ()), "a guess"

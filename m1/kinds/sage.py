@@ -248,7 +248,7 @@ def rules(chat: Chat) -> tuple[str, tuple[ChatEvidence, ...]]:
     if r.seen or not chat.tools or chat.last_turn:
         answer = answer_read(chat, r, r.answer) if r.answer is not None else Read(fallback(chat), ())
         why = (f"the {len(set(chat.times))} frames show it" if r.seen else "the evidence is thin; best guess"
-               ) + evidence(chat, r)
+               ) + evidence(chat, r, r.answer)
         return _reply(answer, why, [], first)
     kind, objs, t = chat.cue()
     dur = chat.duration
@@ -278,7 +278,7 @@ def rules(chat: Chat) -> tuple[str, tuple[ChatEvidence, ...]]:
                 (EXTRACT, {"start": Read(hms(s), at), "end": Read(hms(e), at + length_at(chat)),
                            "type": "frames"}, "look at the moment densely")], first)
     answer = answer_read(chat, r, r.answer) if r.answer is not None else Read(fallback(chat), ())
-    return _reply(answer, "answering from what I could see" + evidence(chat, r), [], first)
+    return _reply(answer, "answering from what I could see" + evidence(chat, r, r.answer), [], first)
 
 
 # ------------------------------------------------------------------------------------------ the spec

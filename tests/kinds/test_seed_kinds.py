@@ -364,9 +364,10 @@ def test_rule_policies_answer_from_pixels(world, rule_runs, name):
         assert list(r["agents"]) == [cfg.agents[0].name] and r["agents"][cfg.agents[0].name]["parse_ok"]
 
 
-def test_rule_answers_state_their_evidence_and_the_chosen_option(world, rule_runs):
-    """A rule policy's answer turn says what the frames showed and, for a choice, the chosen option's words before
-    its letter: the reasoning an SFT student can copy its answer from."""
+def test_rule_answers_state_their_evidence_and_the_chain_to_the_chosen_option(world, rule_runs):
+    """A rule policy's answer turn says what the frames showed and, for a choice, ends its reasoning with the drills'
+    chain: the frames it read quoted, the chosen option's words, its letter (what an SFT student copies its answer
+    from)."""
     import re
 
     for name in ("weaver_synth", "zoomer_synth", "sage_synth"):
@@ -378,7 +379,7 @@ def test_rule_answers_state_their_evidence_and_the_chosen_option(world, rule_run
             last = e.generations[-1].completion
             letter = e.final_answer
             option = e.question.options[ord(letter) - 65]
-            stated += f"The answer is {option}" in last
+            stated += bool(re.search(rf"Read:( \d+ ->)? \d+\.\ds>\[.*\] -> {re.escape(option)} -> {letter}\b", last))
             assert re.search(r"I read \d+ frames|frames show it|could see", last), (name, last)
         assert stated == len(mcq), (name, stated, len(mcq))
 

@@ -343,9 +343,10 @@ class _Notes:
         return "order", ["red square"], None
 
 
-def test_a_seed_rule_answer_cites_the_frames_of_each_note_and_copies_its_option():
-    """A Weaver answer turn: each note points at the frames it was read from (their time label and description), the
-    option's words are copied from the options block, the letter is read from that option."""
+def test_a_seed_rule_answer_cites_the_frames_of_each_note_and_writes_the_drills_chain():
+    """A Weaver answer turn: each note points at the frames it was read from (their time label and description); then
+    the mini base's drill chain: each of those frames quoted as the chat shows it (after `<frame k at`), the option's
+    words copied from the options block, the letter read from that option."""
     from m1.config import SeedSystemConfig
     from m1.kinds.prompts import first_turn
     from m1.kinds.rules import Reading, read_chat
@@ -365,10 +366,14 @@ def test_a_seed_rule_answer_cites_the_frames_of_each_note_and_copies_its_option(
     reading = Reading("B", True, notes, list(q.options), note_times=[(0.0, 20.0)])
     reply, evidence = rules(read_chat(msgs, None, _Notes(reading)))
     assert reply == ("Final step: I read 3 frames. The red square is last seen at 00:00; next a green cross appears "
-                     "at 00:20. The answer is a green cross.\n<answer>B</answer>")
+                     "at 00:20. Read: 0.0s>[something at 0] -> 20.0s>[something at 20] -> a green cross -> B."
+                     "\n<answer>B</answer>")
     flat = text_only(msgs)
     found = [(reply[e.start:e.end], [flat[m]["content"][a:b] for m, a, b in e.sources], e.copy) for e in evidence]
     assert found == [
         (notes[0].rstrip("."), ["<frame 0 at 0.0s>[something at 0]", "<frame 1 at 20.0s>[something at 20]"], False),
+        (" 0.0s>[something at 0]", [" 0.0s>[something at 0]"], True),
+        (" 20.0s>[something at 20]", [" 20.0s>[something at 20]"], True),
         ("a green cross", ["a green cross"], True),
+        (" B", ["a green cross"], False),
         ("B", ["a green cross"], False)]
