@@ -295,7 +295,7 @@ def _note_times(r: Reading) -> list[tuple[float, ...]]:
     return [*r.note_times, *[()] * (len(r.notes) - len(r.note_times))]
 
 
-CHAIN_FRAMES = 3  # frames a chain quotes at most (a position read off ten sightings needs only the first)
+CHAIN_FRAMES = 2  # frames a chain quotes at most (an order needs two; a position read off ten sightings one)
 
 
 def chain(chat: Chat, r: Reading, answer: str) -> Said:
