@@ -60,6 +60,39 @@ def identity_text(exp: Experiment, arm: str, seed: int, stage: str, root: str = 
     return json.dumps([parts, worlds], sort_keys=True).replace(repo, root + "/" if root else "")
 
 
+_SHA: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) -> its sha256: a plan hashes each file once
+
+
+def examples_of(exp: Experiment, arm: str, seed: int, stage: str) -> str | None:
+    """The sha256 of the SFT examples the arm's `sft` stage trains on, when it comes at or before `stage`, as
+    data.examples holds them now (None: no such stage, or the file is not here). A stage's identity hashes configs;
+    this catches what a code change rewrote under the same config (a synth teacher edited, its examples built
+    again): recorded with each stage, a stage trained on, or after, other examples runs again."""
+    from m1.marl.sft import examples_path
+    from m1.signature import file_sha256
+
+    stages = exp.arm_stages(arm)
+    if "sft" not in stages[: stages.index(stage) + 1]:
+        return None
+    s = exp.stage_seed(arm, seed, "sft")
+    path = examples_path(load_stage_config(exp, StageRun(arm, s, "sft", exp.stage_dir(arm, s, "sft")))[0])
+    if not path.is_file():
+        return None
+    st = path.stat()
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _SHA:
+        _SHA[key] = file_sha256(path)
+    return _SHA[key]
+
+
+def other_examples(exp: Experiment, run: StageRun, done: dict[str, Any]) -> bool:
+    """Whether a finished stage (`done`: its record) was trained on other SFT examples than data.examples now holds
+    (a record from before examples were recorded: no)."""
+    was = done.get("examples")
+    now = examples_of(exp, run.arm, run.seed, run.stage) if was else None
+    return bool(was and now and was != now)
+
+
 def read_record(exp: Experiment, run: StageRun) -> dict[str, Any] | None:
     """The committed record of a stage (None without one; an eval's also needs its rows file)."""
     path = exp.record_path(run.arm, run.seed, run.stage)
@@ -143,7 +176,8 @@ def plan_stages(exp: Experiment) -> dict[Path, Planned]:
             plan[run.folder] = Planned("new")
         else:
             ident = stage_identity(exp, src.arm, src.seed, src.stage)
-            plan[run.folder] = Planned("recorded" if record.get("identity") == ident else "changed", ident, record)
+            same = record.get("identity") == ident and not other_examples(exp, src, record)
+            plan[run.folder] = Planned("recorded" if same else "changed", ident, record)
     for run in reversed(runs):  # a stage that runs needs its predecessor's weights, which a record does not hold
         prev = previous_training(exp, run)
         if plan[run.folder].runs and prev is not None and plan[prev.folder].state == "recorded":

@@ -15,7 +15,8 @@ from m1.config import load_team
 from m1.errors import describe
 from m1.experiment.config import Experiment, ExperimentError
 from m1.experiment.data_stage import run_data
-from m1.experiment.records import Planned, plan_stages, read_record, stage_identity, write_record
+from m1.experiment.records import (Planned, examples_of, other_examples, plan_stages, read_record, stage_identity,
+                                  write_record)
 from m1.experiment.rows import RESULTS_FILE
 from m1.experiment.stages import (SPENT_FILE, STAGE_FILE, StageRun, add_spent, check_configs, eval_overrides,
                                   eval_questions, eval_team, init_seat, load_stage_config, read_stage, seat_of,
@@ -217,6 +218,10 @@ def _check_finished(exp: Experiment, src: StageRun, owner: str, seat: list[str],
         raise ExperimentError(f"{src.folder / STAGE_FILE}: finished with another config than the experiment "
                               f"now gives (identity {done['identity']}, now {ident}: a stage config or team "
                               "changed); delete that folder to rerun it, or use another out_dir")
+    if other_examples(exp, StageRun(owner, src.seed, src.stage, src.folder), done):
+        raise ExperimentError(f"{src.folder / STAGE_FILE}: trained on other SFT examples than the experiment's "
+                              "data.examples now holds (rebuilt since); delete that folder to rerun it, or use "
+                              "another out_dir")
     return ident
 
 
@@ -227,7 +232,10 @@ def _run_stage(chain: _Chain, run: StageRun, seat: list[str], tag: str, earlier:
     planned = chain.plan[run.folder]
     record_path = exp.record_path(run.arm, run.seed, run.stage)
     ident = planned.identity or stage_identity(exp, run.arm, run.seed, run.stage)
-    if planned.state == "changed":
+    if planned.state == "changed" and planned.record and planned.record.get("identity") == ident:
+        progress(f"{tag}: {record_path} was trained on other SFT examples than data.examples now holds: "
+                 "running it again")
+    elif planned.state == "changed":
         was = planned.record.get("identity") if planned.record else None
         progress(f"{tag}: {record_path} was recorded with another config (identity {was}, now {ident}): "
                  "running it again")
@@ -243,8 +251,10 @@ def _run_stage(chain: _Chain, run: StageRun, seat: list[str], tag: str, earlier:
         add_spent(run.folder, time.perf_counter() - t0)
         raise
     after = load_state(jobs, exp.threads_per_seed)
+    examples = examples_of(exp, run.arm, run.seed, run.stage)
     done = {"experiment": exp.name, "arm": run.arm, "seed": run.seed, "stage": run.stage,
-            "wall_s": earlier + time.perf_counter() - t0, "identity": ident, **body,
+            "wall_s": earlier + time.perf_counter() - t0, "identity": ident,
+            **({"examples": examples} if examples else {}), **body,
             "load": {"before": before and before["load"], "after": after and after["load"],
                      "cores": os.cpu_count(), "given": jobs * exp.threads_per_seed}}
     if "gpus" in done:

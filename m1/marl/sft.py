@@ -105,7 +105,26 @@ def data_settings(cfg: SFTConfig) -> dict[str, Any]:
                            "teacher": teacher, "questions": d.questions}
     if d.plan_filter != "keep_rule":  # recorded only when set, so files built before the option stay valid
         out["plan_filter"] = d.plan_filter
+    teacher_cfg = cfg.teacher_config()
+    if teacher_cfg is not None and any(m.backend == "synth" for m in teacher_cfg.models.values()):
+        out["teacher_code"] = synth_teacher_code()
     return out
+
+
+SYNTH_TEACHER_CODE = ("synth", "kinds", "evidence.py")  # under m1/: what writes a synth teacher's replies
+
+
+def synth_teacher_code() -> str:
+    """A hash of the code that is an M1-Synth teacher (its rule policies, readers and evidence): edit it and the same
+    settings write other examples, so a file built before the edit is built again rather than trained on."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for part in SYNTH_TEACHER_CODE:
+        for f in sorted((root / part).rglob("*.py")) if (root / part).is_dir() else [root / part]:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def video_shards(questions: Sequence[Question], n: int) -> list[list[Question]]:

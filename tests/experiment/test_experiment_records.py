@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from m1.experiment.config import load_experiment
+from m1.experiment.config import ExperimentError, load_experiment
 from m1.team.kinds import TEAM_KINDS, KindSpec
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology
 from tests.experiment.test_experiment import _count, _write, tiny_experiment
@@ -333,3 +333,41 @@ def test_two_arms_answered_once_per_group_are_paired_once_per_group(monkeypatch)
     assert plain["seeds"] == plain["diff_seeds"] == [0, 2, 4] and len(plain["diff"]) == 3
     assert plain["diff_low"] < plain["diff_mean"] < plain["diff_high"]
     assert rows[("sft_marl", "all")]["diff_seeds"] == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_stages_trained_on_examples_since_rebuilt_run_again(tmp_path, m1_cache, monkeypatch):
+    """A stage's identity hashes configs, not the SFT examples a code change rewrites under the same config (a synth
+    teacher edited). Each stage records the examples it was trained on, or after: when data.examples holds other
+    ones, a rerun trains both arms' SFT and what follows it again (said so) rather than skip them as recorded, and
+    a stage finished in out_dir on the old examples is refused."""
+    from m1.experiment.runner import run_experiment
+    from m1.marl.sft import read_examples, write_examples
+    from m1.signature import file_sha256
+
+    path = tiny_experiment(tmp_path)
+    exp = load_experiment(path)
+    run_experiment(exp, progress=lambda _: None)
+    root = tmp_path / "experiment_rows" / "tiny"
+    sha = file_sha256(tmp_path / "examples.jsonl")
+    for stage in ("sft", "marl", "eval"):
+        assert json.loads((root / "full" / "seed0" / f"{stage}.json").read_text())["examples"] == sha
+
+    examples = read_examples(tmp_path / "examples.jsonl")
+    write_examples(tmp_path / "examples.jsonl", examples[::-1])  # the same config, other examples
+    with pytest.raises(ExperimentError, match="trained on other SFT examples"):
+        run_experiment(load_experiment(path), progress=lambda _: None)
+
+    shutil.rmtree(tmp_path / "exp")
+    calls: list[str] = []
+    printed: list[str] = []
+    with monkeypatch.context() as m:
+        for module, name in (("m1.marl.sft", "sft_main"), ("m1.marl.launch", "train_main"),
+                             ("m1.run", "run_questions")):
+            _count(m, module, name, calls)
+        run_experiment(load_experiment(path), progress=printed.append)
+    assert sorted(calls) == ["run_questions"] * 2 + ["sft_main"] * 2 + ["train_main"] * 2
+    assert sum("was trained on other SFT examples than data.examples now holds" in p for p in printed) == 6
+    assert not any("recorded before" in p for p in printed)
+    new = file_sha256(tmp_path / "examples.jsonl")
+    assert json.loads((root / "lora" / "seed0" / "eval.json").read_text())["examples"] == new != sha

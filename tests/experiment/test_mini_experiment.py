@@ -103,6 +103,12 @@ def test_teacher_data_in_worker_processes_equals_one_process_and_is_reused(tmp_p
         with pytest.raises(RuntimeError, match="rebuild"):
             sft.prepare_examples(cfg("one.jsonl", 1, "data.rotate_options=false"), progress=said.append)
         assert any("built with other data settings (rotate_options)" in s for s in said)
+        assert one_stats["data"]["teacher_code"] == sft.synth_teacher_code()  # the synth teacher's code, hashed
+        m.setattr(sft, "synth_teacher_code", lambda: "edited")  # its rules edited: the same settings, other replies
+        said.clear()
+        with pytest.raises(RuntimeError, match="rebuild"):
+            sft.prepare_examples(cfg("one.jsonl", 1), progress=said.append)
+        assert any("built with other data settings (teacher_code)" in s for s in said)
 
 
 # ------------------------------------------------------------------------------------------------ the experiment
