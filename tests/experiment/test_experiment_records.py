@@ -39,6 +39,12 @@ class PlanningTeam:
                                timings={"batch_wall": 0.01, "batch_size": 1.0}))
 
 
+def _count_stages(monkeypatch, calls: list[str]) -> None:
+    """Count each SFT, MARL and eval run an experiment makes into `calls`."""
+    for module, name in (("m1.marl.sft", "sft_main"), ("m1.marl.launch", "train_main"), ("m1.run", "run_questions")):
+        _count(monkeypatch, module, name, calls)
+
+
 def _eval_only(tmp_path, n=30, seeds=(0, 1)):
     """tiny_experiment's eval alone: two arms x `seeds`, `n` questions in three families, traced."""
     spec = yaml.safe_load(tiny_experiment(tmp_path).read_text())
@@ -166,9 +172,7 @@ def test_a_rerun_without_out_dir_skips_recorded_stages_and_retrains_what_a_new_e
     calls: list[str] = []
     printed: list[str] = []
     with monkeypatch.context() as m:
-        for module, name in (("m1.marl.sft", "sft_main"), ("m1.marl.launch", "train_main"),
-                             ("m1.run", "run_questions")):
-            _count(m, module, name, calls)
+        _count_stages(m, calls)
         again = run_experiment(exp, progress=printed.append)
     assert calls == []
     assert sum("recorded before" in p for p in printed) == 6
@@ -179,9 +183,7 @@ def test_a_rerun_without_out_dir_skips_recorded_stages_and_retrains_what_a_new_e
     changed = load_experiment(path, ["arms.lora.eval=[limits.max_turns=1]"])
     calls, printed = [], []
     with monkeypatch.context() as m:
-        for module, name in (("m1.marl.sft", "sft_main"), ("m1.marl.launch", "train_main"),
-                             ("m1.run", "run_questions")):
-            _count(m, module, name, calls)
+        _count_stages(m, calls)
         run_experiment(changed, progress=printed.append)
     assert calls == ["sft_main", "train_main", "run_questions"]
     text = "\n".join(printed)
@@ -362,9 +364,7 @@ def test_stages_trained_on_examples_since_rebuilt_run_again(tmp_path, m1_cache, 
     calls: list[str] = []
     printed: list[str] = []
     with monkeypatch.context() as m:
-        for module, name in (("m1.marl.sft", "sft_main"), ("m1.marl.launch", "train_main"),
-                             ("m1.run", "run_questions")):
-            _count(m, module, name, calls)
+        _count_stages(m, calls)
         run_experiment(load_experiment(path), progress=printed.append)
     assert sorted(calls) == ["run_questions"] * 2 + ["sft_main"] * 2 + ["train_main"] * 2
     assert sum("was trained on other SFT examples than data.examples now holds" in p for p in printed) == 6
