@@ -310,9 +310,9 @@ def chain(chat: Chat, r: Reading, answer: str) -> Said:
         hops.append(Said(((f" {int(clock.group(1)) * 60 + int(clock.group(2))}", time_at(chat), False),)))
     times = list(dict.fromkeys(t for ts in _note_times(r) for t in ts))[:CHAIN_FRAMES]
     for t in times:
-        k = chat.times.index(t) if t in chat.times else None
-        if k is None or k >= len(chat.frame_text):
+        if t not in chat.times:
             continue
+        k = chat.times.index(t)
         text, (m, a, b) = chat.frame_text[k], chat.frame_at[k]
         cut = text.index(" at ") + 3 if text.startswith("<frame") and " at " in text else 0
         hops.append(Said(((text[cut:], ((m, a + cut, b),), True),)))
@@ -341,8 +341,9 @@ def answer_now(chat: Chat, prefer: Read | None = None) -> tuple[Read, Said | str
     """(answer, why) from every frame seen; `prefer` (a tool's span) when the frames settle nothing."""
     r = chat.look()
     if r.answer is not None and (r.seen or prefer is None):
-        return answer_read(chat, r, r.answer), (f"I read {len(set(chat.times))} frames"
-                                                + ("" if r.seen else " but could not see it") + evidence(chat, r, r.answer))
+        seen = "" if r.seen else " but could not see it"
+        why = f"I read {len(set(chat.times))} frames{seen}" + evidence(chat, r, r.answer)
+        return answer_read(chat, r, r.answer), why
     if prefer is not None:
         return prefer, TOOL_SAYS
     return Read(fallback(chat), ()), "a guess"
