@@ -3,11 +3,11 @@
 SFT: `--sft-steps` steps of configs/sft/mini.yaml on a fixed examples file (the rule-based teacher's, built once for
 a 20-video world). MARL: `--marl-steps` steps of configs/marl/mini_recipe.yaml with `rollout.topology=complete`,
 from the shipped mini weights (assets/mini_team), on the same world. Both come from the same seeds, so both sides do
-the same work. Each side runs in its own process: the baseline from a git worktree of `--baseline` (default: the
-last commit before the sampler work), the current one from this checkout (benchmarks/tree_worker.py: each side
-imports its own tree only, and works in its own runs/ folder, so neither reads what the other's code cached); the
-sides alternate, `--reps` times,
-after one untimed warm-up run per side that fills its on-disk caches (SFT examples, CLIP frame embeddings). A step's
+the same work. Eval: the shipped mini_trained team answers `--eval-questions` questions of the world, greedily, as
+`m1 eval` does (both sides must answer the same number right). Each side runs in its own process: the baseline
+from a git worktree of `--baseline` (default: the last commit before the sampler work), the current one from this
+checkout (benchmarks/tree_worker.py: each side imports its own tree only, and works in its own runs/ folder, so
+neither reads what the other's code cached); the sides alternate, `--reps` times, after one untimed warm-up run per side that fills its on-disk caches (SFT examples, CLIP frame embeddings). A step's
 seconds and its parts come from the run's own metrics (time/step, time/rollout, time/update). `--variant
 NAME=key=value,key=value` adds a configuration of the current code (e.g. a cheaper estimator) to time beside them.
 
@@ -97,7 +97,9 @@ def main() -> None:
     p.add_argument("--baseline", default=BASELINE)
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=key=value,key=value: a MARL configuration of the current code timed beside the two")
-    p.add_argument("--only", choices=["sft", "marl"], help="time one loop only")
+    p.add_argument("--eval-questions", type=int, default=100,
+                   help="questions the mini_trained team answers in the eval row (greedy, as `m1 eval`)")
+    p.add_argument("--only", choices=["sft", "marl", "eval"], help="time one of the three only")
     p.add_argument("--device", help="put the agents' models on this device (e.g. cuda) on every side")
     p.add_argument("--no-baseline", action="store_true",
                    help="time this checkout (and its variants) only, e.g. where git history is absent (a GPU lease)")
@@ -116,9 +118,10 @@ def main() -> None:
     for _, _, d in sides.values():
         (d / "runs").mkdir(exist_ok=True)
     res = Result("bench_mini_loop.py")
-    kinds = [k for k in ("sft", "marl") if args.only in (None, k)]
+    kinds = [k for k in ("sft", "marl", "eval") if args.only in (None, k)]
+    targets = {"sft": 1.5, "marl": 2.5, "eval": 2.0}
     for kind in kinds:
-        steps = args.sft_steps if kind == "sft" else args.marl_steps
+        steps = {"sft": args.sft_steps, "marl": args.marl_steps, "eval": args.eval_questions}[kind]
         for name in [n for n in ("baseline", "current") if n in sides]:  # fills each side's own caches
             print(f"{kind}: warm-up run of {name}", flush=True)
             run_side(sides[name][0], sides[name][2], kind, 1, [])
@@ -131,12 +134,14 @@ def main() -> None:
                 times[name].append(run_side(tree, d, kind, steps, sets))
                 print(f"{kind} rep {rep + 1} {name}: {per_step(times[name][-1], 'time/step'):.2f} s "
                       f"for {steps} steps (load {os.getloadavg()[0]:.2f})", flush=True)
-        parts = ["time/step"] if kind == "sft" else ["time/step", "time/rollout", "time/update"]
+        parts = ["time/step", "time/rollout", "time/update"] if kind == "marl" else ["time/step"]
         med = {name: {part: statistics.median(per_step(r, part) for r in runs) / steps for part in parts}
                for name, runs in times.items()}
         for name in names:
             for part in parts:
                 res.add(f"{kind} {name} {part} (s per step, median of {args.reps})", med[name][part])
+            if kind == "eval":  # greedy answers: the same on every side, or the speed-up is not the same work
+                res.add(f"eval {name} correct of {steps}", f"{times[name][-1][0]['correct']}")
             if kind == "marl":
                 rows = times[name][-1]
                 run = sum(v for r in rows for k, v in r.items() if k.endswith("/samples_run"))
@@ -149,12 +154,14 @@ def main() -> None:
         for name in names:
             if name == "baseline":
                 continue
-            target = (">= 1.5" if kind == "sft" else ">= 2.5") if name == "current" else "-"
+            target = f">= {targets[kind]}" if name == "current" else "-"
             ratio = base / med[name]["time/step"]
+            what = f"eval, {name} vs {args.baseline} ({steps} questions, s per question" if kind == "eval" else \
+                f"{kind} step, {name} vs {args.baseline} ({steps} steps"
             res.figures.append(Figure(
-                f"{kind} step, {name} vs {args.baseline} ({steps} steps, 1 thread)", f"{base:.2f} s",
+                f"{what}, 1 thread)", f"{base:.2f} s",
                 f"{med[name]['time/step']:.2f} s", ratio, "baseline / measured", target,
-                (ratio >= (1.5 if kind == "sft" else 2.5)) if name == "current" else None,
+                (ratio >= targets[kind]) if name == "current" else None,
                 " ".join(f"{part.split('/')[1]} {med['baseline'][part]:.2f} -> {med[name][part]:.2f} s"
                          for part in parts[1:]) + (f"; sets {sides[name][1]}" if sides[name][1] else "")))
     finish(res, args.json)

@@ -51,8 +51,11 @@ def main(tree: str, kind: str, steps: int, out: str, sets: list[str]) -> None:
 
         cfg = load_train_config("mini_recipe", common + [f"steps={steps}", "rollout.topology=complete"] + sets)
         make = Trainer
+    elif kind == "eval":
+        print("BENCH_ROWS " + json.dumps(evaluate(steps, Path(out), sets)), flush=True)
+        return
     else:
-        raise SystemExit(f"tree_worker: kind must be sft or marl, got {kind!r}")
+        raise SystemExit(f"tree_worker: kind must be sft, marl or eval, got {kind!r}")
     if device:
         cfg.team_overrides = cfg.team_overrides + [f"models.{a}.device={device}" for a in AGENTS]
     trainer = make(cfg)
@@ -63,6 +66,26 @@ def main(tree: str, kind: str, steps: int, out: str, sets: list[str]) -> None:
     keep = [{k: v for k, v in r.items() if k.startswith("time/") or k.endswith("/samples_run")
              or k.endswith("/samples") or k in ("step", "loss", "reward/mean")} for r in rows]
     print("BENCH_ROWS " + json.dumps(keep), flush=True)
+
+
+def evaluate(n: int, out: Path, sets: list[str]) -> list[dict]:
+    """The mini_trained team answers the world's first `n` questions, as `m1 eval` does (greedy, one thread); one
+    row with the seconds per question (the bench divides a row's time by its `steps`, here questions)."""
+    import time
+
+    from m1.config import load_team
+    from m1.data.questions import read_questions
+    from m1.run import run_questions
+
+    world = Path("runs/mini/train")
+    questions, _ = read_questions(world / "questions.jsonl", world)
+    cfg = load_team("mini_trained", sets)
+    t0 = time.perf_counter()
+    summary = run_questions(cfg, questions[:n], out / "results.jsonl", progress=False)
+    seconds = time.perf_counter() - t0
+    if summary.errors or summary.answered != min(n, len(questions)):
+        raise RuntimeError(f"eval: {summary.describe()}")
+    return [{"step": 1, "time/step": seconds, "time/eval": seconds, "correct": summary.correct}]
 
 
 if __name__ == "__main__":

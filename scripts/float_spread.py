@@ -63,15 +63,15 @@ def demo_margins() -> None:
 
     torch.set_num_threads(1)
     gaps: list[float] = []
-    sample = hf._RowSampler.__call__
+    sample = hf.RowSampler.scores  # both samplers (m1/models/sampler.py, transformers' generate) score through it
 
-    def recording(self, input_ids, scores):
-        if self.generators is None:  # greedy
-            top = scores.float().topk(2, dim=-1).values
+    def recording(self, logits, generators):
+        if generators is None:  # greedy
+            top = logits.float().topk(2, dim=-1).values
             gaps.extend((top[:, 0] - top[:, 1]).tolist())
-        return sample(self, input_ids, scores)
+        return sample(self, logits, generators)
 
-    hf._RowSampler.__call__ = recording
+    hf.RowSampler.scores = recording
     work = Path(tempfile.mkdtemp(prefix="m1-spread-"))
     os.environ.setdefault("M1_CACHE", str(work / "cache"))
     out = run_demo(work / "demo", DEMO_TEAM, videos=1, duration=40.0, questions_per_video=4, echo=lambda s: None)

@@ -13,7 +13,7 @@ temperature (T = 1 when greedy). This is the temperature-scaled policy before to
 the same quantity GRPO trainers recompute from the logits, so old/new ratios line up.
 
 Seeds: request i of a call samples from its own seed (`request_seeds`: its `seed`, else one mixed from the
-call's seed and i) through per-row noise (`_RowSampler`), so a sample does not depend on the batch it shares or
+call's seed and i) through per-row noise (`RowSampler`), so a sample does not depend on the batch it shares or
 the rank it runs on.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, Callable
 from m1.config import ModelSpec
 from m1.models.base import (ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, prompt_ids,
                             request_seeds)
+from m1.models.sampler import Sampler, RowSampler, supports
 from m1.models.tiny import ensure_tiny
 
 
@@ -95,76 +96,14 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 
 def _generation_kwargs(params: SamplingParams, eos: list[int], pad: int) -> dict[str, Any]:
-    """`generate` runs greedily: sampling, when asked, happens in `_RowSampler` (noise per row from the row's own
+    """`generate` runs greedily: sampling, when asked, happens in `RowSampler` (noise per row from the row's own
     seed), so HF's own temperature/top-k/top-p warpers and a checkpoint's generation_config defaults (Qwen's
-    top_k=20) stay off, and no step's logits are kept (`_RowSampler` records the chosen tokens' log-probs)."""
+    top_k=20) stay off, and no step's logits are kept (`RowSampler` records the chosen tokens' log-probs)."""
     if params.max_new_tokens < 1:
         raise ModelError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
     return dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos, pad_token_id=pad,
                 return_dict_in_generate=True, output_logits=False, repetition_penalty=1.0,
                 do_sample=False, temperature=None, top_p=None, top_k=None)
-
-
-def _top_p_filter(scaled, top_p: float):
-    """`scaled` logits with every token outside the smallest set of probability mass >= top_p set to -inf."""
-    import torch
-
-    ordered, order = torch.sort(scaled, dim=-1, descending=True)
-    mass_before = torch.softmax(ordered, dim=-1).cumsum(-1) - torch.softmax(ordered, dim=-1)
-    drop = mass_before >= top_p  # the most likely token always stays (its mass before is 0)
-    return scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-
-
-class _RowSampler:
-    """A logits processor that makes a greedy `generate` sample each row from its own seed.
-
-    argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T); drawing the noise of row i from a
-    generator seeded with seeds[i] makes row i's sample depend only on its prompt and its seed, not on which rows
-    share the batch, how the requests were chunked or which learner rank ran them (with one seed per call, K
-    copies of a question split over two ranks sampled the same tokens twice). It also records each chosen token's
-    log-prob, log_softmax(logits / T)[token] before top_p, keeping one step's [B, V] at a time instead of every
-    step's logits."""
-
-    def __init__(self, seeds: list[int] | None, params: SamplingParams, device):
-        """`seeds`: one per row when sampling (temperature > 0), else None."""
-        import torch
-
-        self.temperature = params.temperature if params.temperature > 0 else 1.0
-        self.top_p, self.want_logprobs = float(params.top_p), bool(params.logprobs)
-        self.generators = None
-        if params.temperature > 0:
-            self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-        self.last = None  # the previous step's log-probs [B, V] until its chosen token is known
-        self.steps: list = []
-
-    def __call__(self, input_ids, scores):
-        import torch
-
-        if self.last is not None:
-            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
-        scaled = scores.float() / self.temperature
-        if self.want_logprobs:
-            self.last = torch.log_softmax(scaled, dim=-1)
-        if self.generators is None:
-            return scaled
-        if self.top_p < 1.0:
-            scaled = _top_p_filter(scaled, self.top_p)
-        width = scaled.shape[-1]
-        uniform = torch.stack([torch.rand(width, generator=g, device=scaled.device) for g in self.generators])
-        tiny = torch.finfo(uniform.dtype).tiny
-        gumbel = -torch.log(-torch.log(uniform.clamp(min=tiny, max=1.0 - 1e-7)))
-        return scaled + gumbel
-
-    def logprobs(self, sequences):
-        """[B, steps] log-probs of the generated tokens (None when not asked for)."""
-        import torch
-
-        if not self.want_logprobs:
-            return None
-        if self.last is not None:
-            self.steps.append(self.last.gather(1, sequences[:, -1:]).squeeze(1))
-            self.last = None
-        return torch.stack(self.steps, dim=1) if self.steps else None
 
 
 def _run_generate(model, inputs: dict[str, Any], params: SamplingParams, gen_kw: dict[str, Any],
@@ -176,7 +115,7 @@ def _run_generate(model, inputs: dict[str, Any], params: SamplingParams, gen_kw:
     if params.temperature > 0 and any(s is None for s in seeds):
         base = int(torch.randint(0, 2 ** 62, (1,)).item())  # unseeded call: new draws each time
         seeds = [base + i if s is None else s for i, s in enumerate(seeds)]
-    sampler = _RowSampler(seeds if params.temperature > 0 else None, params, model.device)
+    sampler = RowSampler(seeds if params.temperature > 0 else None, params, model.device)
     processor = type("RowSampler", (LogitsProcessor,), {"__call__": lambda self, ids, scores: sampler(ids, scores)})
     with torch.inference_mode():
         out = model.generate(**inputs, **gen_kw, logits_processor=LogitsProcessorList([processor()]))
@@ -300,6 +239,9 @@ class HFChatModel:
             raise ModelError(f"model {name!r}: tokenizer in {source!r} has no chat template")
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.context_length = _context_length(self.model.config)
+        self.sampler = None  # m1/models/sampler.py: prefix-cached prefill, a decode loop without HF's per-step work
+        if spec.prefix_cache_mb and supports(self.model):
+            self.sampler = Sampler(self.eos_ids, self.tokenizer.pad_token_id, spec.prefix_cache_mb << 20)
 
     def render(self, request: ChatRequest) -> str:
         """The prompt text for one chat, with the assistant turn opened."""
@@ -343,6 +285,16 @@ class HFChatModel:
                         params: SamplingParams, seeds: list[int | None]) -> list[Completion]:
         import torch
 
+        if self.sampler is not None:
+            try:
+                tokens, logprobs, stopped = self.sampler.generate(self.model, prompts, params, seeds)
+            except RuntimeError as exc:
+                raise ModelError(f"model {self.name!r}: generate failed: {exc}") from exc
+            self.calls += 1
+            return [Completion(text=self.tokenizer.decode(ids, skip_special_tokens=True), prompt_ids=p,
+                               completion_ids=ids, logprobs=None if logprobs is None else logprobs[i],
+                               finish_reason="stop" if stopped[i] else "length", meta=m)
+                    for i, (ids, p, m) in enumerate(zip(tokens, prompts, metas))]
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)

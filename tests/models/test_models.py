@@ -377,9 +377,11 @@ def test_distinct_rollouts_remote_chat_stamps_seeds_before_splitting_over_ranks(
     assert [r.seen for r in two._actors] == [[seeds[:4]], [seeds[4:]]]
 
 
-def test_generation_keeps_no_logits_yet_returns_exact_logprobs(hub, monkeypatch):
+@pytest.mark.parametrize("sampler", ["m1", "transformers"])
+def test_generation_keeps_no_logits_yet_returns_exact_logprobs(hub, monkeypatch, sampler):
     """Log-probs are recorded step by step (one step's [B, V] held at a time), so `generate` is never asked for every
-    step's logits (B x T x 151,936 fp32 at the paper's vocabulary); the values are still the tempered policy's."""
+    step's logits (B x T x 151,936 fp32 at the paper's vocabulary); the values are still the tempered policy's, on
+    both samplers (m1/models/sampler.py, and transformers' generate when prefix_cache_mb is 0)."""
     import torch
 
     model = hub.chat("q3")
@@ -392,8 +394,10 @@ def test_generation_keeps_no_logits_yet_returns_exact_logprobs(hub, monkeypatch)
         return out
 
     monkeypatch.setattr(model.model, "generate", spy)
+    if sampler == "transformers":
+        monkeypatch.setattr(model, "sampler", None)
     out = model.generate([CHATS[1]], SamplingParams(max_new_tokens=6, temperature=0.9, seed=3))[0]
-    assert seen == [(False, None, None)]
+    assert seen == ([(False, None, None)] if sampler == "transformers" else [])
     ids = torch.tensor([out.prompt_ids + out.completion_ids])
     with torch.no_grad():
         logits = model.model(input_ids=ids).logits[0].float()

@@ -1,0 +1,294 @@
+"""The sampler of a local (hf) text chat model: prefill with a prompt-prefix cache, then a decode loop that drops
+finished rows.
+
+Why: on the mini team a MARL step spends most of its time in prefill, not decode (scripts/profile_loop.py,
+benchmarks/README.md): the K rollouts of a question send the same plan prompt, and every later prompt of an
+episode repeats the system prompt, the question and the notes of the phases before it. As vLLM's automatic prefix
+caching does, prompts are cut into blocks of `BLOCK` tokens and the keys and values of every full block are kept,
+keyed by the block's tokens and the blocks before it (exact: a tree of token tuples, no hashes that could collide);
+a new prompt runs only the tokens after its longest cached prefix. The cache belongs to one model and is emptied
+whenever its weights change (the sum of the parameters' in-place version counters moves at every optimizer step
+and weight load), so a learner's sampler never reuses keys of older weights. Entries are evicted least recently
+used past `max_bytes`.
+
+Sampling is `RowSampler`'s (below; transformers' generate samples through it too, m1/models/hf.py): row i
+draws one uniform vector per step it is alive from a generator seeded with seeds[i] and takes
+argmax(logits / T + Gumbel noise) after top_p; its log-prob is log_softmax(logits / T)[token] before top_p. So a
+row's tokens depend only on its prompt, its seed and the weights, as before: greedy answers are unchanged, and sampled ones come from the same draws.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+BLOCK = 16  # tokens per cached block: long enough to keep the per-block bookkeeping cheap, short enough to share
+
+
+def supports(model) -> bool:
+    """Whether the sampler can run `model`: a text causal LM whose every layer attends to its whole context
+    (a sliding-window layer's cache is cut to its window)."""
+    config = model.config
+    if getattr(config, "vision_config", None) is not None or not hasattr(config, "num_hidden_layers"):
+        return False
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return not getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None) in (None, 0)
+
+
+def weights_version(model) -> tuple[int, int]:
+    """Changes whenever a parameter is written in place (optimizer steps, load_state_dict, copy_)."""
+    return id(model), sum(p._version for p in model.parameters())
+
+
+def top_p_filter(scaled, top_p: float):
+    """`scaled` logits with every token outside the smallest set of probability mass >= top_p set to -inf."""
+    import torch
+
+    ordered, order = torch.sort(scaled, dim=-1, descending=True)
+    mass_before = torch.softmax(ordered, dim=-1).cumsum(-1) - torch.softmax(ordered, dim=-1)
+    drop = mass_before >= top_p  # the most likely token always stays (its mass before is 0)
+    return scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
+class RowSampler:
+    """A logits processor that makes a greedy `generate` sample each row from its own seed.
+
+    argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T); drawing the noise of row i from a
+    generator seeded with seeds[i] makes row i's sample depend only on its prompt and its seed, not on which rows
+    share the batch, how the requests were chunked or which learner rank ran them (with one seed per call, K
+    copies of a question split over two ranks sampled the same tokens twice). It also records each chosen token's
+    log-prob, log_softmax(logits / T)[token] before top_p, keeping one step's [B, V] at a time instead of every
+    step's logits."""
+
+    def __init__(self, seeds: list[int] | None, params: SamplingParams, device):
+        """`seeds`: one per row when sampling (temperature > 0), else None."""
+        import torch
+
+        self.temperature = params.temperature if params.temperature > 0 else 1.0
+        self.top_p, self.want_logprobs = float(params.top_p), bool(params.logprobs)
+        self.generators = None
+        if params.temperature > 0:
+            self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        self.last = None  # the previous step's log-probs [B, V] until its chosen token is known
+        self.steps: list = []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        noisy, self.last = self.scores(scores, self.generators)
+        return noisy
+
+    def scores(self, logits, generators):
+        """(logits / T, plus each row's Gumbel noise from `generators` when sampling, after top_p; the log-probs
+        log_softmax(logits / T) or None). One uniform draw per row and step: row i's draws are its own."""
+        import torch
+
+        scaled = logits.float() / self.temperature
+        logp = torch.log_softmax(scaled, dim=-1) if self.want_logprobs else None
+        if generators is None:
+            return scaled, logp
+        if self.top_p < 1.0:
+            scaled = top_p_filter(scaled, self.top_p)
+        width = scaled.shape[-1]
+        uniform = torch.stack([torch.rand(width, generator=g, device=scaled.device) for g in generators])
+        tiny = torch.finfo(uniform.dtype).tiny
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=tiny, max=1.0 - 1e-7)))
+        return scaled + gumbel, logp
+
+    def logprobs(self, sequences):
+        """[B, steps] log-probs of the generated tokens (None when not asked for)."""
+        import torch
+
+        if not self.want_logprobs:
+            return None
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, sequences[:, -1:]).squeeze(1))
+            self.last = None
+        return torch.stack(self.steps, dim=1) if self.steps else None
+
+
+class PrefixCache:
+    """Keys and values of prompt blocks computed under one version of a model's weights.
+
+    A block is identified by (its parent block's id, its tokens); its value is a tensor [layers, 2, kv_heads,
+    BLOCK, head_dim] (keys, values), on the model's device."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = int(max_bytes), 0
+        self.version: tuple[int, int] | None = None
+        self.ids: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.blocks: OrderedDict[int, Any] = OrderedDict()  # block id -> kv, least recently used first
+        self.keys_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.next_id = 1
+        self.hits = self.lookups = 0  # tokens found / asked for (for the profile and tests)
+
+    def check(self, version: tuple[int, int]) -> None:
+        if version != self.version:
+            self.clear()
+            self.version = version
+
+    def clear(self) -> None:
+        self.ids.clear()
+        self.blocks.clear()
+        self.keys_of.clear()
+        self.bytes = 0
+
+    def lookup(self, prompt: list[int]) -> list:
+        """The cached blocks of `prompt`'s longest cached prefix, leaving at least one token to run."""
+        found, parent = [], 0
+        for start in range(0, len(prompt) - 1 - BLOCK + 1, BLOCK):
+            bid = self.ids.get((parent, tuple(prompt[start:start + BLOCK])))
+            if bid is None or bid not in self.blocks:
+                break
+            self.blocks.move_to_end(bid)
+            found.append(self.blocks[bid])
+            parent = bid
+        self.lookups += len(prompt)
+        self.hits += len(found) * BLOCK
+        return found
+
+    def store(self, prompt: list[int], kv_of) -> None:
+        """Keep every full block of `prompt` not kept yet; `kv_of(start)` gives the tensor of the block at token
+        `start`."""
+        parent = 0
+        for start in range(0, len(prompt) - BLOCK + 1, BLOCK):
+            key = (parent, tuple(prompt[start:start + BLOCK]))
+            bid = self.ids.get(key)
+            if bid is None:
+                bid, self.next_id = self.next_id, self.next_id + 1
+                self.ids[key] = bid
+                self.keys_of[bid] = key
+                kv = kv_of(start)
+                self.blocks[bid] = kv
+                self.bytes += kv.numel() * kv.element_size()
+            parent = bid
+        while self.bytes > self.max_bytes and self.blocks:
+            bid, kv = self.blocks.popitem(last=False)
+            self.bytes -= kv.numel() * kv.element_size()
+            self.ids.pop(self.keys_of.pop(bid), None)
+
+
+class Sampler:
+    """Batched generation for one hf text chat model (see the module docstring)."""
+
+    def __init__(self, eos_ids: list[int], pad_id: int, max_bytes: int):
+        self.eos, self.pad = set(int(e) for e in eos_ids), int(pad_id)
+        self.cache = PrefixCache(max_bytes)
+        self.model = None
+
+    def generate(self, model, prompts: list[list[int]], params, seeds: list[int | None]):
+        """(tokens, log-probs or None, stopped at eos) per prompt of `model` (the chat model's current module: a
+        learner may swap it), the rows `_run_generate` gives."""
+        import torch
+
+        if params.temperature > 0 and any(s is None for s in seeds):
+            base = int(torch.randint(0, 2 ** 62, (1,)).item())  # unseeded call: new draws each time
+            seeds = [base + i if s is None else s for i, s in enumerate(seeds)]
+        self.model = model
+        device = model.device
+        rows = RowSampler(seeds if params.temperature > 0 else None, params, device)
+        with torch.inference_mode():
+            self.cache.check(weights_version(self.model))
+            logits, cache, mask = self._prefill(prompts)
+            return self._decode(logits, cache, mask, prompts, params, rows)
+
+    # -------------------------------------------------------------- prefill
+    def _prefill(self, prompts: list[list[int]]):
+        """Logits [B, V] at each prompt's last token, its cache and attention mask [B, width]: each distinct
+        prompt runs once, only past its cached prefix."""
+        import torch
+        from transformers.cache_utils import DynamicCache
+
+        device = self.model.device
+        unique = list(dict.fromkeys(tuple(p) for p in prompts))
+        which = {p: i for i, p in enumerate(unique)}
+        found = [self.cache.lookup(list(p)) for p in unique]
+        hit = [len(f) * BLOCK for f in found]
+        h_max = max(hit)
+        tails = [list(p[h:]) for p, h in zip(unique, hit)]
+        s_max = max(len(t) for t in tails)
+        ids = torch.tensor([[self.pad] * (s_max - len(t)) + t for t in tails], device=device)
+        mask = torch.tensor([[0] * (h_max - h) + [1] * h + [0] * (s_max - len(t)) + [1] * len(t)
+                             for h, t in zip(hit, tails)], device=device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, h_max:]
+        cache = DynamicCache(config=self.model.config)
+        if h_max:
+            past = self._past(found, h_max)  # [U, layers, 2, kv, h_max, d]
+            for layer in range(past.shape[1]):
+                cache.update(past[:, layer, 0], past[:, layer, 1], layer)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        self._store(unique, hit, h_max, s_max, cache)
+        group = torch.tensor([which[tuple(p)] for p in prompts], device=device)
+        if len(unique) < len(prompts):
+            cache.batch_select_indices(group)
+        return out.logits[:, -1][group], cache, mask[group]
+
+    def _past(self, found: list[list], h_max: int):
+        """The cached blocks of each distinct prompt joined and left-padded (zeros, masked) to h_max tokens."""
+        import torch
+
+        like = next(f[0] for f in found if f)
+        layers, two, kv, _, d = like.shape
+        past = torch.zeros((len(found), layers, two, kv, h_max, d), dtype=like.dtype, device=like.device)
+        for i, blocks in enumerate(found):
+            if blocks:
+                past[i, :, :, :, h_max - len(blocks) * BLOCK:] = torch.cat(blocks, dim=3)
+        return past
+
+    def _store(self, unique, hit: list[int], h_max: int, s_max: int, cache) -> None:
+        """Every full block of each distinct prompt that ran, from the prefill's cache."""
+        import torch
+
+        keys = [layer.keys for layer in cache.layers]
+        values = [layer.values for layer in cache.layers]
+        for u, (prompt, h) in enumerate(zip(unique, hit)):
+            def kv_of(start: int, u: int = u, h: int = h, n: int = len(prompt)):
+                # token t sits at column h_max - h + t in the cached part, h_max + s_max - n + t in the tail
+                col = h_max - h + start if start < h else h_max + s_max - n + start
+                return torch.stack([torch.stack([k[u, :, col:col + BLOCK], v[u, :, col:col + BLOCK]])
+                                    for k, v in zip(keys, values)]).clone()
+            self.cache.store(list(prompt), kv_of)
+
+    # -------------------------------------------------------------- decode
+    def _decode(self, logits, cache, mask, prompts, params, rows):
+        """Sample until every row has stopped at an eos or made max_new_tokens; finished rows leave the batch."""
+        import torch
+
+        n = len(prompts)
+        device = logits.device
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        stopped = [False] * n
+        alive = list(range(n))
+        gens = rows.generators
+        positions = mask.sum(-1, keepdim=True) - 1  # [b, 1] of the last real token
+        for step in range(params.max_new_tokens):
+            scores, logp = rows.scores(logits, [gens[i] for i in alive] if gens is not None else None)
+            chosen = scores.argmax(-1)
+            lp = logp.gather(1, chosen[:, None]).squeeze(1).tolist() if logp is not None else None
+            picked = chosen.tolist()
+            keep = []
+            for j, i in enumerate(alive):
+                tokens[i].append(picked[j])
+                if lp is not None:
+                    logps[i].append(lp[j])
+                if picked[j] in self.eos:
+                    stopped[i] = True
+                else:
+                    keep.append(j)
+            if not keep or step == params.max_new_tokens - 1:
+                break
+            if len(keep) < len(alive):
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                mask, positions, chosen = mask[index], positions[index], chosen[index]
+                alive = [alive[j] for j in keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions + 1
+            out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits, cache = out.logits[:, -1], out.past_key_values
+        return tokens, (logps if rows.want_logprobs else None), stopped
