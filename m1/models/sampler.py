@@ -169,6 +169,47 @@ class PrefixCache:
             self.ids.pop(self.keys_of.pop(bid), None)
 
 
+def _buffer_layer():
+    """DynamicLayer (imported late, as transformers is) whose keys and values live in a buffer sized for the whole
+    call: a decode step writes its column in place, where DynamicLayer's torch.cat copies the whole cache every step
+    (at 16 rows of 600-token prompts that copy was a large share of a decode step). Same values, bit for bit."""
+    from transformers.cache_utils import DynamicLayer
+
+    class BufferLayer(DynamicLayer):
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity, self.length = capacity, 0
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            b, _, _, _ = key_states.shape
+            self.kbuf = key_states.new_empty((b, key_states.shape[1], self.capacity, key_states.shape[3]))
+            self.vbuf = value_states.new_empty((b, value_states.shape[1], self.capacity, value_states.shape[3]))
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > self.capacity:
+                raise RuntimeError(f"sampler cache: {end} positions in a buffer of {self.capacity}")
+            self.kbuf[:, :, self.length:end] = key_states
+            self.vbuf[:, :, self.length:end] = value_states
+            self.length = end
+            self.keys, self.values = self.kbuf[:, :, :end], self.vbuf[:, :, :end]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_select_indices(self, indices) -> None:
+            if self.is_initialized:
+                self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
+                self.keys, self.values = self.kbuf[:, :, :self.length], self.vbuf[:, :, :self.length]
+
+    return BufferLayer
+
+
 class Sampler:
     """Batched generation for one hf text chat model (see the module docstring)."""
 
@@ -190,13 +231,13 @@ class Sampler:
         rows = RowSampler(seeds if params.temperature > 0 else None, params, device)
         with torch.inference_mode():
             self.cache.check(weights_version(self.model))
-            logits, cache, mask = self._prefill(prompts)
+            logits, cache, mask = self._prefill(prompts, params.max_new_tokens)
             return self._decode(logits, cache, mask, prompts, params, rows)
 
     # -------------------------------------------------------------- prefill
-    def _prefill(self, prompts: list[list[int]]):
-        """Logits [B, V] at each prompt's last token, its cache and attention mask [B, width]: each distinct
-        prompt runs once, only past its cached prefix."""
+    def _prefill(self, prompts: list[list[int]], max_new: int):
+        """Logits [B, V] at each prompt's last token, its cache (room for `max_new` more tokens) and attention mask
+        [B, width]: each distinct prompt runs once, only past its cached prefix."""
         import torch
         from transformers.cache_utils import DynamicCache
 
@@ -213,6 +254,8 @@ class Sampler:
                              for h, t in zip(hit, tails)], device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, h_max:]
         cache = DynamicCache(config=self.model.config)
+        buffered = _buffer_layer()
+        cache.layers = [buffered(h_max + s_max + max_new) for _ in cache.layers]
         if h_max:
             past = self._past(found, h_max)  # [U, layers, 2, kv, h_max, d]
             for layer in range(past.shape[1]):

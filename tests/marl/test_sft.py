@@ -281,3 +281,30 @@ def test_rotate_options_moves_the_truth_letter_with_the_options():
     assert rotate_options(open_q, 3) is open_q
     with pytest.raises(ValueError, match="'purple' is not one of the option letters"):
         rotate_options(q.model_copy(update={"answer": "purple"}), 1)
+
+
+@pytest.mark.parametrize("command", ["sft", "train"])
+def test_training_commands_run_on_the_threads_asked_and_give_them_back(monkeypatch, command):
+    """`m1 sft` / `m1 train` run on one torch thread unless told (what an experiment gives each seed), on torch's
+    own count with --threads 0, and the process gets its own count back afterwards."""
+    import torch
+    from typer.testing import CliRunner
+
+    import m1.marl.launch as launch
+    import m1.marl.sft as sft_module
+    from m1.cli import app
+
+    seen = []
+    fake = lambda config, sets, progress: seen.append(torch.get_num_threads())  # noqa: E731
+    monkeypatch.setattr(sft_module if command == "sft" else launch, "sft_main" if command == "sft" else "train_main",
+                        fake)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for args in ([], ["--threads", "0"], ["--threads", "2"]):
+            result = CliRunner().invoke(app, [command, "--config", "mini", *args])
+            assert result.exit_code == 0, result.output
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2, 2]

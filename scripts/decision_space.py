@@ -1,0 +1,160 @@
+"""The decisions a team makes, per agent and question family: its first plan and its communicate decisions
+(`continue()` or add a tool), greedy and in K sampled runs, and whether adding a tool paid.
+
+For each question: one greedy episode and K episodes sampled at `--temperature` (the MARL rollouts' setting), every
+agent reading every other (the complete graph). Per agent and family it reports
+- plan: the mean entropy (bits) of the K sampled first plans of a question, their mean number of distinct plans,
+  the share of questions whose sampled plans are all the greedy one, and the most common greedy plan;
+- communicate: the revision rate (decisions that add a tool) greedy and sampled, and the entropy of a question's
+  K first decisions;
+- add-tool: over the questions where some sampled runs of an agent added a tool at its first decision and some
+  continued, the agent's accuracy after adding against after continuing.
+
+    python scripts/decision_space.py --team mini_trained --world runs/mini/dev --questions 96 --k 8 \
+        --json runs/decision_space/mini_trained.json
+A dev world (seed 2001, as configs/experiments/mini_recipe_dev.yaml makes it) is made when `--world` is absent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from m1.agents.parsers import parse_decision, parse_plan  # noqa: E402
+from m1.config import load_team  # noqa: E402
+from m1.data.metrics import is_correct  # noqa: E402
+from m1.data.questions import read_questions  # noqa: E402
+from m1.schema import Topology  # noqa: E402
+from m1.team.kinds import make_team  # noqa: E402
+
+
+def entropy(counts: Counter) -> float:
+    n = sum(counts.values())
+    return -sum(c / n * math.log2(c / n) for c in counts.values()) if n else 0.0
+
+
+def choices(episode, agent: str) -> tuple[str | None, list[str], bool | None]:
+    """(the agent's first plan as 'Tool -> Tool', its communicate decisions as 'continue' / 'add Tool', whether its
+    own answer was right)."""
+    plan, decisions = None, []
+    for g in episode.generations:
+        if g.agent != agent:
+            continue
+        if g.phase == "plan" and plan is None:
+            plan = " -> ".join(parse_plan(g.completion).plan.tools)
+        elif g.phase == "communicate":
+            d = parse_decision(g.completion).decision
+            decisions.append("continue" if d.action == "continue" else f"add {d.tool}")
+    answer = next((a.answer for a in episode.answers if a.agent == agent), None)
+    right = None if answer is None else bool(is_correct(episode.question, answer))
+    return plan, decisions, right
+
+
+def family(q) -> str:
+    return str(q.meta.get("family") or q.meta.get("task_type") or "all")
+
+
+def measure(team_name: str, questions, k: int, temperature: float, sets: list[str]) -> dict:
+    cfg = load_team(team_name, sets + [f"sampling.temperature={temperature}"])
+    agents = [a.name for a in cfg.agents]
+    topo = Topology(agents=agents, active=agents, edges=[(a, b) for a in agents for b in agents if a != b])
+    greedy_team = make_team(cfg.greedy())
+    team = make_team(cfg, hub=greedy_team.hub, pool=greedy_team.pool)
+    team.reseed(1234)
+    rows: dict[tuple[str, str], dict] = defaultdict(lambda: defaultdict(list))
+    for i in range(0, len(questions), 8):
+        chunk = questions[i:i + 8]
+        greedy = greedy_team.run(chunk, topologies=[topo] * len(chunk))
+        sampled = team.run([q for q in chunk for _ in range(k)], topologies=[topo] * (len(chunk) * k))
+        for j, q in enumerate(chunk):
+            draws = sampled[j * k:(j + 1) * k]
+            for agent in agents:
+                r = rows[(agent, family(q))]
+                g_plan, g_dec, _ = choices(greedy[j], agent)
+                s = [choices(e, agent) for e in draws]
+                plans = Counter(p for p, _, _ in s if p is not None)
+                firsts = Counter(d[0] for _, d, _ in s if d)
+                r["plan_entropy"].append(entropy(plans))
+                r["plan_distinct"].append(len(plans))
+                r["plan_all_greedy"].append(float(set(plans) == {g_plan}))
+                r["greedy_plan"].append(g_plan)
+                r["dec_entropy"].append(entropy(firsts))
+                r["greedy_revisions"] += [d != "continue" for d in g_dec]
+                r["sampled_revisions"] += [d != "continue" for _, ds, _ in s for d in ds]
+                added = [ok for _, ds, ok in s if ds and ds[0] != "continue" and ok is not None]
+                kept = [ok for _, ds, ok in s if ds and ds[0] == "continue" and ok is not None]
+                if added and kept:
+                    r["add_right"].append(sum(added) / len(added))
+                    r["continue_right"].append(sum(kept) / len(kept))
+        print(f"{min(i + 8, len(questions))}/{len(questions)} questions", flush=True)
+    return {f"{a}|{f}": summarize(r) for (a, f), r in sorted(rows.items())}
+
+
+def summarize(r: dict) -> dict:
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    top = Counter(r["greedy_plan"]).most_common(1)
+    return {"questions": len(r["plan_entropy"]), "plan_entropy": mean(r["plan_entropy"]),
+            "plan_distinct": mean(r["plan_distinct"]), "plan_all_greedy": mean(r["plan_all_greedy"]),
+            "greedy_plan": top[0][0] if top else None, "greedy_plan_share": top[0][1] / len(r["greedy_plan"]) if top
+            else None, "decision_entropy": mean(r["dec_entropy"]),
+            "revision_rate_greedy": mean(r["greedy_revisions"]), "revision_rate_sampled": mean(r["sampled_revisions"]),
+            "decisions_greedy": len(r["greedy_revisions"]), "decisions_sampled": len(r["sampled_revisions"]),
+            "mixed_questions": len(r["add_right"]), "add_right": mean(r["add_right"]),
+            "continue_right": mean(r["continue_right"])}
+
+
+def table(result: dict) -> str:
+    fmt = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    lines = ["| agent | family | n | plan H (bits) | distinct | all greedy | greedy plan (share) | decision H | "
+             "revise greedy | revise sampled | mixed | right after add / continue |", "|" + "---|" * 12]
+    for key, s in result.items():
+        agent, fam = key.split("|")
+        lines.append(f"| {agent} | {fam} | {s['questions']} | {fmt(s['plan_entropy'])} | {fmt(s['plan_distinct'], 1)} "
+                     f"| {fmt(s['plan_all_greedy'])} | {s['greedy_plan']} ({fmt(s['greedy_plan_share'])}) "
+                     f"| {fmt(s['decision_entropy'])} | {fmt(s['revision_rate_greedy'])} of {s['decisions_greedy']} "
+                     f"| {fmt(s['revision_rate_sampled'])} of {s['decisions_sampled']} | {s['mixed_questions']} "
+                     f"| {fmt(s['add_right'])} / {fmt(s['continue_right'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--team", default="mini_trained")
+    p.add_argument("--world", default="runs/mini/dev")
+    p.add_argument("--questions", type=int, default=96)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--set", action="append", default=[], help="team override key=value")
+    p.add_argument("--json")
+    args = p.parse_args()
+    world = Path(args.world)
+    if not (world / "questions.jsonl").is_file():
+        from m1.synth.make import make_dataset
+
+        make_dataset(world, 40, 2001, duration=120)
+    qs, _ = read_questions(world / "questions.jsonl", world)
+    by_family = defaultdict(list)
+    for q in qs:
+        by_family[family(q)].append(q)
+    picked = []  # the same number of questions of each family, in file order
+    while len(picked) < min(args.questions, len(qs)):
+        for fam in sorted(by_family):
+            if by_family[fam] and len(picked) < args.questions:
+                picked.append(by_family[fam].pop(0))
+    result = measure(args.team, picked, args.k, args.temperature, args.set)
+    print(table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"team": args.team, "world": str(world), "k": args.k,
+                                               "temperature": args.temperature, "rows": result}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
