@@ -308,7 +308,13 @@ class Sampler:
         alive = list(range(n))
         gens = rows.generators
         positions = mask.sum(-1, keepdim=True) - 1  # [b, 1] of the last real token
+        # a checkpoint's generation_config.min_new_tokens holds eos back, as transformers' generate does (before the
+        # log-probs are taken, so they describe the policy that was sampled)
+        hold = int(getattr(getattr(self.model, "generation_config", None), "min_new_tokens", None) or 0)
+        eos = torch.tensor(sorted(self.eos), device=device)
         for step in range(params.max_new_tokens):
+            if step < hold:
+                logits = logits.index_fill(-1, eos, float("-inf"))
             scores, logp = rows.scores(logits, [gens[i] for i in alive] if gens is not None else None)
             chosen = scores.argmax(-1)
             lp = logp.gather(1, chosen[:, None]).squeeze(1).tolist() if logp is not None else None
