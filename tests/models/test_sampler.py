@@ -54,6 +54,23 @@ def test_the_sampler_gives_generates_tokens_and_logprobs_over_calls_that_reuse_p
     assert fast.sampler.cache.hits >= 3 * BLOCK * 3  # the repeated prompts ran only their tails
 
 
+@pytest.mark.parametrize("alone", [True, False])
+def test_prompts_with_nothing_cached_run_alone_or_batched_to_the_same_tokens(pair, alone):
+    """On CPU a call whose prompts find nothing cached runs them one at a time (`Sampler._alone`), else in one
+    padded batch: both give generate's tokens, and the blocks they keep serve the next call alike."""
+    fast, slow = pair
+    fast.sampler.alone_on_cpu = alone
+    fast.sampler.cache.clear()
+    prompts = _prompts(11)
+    try:
+        for call in range(2):  # the second call runs only the tails, on the blocks the first one kept
+            hits = fast.sampler.cache.hits
+            _same(_run(fast, prompts, 1.0, list(range(6)), 10), _run(slow, prompts, 1.0, list(range(6)), 10))
+            assert (fast.sampler.cache.hits > hits) == (call == 1)
+    finally:
+        fast.sampler.alone_on_cpu = True
+
+
 def test_rows_that_stop_early_leave_the_batch_and_the_rest_are_unchanged(pair):
     """A short max_new budget for every row, then a long one: rows reach eos at different steps."""
     fast, slow = pair
