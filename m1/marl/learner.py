@@ -183,6 +183,7 @@ class AgentLearner:
             self._backward(loss)
             loss_sum += float(loss.detach()) / self.world
         grad_norm = self._step()
+        self.weights_changed()
         self.updates += 1
         if self.world > 1:
             loss_sum, totals, peaks = _sum_over_ranks(loss_sum, totals, peaks)
@@ -352,6 +353,13 @@ class AgentLearner:
     def load(self, folder: str | Path, include_rng: bool = False) -> None:
         """What `save` wrote (m1/marl/learner_io.py)."""
         load_learner(self, folder, include_rng)
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Tell the sampler its cached prompt keys are stale (m1/models/sampler.py). Its own check sees in-place writes
+        to the parameters, not those through `.data` (DeepSpeed copies its updated partitions that way)."""
+        if getattr(self.chat, "sampler", None) is not None:
+            self.chat.sampler.cache.clear()
 
     def export_weights(self, folder: str | Path) -> None:
         """The weights as a rollout engine loads them: the peft adapter folder (LoRA) or a whole HF model folder."""

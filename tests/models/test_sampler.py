@@ -145,3 +145,37 @@ def test_min_new_tokens_of_the_generation_config_holds_eos_back_as_generate_does
     got, want = _run(fast, prompts, 1.0, seeds, 40), _run(slow, prompts, 1.0, seeds, 40)
     _same(got, want)
     assert all(len(o.completion_ids) >= 9 for o in got)
+
+
+@pytest.mark.slow
+def test_a_learner_update_or_load_empties_its_samplers_cache(m1_cache, tmp_path):
+    """The sampler's own check sees in-place writes to the parameters but not writes through `.data` (DeepSpeed
+    copies its updated partitions that way): a learner's optimizer step and weight load empty the cache themselves."""
+    import torch
+
+    from m1.marl.config import GRPOSettings, LearnerConfig
+    from m1.marl.learner import AgentLearner
+    from m1.marl.rollout import Sample
+    from m1.models.base import ChatRequest
+
+    spec = ModelSpec(kind="chat", tiny=TinySpec(arch="qwen3", seed=8))
+    learner = AgentLearner("a", "m", spec, LearnerConfig(finetune="full", lr=1e-2, max_prompt_tokens=512,
+                                                         max_completion_tokens=6), GRPOSettings(beta=0.0))
+    chat = [{"role": "user", "content": "where is the red square? " * 8}]
+    out = learner.generate([ChatRequest(chat)] * 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=1))
+    cache = learner.chat.sampler.cache
+    assert cache.blocks
+    with torch.no_grad():  # a write the version counters do not see
+        for p in learner.policy.parameters():
+            p.data.mul_(1.0)
+    assert cache.blocks
+    learner.save(tmp_path / "state")
+    samples = [Sample(agent="a", question_id="q", group=0, rollout=i, phase="plan", prompt_ids=o.prompt_ids,
+                      completion_ids=o.completion_ids, logprobs=o.logprobs, reward=float(i), advantage=2.0 * i - 1.0)
+               for i, o in enumerate(out)]
+    learner.update(samples, lr=1e-2)
+    assert not cache.blocks
+    learner.generate([ChatRequest(chat)], SamplingParams(max_new_tokens=6))
+    assert cache.blocks
+    learner.load(tmp_path / "state")
+    assert not cache.blocks
