@@ -2,19 +2,21 @@
 finished rows.
 
 Why: on the mini team a MARL step spends most of its time in prefill, not decode (scripts/profile_loop.py,
-benchmarks/README.md): the K rollouts of a question send the same plan prompt, and every later prompt of an
-episode repeats the system prompt, the question and the notes of the phases before it. As vLLM's automatic prefix
+benchmarks/README.md): the K rollouts of a question send the same plan prompt, their later prompts repeat its system
+prompt, question and shared notes, and a second communicate round repeats the first. As vLLM's automatic prefix
 caching does, prompts are cut into blocks of `BLOCK` tokens and the keys and values of every full block are kept,
 keyed by the block's tokens and the blocks before it (exact: a tree of token tuples, no hashes that could collide);
 a new prompt runs only the tokens after its longest cached prefix. The cache belongs to one model and is emptied
-whenever its weights change (the sum of the parameters' in-place version counters moves at every optimizer step
-and weight load), so a learner's sampler never reuses keys of older weights. Entries are evicted least recently
-used past `max_bytes`.
+whenever its weights change (the sum of the parameters' in-place version counters moves at every optimizer step and
+weight load; a learner also empties it after each of those, m1/marl/learner.py `weights_changed`, since writes
+through `.data` move no counter), so a learner's sampler never reuses keys of older weights. Entries are evicted
+least recently used past `max_bytes`.
 
 Sampling is `RowSampler`'s (below; transformers' generate samples through it too, m1/models/hf.py): row i
 draws one uniform vector per step it is alive from a generator seeded with seeds[i] and takes
 argmax(logits / T + Gumbel noise) after top_p; its log-prob is log_softmax(logits / T)[token] before top_p. So a
-row's tokens depend only on its prompt, its seed and the weights, as before: greedy answers are unchanged, and sampled ones come from the same draws.
+row's tokens depend only on its prompt, its seed and the weights, as before: greedy answers are unchanged, and
+sampled ones come from the same draws.
 """
 from __future__ import annotations
 
