@@ -1,15 +1,16 @@
 """The mini team's learning loop on the same work, this checkout vs a baseline commit, one torch thread.
 
-SFT: `--sft-steps` steps of configs/sft/mini.yaml on a fixed examples file (the rule-based teacher's, built once for
-a 20-video world). MARL: `--marl-steps` steps of configs/marl/mini_recipe.yaml with `rollout.topology=complete`,
-from the shipped mini weights (assets/mini_team), on the same world. Both come from the same seeds, so both sides do
-the same work. Eval: the shipped mini_trained team answers `--eval-questions` questions of the world, greedily, as
-`m1 eval` does (both sides must answer the same number right). Each side runs in its own process: the baseline
-from a git worktree of `--baseline` (default: the last commit before the sampler work), the current one from this
-checkout (benchmarks/tree_worker.py: each side imports its own tree only, and works in its own runs/ folder, so
-neither reads what the other's code cached); the sides alternate, `--reps` times, after one untimed warm-up run per side that fills its on-disk caches (SFT examples, CLIP frame embeddings). A step's
-seconds and its parts come from the run's own metrics (time/step, time/rollout, time/update). `--variant
-NAME=key=value,key=value` adds a configuration of the current code (e.g. a cheaper estimator) to time beside them.
+SFT: `--sft-steps` steps of configs/sft/mini.yaml on the rule-based teacher's examples for a 20-video world (built
+once per side, by that side's code). MARL: `--marl-steps` steps of configs/marl/mini_recipe.yaml with
+`rollout.topology=complete`, from the shipped mini weights (assets/mini_team), on the same world. Both come from the
+same seeds, so both sides do the same work. Eval: the shipped mini_trained team answers `--eval-questions` questions
+of the world, greedily, as `m1 eval` does (both sides must answer the same number right). Each side runs in its own
+process: the baseline from a git worktree of `--baseline` (default: the last commit before the sampler work), the
+current one from this checkout (benchmarks/tree_worker.py: each side imports its own tree only, and works in its own
+runs/ folder, so neither reads what the other's code cached); the sides alternate, `--reps` times, after one untimed
+warm-up run per side that fills its on-disk caches (SFT examples, CLIP frame embeddings). A step's seconds and its
+parts come from the run's own metrics (time/step, time/rollout, time/update). `--variant NAME=key=value,key=value`
+adds a configuration of the current code (e.g. a cheaper estimator) to time beside them.
 
     python benchmarks/bench_mini_loop.py [--sft-steps 20] [--marl-steps 2] [--reps 3] [--baseline REF]
         [--variant group=grpo.baseline=group] [--json out.json]

@@ -92,8 +92,8 @@ class ModelSpec(Strict):
         "DEFAULT_VISION_BATCH (m1/models/hf.py)."))
     prefix_cache_mb: int = Field(default=256, ge=0, description=(
         "hf chat models: megabytes of prompt keys and values kept between calls (m1/models/sampler.py), so a prompt "
-        "runs only the tokens after its longest already-computed prefix (the K rollouts' shared plan prompt, an "
-        "episode's earlier phases); emptied whenever the weights change. 0: every prompt runs whole, through "
+        "runs only the tokens after its longest already-computed prefix (the K rollouts' shared plan prompt, a "
+        "second communicate round); emptied whenever the weights change. 0: every prompt runs whole, through "
         "transformers' generate."))
     clip_name: str | None = Field(default=None, description="open_clip architecture, e.g. ViT-B-16.")
     pretrained: str | None = Field(default=None, description="open_clip pretrained tag or checkpoint path.")

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from m1.config import ModelSpec
 from m1.models.base import (ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, prompt_ids,
                             request_seeds)
-from m1.models.sampler import Sampler, RowSampler, supports
+from m1.models.sampler import RowSampler, Sampler, draw_seeds, supports
 from m1.models.tiny import ensure_tiny
 
 
@@ -112,9 +112,7 @@ def _run_generate(model, inputs: dict[str, Any], params: SamplingParams, gen_kw:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    if params.temperature > 0 and any(s is None for s in seeds):
-        base = int(torch.randint(0, 2 ** 62, (1,)).item())  # unseeded call: new draws each time
-        seeds = [base + i if s is None else s for i, s in enumerate(seeds)]
+    seeds = draw_seeds(seeds, params)
     sampler = RowSampler(seeds if params.temperature > 0 else None, params, model.device)
     processor = type("RowSampler", (LogitsProcessor,), {"__call__": lambda self, ids, scores: sampler(ids, scores)})
     with torch.inference_mode():

@@ -20,6 +20,7 @@ sampled ones come from the same draws.
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Any
 
@@ -41,6 +42,17 @@ def supports(model) -> bool:
 def weights_version(model) -> tuple[int, int]:
     """Changes whenever a parameter is written in place (optimizer steps, load_state_dict, copy_)."""
     return id(model), sum(p._version for p in model.parameters())
+
+
+def draw_seeds(seeds: list[int | None], params) -> list[int | None]:
+    """The seeds of a sampling call with every missing one filled from one fresh draw (an unseeded call samples anew
+    each time); unchanged when greedy."""
+    import torch
+
+    if params.temperature > 0 and any(s is None for s in seeds):
+        base = int(torch.randint(0, 2 ** 62, (1,)).item())
+        seeds = [base + i if s is None else s for i, s in enumerate(seeds)]
+    return seeds
 
 
 def top_p_filter(scaled, top_p: float):
@@ -141,7 +153,7 @@ class PrefixCache:
         found, parent = [], 0
         for start in range(0, len(prompt) - 1 - BLOCK + 1, BLOCK):
             bid = self.ids.get((parent, tuple(prompt[start:start + BLOCK])))
-            if bid is None or bid not in self.blocks:
+            if bid is None:  # an evicted block leaves `ids` too
                 break
             self.blocks.move_to_end(bid)
             found.append(self.blocks[bid])
@@ -171,6 +183,7 @@ class PrefixCache:
             self.ids.pop(self.keys_of.pop(bid), None)
 
 
+@functools.cache
 def _buffer_layer():
     """DynamicLayer (imported late, as transformers is) whose keys and values live in a buffer sized for the whole
     call: a decode step writes its column in place, where DynamicLayer's torch.cat copies the whole cache every step
@@ -226,9 +239,7 @@ class Sampler:
         learner may swap it), the rows `_run_generate` gives."""
         import torch
 
-        if params.temperature > 0 and any(s is None for s in seeds):
-            base = int(torch.randint(0, 2 ** 62, (1,)).item())  # unseeded call: new draws each time
-            seeds = [base + i if s is None else s for i, s in enumerate(seeds)]
+        seeds = draw_seeds(seeds, params)
         self.model = model
         device = model.device
         rows = RowSampler(seeds if params.temperature > 0 else None, params, device)
@@ -252,10 +263,8 @@ class Sampler:
         h_max = max(hit)
         tails = [list(p[h:]) for p, h in zip(unique, hit)]
         s_max = max(len(t) for t in tails)
-        ids = torch.tensor([[self.pad] * (s_max - len(t)) + t for t in tails], device=device)
         mask = torch.tensor([[0] * (h_max - h) + [1] * h + [0] * (s_max - len(t)) + [1] * len(t)
                              for h, t in zip(hit, tails)], device=device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, h_max:]
         cache = DynamicCache(config=self.model.config)
         buffered = _buffer_layer()
         cache.layers = [buffered(h_max + s_max + max_new) for _ in cache.layers]
@@ -266,6 +275,8 @@ class Sampler:
                 past = self._past(found, h_max)  # [U, layers, 2, kv, h_max, d]
                 for layer in range(past.shape[1]):
                     cache.update(past[:, layer, 0], past[:, layer, 1], layer)
+            ids = torch.tensor([[self.pad] * (s_max - len(t)) + t for t in tails], device=device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, h_max:]
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
             logits, cache = out.logits[:, -1], out.past_key_values
@@ -321,7 +332,7 @@ class Sampler:
                 # token t sits at column h_max - h + t in the cached part, h_max + s_max - n + t in the tail
                 col = h_max - h + start if start < h else h_max + s_max - n + start
                 return torch.stack([torch.stack([k[u, :, col:col + BLOCK], v[u, :, col:col + BLOCK]])
-                                    for k, v in zip(keys, values)]).clone()
+                                    for k, v in zip(keys, values)])  # a new tensor: it keeps no buffer alive
             self.cache.store(list(prompt), kv_of)
 
     # -------------------------------------------------------------- decode
