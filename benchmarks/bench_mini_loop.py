@@ -1,7 +1,8 @@
 """The mini team's learning loop on the same work, this checkout vs a baseline commit, one torch thread.
 
-SFT: `--sft-steps` steps of configs/sft/mini.yaml on the rule-based teacher's examples for a 20-video world (built
-once per side, by that side's code). MARL: `--marl-steps` steps of configs/marl/mini_recipe.yaml with
+SFT: `--sft-steps` steps of configs/sft/mini.yaml as mini_base_recipe runs it (RECIPE_SFT: from the mini base, with
+the evidence attention loss; `--sft-plain`: the file as it is) on the rule-based teacher's examples for a 20-video
+world (built once per side, by that side's code). MARL: `--marl-steps` steps of configs/marl/mini_recipe.yaml with
 `rollout.topology=complete`, from the shipped mini weights (assets/mini_team), on the same world. Both come from the
 same seeds, so both sides do the same work. Eval: the shipped mini_trained team answers `--eval-questions` questions
 of the world, greedily, as `m1 eval` does (both sides must answer the same number right). Each side runs in its own
@@ -13,7 +14,7 @@ parts come from the run's own metrics (time/step, time/rollout, time/update). `-
 adds a configuration of the current code (e.g. a cheaper estimator) to time beside them.
 
     python benchmarks/bench_mini_loop.py [--sft-steps 20] [--marl-steps 2] [--reps 3] [--baseline REF]
-        [--variant group=grpo.baseline=group] [--json out.json]
+        [--variant group=grpo.baseline=group] [--sft-set key=value ...] [--sft-plain] [--json out.json]
 
 The figures are ratios of medians measured side by side; the seconds depend on the machine and its load (printed).
 """
@@ -33,6 +34,9 @@ from tree_worker import AGENTS, tree_command
 
 BASELINE = "070bdb6"  # main before the sampler work: HF generate per phase, no prefix reuse across the K rollouts
 WORLD = {"videos": 20, "seed": 1, "duration": 120}
+# the SFT stage of the experiment the loop serves (configs/experiments/mini_base_recipe.yaml, less its step count):
+# students from the mini base, with the evidence attention loss
+RECIPE_SFT = ["team=mini_from_base", "learner.attention.weight=1.0"]
 
 
 # ------------------------------------------------------------------------------ one side, in its own process
@@ -98,6 +102,10 @@ def main() -> None:
     p.add_argument("--baseline", default=BASELINE)
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=key=value,key=value: a MARL configuration of the current code timed beside the two")
+    p.add_argument("--sft-set", action="append", default=[],
+                   help="key=value for the SFT runs of every side, after the recipe's (RECIPE_SFT)")
+    p.add_argument("--sft-plain", action="store_true",
+                   help="SFT as configs/sft/mini.yaml is (the random mini team, no evidence attention loss)")
     p.add_argument("--eval-questions", type=int, default=100,
                    help="questions the mini_trained team answers in the eval row (greedy, as `m1 eval`)")
     p.add_argument("--only", choices=["sft", "marl", "eval"], help="time one of the three only")
@@ -123,16 +131,17 @@ def main() -> None:
     targets = {"sft": 1.5, "marl": 2.5, "eval": 2.0}
     for kind in kinds:
         steps = {"sft": args.sft_steps, "marl": args.marl_steps, "eval": args.eval_questions}[kind]
+        both = ([] if args.sft_plain else RECIPE_SFT) + args.sft_set if kind == "sft" else []  # every side's
         for name in [n for n in ("baseline", "current") if n in sides]:  # fills each side's own caches
             print(f"{kind}: warm-up run of {name}", flush=True)
-            run_side(sides[name][0], sides[name][2], kind, 1, [])
+            run_side(sides[name][0], sides[name][2], kind, 1, both)
         names = list(sides) if kind == "marl" else [n for n in ("baseline", "current") if n in sides]  # variants: MARL
         times: dict[str, list[list[dict]]] = {name: [] for name in names}
         for rep in range(args.reps):
             order = names if rep % 2 == 0 else names[::-1]  # alternate who goes first
             for name in order:
                 tree, sets, d = sides[name]
-                times[name].append(run_side(tree, d, kind, steps, sets))
+                times[name].append(run_side(tree, d, kind, steps, both + sets))
                 print(f"{kind} rep {rep + 1} {name}: {per_step(times[name][-1], 'time/step'):.2f} s "
                       f"for {steps} steps (load {os.getloadavg()[0]:.2f})", flush=True)
         parts = ["time/step", "time/rollout", "time/update"] if kind == "marl" else ["time/step"]
@@ -158,7 +167,7 @@ def main() -> None:
             target = f">= {targets[kind]}" if name == "current" else "-"
             ratio = base / med[name]["time/step"]
             what = f"eval, {name} vs {args.baseline} ({steps} questions, s per question" if kind == "eval" else \
-                f"{kind} step, {name} vs {args.baseline} ({steps} steps"
+                f"{kind} step, {name} vs {args.baseline} ({steps} steps" + (f", sets {both}" if both else "")
             res.figures.append(Figure(
                 f"{what}, 1 thread)", f"{base:.2f} s",
                 f"{med[name]['time/step']:.2f} s", ratio, "baseline / measured", target,

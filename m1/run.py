@@ -19,6 +19,7 @@ from pathlib import Path
 from m1.config import TeamConfig
 from m1.contracts import Team
 from m1.data.records import INVALID
+from m1.gc_pauses import fewer_gc_pauses
 from m1.files import WriteError, write_whole
 from m1.locks import hold
 from m1.results import (ResultsFile, changed_since, check_team, fingerprint, invalid_row, part_path, record_split,
@@ -155,7 +156,9 @@ def run_questions(cfg: TeamConfig, questions: list[Question], out: Path, trace_d
         if trace_dir is not None:
             claim_trace_dir(trace_dir, whole)
         try:
-            return _run(cfg, questions, out, trace_dir, limit, team, progress, stop, keep_errors, keep_stale)
+            with fewer_gc_pauses():
+                return _run(cfg, questions, out, trace_dir, limit, team, progress, stop, keep_errors,
+                            keep_stale)
         except Stopped as exc:
             done = len({q.id for q in questions} & ResultsFile(out).done)
             raise Stopped(exc.signum, f"stopped by {signal.Signals(exc.signum).name}: {done} of {len(questions)} "

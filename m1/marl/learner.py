@@ -207,7 +207,8 @@ class AgentLearner:
         heads = HeadScores(self.policy, supervised_layers(att)) if att.on else nullcontext()
         with self._autocast(), heads:
             if prompt_loss or att.on:
-                logp, mask, p_logp, p_mask = self.scorer.sequence_logprobs(self._forward_model(), micro_rows)
+                logp, mask, p_logp, p_mask = self.scorer.sequence_logprobs(self._forward_model(), micro_rows,
+                                                                           prompt=prompt_loss)
             else:
                 logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
         loss = -(logp * mask).sum() / max(step.tokens, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from m1.contracts import StepTrainer
+from m1.gc_pauses import fewer_gc_pauses
 from m1.marl.checkpoint import StopFlag, naming_full_disk
 from m1.marl.groups import stop_on_lost_ranks
 from m1.marl.stream import MetricsLog
@@ -31,23 +32,25 @@ def run_steps(trainer: StepTrainer, total: int, step: Callable[[], dict[str, Any
     try:
         trainer.trackers = logger.trackers = open_trackers(cfg, trainer.placement, trainer.tracker_ids)
         trainer.tracker_ids = trainer.trackers.run_ids()
-        while trainer.step < last and not stop:
-            try:
-                row = step()
-            except Exception as exc:
-                stop_on_lost_ranks(trainer.learners, exc, f"{what} {trainer.step + 1} of {total}", trainer.checkpointed)
-                raise
-            with naming_full_disk(logger.path):
-                logger.write(row)
-            if row is not None:
-                trainer.history.append(row)
-            if trainer.step % cfg.checkpoint.every == 0 or trainer.step == total:
+        with fewer_gc_pauses():
+            while trainer.step < last and not stop:
                 try:
-                    trainer.save_checkpoint()
+                    row = step()
                 except Exception as exc:
-                    stop_on_lost_ranks(trainer.learners, exc, f"the checkpoint of {what} {trainer.step}",
+                    stop_on_lost_ranks(trainer.learners, exc, f"{what} {trainer.step + 1} of {total}",
                                        trainer.checkpointed)
                     raise
+                with naming_full_disk(logger.path):
+                    logger.write(row)
+                if row is not None:
+                    trainer.history.append(row)
+                if trainer.step % cfg.checkpoint.every == 0 or trainer.step == total:
+                    try:
+                        trainer.save_checkpoint()
+                    except Exception as exc:
+                        stop_on_lost_ranks(trainer.learners, exc, f"the checkpoint of {what} {trainer.step}",
+                                           trainer.checkpointed)
+                        raise
         if stop and trainer.step != trainer.checkpointed:
             trainer.save_checkpoint(interim=True)
         failed = False

@@ -161,6 +161,9 @@ class Scorer:
         """One forward over prompt + completion for every row (no sharing). A vision-language model is given no
         position ids: it derives its multimodal rotary positions from the ids, the image grids and the mask, as
         `generate` does."""
+        starts = [len(p) for p, _ in rows]
+        if not self.vl and max(starts) - min(starts) <= max(len(c) for _, c in rows):
+            return self._right_padded_logprobs(model, rows, temperature)  # few columns score completions (see there)
         input_ids, attention, cmask, p_len, c_len = self.padded_rows(rows)
         if self.vl and vision is not None:
             # Only the prompts' image pads take image features and 3D positions. A sampled reply may hold an image-
@@ -184,6 +187,32 @@ class Scorer:
         logp = token_logprobs(logits, input_ids[:, p_len:], temperature)
         return logp, cmask
 
+    def _right_padded_logprobs(self, model, rows: list[tuple[list[int], list[int]]],
+                               temperature: float | list[float]):
+        """`_joint_logprobs` of a text model with each row's prompt + completion from column 0 and the padding after
+        it. Causal attention never reaches a later pad from a real token, so no mask is passed and attention takes
+        the causal kernel, which skips the future (a left-padded batch needs an explicit mask, and the kernel then
+        runs every query against every key). Logits are made only at the columns that score a completion token of
+        some row (the union of `len(prompt) - 1 + t`), so it is taken when the prompts' lengths differ by at most the
+        longest completion (length-sorted micro-batches mostly do): else that union would hold more columns than the
+        left-padded pass's C + 1 logits by far. Same values as the left-padded pass."""
+        import torch
+
+        pad = self.tokenizer.pad_token_id
+        c_len = max(len(c) for _, c in rows)
+        if c_len == 0:
+            empty = torch.zeros((len(rows), 0), device=self.device)
+            return empty, empty
+        width = max(len(p) for p, _ in rows) + c_len
+        ids = torch.tensor([p + c + [pad] * (width - len(p) - len(c)) for p, c in rows], device=self.device)
+        cmask = torch.tensor([[1.0] * len(c) + [0.0] * (c_len - len(c)) for _, c in rows], device=self.device)
+        starts = torch.tensor([len(p) - 1 for p, _ in rows], device=self.device)  # the column scoring token 0
+        cols = starts[:, None] + torch.arange(c_len, device=self.device)[None]     # [B, C]
+        keep = torch.unique(cols)  # sorted
+        out = model(input_ids=ids, logits_to_keep=keep, use_cache=False)
+        logits = out.logits[torch.arange(len(rows), device=self.device)[:, None], torch.searchsorted(keep, cols)]
+        return token_logprobs(logits, ids.gather(1, cols + 1), temperature), cmask
+
     def padded_rows(self, rows: list[tuple[list[int], list[int]]]):
         """(input ids, attention mask, completion mask [B, C], P, C) of rows joined as prompt + completion, prompts
         left-padded and completions right-padded to the longest, so every completion starts at column P."""
@@ -201,15 +230,22 @@ class Scorer:
         return (torch.tensor(ids, device=self.device), torch.tensor(attn, device=self.device),
                 torch.tensor(cmask, device=self.device), p_len, c_len)
 
-    def sequence_logprobs(self, model, rows: list[tuple[list[int], list[int]]]):
-        """For `learner.prompt_loss`: one forward over prompt + completion with every position's logits. Returns the
-        completion's log-probs and mask [B, C] (as `completion_logprobs` at temperature 1) and the prompt's [B, P-1]
-        (token j of a left-padded prompt scored from the logits at j-1; a row's first token is not scored)."""
+    def sequence_logprobs(self, model, rows: list[tuple[list[int], list[int]]], prompt: bool = True):
+        """One left-padded forward over prompt + completion (for `learner.prompt_loss` and the evidence attention
+        loss, whose rows are the padded batch's columns). Returns the completion's log-probs and mask [B, C] (as
+        `completion_logprobs` at temperature 1) and, with `prompt`, the prompt's [B, P-1] from every column's
+        logits (token j of a left-padded prompt scored from the logits at j-1; a row's first token is not scored);
+        without it (the attention loss alone) logits are made at the completion's columns only, and the prompt's
+        log-probs and mask are None."""
         if self.vl:
             raise ValueError(f"agent {self.agent!r}: learner.prompt_loss is for text students; a vision-language "
                              "prompt's image-pad tokens are not text to predict (set it to 0)")
-        input_ids, attention, cmask, p_len, _ = self.padded_rows(rows)
+        input_ids, attention, cmask, p_len, c_len = self.padded_rows(rows)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        if not prompt:
+            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                        logits_to_keep=c_len + 1, use_cache=False)
+            return token_logprobs(out.logits[:, :-1], input_ids[:, p_len:], 1.0), cmask, None, None
         out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False)
         logp = token_logprobs(out.logits[:, :-1], input_ids[:, 1:], 1.0)  # column j scores token j+1
         # prompt token j (j >= 1) is scored at column j-1 when both it and the token before it are real

@@ -6,11 +6,12 @@ benchmarks/README.md): the K rollouts of a question send the same plan prompt, t
 prompt, question and shared notes, and a second communicate round repeats the first. As vLLM's automatic prefix
 caching does, prompts are cut into blocks of `BLOCK` tokens and the keys and values of every full block are kept,
 keyed by the block's tokens and the blocks before it (exact: a tree of token tuples, no hashes that could collide);
-a new prompt runs only the tokens after its longest cached prefix. The cache belongs to one model and is emptied
-whenever its weights change (the sum of the parameters' in-place version counters moves at every optimizer step and
-weight load; a learner also empties it after each of those, m1/marl/learner.py `weights_changed`, since writes
-through `.data` move no counter), so a learner's sampler never reuses keys of older weights. Entries are evicted
-least recently used past `max_bytes`.
+a new prompt runs only the tokens after its longest cached prefix (on CPU each distinct prompt alone on its own
+cached blocks when that costs less than one padded batch, `Sampler._alone_pays`). The cache belongs to one model
+and is emptied whenever its weights change (the sum of the parameters' in-place version counters moves at every
+optimizer step and weight load; a learner also empties it after each of those, m1/marl/learner.py
+`weights_changed`, since writes through `.data` move no counter), so a learner's sampler never reuses keys of older
+weights. Entries are evicted least recently used past `max_bytes`.
 
 Sampling is `RowSampler`'s (below; transformers' generate samples through it too, m1/models/hf.py): row i
 draws one uniform vector per step it is alive from a generator seeded with seeds[i] and takes
@@ -25,6 +26,9 @@ from collections import OrderedDict
 from typing import Any
 
 BLOCK = 16  # tokens per cached block: long enough to keep the per-block bookkeeping cheap, short enough to share
+# a forward's fixed cost per layer, in FLOPs at one core's matmul rate (~0.45 ms a layer at ~50 GFLOP/s on the mini
+# team's models: scripts/profile_loop.py); only `Sampler._alone_pays` uses it, to weigh U calls against one
+CALL_FLOPS = 2e7
 
 
 def supports(model) -> bool:
@@ -183,6 +187,12 @@ class PrefixCache:
             self.ids.pop(self.keys_of.pop(bid), None)
 
 
+def _layer_weights(model) -> int:
+    """Weights a prompt token multiplies in the layers: every matrix but the embedding and output layer."""
+    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
+
+
 @functools.cache
 def _buffer_layer():
     """DynamicLayer (imported late, as transformers is) whose keys and values live in a buffer sized for the whole
@@ -233,6 +243,7 @@ class Sampler:
         self.cache = PrefixCache(max_bytes)
         self.model = None
         self.alone_on_cpu = True  # `_alone`; off: one padded batch, as on a GPU
+        self.costs = None  # (model, FLOPs per token, per attended pair, per call) for `_alone_pays`
 
     def generate(self, model, prompts: list[list[int]], params, seeds: list[int | None]):
         """(tokens, log-probs or None, stopped at eos) per prompt of `model` (the chat model's current module: a
@@ -260,17 +271,25 @@ class Sampler:
         which = {p: i for i, p in enumerate(unique)}
         found = [self.cache.lookup(list(p)) for p in unique]
         hit = [len(f) * BLOCK for f in found]
-        h_max = max(hit)
         tails = [list(p[h:]) for p, h in zip(unique, hit)]
-        s_max = max(len(t) for t in tails)
-        mask = torch.tensor([[0] * (h_max - h) + [1] * h + [0] * (s_max - len(t)) + [1] * len(t)
-                             for h, t in zip(hit, tails)], device=device)
         cache = DynamicCache(config=self.model.config)
         buffered = _buffer_layer()
-        cache.layers = [buffered(h_max + s_max + max_new) for _ in cache.layers]
-        if h_max == 0 and len(unique) > 1 and device.type == "cpu" and self.alone_on_cpu:
-            logits = self._alone(tails, s_max, cache)
+        if len(unique) > 1 and device.type == "cpu" and self.alone_on_cpu and self._alone_pays(hit, tails):
+            # each row's prompt sits right-aligned in `width` columns, cached part and tail together
+            width = max(len(p) for p in unique)
+            lengths = torch.tensor([len(p) for p in unique], device=device)
+            mask = (torch.arange(width, device=device) >= width - lengths[:, None]).long()
+            cache.layers = [buffered(width + max_new) for _ in cache.layers]
+            logits = self._alone(found, hit, tails, width, cache)
+            column = lambda u, t: width - len(unique[u]) + t  # noqa: E731
         else:
+            # one padded batch: every row's cached part right-aligned in h_max columns, its tail in the s_max after
+            h_max, s_max = max(hit), max(len(t) for t in tails)
+            cols = torch.arange(h_max + s_max, device=device)
+            cached = torch.tensor(hit, device=device)[:, None]
+            ran = torch.tensor([len(t) for t in tails], device=device)[:, None]
+            mask = (((cols >= h_max - cached) & (cols < h_max)) | (cols >= h_max + s_max - ran)).long()
+            cache.layers = [buffered(h_max + s_max + max_new) for _ in cache.layers]
             if h_max:
                 past = self._past(found, h_max)  # [U, layers, 2, kv, h_max, d]
                 for layer in range(past.shape[1]):
@@ -280,32 +299,64 @@ class Sampler:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
             logits, cache = out.logits[:, -1], out.past_key_values
-        self._store(unique, hit, h_max, s_max, cache)
+            column = lambda u, t: (h_max - hit[u] + t if t < hit[u]  # noqa: E731
+                                   else h_max + s_max - len(unique[u]) + t)
+        self._store(unique, column, cache)
         group = torch.tensor([which[tuple(p)] for p in prompts], device=device)
         if len(unique) < len(prompts):
             cache.batch_select_indices(group)
         return logits[group], cache, mask[group]
 
-    def _alone(self, tails: list[list[int]], s_max: int, cache):
-        """On CPU, prompts with nothing cached run one at a time (no padding and no mask, so attention takes the
-        causal kernel that skips the future; 1.45x faster than one padded batch on 16 communicate prompts of the mini
-        team), their keys and values joined left-padded into `cache`. Returns the last-token logits [U, V]."""
+    def _alone_pays(self, hit: list[int], tails: list[list[int]]) -> bool:
+        """Whether running the distinct prompts one at a time costs less than one padded batch, counted in FLOPs
+        with a forward's fixed cost added per call. A padded batch runs every row for the longest tail against the
+        longest cached part plus that tail, so rows of mixed lengths waste much of it (a call of 16 eval prompts of
+        the mini team ran as 680 query columns over 968 key columns for every row); one row alone runs its own
+        tail only, without a mask when nothing is cached (the causal kernel skips the future)."""
+        if self.costs is None or self.costs[0] is not self.model:
+            config = self.model.config
+            layers, heads = config.num_hidden_layers, config.num_attention_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            # FLOPs a token's matmuls cost (last-token logits excluded), of one query token attending to one key
+            # token, and of a forward's fixed cost
+            self.costs = (self.model, 2 * _layer_weights(self.model), 4 * layers * heads * head_dim,
+                          CALL_FLOPS * layers)
+        _, per_token, per_pair, per_call = self.costs
+        h_max, s_max = max(hit), max(len(t) for t in tails)
+        batched = len(tails) * s_max * (per_token + per_pair * (h_max + s_max))
+        alone = sum(len(t) * (per_token + per_pair * (h + (len(t) / 2 if h == 0 else len(t))))
+                    for h, t in zip(hit, tails))
+        return alone + (len(tails) - 1) * per_call < batched
+
+    def _alone(self, found: list[list], hit: list[int], tails: list[list[int]], width: int, cache):
+        """Distinct prompts run one at a time, each on its own cached blocks (no padding; with nothing cached no
+        mask either, so attention takes the causal kernel: 1.45x faster than one padded batch on 16 communicate
+        prompts of the mini team), their keys and values joined right-aligned in `width` columns of `cache`.
+        Returns the last-token logits [U, V]."""
         import torch
+        from transformers.cache_utils import DynamicCache
 
         device = self.model.device
         logits, alone = [], []
-        for t in tails:
-            out = self.model(input_ids=torch.tensor([t], device=device), use_cache=True, logits_to_keep=1)
+        for blocks, h, t in zip(found, hit, tails):
+            own = DynamicCache(config=self.model.config)
+            if blocks:
+                past = torch.cat(blocks, dim=3)  # [layers, 2, kv, h, d]
+                for layer in range(past.shape[0]):
+                    own.update(past[layer, 0][None], past[layer, 1][None], layer)
+            out = self.model(input_ids=torch.tensor([t], device=device), past_key_values=own,
+                             position_ids=torch.arange(h, h + len(t), device=device)[None], use_cache=True,
+                             logits_to_keep=1)
             logits.append(out.logits[0, -1])
             alone.append(out.past_key_values)
         for i in range(len(cache.layers)):
             first = alone[0].layers[i]
-            keys = first.keys.new_zeros((len(tails), first.keys.shape[1], s_max, first.keys.shape[3]))
-            values = first.values.new_zeros((len(tails), first.values.shape[1], s_max, first.values.shape[3]))
+            keys = first.keys.new_zeros((len(tails), first.keys.shape[1], width, first.keys.shape[3]))
+            values = first.values.new_zeros((len(tails), first.values.shape[1], width, first.values.shape[3]))
             for u, c in enumerate(alone):
-                n = len(tails[u])
-                keys[u, :, s_max - n:] = c.layers[i].keys[0]
-                values[u, :, s_max - n:] = c.layers[i].values[0]
+                n = hit[u] + len(tails[u])
+                keys[u, :, width - n:] = c.layers[i].keys[0]
+                values[u, :, width - n:] = c.layers[i].values[0]
             cache.update(keys, values, i)
         return torch.stack(logits)
 
@@ -321,18 +372,21 @@ class Sampler:
                 past[i, :, :, :, h_max - len(blocks) * BLOCK:] = torch.cat(blocks, dim=3)
         return past
 
-    def _store(self, unique, hit: list[int], h_max: int, s_max: int, cache) -> None:
-        """Every full block of each distinct prompt that ran, from the prefill's cache."""
+    def _store(self, unique, column, cache) -> None:
+        """Every full block of each distinct prompt that ran, from the prefill's cache; `column(u, t)` is where
+        token t of distinct prompt u sits in it."""
         import torch
 
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
-        for u, (prompt, h) in enumerate(zip(unique, hit)):
-            def kv_of(start: int, u: int = u, h: int = h, n: int = len(prompt)):
-                # token t sits at column h_max - h + t in the cached part, h_max + s_max - n + t in the tail
-                col = h_max - h + start if start < h else h_max + s_max - n + start
-                return torch.stack([torch.stack([k[u, :, col:col + BLOCK], v[u, :, col:col + BLOCK]])
-                                    for k, v in zip(keys, values)])  # a new tensor: it keeps no buffer alive
+        for u, prompt in enumerate(unique):
+            row: list = []  # the row's [layers, 2, kv, width, d], made once it has a block to keep
+
+            def kv_of(start: int, u: int = u, row: list = row):
+                if not row:
+                    row.append(torch.stack([torch.stack([k[u], v[u]]) for k, v in zip(keys, values)]))
+                col = column(u, start)
+                return row[0][:, :, :, col:col + BLOCK].clone()  # its own tensor: it keeps no buffer alive
             self.cache.store(list(prompt), kv_of)
 
     # -------------------------------------------------------------- decode

@@ -13,7 +13,8 @@ LAYOUT = PKG.parent / "docs" / "layout.md"
 # m1/cli.py and each package's cli.py that it mounts (m1/data/cli.py, m1/experiment/cli.py, m1/synth/cli.py), which
 # may reach any layer. Units on one line are peers (they may import each other, never in a cycle).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("m1", "schema", "text", "files", "locks", "signature", "video", "plots", "registry", "errors", "signals", "evidence"),
+    ("m1", "schema", "text", "files", "locks", "signature", "video", "plots", "registry", "errors", "signals", "evidence",
+     "gc_pauses"),
     ("config", "attention_loss"),
     ("models", "contracts"),
     ("agents", "memory"),

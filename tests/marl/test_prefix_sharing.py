@@ -80,7 +80,8 @@ def test_shared_prompt_pass_matches_the_joint_pass(arch, m1_cache):
     joint = scores_and_grads(lrn, rows, 0.7)
     assert log.shapes[2:] == [(10, 12 + 8)]
     assert shared[0].shape == joint[0].shape == (10, 8)
-    torch.testing.assert_close(shared[0], joint[0], atol=1e-5, rtol=0)
+    # where a row has a token (a padded column's value is whatever its pass computed there, masked out)
+    torch.testing.assert_close(shared[0] * shared[1], joint[0] * joint[1], atol=1e-5, rtol=0)
     assert torch.equal(shared[1], joint[1])
     assert shared[1].sum().item() == sum(len(c) for _, c in rows)
     assert_same_grads(shared[2], joint[2])
@@ -105,8 +106,8 @@ def test_lora_adapter_and_reference_pass_match(m1_cache):
     with torch.no_grad(), lrn._reference() as ref:
         ref_joint, _ = lrn.completion_logprobs(ref, rows, 1.0)
     assert all("lora_" in n for n in shared[2]) and len(shared[2]) == 2 * 2 * 7  # A and B, 2 layers, 7 modules
-    torch.testing.assert_close(shared[0], joint[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(ref_shared, ref_joint, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared[0] * shared[1], joint[0] * joint[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ref_shared * shared[1], ref_joint * joint[1], atol=1e-5, rtol=0)
     assert (shared[0] - ref_shared).abs().max() > 1e-3  # the reference really ran without the adapter
     assert_same_grads(shared[2], joint[2])
 
@@ -180,5 +181,48 @@ def test_gradient_checkpointing_keeps_the_joint_pass_in_training(m1_cache):
     with torch.no_grad():
         shared, shared_mask = lrn.completion_logprobs(lrn.policy, rows, 1.0)
     assert log.shapes[1:] == [(4, 12), (10, c_len - 1)]
-    torch.testing.assert_close(shared, logp.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared * mask, logp.detach() * mask, atol=1e-5, rtol=0)
     assert torch.equal(shared_mask, mask)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_the_joint_pass_padded_after_each_row_matches_the_left_padded_masked_pass(arch, m1_cache):
+    """`_right_padded_logprobs` (no mask: the causal kernel) against the left-padded pass with an explicit mask
+    (`sequence_logprobs`, every column's logits): the same completion log-probs and the same gradients, over rows
+    of different prompt and completion lengths."""
+    import torch
+
+    rows = grouped_rows(seed=7)
+    lrn = learner(arch, share=False)
+    lrn.policy.train()
+    log = ForwardLog(lrn.policy)
+    right = scores_and_grads(lrn, rows, 1.0)
+    assert log.shapes == [(10, 12 + max(len(c) for _, c in rows))]
+    lrn.policy.zero_grad(set_to_none=True)
+    logp, mask, _, _ = lrn.scorer.sequence_logprobs(lrn.policy, rows)
+    (logp * mask).sum().backward()
+    left = {n: p.grad.clone() for n, p in lrn.policy.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(right[0] * right[1], logp.detach() * mask, atol=1e-5, rtol=0)
+    assert torch.equal(right[1], mask)
+    assert_same_grads(right[2], left)
+
+
+def test_the_attention_loss_pass_without_prompt_logits_scores_completions_alike(m1_cache):
+    """`sequence_logprobs(prompt=False)` (the evidence attention loss without learner.prompt_loss): logits at the
+    completion's columns only, the same completion log-probs and gradients as the pass with every column's."""
+    import torch
+
+    rows = grouped_rows(seed=8)
+    lrn = learner("qwen3", share=False)
+    lrn.policy.train()
+    got = []
+    for prompt in (True, False):
+        lrn.policy.zero_grad(set_to_none=True)
+        logp, mask, p_logp, p_mask = lrn.scorer.sequence_logprobs(lrn.policy, rows, prompt=prompt)
+        assert (p_logp is None and p_mask is None) != prompt
+        (logp * mask).sum().backward()
+        got.append((logp.detach(), mask, {n: p.grad.clone() for n, p in lrn.policy.named_parameters()}))
+    (full, full_mask, full_grads), (only, only_mask, only_grads) = got
+    torch.testing.assert_close(only * only_mask, full * full_mask, atol=1e-5, rtol=0)
+    assert torch.equal(only_mask, full_mask)
+    assert_same_grads(only_grads, full_grads)

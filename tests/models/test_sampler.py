@@ -55,20 +55,28 @@ def test_the_sampler_gives_generates_tokens_and_logprobs_over_calls_that_reuse_p
 
 
 @pytest.mark.parametrize("alone", [True, False])
-def test_prompts_with_nothing_cached_run_alone_or_batched_to_the_same_tokens(pair, alone):
-    """On CPU a call whose prompts find nothing cached runs them one at a time (`Sampler._alone`), else in one
-    padded batch: both give generate's tokens, and the blocks they keep serve the next call alike."""
+def test_prompts_run_alone_or_batched_to_the_same_tokens(pair, alone, monkeypatch):
+    """On CPU a call's distinct prompts run one at a time on their own cached blocks (`Sampler._alone`) when that
+    costs less than one padded batch (`_alone_pays`), else batched: forced either way, both give generate's tokens
+    with nothing cached and again on the blocks they kept, and those blocks serve the next call alike."""
     fast, slow = pair
-    fast.sampler.alone_on_cpu = alone
+    monkeypatch.setattr(fast.sampler, "_alone_pays", lambda hit, tails: alone)
     fast.sampler.cache.clear()
     prompts = _prompts(11)
-    try:
-        for call in range(2):  # the second call runs only the tails, on the blocks the first one kept
-            hits = fast.sampler.cache.hits
-            _same(_run(fast, prompts, 1.0, list(range(6)), 10), _run(slow, prompts, 1.0, list(range(6)), 10))
-            assert (fast.sampler.cache.hits > hits) == (call == 1)
-    finally:
-        fast.sampler.alone_on_cpu = True
+    for call in range(3):  # later calls run only the tails, on the blocks the first one kept
+        hits = fast.sampler.cache.hits
+        more = [p + [7 + call] * (5 * call) for p in prompts]  # tails of different lengths on cached parts
+        _same(_run(fast, more, 1.0, list(range(6)), 10), _run(slow, more, 1.0, list(range(6)), 10))
+        assert (fast.sampler.cache.hits > hits) == (call > 0)
+
+
+def test_the_padded_batch_costs_more_than_rows_alone_when_their_lengths_differ(pair):
+    """`_alone_pays`: a long tail beside short ones on long cached parts (mixed lengths) runs alone; many short
+    tails of the same length (K rollouts' last few tokens) stay one batch, whose one call costs less than many."""
+    fast, _ = pair
+    fast.sampler.model = fast.model
+    assert fast.sampler._alone_pays([0, 480, 480, 0], [[5] * 600, [5] * 20, [5] * 30, [5] * 10])
+    assert not fast.sampler._alone_pays([64] * 16, [[5] * 3] * 16)
 
 
 def test_rows_that_stop_early_leave_the_batch_and_the_rest_are_unchanged(pair):
