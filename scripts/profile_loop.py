@@ -197,6 +197,8 @@ def main() -> None:
             init(self, *a, **kw)
             self.sampler = None
         hf.HFChatModel.__init__ = without_sampler
+    if os.path.exists(args.out):  # a finished run there would resume, run no step, and time nothing
+        raise SystemExit(f"profile_loop: {args.out} exists (an earlier profile's run): remove it or pass --out")
     common = [f"out_dir={args.out}", "log.progress=false", "checkpoint.every=100000"]
     if args.kind == "marl":
         from m1.marl.config import load_train_config
