@@ -511,6 +511,11 @@ class SFTDataConfig(Strict):
     communicate_per_episode: int | None = Field(None, ge=0, description=(
         "Ours: keep at most this many communicate examples per agent and question, the first ones (a data budget "
         "after the keep rule); None: all."))
+    communicate_revisions: Literal["thin", "keep"] = Field("thin", description=(
+        "Ours: how communicate_per_episode treats a communicate example that adds a tool (a plan revision). thin: "
+        "like any other (the majority continue() examples come first, so most revisions go); keep: every kept "
+        "revision stays and the budget applies to the continue() examples only, so SFT sees the teacher's "
+        "revisions (issue #82). The stats file counts both."))
     plan_filter: Literal["keep_rule", "all"] = Field(default="keep_rule", description=(
         "keep_rule: plans by the paper's rule (see keep_revised_plans). all (ours): every plan the teacher wrote, "
         "whatever the outcome, so SFT teaches the plan format rather than which plan is good."))

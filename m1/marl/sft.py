@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+from m1.agents.parsers import parse_decision
 from m1.contracts import Team
 from m1.data.metrics import truth_letter
 from m1.files import write_whole
@@ -80,12 +81,19 @@ def build_sft_data(team: Team, questions: Sequence[Question], rewards: RewardCon
     return kind.sft_examples(episodes, rewards, judge, phases, keep_revised_plans, plan_filter)
 
 
-def thin_communicate(examples: list[SFTExample], per_episode: int) -> list[SFTExample]:
-    """The first `per_episode` communicate examples of each (question, agent), every other example kept."""
+def is_revision(example: SFTExample) -> bool:
+    """A communicate example whose reply adds a tool to the plan (read as the students' decisions are read)."""
+    return example.phase == "communicate" and parse_decision(example.completion).decision.action == "add_tool"
+
+
+def thin_communicate(examples: list[SFTExample], per_episode: int,
+                     keep_revisions: bool = False) -> list[SFTExample]:
+    """The first `per_episode` communicate examples of each (question, agent), every other example kept; with
+    `keep_revisions`, every revision too, the budget counting the other communicate examples only."""
     seen: dict[tuple[str, str], int] = {}
     out = []
     for e in examples:
-        if e.phase == "communicate":
+        if e.phase == "communicate" and not (keep_revisions and is_revision(e)):
             key = (e.question_id, e.agent)
             seen[key] = seen.get(key, 0) + 1
             if seen[key] > per_episode:
@@ -105,6 +113,8 @@ def data_settings(cfg: SFTConfig) -> dict[str, Any]:
                            "teacher": teacher, "questions": d.questions}
     if d.plan_filter != "keep_rule":  # recorded only when set, so files built before the option stay valid
         out["plan_filter"] = d.plan_filter
+    if d.communicate_revisions != "thin":  # the same
+        out["communicate_revisions"] = d.communicate_revisions
     teacher_cfg = cfg.teacher_config()
     if teacher_cfg is not None and any(m.backend == "synth" for m in teacher_cfg.models.values()):
         out["teacher_code"] = synth_teacher_code()
@@ -201,10 +211,14 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
         examples, stats = build_sft_data(make_team(teacher, hub=teacher_hub), questions, cfg.rewards, None, d.phases,
                                          d.rollouts_per_question, d.rotate_options, d.keep_revised_plans,
                                          progress=cfg.log.progress, plan_filter=d.plan_filter)
+    revisions = sum(is_revision(e) for e in examples)
     if d.communicate_per_episode is not None:
-        thinned = thin_communicate(examples, d.communicate_per_episode)
+        thinned = thin_communicate(examples, d.communicate_per_episode, d.communicate_revisions == "keep")
         stats["thinned_communicate"] = len(examples) - len(thinned)
         examples = thinned
+    communicate = [e for e in examples if e.phase == "communicate"]
+    stats["communicate_revisions"] = {"after_keep_rule": revisions, "kept": sum(is_revision(e) for e in communicate),
+                                      "communicate_kept": len(communicate)}
     stats["by_phase"] = {ph: sum(e.phase == ph for e in examples) for ph in sorted({e.phase for e in examples})}
     stats["data"] = settings
     write_examples(path, examples)

@@ -8,7 +8,7 @@ from tests.fakes import FakeChat, FakeVision, content, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import SFTConfig, load_sft_config
 from m1.marl.rewards import RewardConfig
-from m1.marl.sft import build_sft_data, read_examples, rotate_options, write_examples
+from m1.marl.sft import build_sft_data, is_revision, read_examples, rotate_options, thin_communicate, write_examples
 from m1.marl.sft_examples import SFTExample, plan_unchanged, select_examples
 from m1.schema import AgentAnswer, AgentRecord, Decision, Episode, Generation, Question, Turn
 from m1.team import topology as topo
@@ -308,3 +308,24 @@ def test_training_commands_run_on_the_threads_asked_and_give_them_back(monkeypat
     finally:
         torch.set_num_threads(before)
     assert seen == [1, 2, 2]
+
+
+def test_kept_revisions_escape_the_communicate_budget_and_continues_do_not():
+    """communicate_per_episode thins the majority continue() examples; with communicate_revisions: keep, an example
+    that adds a tool stays whatever its place, and the budget counts the continue() examples only (issue #82)."""
+    cont = "##tool call: continue()"
+    add = "##tool call: add tool <Image Retrieval>\n##key info: the red square near the end"
+    rows = [("q1", "a", cont), ("q1", "a", add), ("q1", "a", cont), ("q1", "b", add), ("q1", "b", cont),
+            ("q2", "a", cont)]
+    examples = [SFTExample(agent=a, question_id=q, phase="communicate", messages=[], completion=c) for q, a, c in rows]
+    examples.append(SFTExample(agent="a", question_id="q1", phase="answer", messages=[], completion="##Answer: B"))
+    assert [is_revision(e) for e in examples] == [False, True, False, True, False, False, False]
+
+    def kept(keep):
+        return [(e.question_id, e.agent, is_revision(e)) for e in thin_communicate(examples, 1, keep)
+                if e.phase == "communicate"]
+
+    assert kept(False) == [("q1", "a", False), ("q1", "b", True), ("q2", "a", False)]  # the first per agent only
+    assert kept(True) == [("q1", "a", False), ("q1", "a", True), ("q1", "b", True), ("q1", "b", False),
+                          ("q2", "a", False)]
+    assert sum(e.phase == "answer" for e in thin_communicate(examples, 0, True)) == 1  # other phases untouched
