@@ -1,7 +1,7 @@
 """The mini team's learning loop on the same work, this checkout vs a baseline commit, one torch thread.
 
-SFT: `--sft-steps` steps of configs/sft/mini.yaml as mini_base_recipe runs it (RECIPE_SFT: from the mini base, with
-the evidence attention loss; `--sft-plain`: the file as it is) on the rule-based teacher's examples for a 20-video
+SFT: `--sft-steps` steps of configs/sft/mini.yaml as mini_base_recipe runs it (`recipe_sft`: from the mini base,
+with the evidence attention loss; `--sft-plain`: the file as it is) on the rule-based teacher's examples for a 20-video
 world (built once per side, by that side's code). MARL: `--marl-steps` steps of configs/marl/mini_recipe.yaml with
 `rollout.topology=complete`, from the shipped mini weights (assets/mini_team), on the same world. Both come from the
 same seeds, so both sides do the same work. Eval: the shipped mini_trained team answers `--eval-questions` questions
@@ -34,9 +34,16 @@ from tree_worker import AGENTS, tree_command
 
 BASELINE = "070bdb6"  # main before the sampler work: HF generate per phase, no prefix reuse across the K rollouts
 WORLD = {"videos": 20, "seed": 1, "duration": 120}
-# the SFT stage of the experiment the loop serves (configs/experiments/mini_base_recipe.yaml, less its step count):
-# students from the mini base, with the evidence attention loss
-RECIPE_SFT = ["team=mini_from_base", "learner.attention.weight=1.0"]
+RECIPE = REPO / "configs" / "experiments" / "mini_base_recipe.yaml"  # the experiment the loop serves
+
+
+def recipe_sft() -> list[str]:
+    """The SFT overrides of the recipe (students from the mini base, the evidence attention loss), less its step
+    count: the bench sets its own."""
+    import yaml
+
+    sets = yaml.safe_load(RECIPE.read_text())["sft"]["overrides"]
+    return [s for s in sets if not s.startswith("max_steps=")]
 
 
 # ------------------------------------------------------------------------------ one side, in its own process
@@ -103,7 +110,7 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=key=value,key=value: a MARL configuration of the current code timed beside the two")
     p.add_argument("--sft-set", action="append", default=[],
-                   help="key=value for the SFT runs of every side, after the recipe's (RECIPE_SFT)")
+                   help="key=value for the SFT runs of every side, after the recipe's (`recipe_sft`)")
     p.add_argument("--sft-plain", action="store_true",
                    help="SFT as configs/sft/mini.yaml is (the random mini team, no evidence attention loss)")
     p.add_argument("--eval-questions", type=int, default=100,
@@ -131,7 +138,7 @@ def main() -> None:
     targets = {"sft": 1.5, "marl": 2.5, "eval": 2.0}
     for kind in kinds:
         steps = {"sft": args.sft_steps, "marl": args.marl_steps, "eval": args.eval_questions}[kind]
-        both = ([] if args.sft_plain else RECIPE_SFT) + args.sft_set if kind == "sft" else []  # every side's
+        both = ([] if args.sft_plain else recipe_sft()) + args.sft_set if kind == "sft" else []  # every side's
         for name in [n for n in ("baseline", "current") if n in sides]:  # fills each side's own caches
             print(f"{kind}: warm-up run of {name}", flush=True)
             run_side(sides[name][0], sides[name][2], kind, 1, both)
