@@ -12,7 +12,7 @@ from m1.data.cli import app as data_app
 from m1.errors import GuardedGroup, describe, fail, report_startup
 from m1.explain import app as config_app
 from m1.experiment.cli import app as experiment_app
-from m1.files import WriteError
+from m1.files import WriteError, check_place
 from m1.locks import LockError
 from m1.marl.guard import train_guarded
 from m1.models.base import ModelError
@@ -95,7 +95,7 @@ def infer(
     out: Path = typer.Option(Path("results.jsonl"), "--out", help="Results JSONL (appended; reruns skip done ids)."),
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Write one episode JSON + HTML per question here."),
     overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
-    limit: Optional[int] = typer.Option(None, help="Answer at most this many new questions."),
+    limit: Optional[int] = typer.Option(None, min=0, help="Answer at most this many new questions (0 or more)."),
     shard: Optional[str] = typer.Option(None, "--shard", help=_SHARD_HELP),
     keep_errors: bool = typer.Option(False, "--keep-errors", help=_KEEP_ERRORS_HELP),
     keep_stale: bool = typer.Option(False, "--keep-stale", help=_KEEP_STALE_HELP),
@@ -136,6 +136,7 @@ def infer(
 def _score_predictions(benchmark: str, qs, n_skipped: int, out: Path, title: str, debug: bool) -> None:
     """Score OUT/predictions.jsonl with the benchmark's own metrics into OUT/metrics.json and metrics.md and print the
     table; with nothing labelled to score, say so instead. An invalid question's error row is not scored."""
+    from m1.agents.parsers import answer_in_form
     from m1.data.records import INVALID
     from m1.data.metrics import format_table, score_benchmark
     from m1.data.questions import InputError
@@ -156,6 +157,11 @@ def _score_predictions(benchmark: str, qs, n_skipped: int, out: Path, title: str
         return
     metrics["n_questions"], metrics["n_skipped_records"] = len(answered), n_skipped
     metrics["n_invalid"] = sum(INVALID in q.meta for q in qs)
+    # answers not in the exact form for their task (null ones among them), judged again here so older files count too
+    by_id = {r["id"]: r for r in rows}
+    odd = [q for q in answered if not by_id[q.id].get("error") and not answer_in_form(by_id[q.id].get("answer"), q)]
+    metrics["n_not_in_form"] = len(odd)
+    metrics["n_no_answer"] = sum(by_id[q.id].get("answer") is None for q in odd)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     table = format_table(metrics, title=title)
     (out / "metrics.md").write_text(table + "\n")
@@ -171,7 +177,7 @@ def eval_(
     team: str = typer.Option("tiny", "--team", "-t", help="Team config: a YAML path or a name in configs/team/."),
     out: Path = typer.Option(Path("runs/eval"), "--out", help="Folder for predictions.jsonl, metrics.json, metrics.md."),
     overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value (repeat)."),
-    limit: Optional[int] = typer.Option(None, help="Answer at most this many new questions."),
+    limit: Optional[int] = typer.Option(None, min=0, help="Answer at most this many new questions (0 or more)."),
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Write one episode JSON + HTML per question."),
     shard: Optional[str] = typer.Option(None, "--shard", help=_SHARD_HELP.replace("OUT", "OUT/predictions.jsonl")
                                         + " Then rerun without --shard to score."),
@@ -199,6 +205,7 @@ def eval_(
     if not qs:
         fail(f"{annotations}: no usable questions ({len(issues)} skipped)")
     _check_team_models(cfg)
+    check_place(out, "--out", folder=True)
     out.mkdir(parents=True, exist_ok=True)
     preds_path = out / "predictions.jsonl"
     summary = _run_guarded(lambda: run_questions(cfg, qs, preds_path, trace_dir=trace_dir, limit=limit, shard=split,

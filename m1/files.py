@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +28,51 @@ class WriteError(RuntimeError):
                 f"could not write {where} ({exc.strerror or exc}): fix that and rerun the same command")
         tail = f"; {safe} answers are safely written in {results}" if safe is not None else ""
         super().__init__(head + tail)
+
+
+class PlaceError(OSError):
+    """An output place that cannot be what the command writes there (a FIFO or a device where a results file goes, a
+    file where a folder goes). An OSError, so every command's error path prints it as its one `error:` line."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def check_place(path: Path, what: str, folder: bool = False) -> None:
+    """Refuse, before anything is opened, an output place that is not a regular file (or a folder, with `folder`)
+    where one exists, or whose path runs through a file: opening a FIFO blocks until a reader comes (a run that hangs
+    holding its lock), a device swallows what is written, and results and checkpoints are read back to resume, which
+    neither can do. `what` names the place in the message (`--out`, `--trace-dir`, `out_dir`)."""
+    path = Path(path)
+    for parent in reversed(path.parents):
+        try:
+            mode = os.stat(parent).st_mode
+        except FileNotFoundError:
+            break  # made on the way
+        except OSError:
+            return  # permission and the like: the open that follows names them
+        if not stat.S_ISDIR(mode):
+            raise PlaceError(f"{what} {path}: {parent} is a file where a folder is needed (part of the path); "
+                             f"give a path through folders, or move {parent}")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # absent (made by the command) or unreadable (named by the open that follows)
+    if folder and not stat.S_ISDIR(mode):
+        what_is = "a file" if stat.S_ISREG(mode) else _kind(mode)
+        raise PlaceError(f"{what} {path}: a folder is expected here and {what_is} is in the way; give another "
+                         f"folder, or move it")
+    if not folder and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):  # a folder is named by its own message
+        raise PlaceError(f"{what} {path}: is {_kind(mode)}, not a regular file; the run writes a file here that it "
+                         f"locks and reads back to resume: give a file path (to follow it as it grows: tail -f)")
 
 
 def open_for_write(path: Path, mode: str):

@@ -33,6 +33,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
+from m1.files import check_place
+
 
 class LockError(RuntimeError):
     """Another run holds the lock; the message names it and says what to do."""
@@ -130,6 +132,7 @@ def hold(target: Path, what: str = "file", advice: str = "wait for it to finish,
     (its run was killed) is taken over, with a warning through `warn` (default: stderr) naming that run.
     Yields the lock file's path."""
     target = Path(target)
+    check_place(target, what, folder=lock_file is not None and Path(lock_file).parent == target)
     lf = Path(lock_file) if lock_file else lock_path(target)
     lf.parent.mkdir(parents=True, exist_ok=True)
     warn = warn or _warn_stderr

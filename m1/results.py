@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from m1 import files
+from m1.agents.parsers import answer_in_form
 from m1.config import TeamConfig
 from m1.data.metrics import is_correct
 from m1.data.questions import InputError
@@ -34,7 +35,8 @@ from m1.signature import Signature, signature
 
 class ResultsFile:
     """Append-only JSONL that survives being killed mid-write. `done`: the ids it lists; `failed`: those of them whose
-    line records an error (a rerun answers them again and `replace`s their line, so each id stays listed once)."""
+    line records an error (a rerun answers them again and `replace`s their line, so each id stays listed once). A
+    file that lists an id twice is refused on reading, naming the ids."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -58,7 +60,7 @@ class ResultsFile:
     def read(self) -> list[dict]:
         if not self.path.exists():
             return []
-        rows = []
+        rows, lines = [], {}
         for n, raw in enumerate(self.path.read_bytes().splitlines(), 1):
             try:
                 row = json.loads(raw.decode("utf-8"))
@@ -67,6 +69,13 @@ class ResultsFile:
             if not isinstance(row, dict) or "id" not in row:
                 raise InputError(f"{self.path}:{n}: not a results line (no id); fix or move the file")
             rows.append(row)
+            lines.setdefault(row["id"], []).append(n)
+        twice = {i: ns for i, ns in lines.items() if len(ns) > 1}
+        if twice:  # two results files joined: which line is the answer cannot be told, so none is scored or resumed
+            named = "; ".join(f"{i!r} (lines {', '.join(map(str, ns))})" for i, ns in list(twice.items())[:5])
+            raise InputError(f"{self.path}: {len(twice)} question ids have more than one line: {named}"
+                             f"{'; ...' if len(twice) > 5 else ''}; a results file lists each id once (m1 writes it so; "
+                             f"`m1 merge` joins shard parts): keep one line per id, or move the file")
         return rows
 
     def replace(self, row: dict) -> None:
@@ -134,13 +143,15 @@ def _zooms(ep: Episode) -> list[list[float]]:
 
 
 def result_row(ep: Episode) -> dict:
-    """The results line of an episode: its answer, each agent's vote, timings and, with a truth, whether it is
-    correct (the trace index shows the same answer/truth/correct)."""
+    """The results line of an episode: its answer and whether it is in the exact form for the task (`answer_ok`),
+    each agent's vote, timings and, with a truth, whether it is correct (the trace index shows the same
+    answer/truth/correct)."""
     t = ep.timings
     per_q = t.get("batch_wall", 0.0) / max(1.0, t.get("batch_size", 1.0))
     row = {
         "id": ep.id, "video": ep.question.video, "question": ep.question.text, "task": ep.question.task,
-        "answer": ep.final_answer, "reason": ep.final_reason, "aggregation": ep.aggregation,
+        "answer": ep.final_answer, "answer_ok": answer_in_form(ep.final_answer, ep.question),
+        "reason": ep.final_reason, "aggregation": ep.aggregation,
         "agents": {a.agent: {"answer": a.answer, "reason": a.reason, "parse_ok": a.parse_ok,
                              **_plan_of(ep, a.agent)} for a in ep.answers},
         "frames_used": ep.frames_used, "seconds": round(per_q, 3),
@@ -168,7 +179,8 @@ def result_row(ep: Episode) -> dict:
 
 def invalid_row(q: Question) -> dict:
     """The error row of a question `check_question` rejected: the keys of `result_row`, the problem as `error`."""
-    return {"id": q.id, "video": q.video, "question": q.text, "task": q.task, "answer": None, "reason": None,
+    return {"id": q.id, "video": q.video, "question": q.text, "task": q.task, "answer": None, "answer_ok": False,
+            "reason": None,
             "aggregation": None, "agents": {}, "frames_used": 0, "seconds": 0.0, "latency": {},
             "error": f"invalid question: {q.meta[INVALID]}"}
 
@@ -263,27 +275,34 @@ def check_team(results: Path, cfg: TeamConfig, restart: bool = False) -> None:
     """Make sure `results` holds (or will hold) only answers of team `cfg`.
 
     If it has answers from a team with another signature: with `restart` they are deleted (the demo starts over),
-    otherwise InputError names the differing fields. Then the signature of `cfg` is recorded beside it.
+    otherwise InputError names the differing fields. Answers without a record are refused the same way (their team
+    cannot be told). Then the signature of `cfg` is recorded beside it.
     """
     results = Path(results)
     stamp = results.with_name(results.name + ".team.json")
     sig = team_signature(cfg)
-    if stamp.is_file() and results.is_file() and results.stat().st_size:
-        try:
-            old = json.loads(stamp.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(f"{stamp}: not the JSON team record M1 writes beside {results.name} ({exc}); without "
-                             f"it the answers cannot be checked against this team: delete it only if they are") from None
-        if old != sig:
-            a, b = _flat(old), _flat(sig)
-            diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-            if not restart:
-                raise InputError(
-                    f"{results} holds answers of another team (differs in {', '.join(diff[:5])}"
-                    f"{', ...' if len(diff) > 5 else ''}); resuming would mix two teams: use another --out or "
-                    f"move the file")
-
-
+    if results.is_file() and results.stat().st_size:
+        problem = None
+        if not stamp.is_file():
+            problem = (f"{results} holds answers but not the team record beside it ({stamp.name}), so which team "
+                       f"wrote them cannot be told and resuming could mix two teams: use another --out, or move the "
+                       f"file to answer every question again")
+        else:
+            try:
+                old = json.loads(stamp.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise InputError(f"{stamp}: not the JSON team record M1 writes beside {results.name} ({exc}); "
+                                 f"without it the answers cannot be checked against this team: delete it only if "
+                                 f"they are") from None
+            if old != sig:
+                a, b = _flat(old), _flat(sig)
+                diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+                problem = (f"{results} holds answers of another team (differs in {', '.join(diff[:5])}"
+                           f"{', ...' if len(diff) > 5 else ''}); resuming would mix two teams: use another --out or "
+                           f"move the file")
+        if problem and not restart:
+            raise InputError(problem)
+        if problem:
             results.unlink()
     results.parent.mkdir(parents=True, exist_ok=True)
     write_whole(stamp, json.dumps(sig, indent=1).encode())  # a full disk is a WriteError naming it, not half a stamp

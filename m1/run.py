@@ -18,9 +18,10 @@ from pathlib import Path
 
 from m1.config import TeamConfig
 from m1.contracts import Team
+from m1.data.questions import InputError
 from m1.data.records import INVALID
 from m1.gc_pauses import fewer_gc_pauses
-from m1.files import WriteError, write_whole
+from m1.files import WriteError, check_place, write_whole
 from m1.locks import hold
 from m1.results import (ResultsFile, changed_since, check_team, fingerprint, invalid_row, part_path, record_split,
                         result_row, same_question, shard_of)
@@ -48,6 +49,8 @@ class RunSummary:
     changed: int = 0  # done questions asked differently since their line was written, answered again
     kept_stale: int = 0  # of those, left as they are (--keep-stale)
     skipped: list[str] = field(default_factory=list)  # input lines skipped unread (the command's `skipped:` lines)
+    not_in_form: list[str] = field(default_factory=list)  # ids answered, not in the exact form for their task
+    no_answer: int = 0  # of those, how many have no answer at all (null)
     # folder -> ids of the questions that failed because their videos folder was gone when they were asked
     vanished: dict[str, list[str]] = field(default_factory=dict)
 
@@ -69,6 +72,10 @@ class RunSummary:
         if self.kept_stale:
             lines.append(f"{self.kept_stale} questions changed since their line was written; their old answers kept "
                          f"(--keep-stale); rerun without it to answer them again")
+        if self.not_in_form:
+            shown = ", ".join(self.not_in_form[:5]) + (", ..." if len(self.not_in_form) > 5 else "")
+            lines.append(f"{len(self.not_in_form)} answers are not in the exact form for their task ({self.no_answer} "
+                         f"of them null), flagged answer_ok: false in {self.out}: {shown}")
         if self.graded:
             lines.append(f"accuracy {self.correct}/{self.graded} = {self.correct / self.graded:.1%}")
         gone = {qid for ids in self.vanished.values() for qid in ids}
@@ -107,9 +114,8 @@ def claim_trace_dir(trace_dir: Path, out: Path) -> None:
     would overwrite each other's traces. The first run records its results file in the folder (TRACE_OWNER); a run of
     another results file is refused before it answers anything. The shards of one run share their folder (`out` is
     the file they are merged into)."""
-    from m1.data.questions import InputError
-
     folder = Path(trace_dir)
+    check_place(folder, "trace folder", folder=True)
     folder.mkdir(parents=True, exist_ok=True)
     mine = os.path.relpath(Path(out).resolve(), folder.resolve())  # relative: a run folder moved whole still matches
     marker = folder / TRACE_OWNER
@@ -194,6 +200,8 @@ def plan_resume(questions: list[Question], results: ResultsFile, limit: int | No
     summary = RunSummary(out=results.path, skipped_done=len(questions) - len(todo),
                          kept_errors=len(failed) if keep_errors else 0, kept_stale=len(stale) if keep_stale else 0)
     if limit is not None:
+        if limit < 0:  # a slice would drop the last questions without a word
+            raise InputError(f"limit {limit}: give 0 or more questions to answer")
         todo = todo[:limit]
     retry &= {q.id for q in todo}
     return ResumePlan(todo=[q for q in todo if INVALID not in q.meta], invalid=[q for q in todo if INVALID in q.meta],
@@ -270,6 +278,9 @@ class RunWriter:
                 self.summary.vanished.setdefault(str(folder), []).append(ep.id)
         else:
             self.summary.answered += 1
+            if not row["answer_ok"]:
+                self.summary.not_in_form.append(ep.id)
+                self.summary.no_answer += row["answer"] is None
         if "correct" in row and not ep.error:
             self.summary.graded += 1
             self.summary.correct += int(row["correct"])

@@ -35,22 +35,24 @@ def _e(x) -> str:
     return html.escape("" if x is None else str(x))
 
 
-TRACE_STEM_MAX = 120  # characters kept of a long id; file names have 255 bytes, and the hash keeps it unique
+TRACE_STEM_MAX = 120  # bytes (UTF-8) kept of a long id's name; names have 255 bytes, and the hash keeps it unique
 
 
 def trace_name(episode_id: str) -> str:
     """The file stem of an episode's trace files, one per id: an id that is already a plain file name is kept as it
-    is; one with other characters ('/', ':', a space), a leading dot (a hidden file the index would skip) or past
-    TRACE_STEM_MAX characters is cleaned and gets a short hash of the raw id, so `clip 1` and `clip_1` never share a
-    file."""
+    is; one with other characters ('/', ':', a space, an unpaired surrogate), a leading dot (a hidden file the index
+    would skip) or past TRACE_STEM_MAX bytes is cleaned, cut to that many bytes (a letter of another script is 2-4
+    bytes: the file system's limit is in bytes) and gets a short hash of the raw id, so `clip 1` and `clip_1` never
+    share a file."""
     import hashlib
 
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in episode_id)
     if safe.startswith("."):
         safe = "_" + safe[1:]
-    if safe == episode_id and len(safe) <= TRACE_STEM_MAX:
+    if safe == episode_id and len(safe.encode()) <= TRACE_STEM_MAX:
         return safe
-    return f"{safe[:TRACE_STEM_MAX]}-{hashlib.sha1(episode_id.encode()).hexdigest()[:10]}"
+    cut = safe.encode()[:TRACE_STEM_MAX].decode("utf-8", errors="ignore")  # never half a letter
+    return f"{cut}-{hashlib.sha1(episode_id.encode('utf-8', 'surrogatepass')).hexdigest()[:10]}"
 
 
 def clock(t: float) -> str:

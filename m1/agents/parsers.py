@@ -427,6 +427,13 @@ def _strict_value(value: str, question: Question) -> tuple[str, tuple[float, flo
 _BARE_LETTER = re.compile(r"[A-Z][.)]?")
 
 
+def answer_in_form(answer: str | None, question: Question) -> bool:
+    """Whether a team's final answer is in the exact form for its question's task (a letter of its options, a span,
+    a number, a text that is not a bare option letter): what a results row's `answer_ok` says, so a null answer or
+    an open question answered "D" is flagged and counted, never silent."""
+    return bool(answer) and _strict_value(str(answer), question) is not None
+
+
 def _parse_answer(raw: str, question: Question, summary: bool) -> AnswerParse:
     strict, strict_note = _parse_strict_answer(raw, question, summary)
     if strict is not None:

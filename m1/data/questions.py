@@ -11,9 +11,10 @@ import json
 import sys
 from pathlib import Path
 
-from m1.data.records import check_question
+from m1.data.records import TASKS, check_question
 from m1.schema import Question
-from m1.video import list_videos
+from m1.video import left_out_videos, list_videos
+from m1.video.probing import VIDEO_EXTENSIONS
 
 
 STDIN = "-"  # `--questions -`: the questions come on standard input
@@ -35,10 +36,17 @@ def build_questions(video_dir: Path, question: str | None = None, options: list[
         raise InputError(f"{video_dir}: no such folder or file")
     if (question is None) == (questions_file is None):
         raise InputError("give exactly one of --question TEXT or --questions FILE.jsonl")
+    if task and task not in TASKS:
+        raise InputError(f"--task {task!r}: not one of {', '.join(TASKS)}")
+    if task and questions_file is not None:  # it would be ignored: each line says its own
+        raise InputError("--task goes with --question; in a questions file each line gives its task in its 'task' "
+                         "field (without one: mcq when it has options, else open)")
     if question is not None:
         videos = [video_dir] if video_dir.is_file() else list_videos(video_dir)
+        left_out = [] if video_dir.is_file() else left_out_videos(video_dir)
         if not videos:
-            raise InputError(f"{video_dir}: no video files (.mp4 .mkv .avi .mov .webm .m4v) found")
+            raise InputError(f"{video_dir}: no video files ({' '.join(VIDEO_EXTENSIONS)}) found"
+                             + "".join(f"\n  {line}" for line in left_out))
         task = task or ("mcq" if options else "open")
         ids = video_ids(videos) if video_dir.is_dir() else [video_dir.name]
         checked = [check_question({"id": i, "video": str(v),
@@ -48,7 +56,7 @@ def build_questions(video_dir: Path, question: str | None = None, options: list[
             raise InputError(f"--question: {checked[0][1]}")
         qs = [q for q, _ in checked]
         _check_unique(qs, str(video_dir))
-        return qs, []
+        return qs, left_out  # skipped inputs: counted and named as skipped lines are
     return read_questions(Path(questions_file), video_dir, invalid_rows)
 
 

@@ -330,6 +330,25 @@ def _check_limits(q: Question) -> None:
         raise BadRecord(f"field 'text': the question and its options are {size} characters, at most {MAX_QUESTION_CHARS}")
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_video(value: Any) -> tuple[Any, str | None]:
+    """A question's `video` as a local path: a `file://` URL is read as the path it names (as `m1 serve` reads one),
+    any other URL is a problem naming the field, since videos are never fetched; other values pass unchanged."""
+    if not isinstance(value, str) or not _URL.match(value):
+        return value, None
+    from urllib.parse import unquote, urlparse
+
+    url = urlparse(value)
+    if url.scheme.lower() != "file":
+        return value, (f"field 'video': {value[:80]!r} is a {url.scheme} URL; videos are not fetched: give a local "
+                       f"path or a file:///abs/path URL")
+    if url.netloc not in ("", "localhost"):
+        return value, f"field 'video': {value[:80]!r} names host {url.netloc!r}; only local files (file:///abs/path)"
+    return unquote(url.path), None
+
+
 def check_question(rec: Any) -> tuple[Question | None, str | None]:
     """Validate one question record. Returns (question, None) when it is valid; (stand-in, problem) when it is not
     but has an id, the stand-in being an unvalidated Question with `meta[INVALID] = problem` that a run writes as an
@@ -341,10 +360,16 @@ def check_question(rec: Any) -> tuple[Question | None, str | None]:
     if not isinstance(qid, str) or not qid.strip():
         return None, f"field 'id': {qid!r} is missing or empty"
     problem = None
-    task = rec.get("task", "mcq")
-    if task not in TASKS:
+    if "task" not in rec:  # what `--question` does: options make a choice question, none an open one
+        rec = {**rec, "task": "mcq" if rec.get("options") else "open"}
+    task = rec["task"]
+    video, video_problem = local_video(rec.get("video"))
+    if video_problem:
+        problem = video_problem
+    elif task not in TASKS:
         problem = f"field 'task': {task!r} is not one of {', '.join(TASKS)}"
     else:
+        rec = {**rec, "video": video} if video is not None else rec
         try:
             q = Question.model_validate(rec)
             _check_limits(q)

@@ -13,11 +13,12 @@ cache.py (`FrameCache`), decoders.py (decord, PyAV), reader.py (`VideoReader`, `
 """
 from m1.video.cache import FrameCache
 from m1.video.errors import VideoChanged, VideoError, out_of_handles
-from m1.video.probing import VideoInfo, list_videos, probe
+from m1.video.probing import VideoInfo, left_out_videos, list_videos, probe
 from m1.video.reader import VideoPool, VideoReader
 from m1.video.sampling import fps_indices, index_to_time, time_to_index, uniform_indices
 from m1.video.writer import write_video
 
-__all__ = ["FrameCache", "VideoChanged", "VideoError", "out_of_handles", "VideoInfo", "list_videos", "probe",
+__all__ = ["FrameCache", "VideoChanged", "VideoError", "out_of_handles", "VideoInfo", "left_out_videos", "list_videos",
+           "probe",
            "VideoPool", "VideoReader", "fps_indices", "index_to_time", "time_to_index",
            "uniform_indices", "write_video"]

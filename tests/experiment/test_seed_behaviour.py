@@ -36,7 +36,7 @@ def test_result_row_records_each_executed_zoom_and_cpp_rows_are_unchanged():
     assert row["frame_counts"] == counts and row["zooms"] == [[20.0, 1.0], [1.5, 4.0]]
     assert "zooms" not in result_row(_episode({**counts, "tool_calls": 0, "turns": 1}))  # answered at a glance
     cpp = result_row(_episode({}))
-    assert set(cpp) == {"id", "video", "question", "task", "answer", "reason", "aggregation", "agents",
+    assert set(cpp) == {"id", "video", "question", "task", "answer", "answer_ok", "reason", "aggregation", "agents",
                         "frames_used", "seconds", "latency", "error", "truth", "correct"}
 
 
