@@ -2,9 +2,10 @@
 
 Everything a client sends is untrusted: each bad request gets one JSON error with the status a client can act on
 (400, 401, 413, 429 with Retry-After, 504) and never a stack trace; a body over the limit is a 413 before it is
-read whole; a client that hangs up mid-body is one log line, not an internal error. The API key is compared in
-constant time and never written anywhere (logs, traces, errors). FastAPI is imported when an app is made: the
-`serve` extra is optional, and `m1 serve` says how to install it when it is missing.
+read whole; a client that hangs up mid-body is one log line, not an internal error, and one that hangs up before
+its answer is one log line too, its request dropped from the queue. The API key is compared in constant time and
+never written anywhere (logs, traces, errors). FastAPI is imported when an app is made: the `serve` extra is
+optional, and `m1 serve` says how to install it when it is missing.
 """
 
 import asyncio
@@ -90,6 +91,29 @@ class TraceStore:
             return len(self._items)
 
 
+class AnswerTally:
+    """How many answers the server sent since it started, and how many of them were not in the exact form for their
+    task (`m1.answer_ok: false`), for `/health`: a team whose answers stop parsing shows up there and in the log,
+    not only in the scores a client computes later. Each such answer is one warning naming its request."""
+
+    def __init__(self):
+        self.answered = self.not_in_form = 0
+        self._lock = threading.Lock()
+
+    def add(self, reply: ChatCompletionResponse, task: str) -> None:
+        with self._lock:
+            self.answered += 1
+            self.not_in_form += not reply.m1.answer_ok
+        if not reply.m1.answer_ok:
+            got = repr(reply.m1.answer[:60]) if reply.m1.answer else "no answer (null or empty)"
+            log.warning("the answer to request %s (task %s, reply %s) is not in the exact form for its task: %s; "
+                        "sent with m1.answer_ok false", reply.m1.question_id, task, reply.id, got)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"answered": self.answered, "not_in_form": self.not_in_form}
+
+
 def error_response(exc: ApiError):
     """The one JSON error a refused request gets: OpenAI's error body, the status and any headers (Retry-After)."""
     from fastapi.responses import JSONResponse
@@ -144,15 +168,36 @@ async def read_body(request, max_bytes: int) -> Any:
         raise bad("the body is not valid JSON") from None
 
 
-async def await_episode(batcher: Batcher, job, timeout_s: float) -> Episode:
-    """The episode the batcher ran for `job`: 504 (and the job cancelled) past `timeout_s`; the server's disk or file
-    table failing it (e.g. out of file handles opening the video) is a 5xx."""
+async def client_gone(request) -> None:
+    """Return once the client has closed its connection. Only waiting on the connection tells the server of a
+    hang-up, so this runs beside the request's work from the moment its body is read."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def client_left(request, q: Question, started: bool) -> ApiError:
+    """One log line naming a request whose client went away before its answer, and the error nobody will read.
+    `started`: its batch was already running (it finishes; the answer is discarded)."""
+    fate = "its batch runs on, the answer discarded" if started else "dropped before it ran"
+    log.warning("client %s went away before the answer to request %s: %s",
+                request.client.host if request.client else "?", q.id, fate)
+    return ApiError(400, "the client disconnected before its answer")
+
+
+async def await_episode(request, batcher: Batcher, job, timeout_s: float, gone: asyncio.Future) -> Episode:
+    """The episode the batcher ran for `job`. Past `timeout_s` it is a 504, and a client that hangs up first is
+    `client_left`: either way the job is cancelled, so work nobody waits for does not hold the worker. The
+    server's disk or file table failing it (e.g. out of file handles opening the video) is a 5xx."""
+    answer = asyncio.wrap_future(job.future)
     with storage_refusals():
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(job.future), timeout_s)
-        except asyncio.TimeoutError:  # before storage_refusals sees it: a TimeoutError is an OSError too
-            batcher.cancel(job)
-            raise ApiError(504, f"no answer within {timeout_s:g} s (--timeout)", kind="timeout") from None
+        done, _ = await asyncio.wait({answer, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if answer in done:
+            return answer.result()
+    answer.cancel()  # the batch skips a cancelled future when it resolves its requests
+    dropped = batcher.cancel(job)
+    if gone in done:
+        raise client_left(request, job.question, started=not dropped)
+    raise ApiError(504, f"no answer within {timeout_s:g} s (--timeout)", kind="timeout")
 
 
 def refuse_failed(ep: Episode) -> None:
@@ -166,9 +211,10 @@ def refuse_failed(ep: Episode) -> None:
     raise bad(f"unreadable video: {msg}", "messages")
 
 
-async def reply_for(request, body: dict, ep: Episode, team_name: str, traces: TraceStore):
+async def reply_for(request, body: dict, ep: Episode, team_name: str, traces: TraceStore,
+                    tally: AnswerTally):
     """The chat-completions reply of an answered episode (`body`: the request, a JSON object by now), kept in
-    `traces` under a fresh id that is also the reply's id and names its trace page."""
+    `traces` under a fresh id that is also the reply's id and names its trace page, and counted in `tally`."""
     from fastapi.responses import JSONResponse
 
     tid = uuid.uuid4().hex
@@ -176,6 +222,7 @@ async def reply_for(request, body: dict, ep: Episode, team_name: str, traces: Tr
     base = str(request.base_url).rstrip("/")
     reply = ChatCompletionResponse.from_episode(ep, team_name, f"{base}/traces/{tid}", ignored_fields(body),
                                                 reply_id=tid)
+    tally.add(reply, ep.question.task)
     return JSONResponse(reply.model_dump())
 
 
@@ -187,24 +234,30 @@ def admit(request, draining: bool, api_key: str | None) -> None:
 
 
 async def answer_chat(request, team_name: str, limits: Limits, batcher: Batcher, traces: TraceStore,
-                      api_key: str | None, draining: bool):
+                      tally: AnswerTally, api_key: str | None, draining: bool):
     """One chat-completions request from admission to reply, each refusal one JSON error. The upload's temp folder
-    is removed here until the batcher takes it over (it removes it once the episode ran)."""
-    tmp = None
+    is removed here until the batcher takes it over (it removes it once the episode ran). From the end of the body
+    on, the connection is watched: a client gone before its answer is not queued, or is dropped from the queue."""
+    tmp = gone = None
     try:
         admit(request, draining, api_key)
         body = await read_body(request, limits.max_body_bytes)
+        gone = asyncio.ensure_future(client_gone(request))
         with storage_refusals():  # the upload's folder and the video written into it
             tmp = Path(tempfile.mkdtemp(prefix="m1-serve-"))
             q = await asyncio.get_running_loop().run_in_executor(None, parse_request, body, team_name, limits, tmp)
+        if gone.done():
+            raise client_left(request, q, started=False)
         job = batcher.submit(q, tmp)
         tmp = None
-        ep = await await_episode(batcher, job, limits.timeout_s)
+        ep = await await_episode(request, batcher, job, limits.timeout_s, gone)
         refuse_failed(ep)
-        return await reply_for(request, body, ep, team_name, traces)
+        return await reply_for(request, body, ep, team_name, traces, tally)
     except ApiError as exc:
         return error_response(exc)
     finally:
+        if gone is not None:
+            gone.cancel()
         cleanup(tmp)
 
 
@@ -238,6 +291,7 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
     state = {"draining": False}
     traces = TraceStore(traces_kept)
     batcher = Batcher(team, limits)
+    tally = AnswerTally()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -246,10 +300,15 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
         await asyncio.get_running_loop().run_in_executor(None, batcher.drain, limits.timeout_s)
 
     app = FastAPI(title=f"m1 serve: {name}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.batcher, app.state.traces, app.state.serve_state = batcher, traces, state
+    app.state.batcher, app.state.traces, app.state.serve_state, app.state.tally = batcher, traces, state, tally
     add_error_handlers(app)
 
-    @app.get("/v1/models")
+    def get(path: str):
+        """A GET route that answers HEAD too (monitors and `curl -I` send it): FastAPI's `app.get` registers GET
+        alone, and HEAD was a 405."""
+        return app.api_route(path, methods=["GET", "HEAD"])
+
+    @get("/v1/models")
     async def models(request: Request):
         try:
             check_key(request, api_key)
@@ -258,11 +317,11 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "m1",
                                             "agents": [a.name for a in team.cfg.agents]}]}
 
-    @app.get("/health")
+    @get("/health")
     async def health():
-        return {"status": "draining" if state["draining"] else "ok", "pending": batcher.pending}
+        return {"status": "draining" if state["draining"] else "ok", "pending": batcher.pending, **tally.counts()}
 
-    @app.get("/traces/{trace_id}")
+    @get("/traces/{trace_id}")
     async def trace(trace_id: str):
         from m1.trace import render_html
 
@@ -275,6 +334,6 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await answer_chat(request, name, limits, batcher, traces, api_key, state["draining"])
+        return await answer_chat(request, name, limits, batcher, traces, tally, api_key, state["draining"])
 
     return app

@@ -89,13 +89,16 @@ class Batcher:
             self._cv.notify()
             return job
 
-    def cancel(self, job: _Job) -> None:
-        """A request that timed out: dropped if it has not started; else its episode finishes and is discarded."""
+    def cancel(self, job: _Job) -> bool:
+        """A request nobody waits for (timed out, or its client gone): dropped if it has not started (True); else
+        its episode finishes and is discarded (False)."""
         with self._cv:
             job.cancelled = True
             if job in self._queue:
                 self._queue.remove(job)
                 cleanup(job.tmp)
+                return True
+            return False
 
     def _loop(self) -> None:
         while True:

@@ -1,4 +1,4 @@
-"""The `m1 serve` command (registered in m1/cli.py): load a team and serve it with uvicorn."""
+"""The `m1 serve` command (registered in m1/cli.py): check the port, load a team and serve it with uvicorn."""
 
 import os
 import signal
@@ -12,15 +12,42 @@ from m1.serve.app import create_app
 from m1.serve.limits import Limits
 
 
+def address(host: str, port: int) -> str:
+    """`host:port` as a client would write it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_port(host: str, port: int) -> None:
+    """Stop with one `error:` line (exit 2) unless `host:port` can be bound now. Loading a team takes seconds; a
+    port another server holds was only found by uvicorn after that, which then exited 3."""
+    import errno
+    import socket
+
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as s:  # each address set up as asyncio's server binds it
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to a server
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind(addr)
+    except OSError as exc:  # in use, not an address of this machine, a name that does not resolve, ...
+        held = " (another server holds it? stop it, or pick another --port)" if exc.errno == errno.EADDRINUSE else ""
+        fail(f"cannot serve on {address(host, port)}: {exc.strerror or exc}{held}")
+
+
 def serve(team_name: str, host: str, port: int, limits: Limits, api_key_env: str | None = None,
           overrides: list[str] | None = None) -> None:
-    """Load the team, then serve it with uvicorn until SIGTERM/SIGINT (requests in flight are finished)."""
+    """Check the port, load the team, then serve it with uvicorn until SIGTERM/SIGINT (requests in flight are
+    finished)."""
     import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
 
     from m1.config import load_team
     from m1.models.preflight import PreflightError, startup_problems
     from m1.team.kinds import make_team
 
+    check_port(host, port)
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)
@@ -46,6 +73,10 @@ def serve(team_name: str, host: str, port: int, limits: Limits, api_key_env: str
         server.run()  # once drained, uvicorn raises the signal it caught again: SIGTERM ends the process (143)
     except KeyboardInterrupt:  # ... and SIGINT comes back as KeyboardInterrupt
         pass
+    except SystemExit as exc:  # uvicorn could not start after all (the port taken while the team loaded)
+        if exc.code != STARTUP_FAILURE or server.started:
+            raise
+        fail(f"cannot serve on {address(host, port)}: the server did not start (its reason is logged above)")
     if signal.SIGINT in server.received:
         typer.secho("stopped by SIGINT: the requests in flight were answered", fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(130)
@@ -95,7 +126,7 @@ def serve_command(
 
     Requests that arrive together run as one batch through the team. SIGTERM/SIGINT finish the requests in
     flight and refuse new ones, then exit 143/130. An address other than loopback without an API key is refused
-    unless --insecure. See docs/serving.md."""
+    unless --insecure; a port that cannot be bound is exit 2 before the team loads. See docs/serving.md."""
     from m1.config import ConfigError
 
     try:

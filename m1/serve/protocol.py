@@ -19,6 +19,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       StrictInt, StrictStr, Tag, ValidationError, ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from m1.agents.parsers import answer_in_form
 from m1.schema import Episode, Question
 
 OPTION_LINE = re.compile(r"^\s*\(?([A-Z])[.):]\s+(.+?)\s*$")
@@ -444,6 +445,9 @@ class M1Reply(BaseModel):
     trace_url: str
     ignored: list[str] = []  # the request's fields the server did not use (IGNORED_FIELDS)
     question_id: str = ""  # the request's m1.id (or the one the server drew): several requests may share it
+    # whether `answer` is in the exact form for the task (`answer_in_form`, a results row's `answer_ok`): a null
+    # answer ("" here and in the content) or an open question answered "D" is false, so a client can tell it
+    answer_ok: bool = False
 
 
 class ChatCompletionResponse(BaseModel):
@@ -470,4 +474,5 @@ class ChatCompletionResponse(BaseModel):
             m1=M1Reply(answer=answer, reason=ep.final_reason, aggregation=ep.aggregation,
                        agents={a.agent: AgentReply(answer=a.answer, parse_ok=a.parse_ok) for a in ep.answers},
                        frames_used=ep.frames_used, calls=len(ep.generations), trace_url=trace_url,
-                       ignored=ignored or [], question_id=ep.id))
+                       ignored=ignored or [], question_id=ep.id,
+                       answer_ok=answer_in_form(ep.final_answer, ep.question)))

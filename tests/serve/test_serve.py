@@ -349,13 +349,15 @@ def test_api_key_body_size_stream_and_unreadable_video(world, team, tmp_path, ca
 
 
 class _GatedTeam:
-    """The real team behind a gate: the test decides when a batch may run (queue and timeout tests)."""
+    """The real team behind a gate: the test decides when a batch may run (queue and timeout tests); `ran` lists
+    the ids of the questions it ran."""
 
     def __init__(self, team):
-        self.team, self.cfg, self.gate = team, team.cfg, threading.Event()
+        self.team, self.cfg, self.gate, self.ran = team, team.cfg, threading.Event(), []
 
     def run(self, questions):
         self.gate.wait(30)
+        self.ran += [q.id for q in questions]
         return self.team.run(questions)
 
 
@@ -381,6 +383,135 @@ def test_full_queue_is_429_with_retry_after_and_a_slow_answer_is_504(world, team
             time.sleep(0.1)
         ok = c.post("/v1/chat/completions", json=_body(q, **_extra(q)))
         assert ok.status_code == 200
+
+
+class _AnswersTeam:
+    """The real team, the final answer of each question named in `answers` replaced by the one given there (None: the
+    agents all wrote garbage and the team has no answer)."""
+
+    def __init__(self, team, answers: dict):
+        self.team, self.cfg, self.answers = team, team.cfg, answers
+
+    def run(self, questions):
+        return [ep.model_copy(update={"final_answer": self.answers[ep.id]}) if ep.id in self.answers else ep
+                for ep in self.team.run(questions)]
+
+
+def test_an_answer_not_in_form_for_its_task_is_flagged_counted_and_logged(world, team, caplog):
+    """#84: an open question answered "D" and an mcq with no answer were sent like any answer. Each reply says
+    `m1.answer_ok` (the rule of a results row's `answer_ok`), /health counts the answers and those not in form, and
+    each one not in form is one warning naming its request and task; a null answer's content is empty."""
+    import logging
+
+    folder, _, qs = world
+    q = qs[0]
+    opts = q.options or ["red", "green", "blue", "yellow"]
+    asks = {"open-d": ({"question": q.text, "options": [], "task": "open"}, "D"),
+            "mcq-null": ({"question": q.text, "options": opts, "task": "mcq"}, None),
+            "mcq-good": ({"question": q.text, "options": opts, "task": "mcq"}, "B")}
+    app = create_app(_AnswersTeam(team, {k: a for k, (_, a) in asks.items()}),
+                     Limits(allowed_roots=[Path(folder).resolve()], gather_s=0.0))
+    with TestClient(app, raise_server_exceptions=False) as c, caplog.at_level(logging.WARNING, "m1.serve"):
+        assert c.get("/health").json() == {"status": "ok", "pending": 0, "answered": 0, "not_in_form": 0}
+        got = {}
+        for qid, (m1, _) in asks.items():
+            r = c.post("/v1/chat/completions", json=_body(q, m1={**m1, "id": qid}))
+            assert r.status_code == 200, r.text
+            got[qid] = r.json()
+        assert {k: v["m1"]["answer_ok"] for k, v in got.items()} == \
+            {"open-d": False, "mcq-null": False, "mcq-good": True}
+        assert [got[k]["choices"][0]["message"]["content"] for k in asks] == ["D", "", "B"]
+        assert got["mcq-null"]["m1"]["answer"] == ""
+        assert c.get("/health").json() == {"status": "ok", "pending": 0, "answered": 3, "not_in_form": 2}
+    lines = [r.getMessage() for r in caplog.records if r.name == "m1.serve" and r.levelno == logging.WARNING]
+    assert len(lines) == 2, lines
+    assert "request open-d (task open, reply " + got["open-d"]["id"] in lines[0] and "'D'" in lines[0], lines
+    assert "request mcq-null (task mcq, reply " + got["mcq-null"]["id"] in lines[1] and "null" in lines[1], lines
+
+
+def _until(check, timeout: float = 20.0) -> bool:
+    """Whether `check()` became true within `timeout` seconds (polled)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.02)
+    return check()
+
+
+def _hold(port: int, body: bytes) -> socket.socket:
+    """A client that sends a whole request and waits for its answer, until the test closes its socket."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def test_a_client_gone_before_its_answer_is_not_run_and_is_one_log_line(world, team, caplog):
+    """Case 16: a client that hung up after sending its whole body left its request to run anyway (four kept the
+    worker busy for 21 s, `pending: 4` on /health, nothing logged). A queued one is dropped before it runs, one
+    whose batch already runs is discarded when it ends, /health's pending goes back to 0, and each is one warning
+    naming the request."""
+    import logging
+
+    from tests import serve_fuzz
+
+    folder, _, qs = world
+    q = qs[0]
+    gated = _GatedTeam(team)
+    app = create_app(gated, Limits(allowed_roots=[Path(folder).resolve()], gather_s=0.0))
+
+    def body(qid: str) -> bytes:
+        return json.dumps(_body(q, m1={**_extra(q).get("m1", {}), "id": qid})).encode()
+
+    def pending() -> int:
+        return serve_fuzz.health(srv.port)["pending"]
+
+    with _Server(app) as srv, caplog.at_level(logging.WARNING, "m1.serve"):
+        running = _hold(srv.port, body("gone-running"))
+        assert _until(lambda: pending() == 1 and not app.state.batcher._queue)  # its batch waits at the gate
+        queued = _hold(srv.port, body("gone-queued"))
+        assert _until(lambda: pending() == 2)
+        queued.close()
+        assert _until(lambda: pending() == 1, 5), "the request of a client gone stayed in the queue"
+        running.close()
+        assert _until(lambda: any("gone-running" in r.getMessage() for r in caplog.records), 5)
+        gated.gate.set()
+        assert _until(lambda: pending() == 0)
+        status, reply = serve_fuzz.post(srv.port, body("stayed"))
+        assert status == 200, reply
+    assert gated.ran == ["gone-running", "stayed"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "m1.serve"]
+    assert lines == ["client 127.0.0.1 went away before the answer to request gone-queued: dropped before it ran",
+                     "client 127.0.0.1 went away before the answer to request gone-running: its batch runs on, the "
+                     "answer discarded"], lines
+
+
+def test_every_get_route_answers_head_as_it_answers_get(world, team):
+    """Case 17: `HEAD /v1/models` was a 405. Every GET route of the app (read off its routes, so one added later
+    is held to it too) answers HEAD with GET's status and headers and no body, over a real socket."""
+    import httpx
+
+    folder, _, qs = world
+    q = qs[0]
+    app = create_app(team, Limits(allowed_roots=[Path(folder).resolve()], gather_s=0.0))
+    gets = sorted(r.path for r in app.routes if "GET" in (getattr(r, "methods", None) or ()))
+    assert {"/v1/models", "/health", "/traces/{trace_id}"} <= set(gets), gets
+    with _Server(app) as srv:
+        base = f"http://127.0.0.1:{srv.port}"
+        r = httpx.post(f"{base}/v1/chat/completions", json=_body(q, **_extra(q)), timeout=120)
+        assert r.status_code == 200, r.text
+        values = {"trace_id": [r.json()["id"].removeprefix("chatcmpl-"), "no-such-trace"]}
+        for route in gets:
+            names = re.findall(r"\{(\w+)\}", route)
+            paths = [route] if not names else [route.replace(f"{{{names[0]}}}", v) for v in values[names[0]]]
+            for path in paths:
+                got, head = httpx.get(base + path), httpx.head(base + path)
+                assert head.status_code == got.status_code != 405, (path, head.status_code, got.status_code)
+                assert head.content == b"", path
+                for h in ("content-type", "content-length"):
+                    assert head.headers.get(h) == got.headers.get(h), (path, h)
+        assert {httpx.head(f"{base}{p}").status_code for p in ("/v1/models", "/health")} == {200}
 
 
 def _malformed(rng: random.Random, q) -> object:
