@@ -3,6 +3,7 @@ question with the team's answer, the truth and the agents' votes, then accuracy 
 from __future__ import annotations
 
 import json
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def _run_demo(out: Path, team: str, videos: int, seed: int, duration: float, que
     stamp = data / "params.json"
     params = {"videos": videos, "seed": seed, "duration": duration, "questions_per_video": questions_per_video}
     if not stamp.exists() or json.loads(stamp.read_text()) != params:
+        if stamp.exists():  # the demo's own set of other params: make_dataset would refuse to mix the two
+            shutil.rmtree(data)
         make_dataset(data, videos, seed, duration=duration, questions_per_video=questions_per_video)
         stamp.write_text(json.dumps(params))
         (out / "results.jsonl").unlink(missing_ok=True)  # results of another data set are stale

@@ -167,50 +167,116 @@ def stats_path(path: Path) -> Path:
     return path.with_name(path.name + ".stats.json")
 
 
+MISSING_SHOWN = 5  # questions and videos named in a message about missing videos (a count says how many in all)
+
+
+def missing_videos(questions: Sequence[Question]) -> dict[str, list[str]]:
+    """Video path -> ids of the questions about it, for the videos that are not on disk."""
+    out: dict[str, list[str]] = {}
+    for q in questions:
+        if not Path(q.video).exists():
+            out.setdefault(q.video, []).append(q.id)
+    return out
+
+
+def name_missing(missing: dict[str, list[str]]) -> str:
+    """The first few question ids and videos of `missing_videos`: 'q1, q2, ... (40 in all) (2 videos: a, b)'."""
+    def first(items: list[str]) -> str:
+        return ", ".join(items[:MISSING_SHOWN]) + (f", ... ({len(items)} in all)" if len(items) > MISSING_SHOWN else "")
+
+    videos = list(missing)
+    return (f"{first([i for ids in missing.values() for i in ids])} ({len(videos)} video"
+            f"{'s' if len(videos) != 1 else ''}: {first(videos)})")
+
+
+def count_missing(missing: dict[str, list[str]]) -> str:
+    """'1 question' / 'N questions': how many `missing_videos` holds."""
+    n = sum(len(ids) for ids in missing.values())
+    return f"{n} question{'s' if n != 1 else ''}"
+
+
+def _recorded_examples(path: Path, settings: dict, say, warn) -> tuple[list[SFTExample], dict[str, Any]] | None:
+    """The examples file at `path` with its stats when it can be used as it is; None when it must be built (absent,
+    built with other data settings, or built while videos were missing that are back)."""
+    if not path.is_file():
+        return None
+    recorded = stats_path(path)
+    if not recorded.is_file():  # a file made elsewhere: taken as it is
+        return read_examples(path), {}
+    stats = json.loads(recorded.read_text())
+    absent = stats.get("videos_missing") or {}
+    back = [v for v in absent if Path(v).exists()]
+    if stats.get("data") == settings and not back:
+        if absent:
+            warn(f"SFT data: {path} was built without {count_missing(absent)} whose video is missing: "
+                 f"{name_missing(absent)}")
+        return read_examples(path), stats
+    if stats.get("data") == settings:
+        say(f"{path}: built while {len(back)} of its videos were missing, which are back: building it again")
+    else:
+        old = stats.get("data") or {}
+        changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        say(f"{path}: built with other data settings ({', '.join(changed)}): building it again")
+    return None
+
+
+def _teacher_episodes(cfg: SFTConfig, teacher, questions: list[Question], teacher_hub, say
+                      ) -> tuple[list[SFTExample], dict[str, Any]]:
+    """The teacher's kept examples over `questions`, in `data.workers` processes over whole videos."""
+    d = cfg.data
+    shards = video_shards(questions, d.workers)
+    say(f"SFT data: teacher {teacher.name} over {len(questions)} questions x {d.rollouts_per_question} rollouts"
+        + (f" in {len(shards)} worker processes" if len(shards) > 1 else ""))
+    if len(shards) == 1:
+        return build_sft_data(make_team(teacher, hub=teacher_hub), questions, cfg.rewards, None, d.phases,
+                              d.rollouts_per_question, d.rotate_options, d.keep_revised_plans,
+                              progress=cfg.log.progress, plan_filter=d.plan_filter)
+    if teacher_hub is not None:
+        raise ValueError("data.workers > 1: the teacher's models are hosted by the run (placement: ray); "
+                         "set data.workers=1")
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=len(shards), mp_context=mp.get_context("spawn")) as ex:
+        parts = list(ex.map(_teacher_shard, [cfg] * len(shards), shards))
+    stats: dict[str, Any] = {}
+    for _, part_stats in parts:
+        for k, v in part_stats.items():
+            stats[k] = stats.get(k, 0) + v
+    return [e for part, _ in parts for e in part], stats
+
+
 def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str], None] | None = None
                      ) -> tuple[list[SFTExample], dict[str, Any]]:
     """The SFT examples of `cfg`: read from `data.examples` when it exists (and, when its stats file records other
     data settings, built again), otherwise built by the teacher over `data.questions` and written with a
-    `<examples>.stats.json` (keep-rule counts, examples per phase, the settings)."""
+    `<examples>.stats.json` (keep-rule counts, examples per phase, the settings).
+
+    Questions whose video is missing are left out and named (the teacher would only fail on them); the stats file
+    records them, so that a file built without them is built again once they are back."""
     say = progress or (lambda msg: log.info("%s", msg))
+    warn = progress or (lambda msg: log.warning("%s", msg))
     d = cfg.data
     path = examples_path(cfg)
     settings = data_settings(cfg)
-    if path.is_file():
-        recorded = stats_path(path)
-        if not recorded.is_file():  # a file made elsewhere: taken as it is
-            return read_examples(path), {}
-        stats = json.loads(recorded.read_text())
-        if stats.get("data") == settings:
-            return read_examples(path), stats
-        old = stats.get("data") or {}
-        changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-        say(f"{path}: built with other data settings ({', '.join(changed)}): building it again")
+    recorded = _recorded_examples(path, settings, say, warn)
+    if recorded is not None:
+        return recorded
     teacher = cfg.teacher_config()
     if teacher is None or not d.questions:
         raise ValueError(f"data.examples {path} does not exist and no teacher + questions are given to build it")
     questions = load_questions(d.questions, d.video_dir)
-    shards = video_shards(questions, d.workers)
-    say(f"SFT data: teacher {teacher.name} over {len(questions)} questions x {d.rollouts_per_question} rollouts"
-        + (f" in {len(shards)} worker processes" if len(shards) > 1 else ""))
-    if len(shards) > 1:
-        if teacher_hub is not None:
-            raise ValueError("data.workers > 1: the teacher's models are hosted by the run (placement: ray); "
-                             "set data.workers=1")
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=len(shards), mp_context=mp.get_context("spawn")) as ex:
-            parts = list(ex.map(_teacher_shard, [cfg] * len(shards), shards))
-        examples = [e for part, _ in parts for e in part]
-        stats = {}
-        for _, part_stats in parts:
-            for k, v in part_stats.items():
-                stats[k] = stats.get(k, 0) + v
-    else:
-        examples, stats = build_sft_data(make_team(teacher, hub=teacher_hub), questions, cfg.rewards, None, d.phases,
-                                         d.rollouts_per_question, d.rotate_options, d.keep_revised_plans,
-                                         progress=cfg.log.progress, plan_filter=d.plan_filter)
+    absent = missing_videos(questions)
+    if absent:
+        kept = [q for q in questions if q.video not in absent]
+        if not kept:
+            raise ValueError(f"SFT: no examples were kept: the videos of all {len(questions)} questions are missing: "
+                             f"{name_missing(absent)}; check data.questions ({d.questions}) and data.video_dir "
+                             f"({d.video_dir})")
+        warn(f"SFT data: {len(questions) - len(kept)} of {len(questions)} questions left out, their videos are "
+             f"missing: {name_missing(absent)}")
+        questions = kept
+    examples, stats = _teacher_episodes(cfg, teacher, questions, teacher_hub, say)
     revisions = sum(is_revision(e) for e in examples)
     if d.communicate_per_episode is not None:
         thinned = thin_communicate(examples, d.communicate_per_episode, d.communicate_revisions == "keep")
@@ -220,10 +286,13 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
     stats["communicate_revisions"] = {"after_keep_rule": revisions, "kept": sum(is_revision(e) for e in communicate),
                                       "communicate_kept": len(communicate)}
     stats["by_phase"] = {ph: sum(e.phase == ph for e in examples) for ph in sorted({e.phase for e in examples})}
+    if absent:
+        stats["videos_missing"] = absent
     stats["data"] = settings
     write_examples(path, examples)
     write_whole(stats_path(path), json.dumps(stats, indent=1).encode())  # after the examples: a stats file vouches for them
-    say(f"SFT data: {len(examples)} examples -> {path} ({ {k: v for k, v in stats.items() if k != 'data'} })")
+    shown = {k: v for k, v in stats.items() if k not in ("data", "videos_missing")}
+    say(f"SFT data: {len(examples)} examples -> {path} ({shown})")
     return examples, stats
 
 
@@ -244,6 +313,19 @@ def read_examples(path: str | Path) -> list[SFTExample]:
             for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
 
 
+def why_none_kept(stats: dict[str, Any]) -> str:
+    """What the teacher data's stats say about an empty file: the questions left out for their videos, the keep
+    rule's counts; '' when nothing is recorded."""
+    parts = []
+    absent = stats.get("videos_missing") or {}
+    if absent:
+        parts.append(f"left out {count_missing(absent)} whose video is missing: {name_missing(absent)}")
+    counts = {k: v for k, v in stats.items() if isinstance(v, int)}
+    if counts:
+        parts.append("the teacher's episodes: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 # ------------------------------------------------------------------------------------------------ training
 class SFTTrainer:
     """Cross-entropy on kept teacher completions, one learner per student agent; checkpoints like MARL."""
@@ -258,9 +340,10 @@ class SFTTrainer:
         # on GPUs (placement ray): the plan's GPUs are reserved before anything loads, the teacher's tool models
         # included while the examples are still to be built
         self.placement = reserve_placement(cfg) if cfg.placement == "ray" else None
+        self.data_stats: dict[str, Any] = {}  # the teacher data's stats when this run read or built them
         self.examples = examples if examples is not None else self._load_or_build(teacher_hub)
         if not self.examples:
-            raise ValueError("SFT: no examples were kept; nothing to train on")
+            raise ValueError("SFT: no examples were kept; nothing to train on" + why_none_kept(self.data_stats))
         if cfg.learner.attention.on and not any(e.evidence for e in self.examples):
             log.warning("learner.attention is on but none of the %d examples records evidence (a file built before "
                         "the teacher recorded it, or a served teacher's): only the structural heads are trained; "
@@ -297,7 +380,8 @@ class SFTTrainer:
                 teacher_hub = ModelHub(teacher.models)
                 for key, model in host_driver_models(self.placement, teacher.models).items():
                     teacher_hub.register(key, model, kind=model.kind)
-        return prepare_examples(self.cfg, teacher_hub)[0]
+        examples, self.data_stats = prepare_examples(self.cfg, teacher_hub)
+        return examples
 
     def _assigned(self, batch: list[SFTExample], agent: str) -> list[SFTExample]:
         if self.cfg.data.assign == "all":

@@ -5,10 +5,11 @@ seeds evaluation never uses) and plain next-token modelling on the world's texts
 prompts and replies: captions, tool outputs, memory notes). The loss is next-token cross-entropy over every token of
 a sequence plus, weighted, over its target. Held-out drills are graded by greedy decoding every `eval.every` steps.
 
-Resumable like an experiment stage: `checkpoint.pt` holds the weights, the optimizer, the step, every random state
-and the CPU seconds spent so far; `metrics.jsonl` keeps one row per evaluation and a rerun drops rows past the
-checkpoint, so a killed run resumes without duplicated or lost rows. SIGTERM/SIGINT finish the step, checkpoint and
-stop (exit 143/130). The finished base is `<out_dir>/base/` (weights and tokenizer, loadable as a model `path`)
+Resumable like an experiment stage: `checkpoint.pt` holds the weights, the optimizer, the step, every random state,
+the CPU seconds spent so far and the metrics of the steps since the last row (the next row logs their means);
+`metrics.jsonl` keeps one row per evaluation and a rerun drops rows past the checkpoint, so a killed run resumes with
+the rows of an uninterrupted one, none duplicated or lost. SIGTERM/SIGINT finish the step, checkpoint and stop (exit
+143/130). The finished base is `<out_dir>/base/` (weights and tokenizer, loadable as a model `path`)
 with `record.json` (the config, steps, curves' last rows, held-out accuracy per family, core-hours).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 from m1.attention_loss import HeadScores, evidence_attention_loss, supervised_layers
 from m1.evidence import token_evidence
+from m1.files import check_place
 from m1.marl.checkpoint import StopFlag, save_state_file
 from m1.marl.config import scheduled_lr
 from m1.marl.learner_io import rng_state, set_rng_state
@@ -54,6 +56,7 @@ class Pretrainer:
 
         self.cfg, self.progress = cfg, progress
         self.out = Path(cfg.out_dir)
+        check_place(self.out, "out_dir", folder=True)
         self.out.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(cfg.threads)
         folder = ensure_tiny(cfg.student)
@@ -211,6 +214,8 @@ class Pretrainer:
         self.checkpointed, self.tracker_ids = self.step, state.get("tracker_ids", {})
         self.rng.setstate(state["mix_rng"])
         self.train_drills.rng.setstate(state["drill_rng"])
+        # the steps since the last row, whose means the next row logs (a checkpoint between rows holds some)
+        self._recent = list(state.get("recent", []))
         if "rng" in state:
             set_rng_state(state["rng"])
         else:  # a checkpoint written before the process RNG states were kept whole: torch's alone
@@ -222,12 +227,12 @@ class Pretrainer:
         return self.cpu_seconds + time.process_time() - self._cpu_started
 
     def save_checkpoint(self, interim: bool = False) -> Path:
-        """`checkpoint.pt`, written atomically: weights, optimizer, step, CPU seconds and every random state (one
-        file, so an interim checkpoint of a stopped run is the same file)."""
+        """`checkpoint.pt`, written atomically: weights, optimizer, step, CPU seconds, every random state and the
+        metrics of the steps not yet logged (one file, so an interim checkpoint of a stopped run is the same file)."""
         state = {"config": self.cfg.model_dump(mode="json"), "model": self.model.state_dict(),
                  "optimizer": self.opt.state_dict(), "step": self.step, "cpu_seconds": self.cpu_now(),
                  "mix_rng": self.rng.getstate(), "drill_rng": self.train_drills.rng.getstate(), "rng": rng_state(),
-                 "tracker_ids": self.tracker_ids}
+                 "recent": list(self._recent), "tracker_ids": self.tracker_ids}
         save_state_file(state, self.out / CHECKPOINT)
         self.checkpointed = self.step
         return self.out / CHECKPOINT
@@ -250,7 +255,7 @@ class Pretrainer:
     def run(self, stop: StopFlag | None = None, stop_after: int | None = None) -> dict[str, Any] | None:
         """Train to `cfg.steps` from the checkpoint if any, in the step loop MARL and SFT use (m1/marl/loop.py:
         metrics.jsonl, trackers, checkpoints, `stop` set by a signal); the record, or None when it stopped early."""
-        self._cpu_started, self._wall, self._recent = time.process_time(), time.time(), []
+        self._cpu_started, self._wall = time.process_time(), time.time()
         run_steps(self, self.cfg.steps, self.logged_step, "pretrain step", stop_after=stop_after, stop=stop)
         return self.finish(self.cpu_now()) if self.step == self.cfg.steps else None
 

@@ -8,7 +8,7 @@ import typer
 
 from m1.errors import fail
 from m1.files import WriteError
-from m1.synth.make import make_dataset
+from m1.synth.make import OtherSettings, make_dataset
 
 app = typer.Typer(no_args_is_help=True, help="M1-Synth: generate videos and questions.")
 
@@ -27,10 +27,14 @@ def make(out: Path = typer.Argument(..., help="Output folder (created if missing
          size: int = typer.Option(128, "--size", help="Frame width and height in pixels (>= 128, even)."),
          questions_per_video: int = typer.Option(10, "--questions-per-video",
                                                  help="At most this many questions per video.")) -> None:
-    """Write OUT/videos/*.mp4, OUT/scripts/*.json and OUT/questions.jsonl."""
+    """Write OUT/videos/*.mp4, OUT/scripts/*.json and OUT/questions.jsonl (the settings in OUT/synth.json).
+
+    Exit status 2 when OUT holds a set made with other settings (the same settings make the same set again)."""
     try:
         path = make_dataset(out, videos, seed, duration=duration, fps=fps, size=size,
                             questions_per_video=questions_per_video)
+    except OtherSettings as exc:  # two sets would mix: said in one line, not as a bad flag
+        fail(str(exc), exc)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     except WriteError as exc:  # a full disk: nothing torn is left behind

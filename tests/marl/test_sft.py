@@ -1,5 +1,6 @@
 """SFT: the paper's keep rule for teacher plans, example files, and cross-entropy training of tiny agents."""
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -329,3 +330,61 @@ def test_kept_revisions_escape_the_communicate_budget_and_continues_do_not():
     assert kept(True) == [("q1", "a", False), ("q1", "a", True), ("q1", "b", True), ("q1", "b", False),
                           ("q2", "a", False)]
     assert sum(e.phase == "answer" for e in thin_communicate(examples, 0, True)) == 1  # other phases untouched
+
+
+def missing_video_run(tmp_path, video, answer_letter, present=2, missing=3):
+    """An SFT config whose teacher (`fake_teacher`) is asked `present` questions on `video` and `missing` on videos
+    that are not there, and the teacher's hub."""
+    qs = [q(i).model_copy(update={"video": video}) for i in range(present)]
+    gone = [str(tmp_path / f"gone_{i * 2 // missing}.mp4") for i in range(missing)]  # two videos (one for one)
+    qs += [q(present + i).model_copy(update={"video": v}) for i, v in enumerate(gone)]
+    (tmp_path / "qs.jsonl").write_text("".join(x.model_dump_json() + "\n" for x in qs))
+    teacher = fake_teacher(answer_letter)
+    cfg = sft_cfg(tmp_path, data={"questions": str(tmp_path / "qs.jsonl"),
+                                  "teacher": teacher.cfg.model_dump(mode="json")})
+    return cfg, teacher.hub
+
+
+def test_sft_data_names_the_questions_whose_videos_are_missing(tmp_path, video, caplog):
+    """Issue #84 (12): questions whose video is missing are left out with a word naming them (not run by the teacher
+    and dropped unsaid); the file built without them is built again once they are back."""
+    from m1.marl.sft import prepare_examples
+
+    cfg, hub = missing_video_run(tmp_path, video, "A")
+    with caplog.at_level("WARNING", logger="m1.marl.sft"):
+        examples, stats = prepare_examples(cfg, hub)
+    said = [r.getMessage() for r in caplog.records if "videos are missing" in r.getMessage()]
+    assert said == [f"SFT data: 3 of 5 questions left out, their videos are missing: q2, q3, q4 (2 videos: "
+                    f"{tmp_path / 'gone_0.mp4'}, {tmp_path / 'gone_1.mp4'})"]
+    assert stats["episodes"] == 2 and stats["episodes_failed"] == 0 and len(examples) == 2 * 2  # present x agents
+    assert stats["videos_missing"] == {str(tmp_path / "gone_0.mp4"): ["q2", "q3"], str(tmp_path / "gone_1.mp4"): ["q4"]}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="m1.marl.sft"):  # read back: still named
+        assert prepare_examples(cfg, hub)[0] == examples
+    assert any("built without 3 questions whose video is missing: q2, q3, q4" in r.getMessage()
+               for r in caplog.records)
+    (tmp_path / "gone_1.mp4").write_bytes(Path(video).read_bytes())  # one is back: built again, with it
+    examples, stats = prepare_examples(cfg, hub)
+    assert stats["episodes"] == 3 and stats["videos_missing"] == {str(tmp_path / "gone_0.mp4"): ["q2", "q3"]}
+
+
+def test_sft_with_no_examples_says_which_videos_are_missing(tmp_path, video):
+    """Issue #84 (12): when no example is left the error says why: every video missing (the teacher never runs), or
+    some missing and the teacher's other episodes all wrong."""
+    from m1.marl.sft import SFTTrainer
+
+    cfg, hub = missing_video_run(tmp_path, video, "A", present=0, missing=7)
+    with pytest.raises(ValueError) as err:
+        SFTTrainer(cfg, teacher_hub=hub)
+    assert str(err.value) == (
+        f"SFT: no examples were kept: the videos of all 7 questions are missing: q0, q1, q2, q3, q4, ... (7 in all) "
+        f"(2 videos: {tmp_path / 'gone_0.mp4'}, {tmp_path / 'gone_1.mp4'}); check data.questions "
+        f"({tmp_path / 'qs.jsonl'}) and data.video_dir (None)")
+    assert not (tmp_path / "examples.jsonl").exists()
+    cfg, hub = missing_video_run(tmp_path, video, "B", present=1, missing=1)  # the teacher is wrong on the rest
+    with pytest.raises(ValueError) as err:
+        SFTTrainer(cfg, teacher_hub=hub)
+    assert str(err.value).startswith(
+        f"SFT: no examples were kept; nothing to train on (left out 1 question whose video is missing: q1 "
+        f"(1 video: {tmp_path / 'gone_0.mp4'}); the teacher's episodes: episodes 1, episodes_failed 0, "
+        f"episodes_nobody_right 1, kept 0")

@@ -195,3 +195,24 @@ def test_pretrain_trains_evaluates_and_resumes_exactly(tmp_path, m1_cache):
     # ... while a changed setting is refused
     with pytest.raises(ValueError, match="written by another config"):
         Pretrainer(_cfg(tmp_path / "b", lr=2e-3), progress=lambda s: None)
+
+
+@pytest.mark.slow
+def test_pretrain_resumed_between_rows_logs_the_rows_of_an_uninterrupted_run(tmp_path, m1_cache):
+    """Issue #84 (14): a run killed at a checkpoint that falls between two logged rows (checkpoint every 2 steps, a
+    row every 3) and resumed logs the same rows as an uninterrupted run: the row after the resume averages the steps
+    before the kill too. Only the clocks differ."""
+    from m1.pretrain.train import Pretrainer
+
+    cfg = lambda where: _cfg(where, checkpoint_every=2)  # noqa: E731
+    Pretrainer(cfg(tmp_path / "a"), progress=lambda s: None).run()
+    first = Pretrainer(cfg(tmp_path / "b"), progress=lambda s: None)
+    assert first.run(stop_after=4) is None and first.step == 4  # as a kill -9 right after step 4's checkpoint
+    second = Pretrainer(cfg(tmp_path / "b"), progress=lambda s: None)
+    assert second.step == 4
+    second.run()
+    clocks = ("cpu_s", "wall_s")
+    rows = lambda p: [{k: v for k, v in json.loads(r).items() if k not in clocks}  # noqa: E731
+                      for r in (p / "pt" / "metrics.jsonl").read_text().splitlines()]
+    a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+    assert [r["step"] for r in a] == [3, 6] and b == a

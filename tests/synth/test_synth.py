@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,7 +176,7 @@ def test_same_seed_gives_identical_files(tmp_path):
     b = make_dataset(tmp_path / "b", videos=2, seed=3, duration=30, questions_per_video=6, progress=False)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     assert [str(p) for p in files] == ["questions.jsonl", "scripts/synth_000.json", "scripts/synth_001.json",
-                                       "videos/synth_000.mp4", "videos/synth_001.mp4"]
+                                       "synth.json", "videos/synth_000.mp4", "videos/synth_001.mp4"]
     for p in files:
         assert (tmp_path / "a" / p).read_bytes() == (tmp_path / "b" / p).read_bytes(), p
     qs = [json.loads(line) for line in a.read_text().splitlines()]
@@ -196,6 +197,35 @@ def test_cli_make(tmp_path):
     assert (script.fps, script.width, script.duration) == (2, 128, 30)
     bad = CliRunner().invoke(app, ["make", str(tmp_path / "p"), "--duration", "5"])
     assert bad.exit_code != 0 and "duration" in bad.output
+
+
+def test_make_refuses_a_folder_made_with_other_settings_and_remakes_the_same(tmp_path):
+    """Issue #84 (15): another size and seed into a made folder would leave its old videos and scripts beside the new
+    questions: refused in one line (exit 2) naming the folder, both settings and the way out; the same settings
+    make the same set again, in a folder made before the settings were recorded too."""
+    from typer.testing import CliRunner
+
+    out = tmp_path / "w"
+    args = lambda videos, seed: ["make", str(out), "--videos", str(videos), "--seed", str(seed),  # noqa: E731
+                                 "--duration", "30", "--questions-per-video", "2"]
+    assert CliRunner().invoke(app, args(2, 1)).exit_code == 0
+    made = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert json.loads((out / "synth.json").read_text()) == {"videos": 2, "seed": 1, "duration": 30.0, "fps": 4,
+                                                             "size": 128, "questions_per_video": 2}
+    res = CliRunner().invoke(app, args(1, 2))
+    assert res.exit_code == 2 and res.output.splitlines() == [
+        f"error: {out} holds an M1-Synth set made with --videos 2 --seed 1, not --videos 1 --seed 2: make the new "
+        f"set into another folder, or remove {out} first"]
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == made  # untouched
+    res = CliRunner().invoke(app, args(2, 1))
+    assert res.exit_code == 0, res.output
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == made  # the same set
+    (out / "synth.json").unlink()  # made before the record: its scripts tell the settings
+    assert CliRunner().invoke(app, args(2, 1)).exit_code == 0 and (out / "synth.json").read_bytes() == made[
+        Path("synth.json")]
+    (out / "synth.json").unlink()
+    res = CliRunner().invoke(app, args(1, 2))
+    assert res.exit_code == 2 and "made with --videos 2 --seed (not 2), not --videos 1 --seed 2" in res.output
 
 
 # ------------------------------------------------------------------------------------------
