@@ -5,8 +5,8 @@ For each question: one greedy episode and K episodes sampled at `--temperature` 
 agent reading every other (the complete graph). Per agent and family it reports
 - plan: the mean entropy (bits) of the K sampled first plans of a question, their mean number of distinct plans,
   the share of questions whose sampled plans are all the greedy one, and the most common greedy plan;
-- communicate: the revision rate (decisions that add a tool) greedy and sampled, and the entropy of a question's
-  K first decisions;
+- communicate: the revision rate (decisions that add a tool) greedy and sampled, the greedy one per round
+  (`revision_by_round_greedy`: round -> [revisions, decisions]), and the entropy of a question's K first decisions;
 - add-tool: over the questions where some sampled runs of an agent added a tool at its first decision and some
   continued, the agent's accuracy after adding against after continuing.
 
@@ -87,6 +87,8 @@ def measure(team_name: str, questions, k: int, temperature: float, sets: list[st
                 r["greedy_plan"].append(g_plan)
                 r["dec_entropy"].append(entropy(firsts))
                 r["greedy_revisions"] += [d != "continue" for d in g_dec]
+                for n, d in enumerate(g_dec):  # per round: is a revision a first-round habit or a later one?
+                    r[f"greedy_round_{n + 1}"].append(d != "continue")
                 r["sampled_revisions"] += [d != "continue" for _, ds, _ in s for d in ds]
                 added = [ok for _, ds, ok in s if ds and ds[0] != "continue" and ok is not None]
                 kept = [ok for _, ds, ok in s if ds and ds[0] == "continue" and ok is not None]
@@ -107,7 +109,9 @@ def summarize(r: dict) -> dict:
             "revision_rate_greedy": mean(r["greedy_revisions"]), "revision_rate_sampled": mean(r["sampled_revisions"]),
             "decisions_greedy": len(r["greedy_revisions"]), "decisions_sampled": len(r["sampled_revisions"]),
             "mixed_questions": len(r["add_right"]), "add_right": mean(r["add_right"]),
-            "continue_right": mean(r["continue_right"])}
+            "continue_right": mean(r["continue_right"]),
+            "revision_by_round_greedy": {key.rsplit("_", 1)[1]: [sum(v), len(v)] for key, v in sorted(r.items())
+                                         if key.startswith("greedy_round_")}}
 
 
 def table(result: dict) -> str:
