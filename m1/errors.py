@@ -11,7 +11,7 @@ from typing import NoReturn
 import typer
 from typer.core import TyperGroup
 
-from m1.files import WriteError
+from m1.files import PlaceError, WriteError
 from m1.locks import LockError
 
 
@@ -73,6 +73,8 @@ def describe(exc: BaseException, out: str | None = None, places: dict | None = N
     cache names M1_CACHE, the temp folder TMPDIR."""
     import errno
 
+    if isinstance(exc, PlaceError):  # already says which place, what is there and what to do
+        return str(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         name = exc.filename or "the output"
         how = _place(str(exc.filename), None, places) if exc.filename else ""

@@ -50,7 +50,7 @@ def test_outputs_that_are_not_regular_files_are_refused_at_once(tmp_path, one_vi
     for kind, place in _not_regular_files(tmp_path).items():
         r = invoke("infer", tmp_path, "--questions", one_video, "--team", "tiny", "--out", place)
         line = one_error(r, str(place), kind)
-        assert "regular file" in line
+        assert "regular file" in line and line.endswith("tail -f)"), line  # the place's own words, nothing after
         assert not Path(str(place) + ".lock").exists()
         with pytest.raises(PlaceError, match=kind):
             with hold(place, "results file"):
