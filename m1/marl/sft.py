@@ -86,20 +86,24 @@ def is_revision(example: SFTExample) -> bool:
     return example.phase == "communicate" and parse_decision(example.completion).decision.action == "add_tool"
 
 
-def thin_communicate(examples: list[SFTExample], per_episode: int,
-                     keep_revisions: bool = False) -> list[SFTExample]:
-    """The first `per_episode` communicate examples of each (question, agent), every other example kept; with
-    `keep_revisions`, every revision too, the budget counting the other communicate examples only."""
-    seen: dict[tuple[str, str], int] = {}
-    out = []
-    for e in examples:
+def thin_communicate(examples: list[SFTExample], per_episode: int, keep_revisions: bool = False,
+                     spread: bool = False) -> list[SFTExample]:
+    """At most `per_episode` communicate examples of each (question, agent), every other example kept: the first
+    ones, or with `spread` that many drawn from all its rounds (seeded by question and agent: the same on every
+    build), so later rounds, where a teacher revises most, are not thinned away. With
+    `keep_revisions`, every revision stays and the budget counts the other communicate examples only."""
+    import random
+
+    budgeted: dict[tuple[str, str], list[int]] = {}
+    for i, e in enumerate(examples):
         if e.phase == "communicate" and not (keep_revisions and is_revision(e)):
-            key = (e.question_id, e.agent)
-            seen[key] = seen.get(key, 0) + 1
-            if seen[key] > per_episode:
-                continue
-        out.append(e)
-    return out
+            budgeted.setdefault((e.question_id, e.agent), []).append(i)
+    dropped: set[int] = set()
+    for (qid, agent), at in budgeted.items():
+        chosen = (set(random.Random(f"{qid}/{agent}").sample(at, min(per_episode, len(at)))) if spread
+                  else set(at[:per_episode]))
+        dropped.update(i for i in at if i not in chosen)
+    return [e for i, e in enumerate(examples) if i not in dropped]
 
 
 def data_settings(cfg: SFTConfig) -> dict[str, Any]:
@@ -115,6 +119,8 @@ def data_settings(cfg: SFTConfig) -> dict[str, Any]:
         out["plan_filter"] = d.plan_filter
     if d.communicate_revisions != "thin":  # the same
         out["communicate_revisions"] = d.communicate_revisions
+    if d.communicate_pick != "first":  # the same
+        out["communicate_pick"] = d.communicate_pick
     teacher_cfg = cfg.teacher_config()
     if teacher_cfg is not None and any(m.backend == "synth" for m in teacher_cfg.models.values()):
         out["teacher_code"] = synth_teacher_code()
@@ -279,7 +285,8 @@ def prepare_examples(cfg: SFTConfig, teacher_hub=None, progress: Callable[[str],
     examples, stats = _teacher_episodes(cfg, teacher, questions, teacher_hub, say)
     revisions = sum(is_revision(e) for e in examples)
     if d.communicate_per_episode is not None:
-        thinned = thin_communicate(examples, d.communicate_per_episode, d.communicate_revisions == "keep")
+        thinned = thin_communicate(examples, d.communicate_per_episode, d.communicate_revisions == "keep",
+                                   d.communicate_pick == "spread")
         stats["thinned_communicate"] = len(examples) - len(thinned)
         examples = thinned
     communicate = [e for e in examples if e.phase == "communicate"]

@@ -332,6 +332,23 @@ def test_kept_revisions_escape_the_communicate_budget_and_continues_do_not():
     assert sum(e.phase == "answer" for e in thin_communicate(examples, 0, True)) == 1  # other phases untouched
 
 
+def test_spread_draws_the_communicate_budget_from_every_round():
+    """communicate_pick: spread keeps communicate_per_episode examples per agent and question drawn from all its
+    rounds, not the first ones (where a rule teacher seldom revises: issue #82); the draw is seeded, and takes every
+    round over many questions."""
+    examples = [SFTExample(agent=a, question_id=f"q{n}", phase="communicate", messages=[],
+                           completion=f"##tool call: continue()\n##round: {r}")
+                for n in range(60) for a in ("a", "b") for r in (1, 2, 3)]
+    first = thin_communicate(examples, 1)
+    spread = thin_communicate(examples, 1, spread=True)
+    assert len(first) == len(spread) == 120
+    assert {e.completion[-1] for e in first} == {"1"}
+    rounds = [int(e.completion[-1]) for e in spread]
+    assert all(rounds.count(r) >= 25 for r in (1, 2, 3)), rounds  # about 40 of each
+    assert thin_communicate(examples, 1, spread=True) == spread  # seeded: the same on every build
+    assert len(thin_communicate(examples, 2, spread=True)) == 240
+
+
 def missing_video_run(tmp_path, video, answer_letter, present=2, missing=3):
     """An SFT config whose teacher (`fake_teacher`) is asked `present` questions on `video` and `missing` on videos
     that are not there, and the teacher's hub."""
