@@ -363,8 +363,8 @@ def missing_video_run(tmp_path, video, answer_letter, present=2, missing=3):
 
 
 def test_sft_data_names_the_questions_whose_videos_are_missing(tmp_path, video, caplog):
-    """Issue #84 (12): questions whose video is missing are left out with a word naming them (not run by the teacher
-    and dropped unsaid); the file built without them is built again once they are back."""
+    """Questions whose video is missing are left out with a warning naming them (the teacher never runs on them);
+    the file built without them is built again once they are back."""
     from m1.marl.sft import prepare_examples
 
     cfg, hub = missing_video_run(tmp_path, video, "A")
@@ -386,7 +386,7 @@ def test_sft_data_names_the_questions_whose_videos_are_missing(tmp_path, video, 
 
 
 def test_sft_with_no_examples_says_which_videos_are_missing(tmp_path, video):
-    """Issue #84 (12): when no example is left the error says why: every video missing (the teacher never runs), or
+    """When no example is left the error says why: every video missing (the teacher never runs), or
     some missing and the teacher's other episodes all wrong."""
     from m1.marl.sft import SFTTrainer
 

@@ -199,7 +199,7 @@ def test_pretrain_trains_evaluates_and_resumes_exactly(tmp_path, m1_cache):
 
 @pytest.mark.slow
 def test_pretrain_resumed_between_rows_logs_the_rows_of_an_uninterrupted_run(tmp_path, m1_cache):
-    """Issue #84 (14): a run killed at a checkpoint that falls between two logged rows (checkpoint every 2 steps, a
+    """A run killed at a checkpoint that falls between two logged rows (checkpoint every 2 steps, a
     row every 3) and resumed logs the same rows as an uninterrupted run: the row after the resume averages the steps
     before the kill too. Only the clocks differ."""
     from m1.pretrain.train import Pretrainer

@@ -398,7 +398,7 @@ class _AnswersTeam:
 
 
 def test_an_answer_not_in_form_for_its_task_is_flagged_counted_and_logged(world, team, caplog):
-    """#84: an open question answered "D" and an mcq with no answer were sent like any answer. Each reply says
+    """An open question answered "D" and an mcq with no answer are not in form for their task. Each reply says
     `m1.answer_ok` (the rule of a results row's `answer_ok`), /health counts the answers and those not in form, and
     each one not in form is one warning naming its request and task; a null answer's content is empty."""
     import logging
@@ -448,10 +448,9 @@ def _hold(port: int, body: bytes) -> socket.socket:
 
 
 def test_a_client_gone_before_its_answer_is_not_run_and_is_one_log_line(world, team, caplog):
-    """Case 16: a client that hung up after sending its whole body left its request to run anyway (four kept the
-    worker busy for 21 s, `pending: 4` on /health, nothing logged). A queued one is dropped before it runs, one
-    whose batch already runs is discarded when it ends, /health's pending goes back to 0, and each is one warning
-    naming the request."""
+    """A client that hangs up after sending its whole body leaves no work behind: a queued request is dropped before
+    it runs, one whose batch already runs is discarded when it ends, /health's pending goes back to 0, and each is
+    one warning naming the request."""
     import logging
 
     from tests import serve_fuzz
@@ -488,7 +487,7 @@ def test_a_client_gone_before_its_answer_is_not_run_and_is_one_log_line(world, t
 
 
 def test_every_get_route_answers_head_as_it_answers_get(world, team):
-    """Case 17: `HEAD /v1/models` was a 405. Every GET route of the app (read off its routes, so one added later
+    """Every GET route of the app (read off its routes, so one added later
     is held to it too) answers HEAD with GET's status and headers and no body, over a real socket."""
     import httpx
 

@@ -1,5 +1,5 @@
 """`m1 serve` as a command (m1/serve/command.py): a port it cannot serve on ends it with one `error:` line and exit 2,
-before any team loads (case 18: it loaded the team for 7 s, then uvicorn printed `[Errno 98]` and exited 3)."""
+before any team loads (loading takes seconds, and uvicorn's own failure is exit 3, a code `m1` does not use)."""
 import socket
 from types import SimpleNamespace
 

@@ -200,8 +200,8 @@ def test_cli_make(tmp_path):
 
 
 def test_make_refuses_a_folder_made_with_other_settings_and_remakes_the_same(tmp_path):
-    """Issue #84 (15): another size and seed into a made folder would leave its old videos and scripts beside the new
-    questions: refused in one line (exit 2) naming the folder, both settings and the way out; the same settings
+    """Another size and seed into a made folder would leave its old videos and scripts beside the new questions:
+    refused in one line (exit 2) naming the folder, both settings and the way out; the same settings
     make the same set again, in a folder made before the settings were recorded too."""
     from typer.testing import CliRunner
 
