@@ -29,7 +29,6 @@ Every mode keeps the non-plan rules: key info drawn from the question, no failed
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -111,10 +110,3 @@ def check_plan_rubric(value: str, who: str) -> str:
     if value not in PLAN_RUBRICS:
         raise ValueError(f"{who}: plan_rubric must be one of {list(PLAN_RUBRICS)}, got {value!r}")
     return value
-
-
-
-def judge_items(episode: Episode, agents: Sequence[str] | None = None) -> list[JudgeItem]:
-    """JudgeItems for the given agents (default: every agent with a memory record)."""
-    names = list(agents) if agents is not None else [a for a in episode.topology.agents if a in episode.memory]
-    return [JudgeItem.from_episode(episode, a) for a in names]

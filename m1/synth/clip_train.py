@@ -219,29 +219,9 @@ def model_spec(model_dir: str | os.PathLike):
 
 
 # The default synth CLIP ships with M1 (7 MB of safetensors), so the demo does not train it for minutes on first use;
-# `ship_clip` writes it from the folder training makes.
+# scripts/ship_synth_clip.py writes it from the folder training makes.
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "synth_clip"
 
-
-def ship_clip(model_dir: str | os.PathLike, dest: str | os.PathLike = SHIPPED) -> Path:
-    """Copy a trained synth CLIP folder to `dest/<its hash>` as safetensors, the token embedding (93% of the
-    weights, mostly rows no caption uses) in fp16 and the rest in fp32: half the size, and the demo's answers stay
-    exactly those of the fp32 model (with every weight in fp16 one grounding answer moved by 0.2 s)."""
-    import torch
-    from safetensors.torch import save_file
-
-    src = Path(model_dir)
-    manifest = json.loads((src / MANIFEST).read_text())
-    out = Path(dest) / src.name
-    out.mkdir(parents=True, exist_ok=True)
-    state = torch.load(src / manifest["checkpoint"], map_location="cpu", weights_only=False)
-    save_file({k: (v.to(torch.float16) if k == "token_embedding.weight" else v).contiguous() for k, v in state.items()},
-              out / "open_clip_model.safetensors")
-    shutil.copy(src / manifest["config"], out)
-    if (src / METRICS).is_file():
-        shutil.copy(src / METRICS, out)
-    (out / MANIFEST).write_text(json.dumps({**manifest, "checkpoint": "open_clip_model.safetensors"}, indent=2))
-    return out
 
 
 def synth_clip_files() -> tuple[Path, Path]:

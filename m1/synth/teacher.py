@@ -67,10 +67,6 @@ class _Prompt:
         return None
 
 
-def _question(text: str) -> str:
-    return _question_at(text)[0]
-
-
 def _question_at(text: str) -> tuple[str, tuple[int, int]]:
     """The question line's text and its span in `text` (empty, (0, 0) when there is none)."""
     m = re.search(r"^Question: (.+)$", text, re.M)

@@ -43,10 +43,6 @@ class TeamEngine(ABC):
         """Restart the sampling seed sequence (exact resume of training rollouts)."""
         self._seed, self._calls = seed, 0
 
-    @property
-    def generate_calls(self) -> int:
-        return self._calls
-
     def run(self, questions: list[Question], topologies: list[Topology] | None = None,
             rng: random.Random | None = None, on_episode: Callable[[Episode], None] | None = None,
             temperatures: list[dict[str, float]] | None = None) -> list[Episode]:
