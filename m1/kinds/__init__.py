@@ -7,7 +7,7 @@ they share sits beside them: `settings` (the loop settings of a run), `prompts` 
 CLIP that the kinds' tools are written with), `rules` (what an M1-Synth rule-based policy reads and writes).
 
 Importing this package registers the three, in this order (the order configs list them in); m1/registry.py imports
-it by name on the first look-up. Paper settings (`/work/shared/notes/seed-systems.md`): Weaver glances at 128
+it by name on the first look-up. Paper settings (docs/seed_kinds.md): Weaver glances at 128
 uniform frames, then its tools return clips sampled at 1 fps, for at most 10 turns; VideoZoomer glances at 64
 frames and may zoom 4 times, each zoom at most 16 frames (5 turns with the answer); SAGE glances at 128 frames and
 answers at once or keeps calling tools, for at most 11 turns.

@@ -515,12 +515,12 @@ class SFTDataConfig(Strict):
         "Ours: how communicate_per_episode treats a communicate example that adds a tool (a plan revision). thin: "
         "like any other (the majority continue() examples come first, so most revisions go); keep: every kept "
         "revision stays and the budget applies to the continue() examples only, so SFT sees the teacher's "
-        "revisions (issue #82). The stats file counts both."))
+        "revisions (docs/experiments/decision_space.md). The stats file counts both."))
     communicate_pick: Literal["first", "spread"] = Field("first", description=(
         "Ours: which communicate examples communicate_per_episode keeps per agent and question. first: the first "
         "ones (the first round: a rule teacher revises there mostly on open questions); spread: that many drawn "
         "from all the rounds (seeded), so the later rounds, where the teacher adds a tool after its browser saw "
-        "nothing (order, attribute), are taught too (issue #82)."))
+        "nothing (order, attribute), are taught too (docs/experiments/decision_space.md)."))
     plan_filter: Literal["keep_rule", "all"] = Field(default="keep_rule", description=(
         "keep_rule: plans by the paper's rule (see keep_revised_plans). all (ours): every plan the teacher wrote, "
         "whatever the outcome, so SFT teaches the plan format rather than which plan is good."))

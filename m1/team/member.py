@@ -1,4 +1,4 @@
-"""A served M1 team as one agent of this team: teams of teams (issue #54).
+"""A served M1 team as one agent of this team: teams of teams.
 
 An agent whose model is `kind: team` stands for a whole team behind `m1 serve`:
 
