@@ -313,7 +313,7 @@ def test_training_commands_run_on_the_threads_asked_and_give_them_back(monkeypat
 
 def test_kept_revisions_escape_the_communicate_budget_and_continues_do_not():
     """communicate_per_episode thins the majority continue() examples; with communicate_revisions: keep, an example
-    that adds a tool stays whatever its place, and the budget counts the continue() examples only (issue #82)."""
+    that adds a tool stays whatever its place, and the budget counts the continue() examples only."""
     cont = "##tool call: continue()"
     add = "##tool call: add tool <Image Retrieval>\n##key info: the red square near the end"
     rows = [("q1", "a", cont), ("q1", "a", add), ("q1", "a", cont), ("q1", "b", add), ("q1", "b", cont),
@@ -334,7 +334,7 @@ def test_kept_revisions_escape_the_communicate_budget_and_continues_do_not():
 
 def test_spread_draws_the_communicate_budget_from_every_round():
     """communicate_pick: spread keeps communicate_per_episode examples per agent and question drawn from all its
-    rounds, not the first ones (where a rule teacher seldom revises: issue #82); the draw is seeded, and takes every
+    rounds, not the first ones (where a rule teacher seldom revises); the draw is seeded, and takes every
     round over many questions."""
     examples = [SFTExample(agent=a, question_id=f"q{n}", phase="communicate", messages=[],
                            completion=f"##tool call: continue()\n##round: {r}")
