@@ -28,35 +28,22 @@ ALL = "all"
 
 
 # ------------------------------------------------------------------------------------------------ statistics
-def _t_cdf(t: float, df: int) -> float:
-    """P(T <= t) for t >= 0, by Simpson's rule on the density (no scipy in the environment)."""
-    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    n = 4000
-    h = t / n
-    total = 0.0
-    for i in range(n + 1):
-        x = i * h
-        f = math.exp(logc - (df + 1) / 2 * math.log1p(x * x / df))
-        total += f * (1 if i in (0, n) else 4 if i % 2 else 2)
-    return 0.5 + total * h / 3
-
-
 def t_quantile_975(df: int) -> float:
-    """t(0.975, df) by bisection on the CDF (12.706 at df 1, 4.303 at df 2, -> 1.960)."""
+    """t(0.975, df): 12.706 at df 1, 4.303 at df 2, -> 1.960."""
+    from scipy.stats import t
+
     if df < 1:
         raise ValueError(f"t quantile needs df >= 1, got {df}")
-    lo, hi = 0.0, 64.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_cdf(mid, df) < 0.975 else (lo, mid)
-    return (lo + hi) / 2
+    return float(t.ppf(0.975, df))
 
 
 def sign_test_p(fixed: int, broken: int) -> float:
     """Exact two-sided sign (McNemar) test on the questions that changed from wrong to right or back: the chance of
     a split at least this uneven if each were a fair coin (1 when none changed)."""
-    n, k = fixed + broken, min(fixed, broken)
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    from scipy.stats import binomtest
+
+    n = fixed + broken
+    return float(binomtest(min(fixed, broken), n, 0.5).pvalue) if n else 1.0
 
 
 def mean_sd(xs: list[float]) -> tuple[float, float]:
