@@ -130,7 +130,13 @@ class GuardedGroup(TyperGroup):
     M1_DEBUG=1 keeps the traceback."""
 
     def invoke(self, ctx):
+        from m1.plugins import PluginError, load_plugins
+
         debug = "--debug" in (*ctx._protected_args, *ctx.args)
+        try:
+            load_plugins()  # what installed packages register is there before any config is read
+        except PluginError as exc:
+            fail(str(exc), exc, debug)
         try:
             return super().invoke(ctx)
         except (WriteError, LockError) as exc:  # their messages already name the file and what to do

@@ -55,6 +55,54 @@ def test_infer_runs_a_team_of_a_new_kind_with_a_new_tool(extension, tmp_path, m1
     assert extension.CALLS["team"] >= 1 and extension.CALLS["tool"] >= 1
 
 
+def _installed_plugin(root, name: str, body: str):
+    """A package installed the way pip leaves one (its module and a dist-info folder with an entry point in the
+    `m1.plugins` group) under `root`, which the test puts on sys.path."""
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(body)
+    info = root / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[m1.plugins]\nrelay = {name}\n")
+
+
+def test_an_installed_plugin_is_usable_from_the_command_line(registries, tmp_path, monkeypatch, m1_cache):  # noqa: F811
+    """A package with an `m1.plugins` entry point is imported by every command before it runs: a team of the kind and
+    tool it registers runs through `m1 infer` with nothing imported by hand. A plugin that fails to import is one
+    error line naming it and its package."""
+    import importlib
+
+    from m1.cli import app
+    from m1.team.kinds import TEAM_KINDS
+    from tests.fixtures import extension
+
+    site = tmp_path / "site"
+    _installed_plugin(site, "m1_relay_plugin", "from tests.fixtures.extension import register\n\nregister()\n")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    folder, questions, _ = make_synth_world(tmp_path / "world", videos=1, seed=3, duration=30,
+                                           questions_per_video=1)
+    synth = {"kind": "chat", "backend": "synth"}
+    team_file = tmp_path / "relay.yaml"
+    team_file.write_text(yaml.safe_dump({**relay_team(extension, qa=synth, qb=synth), "name": "relay-plugin"}))
+    assert extension.RELAY not in TEAM_KINDS  # nothing registered it in this process: the plugin will
+    out = tmp_path / "results.jsonl"
+    res = CliRunner().invoke(app, ["infer", str(folder), "--questions", str(questions), "--team", str(team_file),
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row.get("error") is None and row["answer"], row
+    assert extension.CALLS["team"] >= 1 and extension.CALLS["tool"] >= 1
+    broken = tmp_path / "broken"
+    _installed_plugin(broken, "m1_broken_plugin", "raise ImportError('needs a library that is missing')\n")
+    monkeypatch.syspath_prepend(str(broken))
+    importlib.invalidate_caches()
+    res = CliRunner().invoke(app, ["version"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "error: plugin 'relay' (m1_broken_plugin, from m1_broken_plugin) does not load: ImportError: needs a " \
+           "library that is missing" in res.output, res.output
+
+
 @pytest.mark.slow
 def test_a_training_step_credits_with_a_new_rule(extension, tmp_path, video, m1_cache):
     # four rollouts per question: with two, the tiny policies' rewards on this team tie and no advantage is left
