@@ -22,7 +22,7 @@ from m1.marl.entries import check_choice
 from m1.marl.grpo import LOSSES, OLD_LOGPROBS, default_old_logprobs
 from m1.marl.objectives import OBJECTIVES
 from m1.marl.rewards import RewardConfig, reward_kind
-from m1.marl.team_kinds import CPP_PHASES, check_seed_policies, seed_kind, seed_phases, team_kind
+from m1.marl.team_kinds import CPP_PHASES, check_seed_policies, seed_phases, team_kind, team_seed_kind
 
 # lr used when `learner.lr` is left empty (MARL: the paper's values; SFT: see SFTConfig)
 DEFAULT_LR = {"lora": 2e-6, "full": 1e-7}
@@ -560,14 +560,14 @@ class SFTConfig(RunSettings):
             teacher = self.teacher_config()
         except (ConfigError, OSError):
             teacher = None
-        kind = seed_kind(teacher) if teacher is not None else None
+        kind = team_seed_kind(teacher) if teacher is not None else None
         if kind is not None:
             seed_phases(d.phases, "data.phases", kind, ["plan"])
         elif "act" in d.phases:
             raise ValueError("data.phases: 'act' is a seed-kind phase; the teacher is a CPP team")
         student = self.team_config()
         _budget_check(student, self.learner)
-        if seed_kind(student) is not None:
+        if team_seed_kind(student) is not None:
             check_seed_policies(student, list(self.train_agents or names), "train_agents")
         return self
 

@@ -15,7 +15,7 @@ from m1.marl.memory_model import MemoryEstimate
 
 
 @dataclass
-class RolloutBatch:
+class RolloutChunk:
     """How many of a step's episodes the team runs at once when the learners generate (rollout.engine hf)."""
 
     episodes: int  # what the run uses
@@ -99,7 +99,7 @@ class PlacementPlan:
     # the frozen reference copy of each full fine-tuned agent, per GPU of its learner, at the configured beta
     reference_gb: dict[str, float] = field(default_factory=dict)
     beta: float | None = None  # grpo.beta (None: SFT)
-    rollout: RolloutBatch | None = None  # HF rollouts: episodes at once; None: SFT or vLLM engines
+    rollout: RolloutChunk | None = None  # HF rollouts: episodes at once; None: SFT or vLLM engines
     requests: dict[str, RequestBatch] = field(default_factory=dict)  # vision driver models: requests per call
 
     @property

@@ -20,23 +20,23 @@ from m1.marl.memory_model import (VISION_PROMPT_TOKENS, MemoryEstimate, chat_sha
                                   driver_vision_shape, in_gb, kv_fit, kv_token_bytes, learner_memory, model_parameters,
                                   needs_gpu, reference_bytes, request_frames, trained_weight_bytes,
                                   vision_request_bytes, weight_bytes)
-from m1.marl.placement_plan import GpuSlot, PlacementPlan, RequestBatch, RolloutBatch, Unit
+from m1.marl.placement_plan import GpuSlot, PlacementPlan, RequestBatch, RolloutChunk, Unit
 from m1.models.hf import DEFAULT_VISION_BATCH
 from m1.models.shapes import ShapeError, TextShape
 from m1.registry import TOOLS
 
 
-def resolve_rollout_batch(cfg: TrainConfig, fits: int | None, kv_tokens: int | None = None) -> RolloutBatch:
+def resolve_rollout_batch(cfg: TrainConfig, fits: int | None, kv_tokens: int | None = None) -> RolloutChunk:
     """The episodes a MARL run's HF rollouts run at once: rollout.batch_episodes (auto: the step's episodes, or as
     many as `fits` when fewer fit), else the team's limits.batch_episodes."""
     r = cfg.rollout
     step = r.questions_per_step * r.num_generations
     if r.batch_episodes == "auto":
         n = step if fits is None else max(1, min(fits, step))
-        return RolloutBatch(n, "rollout.batch_episodes: auto", step, fits, kv_tokens)
+        return RolloutChunk(n, "rollout.batch_episodes: auto", step, fits, kv_tokens)
     if r.batch_episodes is not None:
-        return RolloutBatch(r.batch_episodes, "rollout.batch_episodes", step, fits, kv_tokens)
-    return RolloutBatch(cfg.team_config().limits.batch_episodes, "limits.batch_episodes", step, fits, kv_tokens)
+        return RolloutChunk(r.batch_episodes, "rollout.batch_episodes", step, fits, kv_tokens)
+    return RolloutChunk(cfg.team_config().limits.batch_episodes, "limits.batch_episodes", step, fits, kv_tokens)
 
 
 def rollout_batch(cfg: TrainConfig, plan: PlacementPlan | None = None) -> int:
@@ -212,7 +212,7 @@ def _plan_learners(d: _Draft, reference: bool) -> None:
                             learner_memory(shape, learner, n, reference, 0, d.cc.reserve_gb, zero)))
 
 
-def _plan_rollout(d: _Draft, mem_gb: float | None, reference: bool) -> RolloutBatch:
+def _plan_rollout(d: _Draft, mem_gb: float | None, reference: bool) -> RolloutChunk:
     """HF rollouts: the learners generate for the batch's episodes at once, their KV cache in what each GPU has
     left; sets each learner unit's KV cache to its share of the batch."""
     learner = d.learner
@@ -269,7 +269,7 @@ def _plan_engines(d: _Draft) -> None:
                    "its KV cache")
 
 
-def _driver_models_of(d: _Draft, teacher: bool | None, on_engines: bool, rollout: RolloutBatch | None
+def _driver_models_of(d: _Draft, teacher: bool | None, on_engines: bool, rollout: RolloutChunk | None
                       ) -> tuple[dict[str, ModelSpec], TeamConfig, int]:
     """The models the driver process loads (tool models, frozen agents, a local judge; for SFT the teacher team's
     when it builds the examples), the team whose tools they serve, and the episodes that team runs at once."""
@@ -393,7 +393,7 @@ def _assign_gpus(d: _Draft, nodes: list[int]) -> None:
                           f"not placed: {what}")
 
 
-def _finish(d: _Draft, nodes: list[int], mem_gb: float, usable: float, rollout: RolloutBatch | None,
+def _finish(d: _Draft, nodes: list[int], mem_gb: float, usable: float, rollout: RolloutChunk | None,
             requests: dict[str, RequestBatch]) -> PlacementPlan:
     """The plan, with its checkpoint sizes and each full fine-tune's reference copy."""
     cfg, learner, key_of = d.cfg, d.learner, d.key_of

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class RunSettings:
+class ResolvedRun:
     """A MARL run's settings with every derived value filled in."""
 
     cfg: TrainConfig  # as given, with grpo.old_logprobs decided
@@ -34,7 +34,7 @@ class RunSettings:
     phases: list[str] | None  # the phases trained on (None: every generation)
 
 
-def resolve(cfg: TrainConfig, plan=None) -> RunSettings:
+def resolve(cfg: TrainConfig, plan=None) -> ResolvedRun:
     """`cfg` as it will train; `plan`: the placement plan reserved on GPUs (it sizes the rollout batch)."""
     if cfg.grpo.old_logprobs is None:
         old = default_old_logprobs(cfg.rollout.engine, cfg.rollout.max_staleness)
@@ -44,7 +44,7 @@ def resolve(cfg: TrainConfig, plan=None) -> RunSettings:
     kind = team_kind(team)
     agents = [a.name for a in team.agents]
     trained = list(cfg.train_agents or agents)
-    return RunSettings(cfg=cfg, team=team, kind=kind, agents=agents, trained=trained,
+    return ResolvedRun(cfg=cfg, team=team, kind=kind, agents=agents, trained=trained,
                        model_keys={a.name: a.model for a in team.agents},
                        temperatures={a: agent_temperature(team, a) for a in trained},
                        phases=kind.train_phases(cfg.rollout.train_phases))

@@ -36,7 +36,7 @@ CPP_PHASES = ("plan", "communicate", "answer", "summary")
 SEED_PHASES = ("act", "answer")  # the generations of a seed-kind episode (m1/team/single.py)
 
 
-def seed_kind(team: TeamConfig) -> str | None:
+def team_seed_kind(team: TeamConfig) -> str | None:
     """The team's seed kind (weaver, zoomer, sage) when it is a team of one such agent, else None (CPP)."""
     name = kind_of(team).name
     return name if is_seed(name) else None
