@@ -301,10 +301,30 @@ class LimitsConfig(Strict):
         "A prompt over max_prompt_tokens after trimming: error stops, drop ends that question's episode."))
 
 
+PLANNING_PHASES = ("plan", "communicate", "answer", "summary")  # a CPP agent's calls, each known before it is made
+
+
 class SamplingConfig(Strict):
     temperature: float = Field(default=0.0, description="Sampling temperature of every agent; 0: greedy.")
     top_p: float = Field(default=1.0, description="Nucleus sampling mass.")
     seed: int = Field(default=0, description="First sampling seed; each call draws the next.")
+    phase_temperature: dict[str, float] = Field(default_factory=dict, description=(
+        "Ours: a temperature per CPP phase (plan, communicate, answer, summary) over every agent's own, e.g. "
+        "{communicate: 1.5}: MARL rollouts then explore the revise-or-continue decision while plans and answers "
+        "sample as before (a group whose K rollouts all make one decision gives GRPO no contrast on it). An "
+        "episode's own temperature (credit: agent's greedy teammates) still wins; `greedy()` clears it; training "
+        "scores each generation at the temperature it was sampled at."))
+
+    @field_validator("phase_temperature")
+    @classmethod
+    def _phases(cls, v: dict[str, float]) -> dict[str, float]:
+        for phase, t in v.items():
+            if phase not in PLANNING_PHASES:
+                raise ValueError(f"phase {phase!r} is not one of {', '.join(PLANNING_PHASES)} (a seed-kind turn is "
+                                 f"act or answer only once written)")
+            if not t > 0:
+                raise ValueError(f"phase {phase!r}: temperature {t} must be above 0")
+        return v
 
 
 class TeamConfig(Strict):
@@ -319,6 +339,14 @@ class TeamConfig(Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Decoding of every agent.")
     seed_system: SeedSystemConfig | None = Field(default=None, description="The loop of a weaver / zoomer / sage "
                                                                            "agent.")
+
+    @model_validator(mode="after")
+    def _phase_temperatures(self) -> TeamConfig:
+        seeds = [a.name for a in self.agents if is_seed(a.kind)]
+        if self.sampling.phase_temperature and seeds:
+            raise ValueError(f"sampling.phase_temperature: agent {seeds[0]!r} is a seed kind, whose turn is act or "
+                             f"answer only once written; set sampling.temperature instead")
+        return self
 
     @model_validator(mode="after")
     def _references(self) -> TeamConfig:
@@ -396,7 +424,8 @@ class TeamConfig(Strict):
     def greedy(self) -> "TeamConfig":
         """This team decoding greedily (temperature 0 for every agent): how teams are evaluated, and the baseline
         run of `grpo.baseline: greedy`."""
-        return self.model_copy(update={"sampling": self.sampling.model_copy(update={"temperature": 0.0}),
+        return self.model_copy(update={"sampling": self.sampling.model_copy(update={"temperature": 0.0,
+                                                                                   "phase_temperature": {}}),
                                        "agents": [a.model_copy(update={"temperature": None}) for a in self.agents]})
 
     @property

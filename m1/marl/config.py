@@ -163,6 +163,10 @@ class RolloutConfig(Strict):
                                                                "error.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of every agent (unless an agent sets "
                                                         "its own).")
+    phase_temperature: dict[str, float] = Field(default_factory=dict, description=(
+        "Ours: a rollout temperature per CPP phase over `temperature`, e.g. {communicate: 1.5} to explore the "
+        "revise-or-continue decision (the team's sampling.phase_temperature, set for the run; each generation is "
+        "scored at the temperature it was sampled at)."))
     topology: Literal["random", "complete"] = Field(default="random", description=(
         "random: one random DAG per step (edge_prob, dropout); complete: every agent reads every earlier one."))
     edge_prob: float = Field(0.5, ge=0.0, le=1.0, description="random: chance each forward edge is kept.")

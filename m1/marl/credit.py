@@ -190,9 +190,11 @@ class StepCredit:
     def generation_credit(self, phases):
         return generation_credit(self.batch, self.advantages, self.outcome_advantages, phases)
 
-    def samples(self, temperatures: dict[str, float], phases) -> dict[str, list[Sample]]:
+    def samples(self, temperatures: dict[str, float], phases,
+                phase_temperature: dict[str, float] | None = None) -> dict[str, list[Sample]]:
         """One sample per credited generation; under dynamic sampling a kept question's tied groups drop out."""
-        samples = build_samples(self.batch, self.advantages, temperatures, self.outcome_advantages, phases)
+        samples = build_samples(self.batch, self.advantages, temperatures, self.outcome_advantages, phases,
+                                phase_temperature)
         if self.live is not None:
             samples = {a: [s for s in rows if self.live[a][s.group]] for a, rows in samples.items()}
         return samples

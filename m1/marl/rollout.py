@@ -95,8 +95,10 @@ class RolloutBatch:
         return [e for group in self.episodes for e in group]
 
 
-def training_team_config(team: TeamConfig, temperature: float) -> TeamConfig:
-    """The team as trained: sampling at `temperature`, and one model key per agent.
+def training_team_config(team: TeamConfig, temperature: float,
+                         phase_temperature: dict[str, float] | None = None) -> TeamConfig:
+    """The team as trained: sampling at `temperature` (and `phase_temperature` over the team's own per-phase ones),
+    and one model key per agent.
 
     Two agents naming the same model key would share weights during generation; with one learner per agent each
     needs its own copy, so shared keys are split into `<key>@<agent>` entries with the same spec.
@@ -115,7 +117,8 @@ def training_team_config(team: TeamConfig, temperature: float) -> TeamConfig:
             key = f"{a.model}@{a.name}"
             models[key] = team.models[a.model]
         agents.append(a.model_copy(update={"model": key}))
-    sampling = team.sampling.model_copy(update={"temperature": temperature})
+    sampling = team.sampling.model_copy(update={"temperature": temperature, "phase_temperature": {
+        **team.sampling.phase_temperature, **(phase_temperature or {})}})
     return team.model_copy(update={"models": models, "agents": agents, "sampling": sampling})
 
 
@@ -235,10 +238,12 @@ def generation_credit(batch: RolloutBatch, advantages: dict[str, Any],
 
 
 def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures: dict[str, float],
-                  outcome_advantages: dict[str, Any] | None = None,
-                  phases: Collection[str] | None = None) -> dict[str, list[Sample]]:
+                  outcome_advantages: dict[str, Any] | None = None, phases: Collection[str] | None = None,
+                  phase_temperature: dict[str, float] | None = None) -> dict[str, list[Sample]]:
     """Per-agent samples: one per generation that `generation_credit` marks trained, carrying its reward and
-    advantage."""
+    advantage, and the temperature it was sampled at (its phase's when `phase_temperature` names it, else its
+    agent's)."""
+    phase_temperature = phase_temperature or {}
     out: dict[str, list[Sample]] = {a: [] for a in advantages}
     credit = generation_credit(batch, advantages, outcome_advantages, phases)
     for g, group in enumerate(batch.episodes):
@@ -262,6 +267,7 @@ def build_samples(batch: RolloutBatch, advantages: dict[str, Any], temperatures:
                     prompt_ids=list(gen.prompt_ids), completion_ids=list(gen.completion_ids),
                     logprobs=list(gen.logprobs) if gen.logprobs is not None else None,
                     reward=c.reward, advantage=c.advantage,
-                    temperature=temperatures[gen.agent], weight_version=gen.weight_version,
+                    temperature=phase_temperature.get(gen.phase, temperatures[gen.agent]),
+                    weight_version=gen.weight_version,
                     versions=dict(seen) or None, video=ep.question.video if frames else None, frames=frames))
     return out

@@ -244,7 +244,8 @@ class Trainer:
         self.rollout_step = step
         episodes = self.credit.episodes(questions, first, topology, clock)  # rollouts, then scores; laps rollout
         credit = self.credit.credit(episodes)
-        samples = credit.samples(self.settings.temperatures, self.settings.phases)
+        samples = credit.samples(self.settings.temperatures, self.settings.phases,
+                                 self.settings.team.sampling.phase_temperature)
         if self.engines is not None:
             self.engines.check_versions(samples, version)
         clock.lap("reward")

@@ -387,7 +387,7 @@ class Team(TeamEngine):
     def _generate(self, calls: list[_Call]) -> list[tuple[_Call, Generation]]:
         """One generate call per (model, temperature) for all `calls`, returned in call order; calls of an episode
         dropped over the prompt budget are left out. An episode's own temperature for an agent (`run(temperatures=)`)
-        wins over the agent's.
+        wins over the phase's (`sampling.phase_temperature`), which wins over the agent's.
 
         Calls to different remote models (OpenAI-compatible servers) of one phase overlap in
         threads, so a team whose agents are served separately waits for the slowest, not the sum;
@@ -396,6 +396,7 @@ class Team(TeamEngine):
         groups: dict[tuple[str, float], list[_Call]] = defaultdict(list)
         for c in calls:
             temp = c.agent.temperature if c.agent.temperature is not None else self.cfg.sampling.temperature
+            temp = self.cfg.sampling.phase_temperature.get(c.phase, temp)
             temp = c.ep.temperatures.get(c.agent.name, temp)
             groups[(c.agent.model, temp)].append(c)
         jobs = []

@@ -227,3 +227,17 @@ def test_agent_credit_training_moves_every_agent_and_resumes_exactly(tmp_path, v
     for want, got in zip(full, first + second):
         for key in COMPARED:
             assert got[key] == want[key], f"step {want['step']} {key}: {got[key]!r} != {want[key]!r}"
+
+
+def test_samples_carry_the_temperature_of_their_phase(video):
+    """With a per-phase rollout temperature each sample is scored at the temperature its phase was sampled at; the
+    others at their agent's. training_team_config puts the run's phase temperatures over the team's."""
+    batch, adv, _, _ = credit(video, 0, None)
+    samples = build_samples(batch, adv, {a: 1.0 for a in AGENTS}, phase_temperature={"communicate": 1.5})
+    by_phase = {(s.phase, s.temperature) for rows in samples.values() for s in rows}
+    assert ("communicate", 1.5) in by_phase and ("plan", 1.0) in by_phase
+    assert all(t == (1.5 if ph == "communicate" else 1.0) for ph, t in by_phase)
+    team, _ = noisy_team(0)
+    both = training_team_config(team.cfg.model_copy(update={"sampling": team.cfg.sampling.model_copy(
+        update={"phase_temperature": {"plan": 0.9, "communicate": 1.2}})}), 1.0, {"communicate": 1.5})
+    assert both.sampling.phase_temperature == {"plan": 0.9, "communicate": 1.5} and both.sampling.temperature == 1.0

@@ -194,3 +194,29 @@ def test_grounding_uses_summarizer(videos):
     q = Question(id="g", video=videos[0], text="When is the square visible?", task="grounding")
     [e] = team.run([q])
     assert e.aggregation == "summarizer" and e.final_answer == "[2 - 4]"
+
+
+def test_a_phase_temperature_samples_that_phase_alone(videos):
+    """sampling.phase_temperature: the communicate calls sample at 1.5 while plans and answers keep the team's 0.7;
+    an episode's own temperature still wins; greedy() clears it; only CPP phases, above 0, are accepted."""
+    from pydantic import ValidationError
+
+    cfg = team_cfg(sampling={"temperature": 0.7, "phase_temperature": {"communicate": 1.5}})
+    team, fa, _, _ = make_team(cfg)
+    temps, generate = [], fa.generate
+
+    def recording(requests, params):
+        temps.append(params.temperature)
+        return generate(requests, params)
+
+    fa.generate = recording
+    team.run(questions(videos, 2))
+    assert temps == [0.7, 1.5, 1.5, 0.7]  # plan, communicate x2, answer
+    temps.clear()
+    team.run(questions(videos, 1), temperatures=[{"alpha": 0.0, "beta": 0.0}])
+    assert temps == [0.0] * 4
+    assert cfg.greedy().sampling.phase_temperature == {}
+    with pytest.raises(ValidationError, match="phase 'act' is not one of plan, communicate"):
+        team_cfg(sampling={"phase_temperature": {"act": 1.0}})
+    with pytest.raises(ValidationError, match="temperature 0.0 must be above 0"):
+        team_cfg(sampling={"phase_temperature": {"plan": 0.0}})
