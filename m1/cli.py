@@ -106,7 +106,8 @@ def infer(
 
     One run at a time writes OUT (a second is refused, naming the first). SIGINT/SIGTERM stop after the
     line being written, with status 130/143; rerunning the same command continues."""
-    from m1.config import ConfigError, load_team
+    from m1.config import load_team
+    from m1.config_files import ConfigError
     from m1.data.questions import InputError, build_questions
     from m1.results import parse_shard
     from m1.run import run_questions
@@ -188,7 +189,8 @@ def eval_(
 ) -> None:
     """Run a team on a benchmark and score it with the benchmark's own metrics (resumable; locking,
     stops and --shard as for `m1 infer`)."""
-    from m1.config import ConfigError, load_team
+    from m1.config import load_team
+    from m1.config_files import ConfigError
     from m1.data.loaders import load_benchmark
     from m1.results import parse_shard
     from m1.run import run_questions
@@ -245,7 +247,7 @@ def demo(
     overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
 ) -> None:
     """Offline demo: generate M1-Synth videos and questions, run a team, print answers and accuracy."""
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
     from m1.demo import run_demo
 
     try:
@@ -258,7 +260,7 @@ def demo(
 def _print_plan(kind: str, config: str, overrides: list[str], gpus: Optional[int], gpu_mem: Optional[float]) -> None:
     """`--plan`: print where every model would go and its memory estimate; exit 2 when it does not fit or a model
     cannot be built. Reads config files, model shapes and each model's config and tokenizer/processor; no weights."""
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
     from m1.marl.cluster import PlanError
     from m1.marl.planner import make_plan
     from m1.marl.config import load_sft_config, load_train_config

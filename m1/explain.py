@@ -16,7 +16,7 @@ import typer
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from m1.config import ConfigError, load_yaml, resolve_config_path
+from m1.config_files import ConfigError, load_yaml, resolve_config_path
 from m1.errors import fail
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,

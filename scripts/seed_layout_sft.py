@@ -16,6 +16,7 @@ on the dev world's held-out Weaver answer turns in the rules' layout and chain f
     python scripts/seed_layout_sft.py --build      # the rule teacher's examples (about 3 minutes)
     python scripts/seed_layout_sft.py --arms a b c d --steps 100 --json runs/r83/seed_layout.json
     python scripts/seed_layout_sft.py --table --json runs/r83/seed_layout.json
+    python scripts/seed_layout_sft.py --arms a b --free --eval-at 0 100 --json runs/r83/free.json   # free-running too
 `--build` runs weaver_synth's teacher over the timestamp questions of runs/mini/train (seed 1, 120 videos) and
 runs/mini/dev (seed 2001, 40 videos), and over every 4th train question of any family (arm c's chats).
 """
@@ -207,6 +208,28 @@ def hop_accuracy(model, samples: list[Sample]) -> list[float]:
     return [round(h / n, 3) for h in hits]
 
 
+_ANSWER = re.compile(r"<answer>\s*([A-D])\s*</answer>")
+
+
+@torch.no_grad()
+def free_accuracy(model, tok, samples: list[Sample], eos: int) -> list[float]:
+    """Free-running from the same prompts (greedy, the student's own tokens fed back): the share of samples whose
+    reply names the teacher's letter in `<answer>`, whose whole chain (up to `.` before `<answer>`) is the
+    teacher's word for word, and whose reply parses at all."""
+    letter = chain = parsed = 0
+    for s in samples:
+        want = tok.decode(s.ids[s.start:-1])
+        out = model.generate(torch.tensor([s.ids[:s.start]]), max_new_tokens=len(s.ids) - s.start + 16,
+                             do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        got = tok.decode(out[0, s.start:], skip_special_tokens=True)
+        g, w = _ANSWER.search(got), _ANSWER.search(want)
+        parsed += g is not None
+        letter += bool(g and w and g.group(1) == w.group(1))
+        chain += got.split("\n<answer>")[0].strip() == want.split("\n<answer>")[0].strip()
+    n = len(samples)
+    return [round(letter / n, 3), round(chain / n, 3), round(parsed / n, 3)]
+
+
 def build(out: Path) -> None:
     """The Weaver rule teacher's kept examples: timestamp questions of the train and dev worlds, and every 4th train
     question of any family."""
@@ -229,12 +252,15 @@ def table(results: dict) -> str:
     """The results as markdown: one row per arm, seed and step; per layout the hops clock / frame / colour / letter
     and the whole chain."""
     layouts = list(next(iter(results.values()))["evals"]["0"])
-    lines = ["| arm | seed | step | " + " | ".join(f"{name}: clock / frame / colour / letter (chain)" for name in layouts)
+    free = ("letter / chain / parses", lambda v: " / ".join(f"{x:.2f}" for x in v))
+    hops = ("clock / frame / colour / letter (chain)", lambda v: " / ".join(f"{x:.2f}" for x in v[:-1]) + f" ({v[-1]:.2f})")
+    kind = {n: free if n.endswith("free-running") else hops for n in layouts}
+    lines = ["| arm | seed | step | " + " | ".join(f"{name}: {kind[name][0]}" for name in layouts)
              + " |", "|---|---|---|" + "---|" * len(layouts)]
     for key, r in results.items():
         arm, seed = key.split("/seed")
         for step_, evals in r["evals"].items():
-            cells = [" / ".join(f"{x:.2f}" for x in evals[n][:-1]) + f" ({evals[n][-1]:.2f})" for n in layouts]
+            cells = [kind[n][1](evals[n]) for n in layouts]
             lines.append(f"| {arm} | {seed} | {step_} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -251,6 +277,8 @@ def main() -> None:
     p.add_argument("--chats", default="runs/r83/weaver_chats.jsonl", help="Weaver examples of every family (arm c)")
     p.add_argument("--drills", type=int, default=50, help="raw dev drills measured")
     p.add_argument("--json", default="runs/r83/seed_layout.json")
+    p.add_argument("--free", action="store_true", help="also measure free-running replies on the dev chats (greedy: "
+                   "letter right, chain word for word, parses)")
     p.add_argument("--table", action="store_true", help="print the results in --json as a markdown table and stop")
     p.add_argument("--build", action="store_true", help="write the teacher's examples into runs/r83 and stop")
     args = p.parse_args()
@@ -296,6 +324,9 @@ def main() -> None:
             if s in args.eval_at:
                 model.eval()
                 rows[s] = {name: hop_accuracy(model, samples) for name, samples in held.items()}
+                if args.free:
+                    rows[s].update({f"{name}, free-running": free_accuracy(model, tok, samples, eos)
+                                    for name, samples in held.items() if name.startswith("dev chats")})
                 print(arm, s, rows[s], flush=True)
                 model.train()
             if s == args.steps:

@@ -38,7 +38,7 @@ def prepare(
     """Split a training set into question files over whole videos with a seed (no video on two sides), and
     optionally build the SFT examples from a teacher team (e.g. GPT-4o agents behind an OpenAI-compatible endpoint,
     configs/sft/videochat_m1_lora.yaml) with the paper's keep rule."""
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
     from m1.data.prepare import PrepareError, parse_split, prepare as run_prepare
 
     try:

@@ -22,7 +22,7 @@ _SET_HELP = "Experiment override key.path=value (repeat), e.g. eval.questions=BE
 
 
 def _load(experiment: str, overrides: Optional[list[str]]):
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
     from m1.experiment.config import load_experiment
 
     try:
@@ -51,7 +51,7 @@ def run(
     stopped by a signal, rerun to resume)."""
     exp = _load(experiment, overrides)
     if plan:
-        from m1.config import ConfigError
+        from m1.config_files import ConfigError
         from m1.marl.cluster import PlanError
         from m1.experiment.plan import plan_text
 
@@ -111,7 +111,7 @@ def export(experiment: str = typer.Argument(..., help=_EXP_HELP),
     """Write an arm's trained agents, as its eval seats them, to DEST/<agent>: full model folders with their
     tokenizer (a LoRA adapter merged into its base), no optimizer state, and DEST/SOURCE.md naming their origin.
     A team config can then point `path` at them (configs/team/mini_trained.yaml reads assets/mini_team)."""
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
     from m1.experiment.export import export_agents
     from m1.experiment.config import ExperimentError
 

@@ -12,7 +12,8 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from m1.config import Strict, load_config
+from m1.config import Strict
+from m1.config_files import load_config
 
 STAGES = ("sft", "marl", "eval")
 RESERVED = ("data", "logs", "plots")  # folders in <out_dir> that are not arms

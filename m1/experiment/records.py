@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m1.config import CONFIG_DIR, load_team
+from m1.config import load_team
+from m1.config_files import CONFIG_DIR
 from m1.experiment.config import Experiment, ExperimentError
 from m1.experiment.rows import compact_eval, rows_file, write_rows
 from m1.experiment.stages import (StageRun, eval_overrides, eval_questions, eval_team, first_training_stage,

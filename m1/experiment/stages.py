@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m1.config import ConfigError, load_team
+from m1.config import load_team
+from m1.config_files import ConfigError
 from m1.data.loaders import load_benchmark
 from m1.data.questions import build_questions, read_questions
 from m1.experiment.config import Experiment, ExperimentError

@@ -15,7 +15,8 @@ from typing import Literal
 from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
 from m1.attention_loss import AttentionLossSettings
-from m1.config import ConfigError, ModelSpec, Strict, TeamConfig, load_config, load_team
+from m1.config import ModelSpec, Strict, TeamConfig, load_team
+from m1.config_files import ConfigError, load_config
 from m1.marl.advantages import ESTIMATORS
 from m1.marl.credit import CREDITS, check_credit
 from m1.marl.entries import check_choice

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from m1.config import CONFIG_DIR
+from m1.config_files import CONFIG_DIR
 from m1.models.vllm_server import free_port
 
 _RENDEZVOUS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}

@@ -21,7 +21,7 @@ def training_errors() -> tuple[type[Exception], ...]:
     (a full disk), a run already using the output folder, a Ray worker that died. Anything else is a bug: traceback."""
     from safetensors import SafetensorError
 
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
     from m1.marl.checkpoint import CheckpointError
     from m1.marl.cluster import PlanError
     from m1.marl.distributed import DistributedError

@@ -5,7 +5,8 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-from m1.config import ConfigError, TeamConfig, load_team
+from m1.config import TeamConfig, load_team
+from m1.config_files import ConfigError
 from m1.locks import hold_dir
 from m1.marl.checkpoint import find_latest_checkpoint, stop_on_signals, stopped
 from m1.marl.config import load_train_config

@@ -20,7 +20,7 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
-from m1.config import ConfigError
+from m1.config_files import ConfigError
 
 log = logging.getLogger(__name__)
 

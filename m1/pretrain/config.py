@@ -6,7 +6,8 @@ from pathlib import Path
 from pydantic import Field, PositiveInt, model_validator
 
 from m1.attention_loss import AttentionLossSettings
-from m1.config import Strict, TinySpec, load_config
+from m1.config import Strict, TinySpec
+from m1.config_files import load_config
 from m1.marl.config import CheckpointConfig, LogConfig
 from m1.pretrain.drills import CHAINS, FAMILIES
 

@@ -127,7 +127,7 @@ def serve_command(
     Requests that arrive together run as one batch through the team. SIGTERM/SIGINT finish the requests in
     flight and refuse new ones, then exit 143/130. An address other than loopback without an API key is refused
     unless --insecure; a port that cannot be bound is exit 2 before the team loads. See docs/serving.md."""
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
 
     try:
         import fastapi  # noqa: F401

@@ -1,6 +1,7 @@
 import pytest
 
-from m1.config import CONFIG_DIR, ConfigError, TeamConfig, load_team
+from m1.config import TeamConfig, load_team
+from m1.config_files import CONFIG_DIR, ConfigError
 
 
 def test_shipped_configs_load():
@@ -106,7 +107,8 @@ def test_adapter_only_on_local_chat_backends(spec):
 def test_remote_code_and_flash_attention_settings_reach_the_loader():
     """trust_remote_code passes to from_pretrained (the paper's InternVL3.5 entry sets it, as does Eagle2.5's with
     backend eagle); flash_attention_2 needs bf16/fp16 weights; on a GPU the weights load straight onto it."""
-    from m1.config import ConfigError, ModelSpec, load_team
+    from m1.config import ModelSpec, load_team
+    from m1.config_files import ConfigError
     from m1.models.hf import _model_kwargs
 
     team = load_team("videochat_m1")

@@ -8,7 +8,7 @@ import yaml
 from typer.testing import CliRunner
 
 from m1.cli import app
-from m1.config import ConfigError
+from m1.config_files import ConfigError
 from m1.explain import KINDS, _loaders, _model_classes, explain
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -1,11 +1,12 @@
 """The hosted team (configs/team/hosted.yaml): every planning agent and VLM tool on an OpenAI-compatible endpoint named
-by the environment, CLIP local. Here: how the environment fills the config (m1/config.py `expand_env`). Against real
+by the environment, CLIP local. Here: how the environment fills the config (m1/config_files.py `expand_env`). Against real
 vLLM-CPU servers: tests/models/test_hosted_real.py (make test-vllm)."""
 from __future__ import annotations
 
 import pytest
 
-from m1.config import ConfigError, expand_env, load_team
+from m1.config import load_team
+from m1.config_files import ConfigError, expand_env
 
 ROLES = ("M1_BASE_URL", "M1_CHAT_BASE_URL", "M1_VISION_BASE_URL", "M1_CHAT_MODEL", "M1_VISION_MODEL", "M1_SPACE_MODEL",
          "M1_GROUNDING_MODEL", "M1_VIDEO_INPUT", *(f"M1_AGENT{i}_MODEL" for i in range(1, 5)))

@@ -14,7 +14,7 @@ LAYOUT = PKG.parent / "docs" / "layout.md"
 # may reach any layer. Units on one line are peers (they may import each other, never in a cycle).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("m1", "schema", "text", "files", "locks", "signature", "video", "plots", "registry", "errors", "signals", "evidence",
-     "gc_pauses", "plugins"),
+     "gc_pauses", "plugins", "config_files"),
     ("config", "attention_loss"),
     ("models", "contracts"),
     ("agents", "memory"),

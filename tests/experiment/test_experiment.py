@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import make_video
 from m1.cli import app
-from m1.config import ConfigError
+from m1.config_files import ConfigError
 from m1.experiment.config import load_experiment
 from m1.experiment.stats import paired, t_quantile_975
 from m1.marl.sft import write_examples

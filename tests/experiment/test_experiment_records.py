@@ -240,7 +240,7 @@ def test_sft_shared_by_the_marl_seeds_of_its_group(tmp_path, m1_cache):
     """sft_share 3: seeds 0-2 train one SFT (seed 0's), every MARL seed seats its weights and keeps its own seed,
     an SFT-only arm is answered once (its rows reused for seeds 1, 2), and the report says so; two worker processes
     run seed 0 first, then the seeds that start from its SFT."""
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
     from m1.experiment.report import write_report
     from m1.experiment.runner import run_experiment
     from m1.experiment.stages import read_stage
@@ -299,7 +299,7 @@ def test_the_recipe_files_share_their_training_records(monkeypatch):
 def test_an_identity_does_not_depend_on_where_the_repository_lies(monkeypatch):
     """mini_from_base seats `../../assets/mini_base`, which the team loader makes absolute: the identity reads it
     relative to the repository's root, so a clone elsewhere (CI, another machine) finds the committed records its own."""
-    from m1.config import CONFIG_DIR
+    from m1.config_files import CONFIG_DIR
     from m1.experiment.records import identity_text, stage_identity
 
     monkeypatch.delenv("M1_EXPERIMENT_ROWS", raising=False)

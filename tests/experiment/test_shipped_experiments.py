@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from m1.config import CONFIG_DIR
+from m1.config_files import CONFIG_DIR
 from m1.experiment.config import load_experiment
 from m1.experiment.stages import StageRun, check_configs, load_stage_config
 

@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import make_synth_world
 
-from m1.config import ConfigError, TeamConfig, load_team
+from m1.config import TeamConfig, load_team
+from m1.config_files import ConfigError
 from m1.kinds.parsers import SeedReply, loads_lenient
 from m1.kinds.sage import parse_sage
 from m1.kinds.settings import settings_for

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from m1.config import ConfigError
+from m1.config_files import ConfigError
 from m1.marl.cluster import PlanError
 from m1.marl.memory_model import GiB, learner_memory
 from m1.marl.placement_plan import GpuSlot

@@ -280,7 +280,7 @@ def test_killed_after_step_1_and_resumed_repeats_the_losses(world, tmp_path, m1_
 
 
 def test_seed_configs_refuse_what_does_not_apply(tmp_path):
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
 
     with pytest.raises(ValueError, match="rollout.train_phases: \\['plan'\\] are CPP phases"):
         train_cfg(tmp_path, rollout={"train_phases": ["plan"]})

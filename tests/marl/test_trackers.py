@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import varied_reward
-from m1.config import ConfigError
+from m1.config_files import ConfigError
 from m1.marl.config import LogConfig, TrainConfig
 from m1.schema import Question
 

@@ -453,7 +453,7 @@ def test_train_main_runs_from_a_yaml_file(tmp_path, video, m1_cache):
     # the last line is the m1 infer call that seats the trained agents: applied to the team, it names their weights
     import shlex
 
-    from m1.config import apply_overrides
+    from m1.config_files import apply_overrides
 
     words = shlex.split(printed[-1].split(": ", 1)[1])
     assert words[:5] == ["m1", "infer", "VIDEOS", "--team", "TEAM.yaml"]  # the run's team was inline
@@ -556,7 +556,7 @@ def test_init_from_starts_marl_from_the_sft_runs_weights(tmp_path, video, m1_cac
     a missing or unfinished run is refused naming `init_from` before any model loads."""
     import torch
 
-    from m1.config import ConfigError
+    from m1.config_files import ConfigError
     from m1.marl.launch import INIT_DIR, train_main
     from m1.models.hf import HFChatModel
 

@@ -10,7 +10,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import numpy as np
 import pytest
 
-from m1.config import ConfigError, ModelSpec, TinySpec
+from m1.config import ModelSpec, TinySpec
+from m1.config_files import ConfigError
 from m1.marl.memory_model import GiB, driver_vision_shape, request_frames, vision_request_bytes
 from m1.marl.placement_plan import plan_summary, with_request_batches
 from m1.marl.planner import make_plan

@@ -381,7 +381,8 @@ def test_video_url_request_errors(servers, key_env):
 
 
 def test_video_settings_are_checked_with_the_config(tmp_path):
-    from m1.config import ConfigError, load_team
+    from m1.config import load_team
+    from m1.config_files import ConfigError
 
     base = spec("http://127.0.0.1:9/v1", kind="vision")
     assert not {"video_input", "video_transport", "video_root"} & set(base.recorded())  # defaults: not recorded
