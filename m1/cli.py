@@ -314,43 +314,39 @@ _RESUME_HELP = ("latest (default): resume from the newest checkpoint, and stop w
                 "is damaged. previous: resume from the newest intact checkpoint, skipping damaged ones.")
 
 
-@app.command()
-def train(
-    config: str = typer.Option(..., "--config", "-c", help="MARL config: a YAML path or a name in configs/marl/."),
-    overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
-    plan: bool = typer.Option(False, "--plan", help=_PLAN_HELP),
-    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help=_GPUS_HELP),
-    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", min=0.0, help=_MEM_HELP),
-    resume_from: Optional[str] = typer.Option(None, "--resume-from", help=_RESUME_HELP),
-    threads: int = typer.Option(1, "--threads", min=0, help=_THREADS_HELP),
-    debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
-) -> None:
-    """Multi-agent GRPO: K rollouts per question over a sampled DAG, per-agent advantages, one
-    learner per agent (LoRA or full; DeepSpeed ZeRO-2 when configured). Resumes from its output folder.
+def _training_command(name: str, kind: str, what: str, doc: str) -> None:
+    """`m1 train` and `m1 sft`: one set of options (config, --set, --plan, --gpus, --gpu-mem, --resume-from,
+    --threads, --debug), registered under each name with its own help."""
+
+    def command(
+        config: str = typer.Option(..., "--config", "-c", help=f"{what} config: a YAML path or a name in "
+                                                                f"configs/{kind}/."),
+        overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
+        plan: bool = typer.Option(False, "--plan", help=_PLAN_HELP),
+        gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help=_GPUS_HELP),
+        gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", min=0.0, help=_MEM_HELP),
+        resume_from: Optional[str] = typer.Option(None, "--resume-from", help=_RESUME_HELP),
+        threads: int = typer.Option(1, "--threads", min=0, help=_THREADS_HELP),
+        debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
+    ) -> None:
+        _plan_or_train(kind, config, overrides, plan, gpus, gpu_mem, resume_from, debug, threads)
+
+    command.__doc__ = doc
+    app.command(name)(command)
+
+
+_training_command("train", "marl", "MARL", """Multi-agent GRPO: K rollouts per question over a sampled DAG, per-agent
+    advantages, one learner per agent (LoRA or full; DeepSpeed ZeRO-2 when configured). Resumes from its output
+    folder.
 
     Exit status: 0 done; 2 an error (one `error:` line); 143 after SIGTERM, 130 after SIGINT: the step
     under way finished and was checkpointed ("stopped at step N"); rerun the same command to resume. A
-    second signal stops at once, losing the steps after the newest checkpoint."""
-    _plan_or_train("marl", config, overrides, plan, gpus, gpu_mem, resume_from, debug, threads)
-
-
-@app.command()
-def sft(
-    config: str = typer.Option(..., "--config", "-c", help="SFT config: a YAML path or a name in configs/sft/."),
-    overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Config override key.path=value."),
-    plan: bool = typer.Option(False, "--plan", help=_PLAN_HELP),
-    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help=_GPUS_HELP),
-    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", min=0.0, help=_MEM_HELP),
-    resume_from: Optional[str] = typer.Option(None, "--resume-from", help=_RESUME_HELP),
-    threads: int = typer.Option(1, "--threads", min=0, help=_THREADS_HELP),
-    debug: bool = typer.Option(False, "--debug", help=_DEBUG_HELP),
-) -> None:
-    """SFT warm-up: run a team (the teacher or an API team), keep plans by the paper's rule (at
-    least one agent right, plan never changed), train on completion tokens only.
+    second signal stops at once, losing the steps after the newest checkpoint.""")
+_training_command("sft", "sft", "SFT", """SFT warm-up: run a team (the teacher or an API team), keep plans by the
+    paper's rule (at least one agent right, plan never changed), train on completion tokens only.
 
     Exit status as for `m1 train`: 0, 2 (an error), 143 / 130 (stopped by SIGTERM / SIGINT after
-    checkpointing the last step; rerun to resume)."""
-    _plan_or_train("sft", config, overrides, plan, gpus, gpu_mem, resume_from, debug, threads)
+    checkpointing the last step; rerun to resume).""")
 
 
 @app.command()
