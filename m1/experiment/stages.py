@@ -189,7 +189,7 @@ def seat_of(cfg, folder: Path) -> tuple[list[str], str]:
     sets, notes = trained_agent_overrides(team, agents, root, cfg.learner.finetune)
     if notes:  # an agent left unseated would make the next stage silently use untrained weights
         raise ExperimentError(f"{folder}: cannot seat every trained agent: " + "; ".join(notes))
-    # a trained model no longer starts from a tiny spec: drop the overrides of its spec (init_seat's seed shift)
+    # a trained model does not start from a tiny spec: drop the overrides of its spec (init_seat's seed shift)
     untiny = {x.split("=", 1)[0][: -len(".tiny")] + ".tiny." for x in sets if x.endswith(".tiny=null")}
     kept = [x for x in cfg.team_overrides if not any(x.startswith(p) for p in untiny)]
     return kept + sets, str(root)

@@ -561,7 +561,7 @@ class SFTConfig(RunSettings):
         d = self.data
         if d.examples is None and (d.teacher is None or d.questions is None):
             raise ValueError("data: give `examples` (a JSONL) or both `teacher` and `questions` to build it")
-        try:  # a teacher that does not load yet is reported where it is built, as before
+        try:  # a teacher that does not load yet is reported where it is built, not here
             teacher = self.teacher_config()
         except (ConfigError, OSError):
             teacher = None

@@ -197,7 +197,7 @@ def _layer_weights(model) -> int:
 def _buffer_layer():
     """DynamicLayer (imported late, as transformers is) whose keys and values live in a buffer sized for the whole
     call: a decode step writes its column in place, where DynamicLayer's torch.cat copies the whole cache every step
-    (at 16 rows of 600-token prompts that copy was a large share of a decode step). Same values, bit for bit."""
+    (at 16 rows of 600-token prompts that copy is a large share of a decode step). Same values, bit for bit."""
     from transformers.cache_utils import DynamicLayer
 
     class BufferLayer(DynamicLayer):

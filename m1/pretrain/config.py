@@ -103,7 +103,7 @@ class PretrainConfig(Strict):
 
     @property
     def graded(self) -> list[str]:
-        """The families the record reports as the base's reading (the chains the issue grades)."""
+        """The families the record reports as the base's reading: the eval's families that are chains (CHAINS)."""
         return [f for f in self.eval.families if f in CHAINS]
 
 

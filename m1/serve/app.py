@@ -305,7 +305,7 @@ def create_app(team: Team, limits: Limits, api_key: str | None = None, traces_ke
 
     def get(path: str):
         """A GET route that answers HEAD too (monitors and `curl -I` send it): FastAPI's `app.get` registers GET
-        alone, and HEAD was a 405."""
+        alone, and HEAD would be a 405."""
         return app.api_route(path, methods=["GET", "HEAD"])
 
     @get("/v1/models")

@@ -19,7 +19,7 @@ def address(host: str, port: int) -> str:
 
 def check_port(host: str, port: int) -> None:
     """Stop with one `error:` line (exit 2) unless `host:port` can be bound now. Loading a team takes seconds; a
-    port another server holds was only found by uvicorn after that, which then exited 3."""
+    port another server holds is named before that, not found by uvicorn after it (which would exit 3)."""
     import errno
     import socket
 

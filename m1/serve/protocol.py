@@ -299,7 +299,7 @@ class ChatCompletionRequest(BaseModel):
 
 def check_text(n: int, max_text_chars: int) -> None:
     """413 for a question text (with its options) of more than `max_text_chars` characters: it is refused before
-    any tokenizer sees it (a 50 MB question used to take minutes and GBs before failing)."""
+    any tokenizer sees it (a 50 MB question would take minutes and GBs there before failing)."""
     if n > max_text_chars:
         raise ApiError(413, f"the question text is {n} characters: at most {max_text_chars} (--max-text-kb); "
                             "a prompt that long does not fit the team's models", "messages")

@@ -80,7 +80,7 @@ def seed_kinds_corpus(workdir: Path, videos: int = 4, seed: int = 424242, durati
     """The synth corpus plus the seed kinds' rule-based chats (Weaver, VideoZoomer, SAGE) on the same world, as a
     text policy reads them (frames as their descriptions, `text_only`): their system prompts, tool-call JSON and
     observation lines become short token runs, which the CPP team's prompts alone do not teach (a Weaver tool call
-    was 69 tokens with the synth tokenizer)."""
+    is 69 tokens for a synth tokenizer trained on those prompts alone)."""
     questions = _world(workdir, videos, seed, duration)
     texts = _cpp_texts(questions) + _default_corpus()
     for kind, loop in seed_kind_loops():

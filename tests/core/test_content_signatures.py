@@ -1,6 +1,5 @@
-"""Content, not names (issue 74, cases 1, 2, 3 and 6): what M1 keeps about a video (a reader, its frames, CLIP rows, a
-results line) stands for the content it was read from, and a pool holds a bounded number of files open. Each test
-failed before the fix and passes after."""
+"""Content, not names: what M1 keeps about a video (a reader, its frames, CLIP rows, a results line) stands for the
+content it was read from, and a pool holds a bounded number of files open."""
 import errno
 import json
 import os
@@ -55,8 +54,8 @@ def _rows(out: Path) -> dict[str, dict]:
 
 
 def test_a_replaced_file_gets_a_new_reader_and_never_its_old_frames(two, tmp_path):
-    """Case 1 (the pool `m1 serve` answers from): `VideoPool.open` returned the cached reader of the path, so a file
-    copied or moved over it kept being answered from the old content."""
+    """The pool `m1 serve` answers from: a file copied or moved over a path gets a new reader from `VideoPool.open`,
+    which reads the new content, never the cached reader's old frames."""
     short, long = two
     v = tmp_path / "v.mp4"
     shutil.copy(short, v)
@@ -75,7 +74,8 @@ def test_a_replaced_file_gets_a_new_reader_and_never_its_old_frames(two, tmp_pat
 
 
 def test_a_reader_never_mixes_frames_of_a_file_rewritten_in_place(two, tmp_path):
-    """Case 2, at the reader: frame 0 came from the cache (old file), frame 5 was decoded from the new one."""
+    """At the reader: a file rewritten in place never gives frame 0 from the cache (old file) and frame 5 decoded
+    from the new one; it raises VideoChanged, and from then on even for frames it holds."""
     short, long = two
     v = tmp_path / "v.mp4"
     shutil.copy(short, v)
@@ -90,8 +90,9 @@ def test_a_reader_never_mixes_frames_of_a_file_rewritten_in_place(two, tmp_path)
 
 
 def test_a_video_rewritten_during_a_run_is_an_error_row_that_a_rerun_answers(two, tmp_path):
-    """Case 2: a second process copies another video over the first after the first result line. The run answered
-    every question (exit 0), one from cached old frames and freshly decoded new ones, with the old fingerprint."""
+    """A second process copies another video over the first after the first result line: the questions left are
+    error rows naming the change, never answers from cached old frames and new ones under the old fingerprint; a
+    rerun answers every question under one fingerprint."""
     short, long = two
     v = tmp_path / "v.mp4"
     shutil.copy(short, v)
@@ -112,7 +113,7 @@ def test_a_video_rewritten_during_a_run_is_an_error_row_that_a_rerun_answers(two
 
 
 def test_a_rerun_sees_a_rewrite_that_kept_size_and_mtime(two, tmp_path):
-    """Case 3: another video padded to the same size, its mtime restored in ns: the rerun said "0 answered"."""
+    """Another video padded to the same size, its mtime restored in ns: the rerun sees the change and re-answers."""
     short, long = two
     v = tmp_path / "v.mp4"
     size = max(short.stat().st_size, long.stat().st_size) + 16
@@ -133,8 +134,8 @@ def test_a_rerun_sees_a_rewrite_that_kept_size_and_mtime(two, tmp_path):
 
 
 def test_lines_fingerprinted_before_content_signatures_are_not_re_answered(two, tmp_path):
-    """An upgrade re-answers nothing that did not change: an old line's fingerprint (path, size, mtime) still
-    matches; the same line after the file changed does not."""
+    """A line whose fingerprint covers the path, size and mtime, not a content signature, still matches its
+    unchanged file, so it is not re-answered; the same line after the file changed does not."""
     import hashlib
 
     from m1.results import fingerprint, same_question
@@ -151,7 +152,7 @@ def test_lines_fingerprinted_before_content_signatures_are_not_re_answered(two, 
 
 
 def test_clip_rows_follow_the_content_not_the_name(two, tmp_path):
-    """Case 1/2 for CLIP rows: the index kept rows by path, so a replaced file was scored with the old frames."""
+    """CLIP rows are kept by content, not by path: a replaced file is scored with its new frames, never the old."""
     from m1.tools.clip_index import ClipIndex
     from tests.fakes import FakeClip
 
@@ -167,7 +168,8 @@ def test_clip_rows_follow_the_content_not_the_name(two, tmp_path):
 
 
 def test_the_pool_holds_at_most_max_open_files_and_reopens_what_it_released(tmp_path):
-    """Case 6: one reader per distinct video, never released (128 videos -> 138 open files)."""
+    """The pool keeps at most max_open files open, not one per distinct video; a released reader opens its file
+    again when read."""
     videos = [make_video(tmp_path / f"v{i}.mp4", seconds=2, fps=2, size=32) for i in range(7)]
     fds = len(os.listdir("/proc/self/fd"))
     pool = VideoPool(max_bytes=0, max_open=3)  # no frame cache: every read decodes
@@ -184,7 +186,8 @@ def test_the_pool_holds_at_most_max_open_files_and_reopens_what_it_released(tmp_
 
 
 def test_running_out_of_file_handles_is_an_oserror_not_a_bad_video(tmp_path, monkeypatch):
-    """Case 6: under `ulimit -n 48` every video became "unreadable" (VideoError, a 400 blaming the file)."""
+    """Running out of file handles (as under `ulimit -n 48`) is an OSError, not a VideoError calling the video
+    "unreadable" (a 400 blaming the file)."""
     import av
 
     v = make_video(tmp_path / "v.mp4", seconds=2, fps=2, size=32)

@@ -1,6 +1,6 @@
-"""Extending M1 without editing it (issue #67's "done when"): tests/fixtures/extension.py registers a select tool,
-a team kind and a credit rule from outside m1/; `m1 infer` then runs a team of the new kind whose plans use the
-new tool, and a training step credits with the new rule. The registries are restored afterwards."""
+"""Extending M1 without editing it: tests/fixtures/extension.py registers a select tool, a team kind and a credit
+rule from outside m1/; `m1 infer` then runs a team of the new kind whose plans use the new tool, and a training
+step credits with the new rule. The registries are restored afterwards."""
 import json
 
 import pytest

@@ -1,6 +1,7 @@
 """Faults a user can cause, on purpose, against every command: each ends in exit 2 with one `error:` line
 naming the culprit and no traceback (or, for a bad line or a bad video, a named skip or an error row), the output
-files stay intact (every id once, no torn line, every checkpoint verifiable), and the rerun after the fix finishes.
+files stay intact (every id once, no torn line, every checkpoint verifiable), and the rerun once the fault is
+mended finishes.
 
 The corpus is tests/fixtures/faults/: questions and benchmark lines that are not UTF-8, an empty questions file, a
 questions file whose videos are missing or not videos, team and experiment YAMLs with bad bytes or bad YAML. The
@@ -225,10 +226,10 @@ def test_an_edited_question_is_answered_again(work, tmp_path, m1_cache):
 
 
 def test_a_question_too_long_for_a_models_context_is_an_error_row(work, tmp_path, m1_cache, monkeypatch):
-    """A question longer than a model's context (~37 KB against the tiny team's models) used to stop the whole run
-    (exit 2), its batch mates never written, saying results were kept in a file that did not exist. It is an error
-    row naming the tokens needed and the room the model's context leaves; the others are answered; the rerun with a
-    shorter text answers it. A model failure that does stop a run says results are kept only when some are."""
+    """A question longer than a model's context (~37 KB against the tiny team's models) does not stop the run: it
+    is an error row naming the tokens needed and the room the model's context leaves; the others, its batch mates
+    included, are answered; the rerun with a shorter text answers it. A model failure that does stop a run says
+    results are kept only when some are."""
     vids, out, qfile = tmp_path / "vids", tmp_path / "res.jsonl", tmp_path / "q.jsonl"
     vids.mkdir()
     for v in ("clip0.mp4", "clip1.mp4"):
@@ -277,7 +278,7 @@ def test_a_question_too_long_for_a_models_context_is_an_error_row(work, tmp_path
 
 def test_broken_links_in_a_video_folder_are_error_rows(work, tmp_path, m1_cache):
     """A dangling or looping *.mp4 link in the folder of `--question` gets its error row naming the link and why
-    (one line per broken video, as the README promises; it used to be left out); once the links lead to videos,
+    (one line per broken video, as the README promises; none is left out); once the links lead to videos,
     the rerun answers them in place."""
     vids, out, gone = tmp_path / "vids", tmp_path / "res.jsonl", tmp_path / "gone.mp4"
     vids.mkdir()
@@ -303,7 +304,8 @@ def test_broken_links_in_a_video_folder_are_error_rows(work, tmp_path, m1_cache)
 
 def test_a_question_on_a_looping_link_is_an_error_row(work, tmp_path, m1_cache):
     """A --questions line whose video is a symlink loop is an error row naming the link (resolve()'s RuntimeError
-    used to stop the whole run); the other questions are answered, and the rerun after the fix answers it."""
+    does not stop the run); the other questions are answered, and the rerun once the link leads to a video answers
+    it."""
     vids, out, qfile = tmp_path / "vids", tmp_path / "res.jsonl", tmp_path / "q.jsonl"
     vids.mkdir()
     for v in ("clip0.mp4", "clip1.mp4"):
@@ -328,9 +330,9 @@ def test_a_question_on_a_looping_link_is_an_error_row(work, tmp_path, m1_cache):
 
 
 def test_a_fragmented_mp4_cut_in_half_is_an_error_row(work, tmp_path, m1_cache):
-    """A fragmented MP4 cut in half (a recording still being written) used to be answered as a video half as long,
-    `error: null`, and never looked at again. It is an error row naming the file ("incomplete or still being
-    written"); once the whole recording is in place, the rerun retries the row and answers it."""
+    """A fragmented MP4 cut in half (a recording still being written) is not answered as a video half as long: it
+    is an error row naming the file ("incomplete or still being written"); once the whole recording is in place,
+    the rerun retries the row and answers it."""
     vids, out = tmp_path / "vids", tmp_path / "res.jsonl"
     vids.mkdir()
     shutil.copy(work / "clip0.mp4", vids / "clip0.mp4")

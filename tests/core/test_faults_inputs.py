@@ -1,6 +1,5 @@
-"""Bad inputs, round three (issue 66): files from phones and hand-written question files, as a new user brings
-them. Each test is one reported case: it failed before the fix and passes after. Beside tests/core/test_faults.py, whose
-helpers it uses."""
+"""Bad inputs: files from phones and hand-written question files, as a new user brings them. Each is read as meant,
+or is an error row or one message naming the culprit. Beside tests/core/test_faults.py, whose helpers it uses."""
 import json
 import shutil
 from pathlib import Path
@@ -50,8 +49,8 @@ def write_questions(path: Path, rows: list[dict], bom: bool = False) -> Path:
 
 
 def test_a_rotated_phone_video_is_read_upright_and_answered_from_its_frames(tmp_path, m1_cache):
-    """Case 1: the frames of a 90-degree phone video used to fail their size check, and the team answered from
-    zero frames with `error: null`. Now they are read as a player shows them (96 x 128) and the answer uses them."""
+    """The frames of a 90-degree phone video pass their size check: they are read as a player shows them
+    (96 x 128) and the answer uses them (`frames_used` above 0, `error: null`)."""
     from m1.video import VideoReader
 
     d = tmp_path / "phone"
@@ -68,9 +67,9 @@ def test_a_rotated_phone_video_is_read_upright_and_answered_from_its_frames(tmp_
 
 
 def test_no_answer_from_nothing_a_video_with_no_readable_frame_is_an_error_row(tmp_path, m1_cache):
-    """Case 1, the general rule: a video whose headers read but whose frames do not decode used to get an answer
-    with `frames_used: 0`; now it is an error row naming the file and why, in m1 infer and m1 eval (exit 1), and
-    the other video of the run is answered."""
+    """The general rule: a video whose headers read but whose frames do not decode gets no answer with
+    `frames_used: 0`; it is an error row naming the file and why, in m1 infer and m1 eval (exit 1), and the other
+    video of the run is answered."""
     d = tmp_path / "vids"
     d.mkdir()
     make_video(d / "good.mp4", seconds=4, fps=2, size=64)
@@ -117,8 +116,8 @@ def test_frames_that_fail_after_opening_give_an_error_row_not_an_answer(tmp_path
 
 
 def test_more_than_26_options_is_an_error_row_and_the_rest_is_answered(tmp_path, m1_cache):
-    """Case 2: 27 options crashed m1 infer with an IndexError and wrote nothing; the validation m1 serve applies
-    now holds in m1 infer and m1 eval: an error row naming the field, the other questions answered."""
+    """27 options (or an empty text) is no crash: the validation m1 serve applies holds in m1 infer and m1 eval,
+    an error row naming the field, the other questions answered."""
     d = tmp_path / "vids"
     d.mkdir()
     make_video(d / "clip.mp4", seconds=4, fps=2, size=64)
@@ -139,9 +138,8 @@ def test_more_than_26_options_is_an_error_row_and_the_rest_is_answered(tmp_path,
 
 
 def test_a_bom_is_read_and_skipped_lines_are_counted_and_exit_1(tmp_path, m1_cache):
-    """Case 3: a UTF-8 BOM (Notepad) lost the first question with exit 0, and the summary did not count skipped
-    lines. Now the BOM is read, a skipped line is counted and repeated in the closing summary, and the run exits 1
-    (0 with --allow-errors)."""
+    """A UTF-8 BOM (Notepad) is read and the first question answered; a skipped line is counted and repeated in the
+    closing summary, and the run exits 1 (0 with --allow-errors)."""
     d = tmp_path / "vids"
     d.mkdir()
     make_video(d / "clip.mp4", seconds=4, fps=2, size=64)
@@ -164,8 +162,8 @@ def test_a_bom_is_read_and_skipped_lines_are_counted_and_exit_1(tmp_path, m1_cac
 
 
 def test_a_videos_folder_that_vanishes_mid_run_is_one_message(tmp_path, m1_cache, monkeypatch):
-    """Case 7: a folder removed during a run printed one `error:` line per remaining question. Now one message
-    names the folder and how many questions were left as error rows; the rerun answers them."""
+    """A videos folder removed during a run is one message, not one `error:` line per remaining question: it names
+    the folder and how many questions were left as error rows; the rerun answers them."""
     import m1.run
 
     d = tmp_path / "vids"
@@ -199,8 +197,8 @@ def test_a_videos_folder_that_vanishes_mid_run_is_one_message(tmp_path, m1_cache
 
 
 def test_serve_refuses_a_non_loopback_address_without_a_key_unless_insecure(tmp_path):
-    """Case 6: `--host 0.0.0.0` without an API key said nothing. Now it is refused, naming what would be
-    reachable; `--insecure` serves with that as a warning."""
+    """`--host 0.0.0.0` without an API key is refused, naming what would be reachable; `--insecure` serves with
+    that as a warning; a loopback address gives no warning."""
     pytest.importorskip("fastapi")
     r = invoke("serve", "--host", "0.0.0.0", "--allowed-media-root", tmp_path)
     line = one_error(r, "--host 0.0.0.0 with no --api-key-env", str(tmp_path), "--insecure")

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("serve", "demo", "explain"),
     ("cli", "__main__"),
 )
-# (importing module, imported module) -> why this upward import stays. Empty: every one found was moved.
+# (importing module, imported module) -> why this upward import stays. Empty: none does.
 UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
 
 
@@ -128,7 +128,7 @@ def test_every_package_has_a_layer():
 
 
 def test_no_import_runs_upward():
-    """Issue 43: no import from a package to one above it, counting imports inside functions."""
+    """No import from a package to one above it, counting imports inside functions."""
     found = upward_imports(import_graph())
     assert [f for f in found if f not in UPWARD_ALLOWED] == []
     assert sorted(set(UPWARD_ALLOWED) - set(found)) == [], "an allowed upward import is gone: drop it from the list"

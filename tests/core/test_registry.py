@@ -105,7 +105,7 @@ def _kind_aliases(names: set[str]) -> set[str]:
 
 
 def test_no_module_but_its_own_branches_on_a_seed_kind():
-    """Issue #73: a seed kind is one spec. Outside m1/kinds/<kind>.py nothing compares a kind with a seed kind's
+    """A seed kind is one spec. Outside m1/kinds/<kind>.py nothing compares a kind with a seed kind's
     name or keeps a table keyed by them: the loop, the trainer, the rewards and M1-Synth read the kind's spec."""
     from m1.registry import seed_kind_names
 

@@ -1,4 +1,4 @@
-"""#74 case 4: traces never overwrite each other. Ids that clean to one file name get distinct names; a trace folder
+"""Traces never overwrite each other. Ids that clean to one file name get distinct names; a trace folder
 belongs to one results file, and a run of another is refused before it answers anything."""
 import json
 

@@ -430,7 +430,7 @@ def _openers():
 
 @pytest.mark.parametrize("mehd", [False, True], ids=["no_mehd", "mehd"])
 def test_a_cut_fragmented_mp4_is_incomplete_not_shorter(videos, tmp_path, mehd):
-    """A fragmented MP4 cut in half (how a recording still being written looks) used to read as a video half as
+    """A fragmented MP4 cut in half (how a recording still being written looks) never reads as a video half as
     long, with no error. It ends inside a box, and with `mehd` its header says how long it is: every opener says
     "incomplete or still being written", naming the file. The whole file reads in full with every backend."""
     whole = fragmented_mp4(videos["clip"], tmp_path / "whole.mp4", mehd_seconds=10.0 if mehd else None)

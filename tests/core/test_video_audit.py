@@ -263,10 +263,10 @@ def _avi(path: Path, declared: int | None) -> Path:
 
 @pytest.mark.parametrize("backend", ["auto", "pyav"] + (["decord"] if HAS_DECORD else []))
 def test_a_header_frame_count_never_sets_the_length(tmp_path, backend):
-    """#74 case 12: an AVI's header count of frames contradicting its packets set the length: declared 1000, probe
-    said 200 s while decord read 2 s; declared 5, probe said 1 s and the readers 2 s. Fewer declared than held: every
-    path reads what the packets hold. More declared: the file is cut short or its header is wrong, an error that says
-    so on every path (probe, each backend), never a length taken from the header."""
+    """An AVI's header count of frames contradicting its packets (10 here) never sets the length, on any path.
+    Fewer declared than held (5): every path reads what the packets hold. More declared (1000): the file is cut
+    short or its header is wrong, an error that says so on every path (probe, each backend), never a length taken
+    from the header."""
     clean = _avi(tmp_path / "clean.avi", None)
     reference = VideoReader(clean, backend="pyav").info
     fewer = _avi(tmp_path / "fewer.avi", 5)

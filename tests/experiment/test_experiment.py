@@ -625,8 +625,8 @@ def test_two_eval_folders_share_the_trained_stages_and_seeds_run_on_fixed_thread
 
 
 def test_plan_runs_the_model_preflight_of_every_training_stage(tmp_path, monkeypatch, empty_hf_cache):
-    """`m1 train --plan` names a model that cannot be built; `m1 experiment run --plan` did not (it printed
-    `fits: yes` for an arm whose grounding model no class can build). Now each arm's stages are checked too."""
+    """Like `m1 train --plan`, `m1 experiment run --plan` names a model that cannot be built: each arm's stages are
+    checked, so an arm whose grounding model no class can build is one `model refused:` line, exit 2."""
     monkeypatch.chdir(tmp_path)
     eagle = ["models.grounding.path=nvidia/Eagle2.5-8B", "models.grounding.trust_remote_code=true"]
     exp = yaml.safe_load(open(Path(__file__).parents[2] / "configs" / "experiments" / "lora_vs_full.yaml"))

@@ -70,7 +70,7 @@ def test_bad_kind_configs_name_the_field(tmp_path, over, message):
 
 def test_cpp_configs_dump_as_before():
     """`kind: cpp` and an unset seed_system stay out of what a team's record holds (its defaults): results files of
-    CPP teams written before the seed kinds existed still resume."""
+    CPP teams recorded without these fields still resume."""
     dumped = load_team("synth_teacher").recorded()
     assert "seed_system" not in dumped and all("kind" not in a for a in dumped["agents"])
     assert load_team("weaver_synth").recorded()["agents"][0]["kind"] == "weaver"

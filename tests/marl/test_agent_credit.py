@@ -3,7 +3,7 @@
 With episode credit every agent samples at once, so an agent's advantage also measures its teammates' random
 draws. Agent credit gives each question one focus agent: it samples, its teammates decode greedily, and only its
 generations are trained on, normalised within its question's K episodes. These tests check that the teammates
-really are deterministic within a group, that the focus agent's advantages no longer move with a teammate's
+really are deterministic within a group, that the focus agent's advantages do not move with a teammate's
 sampling noise (they do under episode credit), that samples and group ids belong to focus agents only, and that
 training with the option moves every trained agent and resumes exactly.
 """
@@ -83,7 +83,7 @@ def credit(video, beta_salt, focus):
 
 
 def test_focus_agent_advantages_ignore_teammates_sampling_noise(video):
-    """The issue's property: under agent credit, changing only beta's sampling noise leaves alpha's advantages and
+    """What agent credit is for: under it, changing only beta's sampling noise leaves alpha's advantages and
     samples exactly as they were; under episode credit the same change moves alpha's advantages."""
     import torch
 

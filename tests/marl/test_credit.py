@@ -51,7 +51,7 @@ def test_registries_name_every_choice_the_config_offers():
 @pytest.mark.parametrize("over, words", [
     ({"rollout": {"dynamic_sampling": True}, "grpo": {"baseline": "greedy", "scale_rewards": False}}, "greedy"),
     ({"grpo": {"baseline": "greedy"}}, "scale_rewards: false"),
-    ({"rollout": {"answer_samples": 2}}, "answer_samples"),  # measured, lost, removed: an unknown key now
+    ({"rollout": {"answer_samples": 2}}, "answer_samples"),  # not an option: refused as an unknown key
     ({"rollout": {"plan_temperature": 1.0}}, "plan_temperature"),
     ({"average": {"checkpoints": 2}}, "average"),
 ])

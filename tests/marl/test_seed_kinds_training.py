@@ -21,7 +21,7 @@ NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  
 MCQ = Question(id="q1", video="v.mp4", text="What colour is the car?", options=["red", "blue", "green", "grey"],
                answer="B")
 GROUND = Question(id="q2", video="v.mp4", text="When does the car appear?", task="grounding", answer="[10 - 20]")
-BASE = (Path(__file__).parents[2] / "assets" / "mini_base").resolve()  # the students' start (issue #71)
+BASE = (Path(__file__).parents[2] / "assets" / "mini_base").resolve()  # the students' start
 TINY = {"arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 3}
 
 

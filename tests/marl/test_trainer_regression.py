@@ -1,8 +1,8 @@
 """The trainer's numbers are pinned: a fixed tiny SFT run and a fixed two-step MARL run per credit strategy give
 the figures recorded in tests/fixtures/trainer_losses.json.
 
-The record was written by the trainer before its redesign into credit strategies and team kinds; a refactor that
-changes a loss, a gradient norm or a reward here changed the algorithm. Counts and rewards (samples, tokens, rewards
+The record pins the algorithm, whatever shape the code takes: a change of code that moves a loss, a gradient norm
+or a reward here changes the algorithm. Counts and rewards (samples, tokens, rewards
 and their means: integers or means of integers) must match exactly; losses and gradient norms match within the
 tolerances stored beside the record (its `_tolerances`), set from the spread measured across CPUs and thread counts
 (scripts/float_spread.py; tests/README.md, "Float records"). To re-record after an intended change:

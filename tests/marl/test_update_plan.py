@@ -14,7 +14,7 @@ from tests.marl.test_prefix_sharing import ForwardLog, grouped_rows, learner, sa
 
 
 def old_path(**cfg):
-    """The update as it was before the loop's profiling work: one micro-batch in the step's order, every sample run."""
+    """The plain update the cut one must match: one micro-batch in the step's order, every sample run."""
     return learner("qwen2", micro_batch_tokens=None, skip_zero_advantage=False, micro_batch_size=64, **cfg)
 
 

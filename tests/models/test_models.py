@@ -140,8 +140,8 @@ def test_logprobs_can_be_switched_off(hub):
 
 
 def test_prompt_budget_overlong_prompt_is_refused_not_cut(hub, monkeypatch):
-    """A prompt that does not fit the context is an error naming the model, never cut from the front (which lost the
-    system prompt and the question); the team's limits.max_prompt_tokens trims before it gets here."""
+    """A prompt that does not fit the context is an error naming the model, never cut from the front (which would lose
+    the system prompt and the question); the team's limits.max_prompt_tokens trims before it gets here."""
     model = hub.chat("q2")
     monkeypatch.setattr(model, "context_length", 40)
     long = ChatRequest([{"role": "user", "content": "a red square moves left " * 30}])
@@ -326,7 +326,7 @@ def test_building_a_tiny_model_leaves_the_callers_random_state_alone(cache_dir):
 def test_distinct_rollouts_k_copies_differ_and_do_not_depend_on_batching(hub, monkeypatch):
     """K copies of a prompt in one call sample K different completions, and each request's sample depends on its
     seed only: the same call cut into batches of 2 (or run as single requests with the seeds stamped) gives the
-    same tokens and log-probs. With one seed per batch, the two batches [q0, q0] and [q0, q0] were identical."""
+    same tokens and log-probs. With one seed per batch, the two batches [q0, q0] and [q0, q0] would be identical."""
     from m1.models.base import with_seeds
 
     model = hub.chat("q2")

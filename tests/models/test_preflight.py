@@ -125,8 +125,8 @@ def test_each_command_refuses_a_model_that_cannot_be_built_in_one_line(case, fol
 
 
 def test_eagle_through_automodel_for_image_text_to_text_is_refused_without_its_files(empty_hf_cache):
-    """The issue's failure: the paper's grounding entry (Eagle2.5 via HFVisionModel) passed --plan and failed when
-    the driver loaded it. Its public config is known, so the plan now refuses it offline, naming backend eagle."""
+    """The paper's grounding entry (Eagle2.5 via HFVisionModel) is refused by --plan, not when the driver loads it:
+    its public config is known, so the plan refuses it offline, naming backend eagle."""
     code, out = _cli("train", "--config", "videochat_m1_full", "--plan", "--gpus", "24", "--gpu-mem", "80",
                      "--set", "team_overrides=[models.grounding.path=nvidia/Eagle2.5-8B,"
                                               "models.grounding.trust_remote_code=true]")

@@ -259,7 +259,7 @@ def test_full_weight_reload(server, learner, folder, tmp_path):
     # the same files again: nothing moves, and that is no error; no temporary files are left behind
     chat.reload_weights(tmp_path / "step-2", version=3)
     assert not [p for p in chat.engine_folder().iterdir() if "m1-tmp" in p.name]
-    # the old path is gone: pointing the engine at another folder is vLLM 0.32's HTTP 500
+    # why the client never points the engine at another folder: on vLLM 0.32 that is an HTTP 500
     with pytest.raises(EngineError, match=r"HTTP 500: Field '_hf_config_revision' not found in ModelConfig"):
         chat._post("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": "/x"}}]})
 

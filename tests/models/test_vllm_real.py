@@ -324,7 +324,7 @@ def test_full_weight_reload_on_vllm_cpu_is_caught_by_the_probe(server, learner, 
     prompt = chat.prompt_ids(CHATS[2])[0]
     completion = learner.tokenizer("##tool call: add tool <Fine Browser>", add_special_tokens=False)["input_ids"]
     probe = chat.probe()
-    # the old path: HTTP 500, and the reload after it leaves the log-probs exactly as they were
+    # the update_config path: HTTP 500, and the reload after it leaves the log-probs exactly as they were
     before = chat.score(prompt, completion)
     _perturbed(folder, tmp_path / "elsewhere", seed=9)
     with pytest.raises(EngineError, match=r"collective_rpc failed with HTTP 500"):
@@ -333,7 +333,7 @@ def test_full_weight_reload_on_vllm_cpu_is_caught_by_the_probe(server, learner, 
     chat._post("/collective_rpc", {"method": "reload_weights"})
     chat._post("/reset_prefix_cache", {})
     assert chat.score(prompt, completion) == before
-    # the new path: the files land in the engine's folder (no temporary left), the log-probs move, and the probe
+    # the client's path: the files land in the engine's folder (no temporary left), the log-probs move, and the probe
     # against transformers finds that they are not the new weights' on vLLM-CPU
     model = _perturbed(folder, tmp_path / "v1", seed=1)
     with pytest.raises(EngineError, match=r"agent alpha: rollout engine .*after reloading weights version 1 .* "

@@ -1,4 +1,5 @@
-"""The serve worker's queue: a client that asks again the moment it is answered is not refused (#74's load case)."""
+"""The serve worker's queue: a client that asks again the moment it is answered is not refused, even with the
+queue at its limit."""
 import threading
 from types import SimpleNamespace
 

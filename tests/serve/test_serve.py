@@ -102,9 +102,8 @@ def _refusal(body) -> tuple:
 
 
 def test_request_model_tolerates_what_openai_clients_send_and_names_each_fault():
-    """The request model refuses a body as the hand-written parser did: every field an OpenAI client sends is
-    tolerated, an unknown one is named (the first by name), and each fault has its message and param, whatever
-    pydantic's own error was."""
+    """The request model tolerates every field an OpenAI client sends, names an unknown one (the first by name),
+    and gives each fault its own message and param, whatever pydantic's own error is."""
     video = {"type": "video_url", "video_url": {"url": "file:///v.mp4"}}
     ok = {"model": "synth_teacher", "messages": [{"role": "system", "content": 5}, {"role": "user", "name": "u",
           "content": [video, {"type": "text", "text": "Which?\nA. x\nB. y"}]}]}
@@ -228,7 +227,7 @@ def test_ignored_fields_are_declared_once_documented_and_named_in_the_reply(worl
         bare = {k: v for k, v in _body(q, **_extra(q)).items() if k not in IGNORED_FIELDS}
         r = c.post("/v1/chat/completions", json=bare)
         assert r.status_code == 200 and r.json()["m1"]["ignored"] == []
-        # #74 case 8: requests sharing an m1.id each get their own reply id (it was `chatcmpl-<m1.id>` for all)
+        # requests sharing an m1.id each get their own reply id
         same = {**bare, "m1": {**(bare.get("m1") or {}), "id": "same-id"}}
         replies = [c.post("/v1/chat/completions", json=same).json() for _ in range(3)]
         assert len({x["id"] for x in replies}) == 3 and all(x["id"].startswith("chatcmpl-") for x in replies)
@@ -581,7 +580,7 @@ def budget_team(m1_cache):
 
 
 def test_an_overlong_or_invalid_question_is_a_4xx_and_its_batch_mates_are_answered(world, budget_team):
-    """A prompt over a limit used to fail its whole batch with 500s: it is a 400 naming the tokens needed and the
+    """A prompt over a limit does not fail its whole batch: it is a 400 naming the tokens needed and the
     limit, and the question batched with it is answered; a text over --max-text-kb is a 413 before any model
     tokenizes it; a question that `check_question` (m1 infer's validation) rejects is a 400 naming the field."""
     from tests import serve_fuzz
@@ -612,8 +611,8 @@ def test_an_overlong_or_invalid_question_is_a_4xx_and_its_batch_mates_are_answer
 
 
 def test_a_client_that_hangs_up_mid_body_is_one_log_line(world, team, caplog, capfd):
-    """A client gone before its body is complete was logged as an internal error with a traceback (and counted as
-    a 500): it is one warning line, and the server goes on answering."""
+    """A client gone before its body is complete is one warning line, not an internal error with a traceback (nor
+    counted as a 500), and the server goes on answering."""
     from tests import serve_fuzz
 
     folder, _, qs = world
@@ -704,7 +703,7 @@ def test_sigterm_finishes_the_request_in_flight_then_exits_and_the_key_is_never_
 
 
 def test_uploads_leave_nothing_behind_and_traces_are_bounded(world, cfg, tmp_path):
-    """Case 4 of issue 66 (memory grew ~4 MB a request): an uploaded video's reader, frames and CLIP rows are
+    """Memory does not grow with each request: an uploaded video's reader, frames and CLIP rows are
     dropped once it is answered, and the trace pages are kept compressed, without token ids, within a byte bound."""
     from m1.serve.app import TraceStore
 
@@ -740,7 +739,7 @@ def zlib_size(episode) -> bytes:
 
 @pytest.mark.slow
 def test_sigint_answers_what_is_in_flight_and_exits_130(world, tmp_path):
-    """Case 5 of issue 66: SIGINT (Ctrl-C) exited 0 where docs/serving.md says 130."""
+    """SIGINT (Ctrl-C) stops the server with exit 130, as docs/serving.md says, and the log says so."""
     import signal
     import subprocess
     import sys
@@ -774,9 +773,9 @@ def test_sigint_answers_what_is_in_flight_and_exits_130(world, tmp_path):
 
 
 def test_an_upload_onto_a_full_temp_folder_is_a_507_and_one_log_line(world, team, tmp_path, monkeypatch, caplog):
-    """#74 case 7: a `data:` upload when the server's TMPDIR is full was a generic 500 with an ASGI traceback in the
-    log. Now the client gets 507 (nothing of the server's paths), the log one line naming the folder and TMPDIR, and
-    no temp folder is left behind; once there is room the same request is answered."""
+    """A `data:` upload when the server's TMPDIR is full is no 500 and no ASGI traceback in the log: the client
+    gets 507 (nothing of the server's paths), the log one line naming the folder and TMPDIR, and no temp folder is
+    left behind; once there is room the same request is answered."""
     import logging
     import subprocess
 

@@ -1,4 +1,4 @@
-"""`m1 serve` over many local files (issue 74, cases 1 and 6): it answers from what a file holds now, holds a bounded
+"""`m1 serve` over many local files: it answers from what a file holds at the time of the request, holds a bounded
 number of files open, and running out of file handles is a 503 and one log line, never a 400 that blames the video."""
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _seen(client, reply) -> float:
 
 
 def test_a_file_replaced_under_its_name_is_answered_from_its_new_content(team, tmp_path):
-    """Case 1: after `cp` of a 40 s video over a 4 s one, the server kept answering from the 4 s video's frames."""
+    """After `cp` of a 40 s video over a 4 s one, the server answers from the 40 s video's frames, not the 4 s one's."""
     short, long = make_video(tmp_path / "short.mp4", seconds=4), make_video(tmp_path / "long.mp4", seconds=40)
     root = tmp_path / "root"
     root.mkdir()
@@ -68,10 +68,9 @@ def test_a_file_replaced_under_its_name_is_answered_from_its_new_content(team, t
 
 
 def test_many_videos_keep_open_files_bounded_and_no_handles_is_a_503(bounded_team, tmp_path, monkeypatch, caplog):
-    """Case 6: one reader per distinct video was kept open for ever (128 videos, 138 open files), and under a low
-    `ulimit -n` every request got `400 no such video file`, with a traceback each in the log and temp folders left
-    behind. Now at most limits.max_open_videos (3 here) stay open; out of handles, opening the video in the team or
-    probing it is a 503 with Retry-After and one log line naming the setting; no m1-serve-* folder is left."""
+    """Readers are not kept open one per distinct video: at most limits.max_open_videos (3 here) stay open. Out of
+    handles (a low `ulimit -n`), opening the video in the team or probing it is a 503 with Retry-After and one log
+    line naming the setting, never `400 no such video file` or a traceback; no m1-serve-* folder is left."""
     import av
 
     team = bounded_team
@@ -131,7 +130,7 @@ def test_a_short_soak_keeps_open_files_within_the_setting(tmp_path, m1_cache):
     assert report["errors"] == 0 and report["requests"] >= 24
     # bounded by the pool's 8 readers plus, per client, both ends of its connection (the clients run in the server's
     # process) and the handle its request's probe holds for a moment before the team runs it (m1/serve/media.py
-    # video_file); a leak grows past any such bound. Measured 19 = base 7 + 12 before and after the #73 refactors;
-    # one CI sample went over base + 12 (which transient handle did is not known)
+    # video_file); a leak grows past any such bound. Measured 19 = base 7 + 12; a CI sample can go over base + 12
+    # (by a transient handle not identified), so the bound leaves room for it
     base, clients = report["samples"][0]["open_files"], report["clients"]
     assert all(s["open_files"] <= base + 8 + 3 * clients for s in report["samples"]), report["samples"]

@@ -215,7 +215,7 @@ def test_prompt_budget_shipped_budgets_cover_measured_p99(world):
         xs = sorted(xs)
         p99 = xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))]
         assert p99 <= limit, f"{phase}: p99 prompt {p99} tokens over the shipped budget {limit}"
-    assert max(lengths["communicate"]) > 1024  # the old 1,024 would have cut these
+    assert max(lengths["communicate"]) > 1024  # a budget of 1,024 would cut these
     for name in ("videochat_m1_full", "videochat_m1_lora"):
         assert load_train_config(name).learner.max_prompt_tokens >= limit
         assert load_sft_config(name).learner.max_prompt_tokens >= limit

@@ -1,5 +1,5 @@
-"""A served M1 team as one agent of another team (m1/team/member.py, m1/models/served_team.py; issue #54 "teams of
-teams"): an in-process `m1 serve` of the rule-based synth team answers for agent `panel` of a team with two local
+"""A served M1 team as one agent of another team (m1/team/member.py, m1/models/served_team.py: teams
+of teams): an in-process `m1 serve` of the rule-based synth team answers for agent `panel` of a team with two local
 agents; its answers are the served team's own, counted in the vote and the summarizer's notes, traced and metered; a
 refused question or an unreadable reply is the agent's format failure, a dead endpoint error rows."""
 from __future__ import annotations

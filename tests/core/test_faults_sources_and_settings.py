@@ -1,4 +1,5 @@
-"""Bad inputs, round four (issue 74): each test is one reported case; it failed before the fix and passes after."""
+"""Where questions come from and which setting an error names: questions read from a pipe or standard input, ids
+of videos sharing a stem, and the advice for a read-only HOME or trace folder and a full model cache."""
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ def _rows(n: int, video: str) -> bytes:
 
 
 def test_questions_from_a_fifo_are_read_once(tmp_path):
-    """Case 11: `<(...)` hands the run a pipe, which used to be refused as "questions file not found"."""
+    """`<(...)` hands the run a pipe: its questions are read once; only a missing file is "questions file not found"."""
     fifo = tmp_path / "q.fifo"
     os.mkfifo(fifo)
     writer = threading.Thread(target=lambda: fifo.write_bytes(_rows(3, "v.mp4")))
@@ -33,7 +34,7 @@ def test_questions_from_a_fifo_are_read_once(tmp_path):
 
 
 def test_questions_on_standard_input(tmp_path, monkeypatch):
-    """Case 11: `--questions -` reads standard input."""
+    """`--questions -` reads standard input."""
     import io
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(_rows(2, "v.mp4"))))
@@ -42,7 +43,7 @@ def test_questions_on_standard_input(tmp_path, monkeypatch):
 
 
 def test_videos_sharing_a_stem_get_distinct_ids(tmp_path):
-    """Case 5: `synth_000.mp4` beside `synth_000.mov` refused the whole run ("duplicate question id 'synth_000'")."""
+    """`synth_000.mp4` beside `synth_000.mov` get distinct ids, each its file's name; a lone video keeps its stem."""
     for name in ("synth_000.mp4", "synth_000.mov", "other.mp4"):
         (tmp_path / name).write_bytes(b"")
     qs, _ = build_questions(tmp_path, question="What colour?")
@@ -59,7 +60,7 @@ def test_a_duplicate_id_in_a_questions_file_names_both_videos(tmp_path):
 
 @pytest.mark.slow
 def test_m1_infer_answers_questions_piped_on_stdin(tmp_path, m1_cache):
-    """Case 11 end to end: `m1 infer --questions /dev/stdin` with the file piped in answers every question."""
+    """End to end: `m1 infer --questions -` or `/dev/stdin` with the file piped in answers every question."""
     make_video(tmp_path / "v.mp4", seconds=4, fps=2)
     out = tmp_path / "r.jsonl"
     for source in ("-", "/dev/stdin"):
@@ -73,9 +74,9 @@ def test_m1_infer_answers_questions_piped_on_stdin(tmp_path, m1_cache):
 
 
 def test_read_only_home_trace_dir_and_a_full_model_cache_name_their_setting(tmp_path, monkeypatch, mount):
-    """Cases 9 and 10: a read-only HOME (no M1_CACHE) advises M1_CACHE, not "another --out"; a read-only
-    --trace-dir advises another --trace-dir; a model cache on a full disk is one error line naming M1_CACHE (it was
-    a safetensors traceback, exit 1). Nothing is written to the results file in any of them."""
+    """A read-only HOME (no M1_CACHE) advises M1_CACHE, not "another --out"; a read-only --trace-dir advises
+    another --trace-dir; a model cache on a full disk is one error line naming M1_CACHE, no traceback, exit 2.
+    Nothing is written to the results file in any of them."""
     video = tmp_path / "vids"
     video.mkdir()
     make_video(video / "clip0.mp4", seconds=4, fps=2, size=64)
