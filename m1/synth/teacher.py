@@ -151,7 +151,21 @@ def _notes(block: str, offset: int = 0) -> list[dict]:
     """The notes in `block` (which starts at `offset` of the prompt's text), each with where its answer value and
     body sit in that text (`answer_at`, `body_at`)."""
     return [{**m.groupdict(), "answer_at": tuple(x + offset for x in m.span("answer")),
-             "body_at": tuple(x + offset for x in m.span("body"))} for m in _NOTE.finditer(block)]
+             "body_at": tuple(x + offset for x in m.span("body")), "tool_at": tuple(x + offset for x in m.span("tool"))}
+            for m in _NOTE.finditer(block)]
+
+
+_DOUBT = re.compile(r"[^.]*\b(?:not visible|not seen|not found|guess|error)[^.]*", re.I)
+
+
+def _doubt_at(note: dict) -> list[tuple[int, int]]:
+    """Where a note says its browser did not see the answer (the value `not seen`, the body's sentence that says
+    so): the words an `add tool` decision after it is read from."""
+    spans = [note["answer_at"]] if re.search(r"not seen|not found", note["answer"] or "", re.I) else []
+    m = _DOUBT.search(note["body"])
+    if m:
+        spans.append((note["body_at"][0] + m.start(), note["body_at"][0] + m.end()))
+    return spans
 
 
 def _confident(note: dict) -> bool:
@@ -246,19 +260,21 @@ class TeacherChatModel:
                 end_at = (b0 + end.start(1), b0 + end.end(1))
                 out.read(format_time(t), prompt.sources([end_at]))  # the video's end, less 30 s
                 return out.done()
-        add = None
+        add, cue = None, []  # the tool added, and where in the chat the decision to add it is read from
         if last["body"].lower().startswith("error") and last["tool"] in SELECT and GS not in used:
-            add = GS
+            add, cue = GS, [last["body_at"]]
         elif (last["tool"] in SELECT and not any(t in BROWSE for t in remaining)
               and not last["body"].startswith("error")):
-            add = FB
+            add, cue = FB, [last["tool_at"]] + ([left.span(1)] if left else [])
         elif last["tool"] in BROWSE and not _confident(last) and not remaining and IR not in used \
                 and "[start" not in q and "how many" not in q:
-            add = IR
+            add, cue = IR, _doubt_at(last)
         if add is None:
             out.add("##tool call: continue()")
             return out.done()
-        out.add(f"##tool call: add tool <{add}>\n##key info: ")
+        out.add("##tool call: add tool <")
+        out.read(add, prompt.sources(cue))
+        out.add(">\n##key info: ")
         out.read(question, prompt.sources([q_at]), copy=True)
         return out.done()
 

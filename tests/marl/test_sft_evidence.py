@@ -110,7 +110,34 @@ def test_communicate_key_info_copies_the_question():
     msgs = prompts.communicate_messages(q, mem.render("a"), "", [], None, ALL)
     reply, evidence = TeacherChatModel().write(msgs)
     assert reply == "##tool call: add tool <Fine Browser>\n##key info: What colour?"
-    assert cited(msgs, reply, evidence) == [("What colour?", [("What colour?", "Question: What colour?")])]
+    tool, key = cited(msgs, reply, evidence)
+    assert key == ("What colour?", [("What colour?", "Question: What colour?")])
+    # the decision reads its cue: the last step was a selection tool, and no browser is left in the plan
+    assert tool[0] == "Fine Browser" and [v for v, _ in tool[1]] == ["Image Retrieval", "none"]
+
+
+def test_add_tool_decision_reads_the_note_that_says_the_shape_was_not_visible():
+    q = Question(id="q", video="v.mp4", text="What appears right after the red square leaves?",
+                 options=["a", "b", "c", "d"])
+    mem = SharedMemory(["a"])
+    mem.set_plan("a", Plan(key_info="k", tools=["Video Retrieval", "Fine Browser"]))
+    mem.add_turn("a", Turn(step=1, tool="Video Retrieval", key_info="k", output="Kept 16 frames", timestamps=[1.0]))
+    mem.add_turn("a", Turn(step=2, tool="Fine Browser", key_info="k", answer="not seen",
+                           output="##Summary: The red square is not visible in these frames.\n##Answer: not seen"))
+    msgs = prompts.communicate_messages(q, mem.render("a"), "", [], None, ALL)
+    reply, evidence = TeacherChatModel().write(msgs)
+    assert reply.startswith("##tool call: add tool <Image Retrieval>\n")
+    (stretch, sources), _ = cited(msgs, reply, evidence)
+    assert stretch == "Image Retrieval"
+    values = [v for v, _ in sources]
+    assert values[0] == "not seen" and "not visible" in values[1] and "red square" in values[1]
+    assert all(line.startswith("[a] step 2: Fine Browser") for _, line in sources)
+    # a browser that saw the answer: continue(), reading nothing
+    mem = SharedMemory(["a"])
+    mem.set_plan("a", Plan(key_info="k", tools=["Video Retrieval", "Fine Browser"]))
+    mem.add_turn("a", Turn(step=2, tool="Fine Browser", key_info="k", answer="B", output="##Summary: a blue circle"))
+    reply, evidence = TeacherChatModel().write(prompts.communicate_messages(q, mem.render("a"), "", [], None, ALL))
+    assert reply == "##tool call: continue()" and evidence == ()
 
 
 def weaver_chat():
