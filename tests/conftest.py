@@ -16,6 +16,11 @@ def m1_cache(tmp_path_factory):
     return d
 
 
+def holds_file_open(reader) -> bool:
+    """Whether a VideoReader holds its file open now (a released one opens it again on its next decode)."""
+    return reader._backend is not None
+
+
 def make_video(path, seconds=12, fps=4, size=64):
     """A small mp4 whose background colour steps every second (so frames differ by time)."""
     from m1.video import write_video

@@ -77,11 +77,6 @@ class VideoReader:
         """The backend actually in use ('decord' or 'pyav')."""
         return self._kind
 
-    @property
-    def is_open(self) -> bool:
-        """Whether the reader holds its file open now (a released one opens it again on its next decode)."""
-        return self._backend is not None
-
     def __len__(self) -> int:
         return self.info.num_frames
 

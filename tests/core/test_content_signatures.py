@@ -14,7 +14,7 @@ from m1.run import run_questions
 from m1.schema import AgentRecord, Episode, Question, Topology
 from m1 import video
 from m1.video import VideoError, VideoPool, VideoReader, probe
-from tests.conftest import make_video
+from tests.conftest import holds_file_open, make_video
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +176,13 @@ def test_the_pool_holds_at_most_max_open_files_and_reopens_what_it_released(tmp_
     readers = [pool.open(v) for v in videos]
     for r in readers:
         r.frames([1])
-    assert pool.open_files() == 3 and sum(r.is_open for r in readers) == 3
+    assert pool.open_files() == 3 and sum(holds_file_open(r) for r in readers) == 3
     assert len(os.listdir("/proc/self/fd")) - fds <= 3 + 1
     first = readers[0]  # released, still usable by whoever holds it: it opens its file again
-    assert not first.is_open and first.frames([2]).shape == (1, 32, 32, 3) and first.is_open
+    assert not holds_file_open(first) and first.frames([2]).shape == (1, 32, 32, 3) and holds_file_open(first)
     assert pool.open_files() == 3
     pool.close()
-    assert pool.open_files() == 0 and not any(r.is_open for r in readers)
+    assert pool.open_files() == 0 and not any(holds_file_open(r) for r in readers)
 
 
 def test_running_out_of_file_handles_is_an_oserror_not_a_bad_video(tmp_path, monkeypatch):

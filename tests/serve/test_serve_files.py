@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_video
+from tests.conftest import holds_file_open, make_video
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -84,7 +84,7 @@ def test_many_videos_keep_open_files_bounded_and_no_handles_is_a_503(bounded_tea
     for v in videos:
         assert _ask(client, v).status_code == 200
         assert team.pool.open_files() <= 3
-    assert len(team.pool.readers) == 6 and sum(r.is_open for r in team.pool.readers.values()) <= 3
+    assert len(team.pool.readers) == 6 and sum(holds_file_open(r) for r in team.pool.readers.values()) <= 3
 
     def no_handles(*a, **k):
         raise av.error.OSError(errno.EMFILE, "Too many open files")
