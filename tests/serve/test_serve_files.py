@@ -105,11 +105,12 @@ def test_many_videos_keep_open_files_bounded_and_no_handles_is_a_503(bounded_tea
         r = _ask(client, fresh)
         monkeypatch.setattr(team.pool, "open", opened)
         assert r.status_code == 503 and "file handles" in r.json()["error"]["message"], r.text
-    lines = [x.getMessage() for x in caplog.records]
+    ours = [x for x in caplog.records if x.name.startswith("m1")]  # not a library's (open_clip's random-init note)
+    lines = [x.getMessage() for x in ours]
     assert len(lines) == 2 and all("max_open_videos" in x for x in lines), lines
-    assert not any(x.exc_info for x in caplog.records)
+    assert not any(x.exc_info for x in ours)
     assert _ask(client, fresh).status_code == 200
-    assert list(scratch.iterdir()) == []
+    assert list(scratch.glob("m1-serve-*")) == []  # (torch may keep its own compile cache there)
 
 
 @pytest.mark.slow
