@@ -141,8 +141,8 @@ def test_a_wheel_install_finds_the_configs_and_the_demo_team(tmp_path):
     wheel = next((tmp_path / "whl").glob("m1-*.whl"))
     subprocess.run(pip + ["install", "-q", "--no-deps", "--target", str(tmp_path / "site"), str(wheel)], check=True,
                    capture_output=True)
-    probe = ("import m1.config as c, os; t = c.load_team('mini_trained'); "
-             "print(c.CONFIG_DIR); print(os.path.isfile(os.path.join(t.models['qwen3_big'].path, 'config.json')))")
+    probe = ("import m1.config as c, m1.config_files as f, os; t = c.load_team('mini_trained'); "
+             "print(f.CONFIG_DIR); print(os.path.isfile(os.path.join(t.models['qwen3_big'].path, 'config.json')))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}).stdout.split()
     assert out == [str(tmp_path / "site" / "m1" / "configs"), "True"]
