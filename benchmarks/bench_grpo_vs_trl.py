@@ -106,7 +106,7 @@ class OurSide:
     def __init__(self, folder: str, args, answers_of: dict[str, str]):
         from m1.config import ModelSpec
         from m1.marl.config import GRPOSettings, LearnerConfig
-        from m1.marl.learner import AgentLearner
+        from m1.marl.actor.learner import AgentLearner
 
         spec = ModelSpec(kind="chat", path=folder, dtype="float32", device="cpu")
         cfg = LearnerConfig(finetune="full", lr=args.lr, weight_decay=0.0, max_grad_norm=1.0,
@@ -127,8 +127,8 @@ class OurSide:
         self.lengths: list[int] = []
 
     def step(self, chats: list[list[dict]], index: int) -> float:
-        from m1.marl.advantages import group_advantages
-        from m1.marl.rollout import Sample
+        from m1.marl.algo.advantages import group_advantages
+        from m1.marl.rollout.episodes import Sample
         from m1.models.base import ChatRequest, SamplingParams
 
         a, k = self.args, self.args.generations

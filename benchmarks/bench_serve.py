@@ -75,7 +75,7 @@ def main() -> None:
         return soak(args)
 
     from m1.config import load_team
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     folder, qs = world(args.questions)
     cfg = load_team("mini_trained", [] if args.synth_clip else [TINY_CLIP])
@@ -218,7 +218,7 @@ def soak(args) -> None:
 
     from m1.config import load_team
     from m1.serve import Limits, create_app
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     clients = args.clients
     folder, qs = world(args.questions)

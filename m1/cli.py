@@ -261,8 +261,8 @@ def _print_plan(kind: str, config: str, overrides: list[str], gpus: Optional[int
     """`--plan`: print where every model would go and its memory estimate; exit 2 when it does not fit or a model
     cannot be built. Reads config files, model shapes and each model's config and tokenizer/processor; no weights."""
     from m1.config_files import ConfigError
-    from m1.marl.cluster import PlanError
-    from m1.marl.planner import make_plan
+    from m1.marl.plan.cluster import PlanError
+    from m1.marl.plan.planner import make_plan
     from m1.marl.config import load_sft_config, load_train_config
 
     from m1.marl.preflight import check_run

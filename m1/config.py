@@ -174,7 +174,7 @@ class AgentSpec(Strict):
     kind: str = Field(default=CPP, description=(
         "cpp: a policy agent of the CPP engine (m1/team/cpp.py). weaver | zoomer | sage: a seed system's single "
         "policy in a multi-turn tool loop, a team of one (m1/team/single.py, m1/kinds). Other kinds: those "
-        "registered in m1/team/kinds.py."))
+        "registered in m1/team/engines_registry.py."))
 
     @field_validator("kind")
     @classmethod
@@ -388,7 +388,7 @@ class TeamConfig(Strict):
                 raise ValueError(f"seed_system: applies to agents of a seed kind ({', '.join(seed_kind_names())}); "
                                  f"every agent here is kind {CPP}")
             kinds = list(dict.fromkeys(a.kind for a in self.agents))
-            if len(kinds) > 1:  # the team's kind picks its engine (m1/team/kinds.py)
+            if len(kinds) > 1:  # the team's kind picks its engine (m1/team/engines_registry.py)
                 raise ValueError(f"agents: a team's agents share one kind, got {kinds}")
             return
         if len(self.agents) != 1:

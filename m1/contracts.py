@@ -7,7 +7,7 @@ double or a new engine fits without importing its siblings.
   team: the CPP Team (m1/team/cpp.py) and the seed kinds' SingleAgentTeam (m1/team/single.py);
 - `LearnerGroup`: the trained agents' learners, in this process (LocalLearners) or on Ray (RayLearners);
 - `RolloutEngine`: the samplers of trained agents, vLLM servers (RolloutEngines) or hf copies (HFSamplers);
-- `TeamKind`: what the trainer asks of the team's kind, CPP or a seed kind (m1/marl/team_kinds.py);
+- `TeamKind`: what the trainer asks of the team's kind, CPP or a seed kind (m1/marl/team_training.py);
 - `StepTrainer`: what the step loop (m1/marl/loop.py `run_steps`) reads and sets on the MARL and SFT trainers.
 
 This module sits low (next to m1/models) so every layer can name these; types of the layers above it (a

@@ -1,7 +1,7 @@
 """Training curves as PNG files: `m1 plot RUN_DIR`, and what `m1 train` / `m1 sft` write when they end.
 
-A run's `metrics.jsonl` holds one line per step (m1/marl/stream.py). Each figure below is drawn only from the keys
-a run logged, so MARL and SFT runs (and runs with optional metrics off) get the figures that mean something for
+A run's `metrics.jsonl` holds one line per step (m1/marl/rollout/stream.py). Each figure below is drawn only from the
+keys a run logged, so MARL and SFT runs (and runs with optional metrics off) get the figures that mean something for
 them: the reward parts, the team's result on the training questions, KL and the truncated-importance-sampling
 ratio per agent, the loss, and per-agent rewards and losses.
 """

@@ -120,7 +120,8 @@ def vision_model_attrs() -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------------------------ agent kinds
 CPP = "cpp"  # the paper's policy agents, run by the CPP engine (m1/team/cpp.py)
-# Kinds whose agents plan with TOOLS, CPP first; m1/team/kinds.py register_kind adds to it (mutated in place).
+# Kinds whose agents plan with TOOLS, CPP first; m1/team/engines_registry.py register_kind adds to it (mutated
+# in place).
 PLAN_KINDS: list[str] = [CPP]
 
 
@@ -142,8 +143,8 @@ class SeedKindSpec:
     ask: str  # the line after the question in the first user turn
     last_turn: str  # added to the last user turn: no tools are left, answer now
     parse: Callable[..., Any]  # (reply text, Question, enabled tools) -> m1.kinds.parsers.SeedReply, never raising
-    # reward (m1/marl/rewards.py seed_reward): weights of (correct, every turn strict, a tool used and right), and an
-    # extra term (Episode, agent, tool calls) -> float added to the total and logged as `step`
+    # reward (m1/marl/reward/rewards.py seed_reward): weights of (correct, every turn strict, a tool used and right),
+    # and an extra term (Episode, agent, tool calls) -> float added to the total and logged as `step`
     reward_weights: tuple[float, float, float]
     reward_extra: Callable[..., float] | None = None
     # M1-Synth's rule-based policy (m1/kinds/rules.py Chat) -> (reply, ChatEvidence...), and the strings its system

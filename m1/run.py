@@ -27,7 +27,7 @@ from m1.results import (ResultsFile, changed_since, check_team, fingerprint, inv
                         result_row, same_question, shard_of)
 from m1.schema import Episode, Question
 from m1.signals import Stopped, StopOnSignals
-from m1.team.kinds import make_team
+from m1.team.engines_registry import make_team
 from m1.trace import render_html, trace_name
 from m1.trace_index import TraceIndex
 

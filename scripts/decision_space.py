@@ -32,7 +32,7 @@ from m1.config import load_team  # noqa: E402
 from m1.data.metrics import is_correct  # noqa: E402
 from m1.data.questions import read_questions  # noqa: E402
 from m1.schema import Topology  # noqa: E402
-from m1.team.kinds import make_team  # noqa: E402
+from m1.team.engines_registry import make_team  # noqa: E402
 
 
 def entropy(counts: Counter) -> float:

@@ -116,7 +116,7 @@ def _samples(n_questions: int, k: int, prompt_len: int, completion_len: int, voc
     """A GRPO step's samples: K completions per question sharing its prompt, advantages normalised per group."""
     import torch
 
-    from m1.marl.rollout import Sample
+    from m1.marl.rollout.episodes import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -173,7 +173,7 @@ def run(tiny: bool, only_full: bool = False, skip_full: bool = False, partial: P
     import torch
 
     from m1.config import ModelSpec
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
     from m1.models.shapes import TEXT_SHAPES, TextShape
 
     check = Check(tiny, partial)
@@ -310,7 +310,7 @@ def full_3b(shape3b, work: Path, device: str, tiny: bool, have_ds: bool, n_quest
     import torch
 
     from m1.config import ModelSpec
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     folder = write_random_model(shape3b, work / "qwen25_3b", device)
     cfg, grpo = learner_config("videochat_m1_full", tiny, have_ds)

@@ -29,7 +29,7 @@ def main() -> None:
     from m1.config import load_team
     from m1.data.questions import read_questions
     from m1.team.budget import estimate_tokens
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     qs, issues = read_questions(args.questions, args.videos)
     if issues:

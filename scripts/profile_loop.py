@@ -53,7 +53,7 @@ def install() -> None:
     from transformers.models.qwen2 import modeling_qwen2 as q2
     from transformers.models.qwen3 import modeling_qwen3 as q3
 
-    import m1.marl.learner as L
+    import m1.marl.actor.learner as L
     import m1.synth.vision as sv
     import m1.team.cpp as cpp
     import m1.tools.clip_index as ci

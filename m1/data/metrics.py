@@ -31,7 +31,7 @@ Preds = Mapping[str, Any]
 
 def normalize_answer(text: str | None) -> str:
     """The exact-match form of an open-ended answer: lower case, punctuation to spaces, single spaces. The one
-    normaliser of evaluation and of the training reward (m1/marl/rewards.py), so the two never disagree."""
+    normaliser of evaluation and of the training reward (m1/marl/reward/rewards.py), so the two never disagree."""
     return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", " ", (text or "").lower())).strip()
 
 

@@ -52,7 +52,7 @@ def run(
     exp = _load(experiment, overrides)
     if plan:
         from m1.config_files import ConfigError
-        from m1.marl.cluster import PlanError
+        from m1.marl.plan.cluster import PlanError
         from m1.experiment.plan import plan_text
 
         try:

@@ -12,7 +12,7 @@ from m1.data.prepare import parse_split, prepare
 from m1.experiment.config import Experiment, ExperimentError
 from m1.experiment.stages import StageRun, eval_questions, load_stage_config, write_stage
 from m1.marl.sft import data_settings, examples_path, prepare_examples
-from m1.marl.stream import load_questions
+from m1.marl.rollout.stream import load_questions
 from m1.signature import file_sha256
 from m1.synth.make import make_dataset
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from m1.experiment.config import Experiment
 from m1.experiment.stages import STAGE_FILE, StageRun, load_stage_config, stage_runs
-from m1.marl.planner import make_plan
+from m1.marl.plan.planner import make_plan
 from m1.marl.preflight import check_run
 from m1.models.preflight import summary
 from m1.plots import PlotError, read_metrics

@@ -22,10 +22,10 @@ from m1.experiment.stages import (SPENT_FILE, STAGE_FILE, StageRun, add_spent, c
                                   eval_questions, eval_team, init_seat, load_stage_config, read_stage, seat_of,
                                   spent, stage_runs, torn_results, write_stage)
 from m1.locks import hold_dir
-from m1.marl.cluster import PlanError
+from m1.marl.plan.cluster import PlanError
 from m1.marl.guard import OUT_DIR_ADVICE
 from m1.marl.launch import merge_adapters
-from m1.marl.planner import make_plan
+from m1.marl.plan.planner import make_plan
 from m1.results import ResultsFile
 from m1.signals import Stopped
 

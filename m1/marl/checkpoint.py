@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from m1.marl.learner_io import rng_state, set_rng_state
+from m1.marl.actor.learner_io import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_
 from m1.attention_loss import AttentionLossSettings
 from m1.config import ModelSpec, Strict, TeamConfig, load_team
 from m1.config_files import ConfigError, load_config
-from m1.marl.advantages import ESTIMATORS
-from m1.marl.credit import CREDITS, check_credit
+from m1.marl.algo.advantages import ESTIMATORS
+from m1.marl.algo.credit import CREDITS, check_credit
 from m1.marl.entries import check_choice
-from m1.marl.grpo import LOSSES, OLD_LOGPROBS, default_old_logprobs
-from m1.marl.objectives import OBJECTIVES
-from m1.marl.rewards import RewardConfig, reward_kind
-from m1.marl.team_kinds import CPP_PHASES, check_seed_policies, seed_phases, team_kind, team_seed_kind
+from m1.marl.algo.reductions import LOSSES, OLD_LOGPROBS, default_old_logprobs
+from m1.marl.algo.objectives import OBJECTIVES
+from m1.marl.reward.rewards import RewardConfig, reward_kind
+from m1.marl.team_training import CPP_PHASES, check_seed_policies, seed_phases, team_kind, team_seed_kind
 
 # lr used when `learner.lr` is left empty (MARL: the paper's values; SFT: see SFTConfig)
 DEFAULT_LR = {"lora": 2e-6, "full": 1e-7}
@@ -60,7 +60,7 @@ class LearnerConfig(Strict):
     finetune: Literal["lora", "full"] = Field(default="lora", description="Train a LoRA adapter or every weight.")
     gpus: int = Field(1, ge=1, description=(
         "GPUs of each agent's learner, one ZeRO-2 group; cluster.learner_gpus overrides it per agent "
-        "(m1/marl/placement_plan.py)."))
+        "(m1/marl/plan/placement_plan.py)."))
     lora: LoraSettings = Field(default_factory=LoraSettings, description="The adapter, with finetune lora.")
     lr: float | None = Field(None, gt=0.0, description="Peak learning rate; None: 2e-6 for lora, 1e-7 for full "
                                                        "(DEFAULT_LR).")
@@ -149,7 +149,7 @@ class RolloutConfig(Strict):
     questions_per_step: int = Field(8, ge=1, description="Questions per training step (the paper's batch size).")
     batch_episodes: PositiveInt | Literal["auto"] | None = Field(default=None, description=(
         "Episodes the team runs at once with engine hf. auto: as many of the step's as the KV cache fits in what the "
-        "placement plan leaves on each learner GPU (m1/marl/planner.py); a number: that many; None: the team's "
+        "placement plan leaves on each learner GPU (m1/marl/plan/planner.py); a number: that many; None: the team's "
         "limits.batch_episodes. A vllm engine gets the whole step at once (auto only)."))
     engine: Literal["hf", "vllm"] = Field(default="hf", description=(
         "Who generates the trained agents' rollouts. hf: each learner's own policy. vllm: a vLLM server per trained "
@@ -177,8 +177,8 @@ class RolloutConfig(Strict):
         "episode (paper): every generation carries the advantage of its agent's total reward. phase (ours): answers "
         "and summaries carry the advantage of the outcome alone (w_res * R_res + w_format * parsed + w_team * "
         "team_res). agent (ours): question i focuses trained agent i mod n, sampling while teammates decode "
-        "greedily, and only its generations are trained (m1/marl/credit.py); raise questions_per_step to keep each "
-        "agent's samples per step. Any rule registered with m1.marl.credit.register_credit."))
+        "greedily, and only its generations are trained (m1/marl/algo/credit.py); raise questions_per_step to keep "
+        "each agent's samples per step. Any rule registered with m1.marl.algo.credit.register_credit."))
     train_phases: list[Literal["plan", "communicate", "answer", "summary", "act"]] = Field(
         default_factory=lambda: list(CPP_PHASES), min_length=1, description=(
             "Ours: the phases whose generations are trained; the others run but carry no gradient (e.g. [answer, "
@@ -203,12 +203,13 @@ class RolloutConfig(Strict):
 
 
 class GRPOSettings(Strict):
-    """Loss numerics: a policy objective (m1/marl/objectives.py), an advantage estimator (m1/marl/advantages.py),
-    the reduction and old log-probs (m1/marl/grpo.py). Each objective and estimator states which of these settings
-    it reads, requires and refuses; the config refuses a combination its entry refuses."""
+    """Loss numerics: a policy objective (m1/marl/algo/objectives.py), an advantage estimator
+    (m1/marl/algo/advantages.py), the reduction and old log-probs (m1/marl/algo/reductions.py). Each objective and
+    estimator states which of these settings it reads, requires and refuses; the config refuses a combination its entry
+    refuses."""
 
     objective: str = Field(default="clip", description=(
-        "The policy objective, a name registered in m1/marl/objectives.py OBJECTIVES. clip: PPO's clipped ratio "
+        "The policy objective, a name registered in m1/marl/algo/objectives.py OBJECTIVES. clip: PPO's clipped ratio "
         "(clip_eps_low both ways, delta). clip_higher (DAPO): the upper bound 1 + clip_eps_high. gspo: one ratio "
         "per sequence, exp of its mean token log-ratio, clipped (needs loss_type grpo). cispo (MiniMax-M1): the "
         "importance weight capped at 1 + clip_eps_high, without gradient, times A log p (needs a token-level "
@@ -223,12 +224,12 @@ class GRPOSettings(Strict):
         "clip, clip_higher, gspo: cap on the unclipped ratio, so a negative advantage cannot be multiplied by an "
         "unbounded ratio (INTELLECT-2's two-sided clip, TRL's delta); None: no cap."))
     loss_type: str = Field(default="grpo", description=(
-        "How per-token losses are reduced to one: a name registered in m1/marl/grpo.py LOSSES."))
+        "How per-token losses are reduced to one: a name registered in m1/marl/algo/reductions.py LOSSES."))
     scale_rewards: bool = Field(default=True, description="group: divide advantages by the group's std; False: Dr. "
                                                           "GRPO.")
     baseline: str = Field(default="group", description=(
-        "The advantage estimator, a name registered in m1/marl/advantages.py ESTIMATORS. group: advantages against "
-        "the K rollouts' mean, scaled by their std with scale_rewards (GRPO). greedy (ours, after ReMax): each "
+        "The advantage estimator, a name registered in m1/marl/algo/advantages.py ESTIMATORS. group: advantages "
+        "against the K rollouts' mean, scaled by their std with scale_rewards (GRPO). greedy (ours, after ReMax): each "
         "question is also run once greedily, untrained, and a rollout's advantage is its reward minus that run's, "
         "so a sample gains only by beating the decoding the team is evaluated with. rloo: a reward minus the mean "
         "of the group's other rewards (REINFORCE leave-one-out). greedy and rloo need scale_rewards: false."))
@@ -236,8 +237,8 @@ class GRPOSettings(Strict):
         "The old policy of the ratio. policy: logp.detach() (TRL's on-policy case). rollout: the sampler's "
         "log-probs (generation may lag the weights). sampler: logp.detach(), each token weighted by "
         "min(exp(logp - logp_sampler), is_cap) to correct an engine whose numerics differ (TRL's vLLM correction). "
-        "None: sampler with rollout.engine vllm or max_staleness > 0, else policy. The modes: m1/marl/grpo.py "
-        "OLD_LOGPROBS."))
+        "None: sampler with rollout.engine vllm or max_staleness > 0, else policy. The modes: "
+        "m1/marl/algo/reductions.py OLD_LOGPROBS."))
     is_cap: float = Field(2.0, gt=0.0, description="sampler: cap on the truncated importance weight.")
 
     @field_validator("objective", "baseline", "loss_type", "old_logprobs")
@@ -262,9 +263,9 @@ class JudgeConfig(Strict):
                                                             "<out_dir>/judge_cache.")
     rate_per_minute: float | None = Field(None, gt=0.0, description="llm: most requests per minute; None: no limit.")
     plan_rubric: Literal["cues", "outcome", "none"] = Field(default="cues", description=(
-        "How plans and tool choices are judged, by either judge (m1/marl/judge.py). cues: the tools must fit cues "
-        "of the question (the rule-based teacher's preferences). outcome (ours): any tools, judged on a well-formed "
-        "plan that ran and gave notes the answer follows. none (ours): the plan's content is not judged."))
+        "How plans and tool choices are judged, by either judge (m1/marl/reward/judge.py). cues: the tools must fit "
+        "cues of the question (the rule-based teacher's preferences). outcome (ours): any tools, judged on a "
+        "well-formed plan that ran and gave notes the answer follows. none (ours): the plan's content is not judged."))
 
     @model_validator(mode="after")
     def _model_for_llm(self) -> JudgeConfig:

@@ -23,9 +23,9 @@ def training_errors() -> tuple[type[Exception], ...]:
 
     from m1.config_files import ConfigError
     from m1.marl.checkpoint import CheckpointError
-    from m1.marl.cluster import PlanError
-    from m1.marl.distributed import DistributedError
-    from m1.marl.rollout import RolloutError
+    from m1.marl.plan.cluster import PlanError
+    from m1.marl.actor.distributed import DistributedError
+    from m1.marl.rollout.episodes import RolloutError
 
     errors: tuple[type[Exception], ...] = (ConfigError, ModelError, DistributedError, PlanError, RolloutError,
                                            CheckpointError, OSError, ValueError, SafetensorError)

@@ -12,8 +12,8 @@ from typing import Any, Callable
 from m1.contracts import StepTrainer
 from m1.gc_pauses import fewer_gc_pauses
 from m1.marl.checkpoint import StopFlag, naming_full_disk
-from m1.marl.groups import stop_on_lost_ranks
-from m1.marl.stream import MetricsLog
+from m1.marl.actor.groups import stop_on_lost_ranks
+from m1.marl.rollout.stream import MetricsLog
 from m1.marl.trackers import open_trackers
 
 

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from m1.marl.credit import StepCredit
-from m1.marl.rollout import RolloutError
+from m1.marl.algo.credit import StepCredit
+from m1.marl.rollout.episodes import RolloutError
 
 log = logging.getLogger(__name__)
 

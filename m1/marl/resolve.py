@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from m1.config import TeamConfig
 from m1.contracts import TeamKind
-from m1.marl.planner import rollout_batch
+from m1.marl.plan.planner import rollout_batch
 from m1.marl.config import TrainConfig
-from m1.marl.grpo import default_old_logprobs
-from m1.marl.rollout import agent_temperature, training_team_config
-from m1.marl.team_kinds import team_kind
+from m1.marl.algo.reductions import default_old_logprobs
+from m1.marl.rollout.episodes import agent_temperature, training_team_config
+from m1.marl.team_training import team_kind
 
 log = logging.getLogger(__name__)
 

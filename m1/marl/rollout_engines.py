@@ -32,7 +32,7 @@ from typing import Any
 from m1.config import ModelSpec
 from m1.contracts import RolloutEngine
 from m1.marl.config import TrainConfig
-from m1.marl.rollout import RolloutError
+from m1.marl.rollout.episodes import RolloutError
 from m1.models.hf import HFChatModel, resolve_source
 from m1.models.vllm_client import EngineChat, EngineError
 from m1.models.vllm_server import CPU_BIND_ENV, EngineHost, EngineServer, cpu_core_shares, free_port, vllm_command

@@ -56,8 +56,8 @@ def _prompt_text(messages: list[dict]) -> list[dict[str, str]]:
 def write_step_samples(out_dir: str | Path, step: int, batch, credit: dict, live: dict | None = None,
                        pool=None) -> tuple[Path, list[dict[str, Any]]]:
     """Write step `step`'s samples.jsonl, trace pages and index into its folder (whole files: a killed run leaves
-    no torn one, and a resumed run rewrites the step). `credit`: `m1.marl.rollout.generation_credit` of the step;
-    `live` (dynamic sampling): agent -> per-question flags, False where the question's group tied and was dropped.
+    no torn one, and a resumed run rewrites the step). `credit`: `m1.marl.rollout.episodes.generation_credit` of the
+    step; `live` (dynamic sampling): agent -> per-question flags, False where the question's group tied and was dropped.
     Returns the folder and the rows."""
     folder = step_dir(out_dir, step)
     folder.mkdir(parents=True, exist_ok=True)

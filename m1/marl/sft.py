@@ -27,20 +27,20 @@ from m1.data.metrics import truth_letter
 from m1.files import write_whole
 from m1.marl.checkpoint import find_latest_checkpoint, load_checkpoint, resume_point, save_checkpoint
 from m1.marl.config import GRPOSettings, SFTConfig, load_sft_config
-from m1.marl.groups import build_learners, host_driver_models, reserve_placement
+from m1.marl.actor.groups import build_learners, host_driver_models, reserve_placement
 from m1.marl.launch import infer_command, run_training
-from m1.marl.learner_io import seed_everything
+from m1.marl.actor.learner_io import seed_everything
 from m1.marl.loop import run_steps
-from m1.marl.rewards import RewardConfig
-from m1.marl.rollout import training_team_config
+from m1.marl.reward.rewards import RewardConfig
+from m1.marl.rollout.episodes import training_team_config
 from m1.marl.sft_examples import SFTExample
-from m1.marl.stream import QuestionStream, load_questions
-from m1.marl.team_kinds import team_kind
+from m1.marl.rollout.stream import QuestionStream, load_questions
+from m1.marl.team_training import team_kind
 from m1.marl.trackers import require_trackers
 from m1.schema import LETTERS, Question
 from m1.models.hub import ModelHub
 from m1.plots import plot_finished_run
-from m1.team.kinds import make_team
+from m1.team.engines_registry import make_team
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Which generations of a teacher's episodes become SFT examples, by the team kind's rule (the kind chooses:
-`TeamKind.sft_examples`, m1/marl/team_kinds.py).
+`TeamKind.sft_examples`, m1/marl/team_training.py).
 
 CPP teams (`select_examples`): the paper's keep rule: **at least one agent of the episode answered right, and the
 writing agent's plan was never changed** (it never added a tool during communication). "Right" is a positive result
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m1.evidence import ChatEvidence
-from m1.marl.rewards import RewardConfig, batch_agent_rewards, seed_rewards
+from m1.marl.reward.rewards import RewardConfig, batch_agent_rewards, seed_rewards
 from m1.schema import Episode, Turn
 
 

@@ -59,7 +59,8 @@ def flat_params(data: Any, prefix: str = "") -> dict[str, str]:
 
 
 def plan_params(plan) -> dict[str, str]:
-    """The placement plan (m1/marl/placement_plan.py) as parameters: GPUs per node and each unit's GPUs and estimate."""
+    """The placement plan (m1/marl/plan/placement_plan.py) as parameters: GPUs per node, each unit's GPUs and
+    estimate."""
     if plan is None:
         return {"plan": "none: no GPUs, actors placed freely"}
     out = {"plan.nodes": str(plan.nodes), "plan.gpus": str(plan.gpus_needed), "plan.gpu_mem_gb": str(plan.gpu_mem_gb)}

@@ -7,17 +7,18 @@ One training step, top to bottom (`Trainer.train_step`):
 2. run every question K times over that DAG through the `Team` engine: the agents generate with their learners'
    current weights, because each learner is registered in the model hub under its agent's key;
 3. credit: score every agent in every episode with the team kind's reward and turn the rewards into advantages
-   and samples as the run's credit strategy says (m1/marl/credit.py: credit rule, baseline, dynamic sampling);
+   and samples as the run's credit strategy says (m1/marl/algo/credit.py: credit rule, baseline, dynamic sampling);
 4. update each agent's learner: recompute the log-probs of its completions, add the clipped GRPO surrogate and
-   beta * k3 KL to the reference (m1/marl/grpo.py), accumulate gradients over micro-batches, clip, AdamW step;
+   beta * k3 KL to the reference (m1/marl/algo/reductions.py), accumulate gradients over micro-batches, clip,
+   AdamW step;
 5. log metrics (JSONL, the trackers of `log.backends`, progress bar), every `log.samples_every` steps the step's
    episodes with their rewards and advantages (m1/marl/samples.py), and checkpoint every `checkpoint.every` steps.
 
 What differs between the CPP team and a seed kind (Weaver, VideoZoomer, SAGE: one policy in a tool loop) is
-behind one interface, m1/marl/team_kinds.py; every setting derived from others is decided once by
+behind one interface, m1/marl/team_training.py; every setting derived from others is decided once by
 m1/marl/resolve.py before anything loads. The learners (policy, reference, optimizer; local or Ray actors) live in
-m1/marl/learner.py and m1/marl/groups.py, checkpoints in m1/marl/checkpoint.py, the question stream and metrics log
-in m1/marl/stream.py, the command in m1/marl/launch.py.
+m1/marl/actor/learner.py and m1/marl/actor/groups.py, checkpoints in m1/marl/checkpoint.py, the question stream and
+metrics log in m1/marl/rollout/stream.py, the command in m1/marl/launch.py.
 
 Exact resume: a checkpoint holds each agent's weights (or adapter) and optimizer state, the Python/NumPy/torch RNG
 states, the step and the data cursor. Rollout randomness (DAG, sampling seeds) is derived from (seed, step), so a
@@ -35,22 +36,22 @@ from typing import Any
 
 from m1.marl.checkpoint import STATE, StopFlag, load_checkpoint, naming_full_disk, resume_point, save_checkpoint
 from m1.marl.config import TrainConfig
-from m1.marl.credit import CreditStrategy, StepCredit
-from m1.marl.groups import build_learners, host_driver_models, reserve_placement
+from m1.marl.algo.credit import CreditStrategy, StepCredit
+from m1.marl.actor.groups import build_learners, host_driver_models, reserve_placement
 from m1.contracts import LearnerGroup, RolloutEngine, Team
-from m1.marl.learner_io import seed_everything
-from m1.marl.llm_judge import LLMJudge
+from m1.marl.actor.learner_io import seed_everything
+from m1.marl.reward.llm_judge import LLMJudge
 from m1.marl.loop import run_steps
 from m1.marl.producer import Producer, StepItem, sampling_version
 from m1.marl.resolve import resolve
-from m1.marl.rubric_judge import RubricJudge
-from m1.marl.rollout import RewardFn, RolloutBatch, RolloutError, derive_seed, run_rollouts
+from m1.marl.reward.rubric_judge import RubricJudge
+from m1.marl.rollout.episodes import RewardFn, RolloutBatch, RolloutError, derive_seed, run_rollouts
 from m1.marl.rollout_engines import HFSamplers, RolloutEngines
 from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples
-from m1.marl.stream import QuestionStream, load_questions
+from m1.marl.rollout.stream import QuestionStream, load_questions
 from m1.marl.trackers import require_trackers
 from m1.models.hub import ModelHub
-from m1.team.kinds import make_team
+from m1.team.engines_registry import make_team
 from m1.video import VideoPool
 
 log = logging.getLogger(__name__)

@@ -165,7 +165,7 @@ DEFAULT_VISION_BATCH = 32
 def vision_batch(spec: ModelSpec, max_batch: int | None = None) -> int:
     """Most requests of one generate call of a vision model: `max_batch` when the caller gives one, else the spec's
     max_batch_requests (auto: DEFAULT_VISION_BATCH; a run with a placement plan writes the plan's number into the
-    spec before the model is built, m1/marl/placement_plan.py `with_request_batches`)."""
+    spec before the model is built, m1/marl/plan/placement_plan.py `with_request_batches`)."""
     if max_batch is not None:
         return max_batch
     return DEFAULT_VISION_BATCH if spec.max_batch_requests == "auto" else int(spec.max_batch_requests)

@@ -9,7 +9,7 @@ keyed by the block's tokens and the blocks before it (exact: a tree of token tup
 a new prompt runs only the tokens after its longest cached prefix (on CPU each distinct prompt alone on its own
 cached blocks when that costs less than one padded batch, `Sampler._alone_pays`). The cache belongs to one model
 and is emptied whenever its weights change (the sum of the parameters' in-place version counters moves at every
-optimizer step and weight load; a learner also empties it after each of those, m1/marl/learner.py
+optimizer step and weight load; a learner also empties it after each of those, m1/marl/actor/learner.py
 `weights_changed`, since writes through `.data` move no counter), so a learner's sampler never reuses keys of older
 weights. Entries are evicted least recently used past `max_bytes`.
 

@@ -26,7 +26,7 @@ from m1.evidence import token_evidence
 from m1.files import check_place
 from m1.marl.checkpoint import StopFlag, save_state_file
 from m1.marl.config import scheduled_lr
-from m1.marl.learner_io import rng_state, set_rng_state
+from m1.marl.actor.learner_io import rng_state, set_rng_state
 from m1.marl.loop import run_steps
 from m1.pretrain.config import TEXT, PretrainConfig
 from m1.pretrain.drills import Drill, DrillSource

@@ -45,7 +45,7 @@ def serve(team_name: str, host: str, port: int, limits: Limits, api_key_env: str
 
     from m1.config import load_team
     from m1.models.preflight import PreflightError, startup_problems
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     check_port(host, port)
     api_key = None

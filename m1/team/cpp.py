@@ -99,7 +99,7 @@ class Team(TeamEngine):
         seeded = [a.name for a in cfg.agents if is_seed(a.kind)]
         if seeded:
             raise ValueError(f"team {cfg.name!r}: agent {seeded[0]!r} is a seed-system kind, which the CPP engine does "
-                             f"not run; build the team with m1.team.kinds.make_team")
+                             f"not run; build the team with m1.team.engines_registry.make_team")
         super().__init__(cfg, hub, pool)
         self.agents = [PolicyAgent(a, cfg.tools.enabled) for a in cfg.agents]
         self.served = ServedMembers(cfg, self.hub)  # agents that are whole served teams: they only answer

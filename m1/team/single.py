@@ -1,8 +1,8 @@
 """The seed systems' engine: one vision-language policy in a multi-turn tool loop (Weaver, VideoZoomer, SAGE).
 
 A team of one agent of `kind: weaver | zoomer | sage` runs here instead of the CPP engine, behind the same
-entry points (`m1.team.kinds.make_team`, `m1 infer`, `m1 eval`, `run_questions`) and into the same `Episode`, so
-results lines, traces and metrics are unchanged. Per turn, every episode in flight gets one batched generate call
+entry points (`m1.team.engines_registry.make_team`, `m1 infer`, `m1 eval`, `run_questions`) and into the same `Episode`,
+so results lines, traces and metrics are unchanged. Per turn, every episode in flight gets one batched generate call
 of the policy model (one per temperature where `run(temperatures=)` sets episodes apart), and the vision
 requests of all tool calls one batched call per vision model.
 

@@ -32,7 +32,7 @@ def relay_team(ext, **models) -> dict:
 
 def test_infer_runs_a_team_of_a_new_kind_with_a_new_tool(extension, tmp_path, m1_cache):
     from m1.cli import app
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
     from m1.config import TeamConfig
 
     folder, questions, _ = make_synth_world(tmp_path / "world", videos=1, seed=3, duration=30,
@@ -73,7 +73,7 @@ def test_an_installed_plugin_is_usable_from_the_command_line(registries, tmp_pat
     import importlib
 
     from m1.cli import app
-    from m1.team.kinds import TEAM_KINDS
+    from m1.team.engines_registry import TEAM_KINDS
     from tests.fixtures import extension
 
     site = tmp_path / "site"
@@ -122,7 +122,7 @@ def test_agent_kinds_are_checked_against_the_registry(extension):
     from m1.config import TeamConfig
     from m1.kinds.weaver import WEAVER
     from m1.registry import CPP
-    from m1.team.kinds import KindSpec, register_kind
+    from m1.team.engines_registry import KindSpec, register_kind
 
     team = relay_team(extension)
     with pytest.raises(ValueError, match=r"unknown agent kind 'relais' \(known: \[.*'relay'.*\]\)"):
@@ -183,10 +183,10 @@ def test_infer_runs_a_fifth_seed_kind_registered_as_one_spec(skimmer, tmp_path):
 
 def test_a_fifth_seed_kind_is_checked_rewarded_and_trained_as_its_spec_says(skimmer):
     from m1.config import TeamConfig
-    from m1.marl.rewards import RewardConfig, seed_reward
-    from m1.marl.team_kinds import SEED_PHASES, team_kind
+    from m1.marl.reward.rewards import RewardConfig, seed_reward
+    from m1.marl.team_training import SEED_PHASES, team_kind
     from m1.schema import AgentRecord, Episode, Question, Topology
-    from m1.team.kinds import kind_of, make_team
+    from m1.team.engines_registry import kind_of, make_team
     from m1.team.single import SingleAgentTeam
 
     cfg = TeamConfig.model_validate(skim_team(skimmer))

@@ -89,7 +89,7 @@ def _failing_team(fail_batches: set[int], config: str = "synth_teacher"):
     ServerUnavailable, as when the openai backend's retries run out on a server that went away."""
     from m1.config import load_team
     from m1.models.base import ServerUnavailable
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     team = make_team(load_team(config, ["limits.batch_episodes=2"]))
     real, calls = team.run_batch, []

@@ -1,6 +1,7 @@
 """The package's imports point one way (DESIGN: a module never imports one listed above it): no cycles between
 modules, counting imports inside functions; every package imports only its own layer and those below it (LAYERS,
-written out in docs/layout.md); and the models never import the synthetic world or the run layer."""
+written out in docs/layout.md), and inside m1/marl every sub-package and module only its own floor and those below
+it (MARL_FLOORS, written out there too); and the models never import the synthetic world or the run layer."""
 import ast
 import re
 from pathlib import Path
@@ -31,6 +32,22 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 # (importing module, imported module) -> why this upward import stays. Empty: none does.
 UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
+
+# m1/marl's floors, lowest first, checked the same way inside m1/marl: a unit is one of its sub-packages or one of
+# its top-level modules ("__init__" is m1/marl/__init__.py), and an import from one m1/marl module to another runs
+# only to its own floor or a lower one. Units on one floor are peers.
+MARL_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("__init__", "entries", "rollout", "reward"),
+    ("algo", "sft_examples", "team_training"),
+    ("config",),
+    ("plan", "preflight"),
+    ("actor",),
+    ("rollout_engines", "producer", "resolve", "checkpoint", "guard", "samples", "trackers", "view"),
+    ("loop",),
+    ("trainer", "launch", "sft"),
+)
+# (importing module, imported module) -> why this upward import inside m1/marl stays. Empty: none does.
+MARL_UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _module(path: Path) -> str:
@@ -142,11 +159,65 @@ def test_the_checker_finds_an_upward_import():
     assert upward_imports(graph, layers) == [("m1.config", "m1.tools"), ("m1.data.prepare", "m1.marl.sft")]
 
 
+def _doc_block(heading: str) -> list[list[str]]:
+    """The words before the "|" of each line of the first code block under `heading` in docs/layout.md."""
+    block = LAYOUT.read_text().split(heading, 1)[1].split("```")[1]
+    return [line.split("|")[0].split() for line in block.strip().splitlines()]
+
+
+def _unit_name(word: str) -> str:
+    return re.sub(r"\.py$|/$", "", word)
+
+
 def test_the_layers_are_written_in_the_layout_doc():
     """docs/layout.md's layer block ("N  unit unit ...  | what") names the same layers in the same order."""
-    text = LAYOUT.read_text()
-    block = text.split("## Layers", 1)[1].split("```")[1]
-    lines = [line.split("|")[0].split() for line in block.strip().splitlines()]
+    lines = _doc_block("## Layers")
     assert [int(line[0]) for line in lines] == list(range(len(LAYERS)))
-    names = [tuple(re.sub(r"\.py$|/$", "", u).replace("__init__", "m1") for u in line[1:]) for line in lines]
+    names = [tuple(_unit_name(u).replace("__init__", "m1") for u in line[1:]) for line in lines]
     assert names == list(LAYERS)
+
+
+# ------------------------------------------------------------------------------------------------ inside m1/marl
+def marl_unit(module: str) -> str | None:
+    """The floor unit of an m1/marl module: its sub-package or top-level module of m1/marl; None outside m1/marl."""
+    parts = module.split(".")
+    if parts[:2] != ["m1", "marl"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def marl_upward_imports(graph: dict[str, set[str]], floors=MARL_FLOORS) -> list[tuple[str, str]]:
+    """Every (m1/marl module, m1/marl module it imports) whose import runs to a higher floor than its own."""
+    rank = {u: i for i, line in enumerate(floors) for u in line}
+    return sorted((m, d) for m, deps in graph.items() if marl_unit(m) is not None for d in deps
+                  if marl_unit(d) is not None and rank[marl_unit(d)] > rank[marl_unit(m)])
+
+
+def test_every_marl_unit_has_a_floor():
+    placed = {u for line in MARL_FLOORS for u in line}
+    units = {marl_unit(m) for m in import_graph()} - {None}
+    assert sorted(units - placed) == [], "add the new m1/marl module or sub-package to MARL_FLOORS and docs/layout.md"
+    assert sorted(placed - units) == [], "a floor names a unit m1/marl no longer has"
+    assert len(placed) == sum(len(line) for line in MARL_FLOORS), "a unit named on two floors"
+
+
+def test_no_marl_import_runs_upward():
+    """Inside m1/marl no import runs to a higher floor, counting imports inside functions."""
+    found = marl_upward_imports(import_graph())
+    assert [f for f in found if f not in MARL_UPWARD_ALLOWED] == []
+    assert sorted(set(MARL_UPWARD_ALLOWED) - set(found)) == [], "an allowed upward import is gone: drop it"
+
+
+def test_the_checker_finds_an_upward_marl_import():
+    graph = {"m1.marl.algo.credit": {"m1.marl.rollout.episodes", "m1.config"},
+             "m1.marl.rollout.episodes": {"m1.marl.config"}, "m1.marl.config": {"m1.marl.algo.credit"},
+             "m1.marl": set(), "m1.config": {"m1.marl.trainer"}}
+    floors = (("__init__", "rollout"), ("algo",), ("config",), ("trainer",))
+    assert marl_upward_imports(graph, floors) == [("m1.marl.rollout.episodes", "m1.marl.config")]
+
+
+def test_the_marl_floors_are_written_in_the_layout_doc():
+    """docs/layout.md's floor block under "## Training floors" names the same floors in the same order."""
+    lines = _doc_block("## Training floors")
+    assert [int(line[0]) for line in lines] == list(range(len(MARL_FLOORS)))
+    assert [tuple(_unit_name(u) for u in line[1:]) for line in lines] == list(MARL_FLOORS)

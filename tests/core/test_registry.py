@@ -179,14 +179,14 @@ def registries():
     estimator registries after a test registers into them (they are module-level, mutated in place, and other tests
     count their entries)."""
     from m1 import registry
-    from m1.marl import advantages, credit, objectives
-    from m1.team import kinds
+    from m1.marl.algo import advantages, credit, objectives
+    from m1.team import engines_registry
     from m1.tools import browse, select
 
     registry.seed_kinds()  # M1's own seed kinds registered before the copy, so that restoring keeps them
     tables = (registry.TOOLS, registry.TOOL_NAMES, registry.SELECT_TOOLS, registry.BROWSE_TOOLS, registry.PLAN_KINDS,
-              registry.SEED_KINDS, select.SELECT, browse.KIND, kinds.TEAM_KINDS, credit.CREDITS, objectives.OBJECTIVES,
-              advantages.ESTIMATORS)
+              registry.SEED_KINDS, select.SELECT, browse.KIND, engines_registry.TEAM_KINDS, credit.CREDITS,
+              objectives.OBJECTIVES, advantages.ESTIMATORS)
     saved = [type(x)(x) for x in tables]
     yield
     for live, old in zip(tables, saved):
@@ -231,7 +231,7 @@ def test_a_tool_registered_outside_m1_is_accepted_everywhere_names_are_read(regi
 
 def test_unknown_tool_and_credit_names_are_refused_naming_the_known_ones(registries):
     from m1.config import load_team
-    from m1.marl.credit import CREDITS, EpisodeCredit, register_credit
+    from m1.marl.algo.credit import CREDITS, EpisodeCredit, register_credit
     from tests.marl.test_trainer import train_cfg
 
     _register_depth()

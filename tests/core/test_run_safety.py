@@ -20,7 +20,7 @@ from m1 import files
 from m1.config import load_team
 from m1.files import WriteError
 from m1.locks import LockError, hold, hold_dir, holder
-from m1.team.kinds import TEAM_KINDS, KindSpec
+from m1.team.engines_registry import TEAM_KINDS, KindSpec
 from m1.schema import AgentRecord, Episode, Question, Topology
 from m1.results import FINGERPRINT_PREFIX, result_row
 from tests.core.test_e2e_tiny import REPO, _infer, folder  # noqa: F401  (folder is a fixture)

@@ -15,7 +15,7 @@ from m1.config_files import ConfigError
 from m1.experiment.config import load_experiment
 from m1.experiment.stats import paired, t_quantile_975
 from m1.marl.sft import write_examples
-from m1.team.kinds import TEAM_KINDS, KindSpec
+from m1.team.engines_registry import TEAM_KINDS, KindSpec
 from tests.marl.test_sft import EXAMPLES
 from tests.marl.test_trainer import team_dict
 
@@ -327,7 +327,7 @@ def test_export_writes_the_seated_agents_as_full_models(tmp_path, m1_cache):
     from m1.experiment.export import export_agents
     from m1.experiment.runner import run_experiment
     from m1.experiment.stages import read_stage
-    from m1.marl.learner_io import read_safetensors
+    from m1.marl.actor.learner_io import read_safetensors
     from m1.models.base import ChatRequest, SamplingParams
     from m1.models.hf import HFChatModel
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from m1.experiment.config import ExperimentError, load_experiment
-from m1.team.kinds import TEAM_KINDS, KindSpec
+from m1.team.engines_registry import TEAM_KINDS, KindSpec
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology
 from tests.experiment.test_experiment import _count, _write, tiny_experiment
 from tests.core.test_run_safety import ScriptedTeam

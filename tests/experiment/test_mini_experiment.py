@@ -70,7 +70,7 @@ def test_teacher_data_in_worker_processes_equals_one_process_and_is_reused(tmp_p
     stale file must not be trained on)."""
     from m1.marl import sft
     from m1.marl.config import load_sft_config
-    from m1.marl.stream import load_questions
+    from m1.marl.rollout.stream import load_questions
     from m1.synth.make import make_dataset
 
     world = tmp_path / "world"

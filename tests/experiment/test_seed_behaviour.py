@@ -134,7 +134,7 @@ def test_a_rule_based_zoomer_run_records_its_zooms(tmp_path):
     [end - start, fps], and its calls those turns."""
     from tests.conftest import make_synth_world
     from m1.config import load_team
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     qs = make_synth_world(tmp_path, 1, 7, 60, 6)[2]
     eps = make_team(load_team("zoomer_synth")).run(qs)

@@ -86,7 +86,7 @@ def test_every_shipped_seed_config_loads():
 
 def test_cpp_engine_refuses_a_seed_kind_and_make_team_dispatches():
     from m1.team.cpp import Team
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
     from m1.team.single import SingleAgentTeam
 
     cfg = load_team("zoomer_synth")
@@ -97,10 +97,11 @@ def test_cpp_engine_refuses_a_seed_kind_and_make_team_dispatches():
 
 
 def test_one_registry_names_each_kind_its_engine_and_trainer_kind():
-    """m1/team/kinds.py TEAM_KINDS: make_team's engine and team_kind's trainer kind both follow a team's kind."""
-    from m1.marl.team_kinds import CPP_PHASES, SEED_PHASES, team_kind
+    """m1/team/engines_registry.py TEAM_KINDS: make_team's engine and team_kind's trainer kind both follow a
+    team's kind."""
+    from m1.marl.team_training import CPP_PHASES, SEED_PHASES, team_kind
     from m1.team.cpp import Team
-    from m1.team.kinds import TEAM_KINDS, kind_of
+    from m1.team.engines_registry import TEAM_KINDS, kind_of
     from m1.team.single import SingleAgentTeam
 
     assert {k: s.engine for k, s in TEAM_KINDS.items()} == {"cpp": Team, "weaver": SingleAgentTeam,
@@ -335,7 +336,7 @@ RULE_TEAMS = {"weaver_synth": NO_CLIP, "zoomer_synth": [], "sage_synth": [], "no
 @pytest.fixture(scope="module")
 def rule_runs(world):
     """Each rule-based kind over the whole world, once: {team name: (config, episodes)}."""
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     out = {}
     for name, over in RULE_TEAMS.items():
@@ -388,7 +389,7 @@ def test_rule_answers_state_their_evidence_and_the_chain_to_the_chosen_option(wo
 def test_each_kind_behaves_as_its_paper_says(world, rule_runs):
     """Weaver calls its tools by cue, VideoZoomer's zooms stay within 16 frames and 4 calls, SAGE answers at once
     when the glance shows the answer, the no-tool baseline sees exactly its 128 frames in one turn."""
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     qs = world[2]
     for q, e in zip(qs, rule_runs["weaver_synth"][1]):
@@ -422,7 +423,7 @@ def test_each_kind_behaves_as_its_paper_says(world, rule_runs):
 def test_zooming_beats_a_sparse_glance(world):
     """With an 8-frame glance, zooming where the question points is what answers timestamp and order questions."""
     from m1.data.metrics import is_correct
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     _, _, qs = world
     qs = [q for q in qs if q.meta["family"] in ("timestamp", "order")]
@@ -437,7 +438,7 @@ def test_a_seed_kind_takes_per_episode_temperatures(world):
     """`run(temperatures=)` as the Team contract has it: an episode's own temperature for the agent wins over the
     agent's, each temperature gets its own policy call per turn; an agent the team lacks, or a list of the wrong
     length, is an error before anything runs."""
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     team = make_team(load_team("zoomer_synth"))
     key, agent = team.cfg.agents[0].model, team.order[0]
@@ -506,7 +507,7 @@ def test_tiny_random_policies_run_without_crashing(world, tmp_path, m1_cache):
         assert len(rows) == 4 and not summary.errors, summary.describe()
         for r in rows:
             assert r["error"] is None and r["frames_used"] >= 4 and "correct" in r
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     cfg = load_team(str(tmp_path / "sage.yaml"))
     t = make_team(cfg)
@@ -533,7 +534,7 @@ def test_a_captioner_describes_every_frame_a_text_policy_is_shown(world, rule_ru
     from m1.kinds.prompts import CAPTION_PROMPT
     from m1.models.base import SamplingParams, VisionRequest, text_only
     from m1.synth.vision import SynthVisionModel
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
     from m1.video import VideoPool
 
     cfg = load_team("weaver_synth", RULE_TEAMS["weaver_synth"] + ["seed_system.captioner=vision"])

@@ -13,9 +13,9 @@ import pytest
 
 from tests.fakes import FakeVision, scripted_reply
 from m1.config import TeamConfig
-from m1.marl.credit import AgentCredit
-from m1.marl.advantages import group_advantages
-from m1.marl.rollout import build_samples, run_rollouts, sample_topology, score, training_team_config
+from m1.marl.algo.credit import AgentCredit
+from m1.marl.algo.advantages import group_advantages
+from m1.marl.rollout.episodes import build_samples, run_rollouts, sample_topology, score, training_team_config
 from m1.models.base import Completion
 from tests.marl.test_trainer import AGENTS, COMPARED, make_trainer, questions, team_dict, train_cfg
 
@@ -122,7 +122,7 @@ def test_engine_groups_calls_by_model_and_episode_temperature(video):
         assert {e.answers[[a.agent for a in e.answers].index(mate)].answer for e in batch.episodes[g]} == {"B"}
     with pytest.raises(ValueError, match="no agents \\['gamma'\\]"):
         team.run(questions(video, 1), topologies=[dag], temperatures=[{"gamma": 0.0}])
-    from m1.marl.rollout import RolloutError
+    from m1.marl.rollout.episodes import RolloutError
 
     with pytest.raises(RolloutError, match="one agent of"):
         run_rollouts(team, questions(video, 2), 2, dag, focus=["alpha"])
@@ -139,7 +139,7 @@ def test_focus_agents_rotate_over_the_runs_questions():
 @pytest.fixture(scope="module")
 def agent_step(tmp_path_factory, video, m1_cache):
     """One training step with credit agent on the tiny models, with its rollouts and samples captured."""
-    import m1.marl.credit as credit_mod
+    import m1.marl.algo.credit as credit_mod
     import m1.marl.trainer as trainer_mod
 
     seen = {}

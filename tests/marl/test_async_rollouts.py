@@ -9,7 +9,7 @@ import pytest
 
 from m1.marl.config import TrainConfig
 from m1.marl.producer import Producer, StepItem, sampling_version
-from m1.marl.rollout import RolloutError
+from m1.marl.rollout.episodes import RolloutError
 
 
 def _trained(trainer, **train):

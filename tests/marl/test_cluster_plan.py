@@ -1,14 +1,14 @@
-"""The placement plan (m1/marl/planner.py, placement_plan.py, memory_model.py):
+"""The placement plan (m1/marl/plan/planner.py, placement_plan.py, memory_model.py):
 shapes, the memory model, GPU assignment, refusals and `--plan`."""
 from __future__ import annotations
 
 import pytest
 
 from m1.config_files import ConfigError
-from m1.marl.cluster import PlanError
-from m1.marl.memory_model import GiB, learner_memory
-from m1.marl.placement_plan import GpuSlot
-from m1.marl.planner import make_plan, node_sizes
+from m1.marl.plan.cluster import PlanError
+from m1.marl.plan.memory_model import GiB, learner_memory
+from m1.marl.plan.placement_plan import GpuSlot
+from m1.marl.plan.planner import make_plan, node_sizes
 from m1.marl.config import load_sft_config, load_train_config
 from m1.models.shapes import TEXT_SHAPES
 
@@ -251,7 +251,7 @@ def test_cli_sft_plan():
 
 def test_cluster_gpus_from_ray():
     ray = pytest.importorskip("ray")
-    from m1.marl.cluster import cluster_gpus_from_ray
+    from m1.marl.plan.cluster import cluster_gpus_from_ray
 
     ray.init(num_cpus=1, num_gpus=2, include_dashboard=False, logging_level="ERROR")
     try:

@@ -1,4 +1,4 @@
-"""Credit strategies (m1/marl/credit.py): each rule's own checks, dynamic sampling, the step's DAG, plan entropy.
+"""Credit strategies (m1/marl/algo/credit.py): each rule's own checks, dynamic sampling, the step's DAG, plan entropy.
 
 Dynamic sampling: tied groups leave the step and the data cursor refills it (and a killed run resumes to the same
 losses). The step's DAG is drawn from (seed, step) alone; a team of one runs on the complete graph. Plan entropy per
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from m1.marl.config import TrainConfig
-from m1.marl.advantages import ESTIMATORS
-from m1.marl.credit import CREDITS, informative_groups, merge_batches
-from m1.marl.rollout import RolloutBatch, derive_seed, sample_topology, step_topology
-from m1.marl.team_kinds import entropy, plan_entropy
+from m1.marl.algo.advantages import ESTIMATORS
+from m1.marl.algo.credit import CREDITS, informative_groups, merge_batches
+from m1.marl.rollout.episodes import RolloutBatch, derive_seed, sample_topology, step_topology
+from m1.marl.team_training import entropy, plan_entropy
 from m1.schema import Question
 from m1.team import topology as topo
 from tests.marl.test_trainer import AGENTS, COMPARED, make_trainer, team_dict, train_cfg

@@ -1,6 +1,6 @@
-"""Tests for m1/marl/grpo.py, the group and greedy estimators (m1/marl/advantages.py) and the clip objectives
-through `grpo_loss` (m1/marl/objectives.py): hand-computed values plus parity with TRL 1.16.0's own GRPO loss code.
-The other objectives and estimators: tests/marl/test_objectives.py."""
+"""Tests for m1/marl/algo/reductions.py, the group and greedy estimators (m1/marl/algo/advantages.py) and the clip
+objectives through `grpo_loss` (m1/marl/algo/objectives.py): hand-computed values plus parity with TRL 1.16.0's own GRPO
+loss code. The other objectives and estimators: tests/marl/test_objectives.py."""
 
 import math
 import os
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from m1.marl.advantages import ESTIMATORS, estimate_advantages, group_advantages
+from m1.marl.algo.advantages import ESTIMATORS, estimate_advantages, group_advantages
 from m1.marl.config import GRPOSettings
-from m1.marl.grpo import LOSSES, kl_k3, token_logprobs
-from m1.marl.objectives import grpo_loss
+from m1.marl.algo.reductions import LOSSES, kl_k3, token_logprobs
+from m1.marl.algo.objectives import grpo_loss
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -111,7 +111,7 @@ def test_estimated_advantages_are_per_agent_independent():
 
 
 def test_greedy_baseline_advantages_are_reward_minus_the_greedy_run():
-    from m1.marl.advantages import baseline_advantages
+    from m1.marl.algo.advantages import baseline_advantages
 
     nan = float("nan")
     got = baseline_advantages([[1.0, -1.0, 1.0], [-1.0, 1.0, nan], [0.5, 0.5, 0.5]], [-1.0, 1.0, nan])

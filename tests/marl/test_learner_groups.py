@@ -43,7 +43,7 @@ def gpu_team():
 def test_two_rank_zero2_group_matches_one_process_in_the_planned_bundles(ray_cluster, tmp_path):
     import torch
 
-    from m1.marl.groups import LocalLearners, RayLearners, reserve_placement
+    from m1.marl.actor.groups import LocalLearners, RayLearners, reserve_placement
 
     cfg = TrainConfig.model_validate({
         "team": gpu_team(), "train_agents": ["alpha"], "judge": {"kind": "rubric"}, "grpo": {"beta": 0.05},
@@ -123,8 +123,8 @@ def test_killed_two_rank_run_resumes_with_the_same_losses(ray_cluster, tmp_path,
 
 
 def test_out_dir_on_two_nodes_disks_is_refused(tmp_path):
-    from m1.marl.distributed import DistributedError
-    from m1.marl.groups import check_shared_storage, write_storage_marker
+    from m1.marl.actor.distributed import DistributedError
+    from m1.marl.actor.groups import check_shared_storage, write_storage_marker
 
     shared, other_disk = tmp_path / "run", tmp_path / "node1-local"
     same = lambda folder, name, token: write_storage_marker(folder, name, token)  # noqa: E731
@@ -140,9 +140,9 @@ def test_out_dir_on_two_nodes_disks_is_refused(tmp_path):
 
 
 def test_several_gpus_need_ray_and_deepspeed(m1_cache):
-    from m1.marl.distributed import DistributedError
-    from m1.marl.groups import build_learners
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.distributed import DistributedError
+    from m1.marl.actor.groups import build_learners
+    from m1.marl.actor.learner import AgentLearner
 
     spec = TeamConfig.model_validate(team_dict()).models["qa"]
     with pytest.raises(DistributedError, match="placement: ray"):
@@ -176,7 +176,7 @@ def test_gpu_check_tiny_runs_every_step_on_cpu():
 
 
 def test_deepspeed_config_fills_auto_values_and_accumulates_bf16_gradients_in_fp32(tmp_path):
-    from m1.marl.distributed import DistributedError, resolve_ds_config
+    from m1.marl.actor.distributed import DistributedError, resolve_ds_config
 
     bf16 = resolve_ds_config("zero2", micro_batch_size=4, max_grad_norm=1.0, bf16=True)
     assert bf16["bf16"]["enabled"] and bf16["data_types"]["grad_accum_dtype"] == "fp32"
@@ -196,7 +196,7 @@ def test_bf16_learner_dtypes_without_deepspeed(finetune, m1_cache):
     weights (a 1e-7 step would round away in bf16) and a bf16 reference."""
     import torch
 
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     spec = TeamConfig.model_validate(team_dict()).models["qa"]
     learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune=finetune, precision="bf16"),

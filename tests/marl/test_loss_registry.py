@@ -1,5 +1,5 @@
-"""The loss types and old-log-prob modes are registries (m1/marl/grpo.py): the config accepts exactly their names,
-the modes give the hand-computed old log-probs and weights, and a loss registered from outside m1/ trains."""
+"""The loss types and old-log-prob modes are registries (m1/marl/algo/reductions.py): the config accepts exactly their
+names, the modes give the hand-computed old log-probs and weights, and a loss registered from outside m1/ trains."""
 import math
 import random
 from contextlib import contextmanager
@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.marl.grpo import LOSSES, OLD_LOGPROBS, register_loss
-from m1.marl.rollout import Sample
+from m1.marl.algo.reductions import LOSSES, OLD_LOGPROBS, register_loss
+from m1.marl.rollout.episodes import Sample
 
 TOY = "toy-sequence-sum"
 
@@ -70,7 +70,7 @@ def test_old_logprob_modes_by_hand():
 
 @pytest.mark.slow
 def test_a_loss_registered_outside_m1_trains_one_step(m1_cache):
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     rng = random.Random(0)
     samples = [Sample(agent="alpha", question_id="q", group=0, rollout=i, phase="plan",

@@ -15,11 +15,11 @@ import pytest
 from tests.marl.test_trainer import make_trainer, team_dict, train_cfg
 from m1.config import ModelSpec
 from m1.marl import checkpoint as ckpt
-from m1.marl.memory_model import GiB, checkpoint_bytes
-from m1.marl.placement_plan import plan_summary
-from m1.marl.planner import make_plan, rollout_batch
+from m1.marl.plan.memory_model import GiB, checkpoint_bytes
+from m1.marl.plan.placement_plan import plan_summary
+from m1.marl.plan.planner import make_plan, rollout_batch
 from m1.marl.config import GRPOSettings, LearnerConfig, load_train_config
-from m1.marl.rollout import Sample
+from m1.marl.rollout.episodes import Sample
 from m1.models.shapes import shape_from_config
 
 TINY = {"kind": "chat", "device": "cpu",
@@ -35,7 +35,7 @@ def _samples(n=4, seed=0):
 
 
 def _learner(**cfg):
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     return AgentLearner("a", "m", ModelSpec.model_validate(TINY), LearnerConfig(lr=1e-3, micro_batch_size=4, **cfg),
                         GRPOSettings(beta=0.0))

@@ -1,6 +1,6 @@
-"""The policy objectives (m1/marl/objectives.py) and advantage estimators (m1/marl/advantages.py) are registries:
-each shipped entry against its defining formula on hand-computed tensors and, where TRL 1.16 implements it, against
-TRL's own `_compute_loss`; the rules each entry declares are what the config refuses; and an objective and an
+"""The policy objectives (m1/marl/algo/objectives.py) and advantage estimators (m1/marl/algo/advantages.py) are
+registries: each shipped entry against its defining formula on hand-computed tensors and, where TRL 1.16 implements it,
+against TRL's own `_compute_loss`; the rules each entry declares are what the config refuses; and an objective and an
 estimator registered here, outside m1/, train one MARL step.
 
 TRL parity: clip_higher is TRL's `epsilon_high` (its cases run in tests/marl/test_grpo.py TRL_CASES, which route
@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from m1.marl.advantages import ESTIMATORS, AdvantageEstimator, estimate_advantages, register_estimator, \
+from m1.marl.algo.advantages import ESTIMATORS, AdvantageEstimator, estimate_advantages, register_estimator, \
     rloo_advantages
 from m1.marl.config import GRPOSettings
-from m1.marl.objectives import OBJECTIVES, PolicyObjective, grpo_loss, masked_mean, register_objective
+from m1.marl.algo.objectives import OBJECTIVES, PolicyObjective, grpo_loss, masked_mean, register_objective
 from tests.core.test_registry import registries  # noqa: F401 (the fixture)
 from tests.marl.test_grpo import _random_batch, _trl_inputs, _trl_self
 from tests.marl.test_trainer import AGENTS, make_trainer, train_cfg

@@ -8,10 +8,10 @@ from tests.fakes import FakeChat
 
 from m1.data.metrics import is_correct
 from m1.marl.config import JudgeConfig, load_train_config
-from m1.marl.judge import JudgeItem
-from m1.marl.llm_judge import LLMJudge, collaboration_messages
-from m1.marl.rewards import RewardConfig, batch_agent_rewards, result_reward, tool_penalty
-from m1.marl.rubric_judge import RubricJudge
+from m1.marl.reward.judge import JudgeItem
+from m1.marl.reward.llm_judge import LLMJudge, collaboration_messages
+from m1.marl.reward.rewards import RewardConfig, batch_agent_rewards, result_reward, tool_penalty
+from m1.marl.reward.rubric_judge import RubricJudge
 from m1.schema import AgentAnswer, AgentRecord, Decision, Episode, Generation, Question, Topology, Turn
 
 # an MCQ that states a time: the cue rule asks for Time Stamp Retrieval

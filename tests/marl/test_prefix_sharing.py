@@ -8,7 +8,7 @@ import pytest
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig, LoraSettings
-from m1.marl.rollout import Sample
+from m1.marl.rollout.episodes import Sample
 
 
 def spec(arch: str) -> ModelSpec:
@@ -17,7 +17,7 @@ def spec(arch: str) -> ModelSpec:
 
 
 def learner(arch: str = "qwen3", finetune: str = "full", share: bool = True, beta: float = 0.0, **cfg):
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     # LoRA dropout 0: dropout masks are drawn per forward, so two ways of computing would draw different ones
     config = LearnerConfig(finetune=finetune, lora=LoraSettings(dropout=0.0), share_prompt_forward=share, **cfg)

@@ -8,13 +8,13 @@ import logging
 import pytest
 from tests.fakes import FakeChat, content
 
-from m1.marl.judge import CorrectItem, JudgeItem, Verdict
-from m1.marl.llm_judge import LLMJudge, RateLimiter, collaboration_messages, parse_verdict
-from m1.marl.rewards import (
+from m1.marl.reward.judge import CorrectItem, JudgeItem, Verdict
+from m1.marl.reward.llm_judge import LLMJudge, RateLimiter, collaboration_messages, parse_verdict
+from m1.marl.reward.rewards import (
     RewardConfig, agent_rewards, batch_agent_rewards, collaboration_reward, format_reward,
     log_breakdowns, result_reward, summarize, tool_penalty,
 )
-from m1.marl.rubric_judge import RUBRIC_JUDGE_NAME, RubricJudge, question_cues
+from m1.marl.reward.rubric_judge import RUBRIC_JUDGE_NAME, RubricJudge, question_cues
 from m1.models.base import ModelError
 from m1.schema import AgentAnswer, AgentRecord, Decision, Episode, Generation, Question, Topology, Turn
 
@@ -233,7 +233,7 @@ def test_batch_rewards_use_one_judge_call_and_log(caplog):
     assert judge.correct_calls == 1 and judge.correct_n == 8  # 6 agents + 2 team answers
     assert [sorted(o) for o in out] == [["a1", "a2", "a3"]] * 2
     assert all(b.total == 3.0 for o in out for b in o.values())
-    with caplog.at_level(logging.INFO, logger="m1.marl.rewards"):
+    with caplog.at_level(logging.INFO, logger="m1.marl.reward.rewards"):
         log_breakdowns("ep0", agent_rewards(eps[0], RewardConfig(), RubricJudge()))
     assert len(caplog.records) == 3
     assert all(RUBRIC_JUDGE_NAME in r.getMessage() for r in caplog.records)
@@ -518,7 +518,7 @@ def test_question_cues(text, cue):
     ("", False),
 ])
 def test_key_info_problem(key_info, ok):
-    from m1.marl.rubric_judge import key_info_problem
+    from m1.marl.reward.rubric_judge import key_info_problem
 
     q = Question(id="q", video="v.mp4", text="Where is the red square relative to the blue circle, and what colour "
                  "is the ball?", options=["left", "right"], task="mcq", answer="A")
@@ -543,7 +543,7 @@ def test_evaluation_and_the_result_reward_agree_on_what_is_right():
     """One definition of a right answer (m1/data/metrics.py): MCQ truth given as a letter or as the option's text,
     open answers under one normaliser; the reward is +1 exactly where evaluation counts the answer right."""
     from m1.data.metrics import is_correct
-    from m1.marl.rewards import RewardConfig, result_reward
+    from m1.marl.reward.rewards import RewardConfig, result_reward
 
     mcq_letter = Question(id="a", video="v", text="?", options=["red", "blue"], task="mcq", answer="B")
     mcq_text = Question(id="b", video="v", text="?", options=["red", "blue"], task="mcq", answer="blue")

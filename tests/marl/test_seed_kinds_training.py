@@ -14,7 +14,7 @@ from tests.conftest import make_synth_world, varied_reward
 
 from m1.config import load_team
 from m1.marl.config import SFTConfig, TrainConfig, load_sft_config, load_train_config
-from m1.marl.rewards import RewardConfig, SeedReward, reward_kind, seed_reward, seed_rewards
+from m1.marl.reward.rewards import RewardConfig, SeedReward, reward_kind, seed_reward, seed_rewards
 from m1.schema import AgentAnswer, AgentRecord, Episode, Generation, Question, Topology, Turn
 
 NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
@@ -162,9 +162,9 @@ def test_observations_are_context_never_targets(world, m1_cache):
     its advantage."""
     from m1.config import ModelSpec, TeamConfig
     from m1.marl.config import GRPOSettings, LearnerConfig
-    from m1.marl.learner import AgentLearner
-    from m1.marl.advantages import group_advantages
-    from m1.marl.rollout import build_samples, run_rollouts, score
+    from m1.marl.actor.learner import AgentLearner
+    from m1.marl.algo.advantages import group_advantages
+    from m1.marl.rollout.episodes import build_samples, run_rollouts, score
     from m1.models.hub import ModelHub
     from m1.team.single import SingleAgentTeam
     from m1.team import topology as topo
@@ -212,7 +212,7 @@ def make_trainer(cfg, qs, reward_fn=None):
 def test_grpo_logs_the_seed_rewards_of_its_episodes(world, tmp_path, m1_cache, monkeypatch):
     """With the default reward (rewards.kind auto -> Weaver's), the logged rewards are the reward function on the
     step's episodes, and every policy turn becomes one sample whose target is that turn's reply."""
-    import m1.marl.credit as credit_mod
+    import m1.marl.algo.credit as credit_mod
 
     seen = {}
     build = credit_mod.build_samples
@@ -345,7 +345,7 @@ def test_m1_train_runs_the_shipped_weaver_config(world, tmp_path, m1_cache):
 @pytest.mark.slow
 def test_sft_on_the_rule_weavers_trajectories_lowers_the_loss(world, tmp_path, m1_cache):
     from m1.marl.sft import SFTTrainer, build_sft_data
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     d, path, qs = world
     teacher = make_team(load_team("weaver_synth", NO_CLIP + ["seed_system.glance_frames=8"]))

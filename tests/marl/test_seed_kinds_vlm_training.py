@@ -1,4 +1,4 @@
-"""Training a vision-language seed-kind policy on the frames it saw (m1/marl/learner.py, `kind: vision` models).
+"""Training a vision-language seed-kind policy on the frames it saw (m1/marl/actor/learner.py, `kind: vision` models).
 
 A tiny random Qwen2.5-VL weaver on a tiny M1-Synth world: its samples keep their image-pad tokens, the learner's
 forward gets the pixels of exactly those frames (decoded again from the video), and the loss sees reply tokens
@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import make_synth_world, varied_reward
 
 from m1.marl.config import SFTConfig, TrainConfig
-from m1.marl.rewards import RewardConfig
+from m1.marl.reward.rewards import RewardConfig
 
 NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
 TINY_VL = {"arch": "qwen2_5_vl", "hidden_size": 64, "layers": 2, "seed": 5}
@@ -35,9 +35,9 @@ def rollout(world, m1_cache):
     """A full-weights VL learner generating a step's episodes itself (as in training), and their samples."""
     from m1.config import ModelSpec, TeamConfig
     from m1.marl.config import GRPOSettings, LearnerConfig
-    from m1.marl.learner import AgentLearner
-    from m1.marl.advantages import group_advantages
-    from m1.marl.rollout import build_samples, run_rollouts, score
+    from m1.marl.actor.learner import AgentLearner
+    from m1.marl.algo.advantages import group_advantages
+    from m1.marl.rollout.episodes import build_samples, run_rollouts, score
     from m1.models.hub import ModelHub
     from m1.team import topology as topo
     from m1.team.single import SingleAgentTeam
@@ -181,7 +181,7 @@ def test_configs_refuse_vision_policies_the_learner_cannot_train(tmp_path):
 def test_sft_of_a_vl_student_on_the_rule_weaver_lowers_the_loss(world, tmp_path, m1_cache):
     from m1.config import load_team
     from m1.marl.sft import SFTTrainer, build_sft_data, read_examples, write_examples
-    from m1.team.kinds import make_team
+    from m1.team.engines_registry import make_team
 
     d, path, qs = world
     teacher = make_team(load_team("weaver_synth", NO_CLIP + ["seed_system.glance_frames=4"]))

@@ -8,7 +8,7 @@ import yaml
 from tests.fakes import FakeChat, FakeVision, content, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import SFTConfig, load_sft_config
-from m1.marl.rewards import RewardConfig
+from m1.marl.reward.rewards import RewardConfig
 from m1.marl.sft import build_sft_data, is_revision, read_examples, rotate_options, thin_communicate, write_examples
 from m1.marl.sft_examples import SFTExample, plan_unchanged, select_examples
 from m1.schema import AgentAnswer, AgentRecord, Decision, Episode, Generation, Question, Turn
@@ -239,8 +239,8 @@ def test_uniform_teacher_plans_any_valid_pair_and_keeps_its_key_info():
 def test_sft_names_a_lost_ray_node_and_where_the_rerun_resumes(tmp_path, m1_cache, monkeypatch):
     """A learner node lost mid-SFT gives the same one-line error as GRPO does (node, ranks, resume step), not Ray's
     bare actor error; any other error passes through unchanged."""
-    import m1.marl.groups as groups
-    from m1.marl.distributed import DistributedError
+    import m1.marl.actor.groups as groups
+    from m1.marl.actor.distributed import DistributedError
     from m1.marl.sft import SFTTrainer
 
     class ActorDied(RuntimeError):

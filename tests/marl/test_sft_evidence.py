@@ -199,7 +199,7 @@ def teacher_team():
 
 
 def test_teacher_evidence_reaches_the_examples_file_and_old_lines_still_load(tmp_path, video):
-    from m1.marl.rewards import RewardConfig
+    from m1.marl.reward.rewards import RewardConfig
 
     q = MCQ.model_copy(update={"video": video, "answer": "A", "text": "What colour is the white square?"})
     kept, _ = build_sft_data(teacher_team(), [q], RewardConfig(), phases=("plan", "answer"))
@@ -225,7 +225,7 @@ def test_teacher_evidence_reaches_the_examples_file_and_old_lines_still_load(tmp
 
 # ------------------------------------------------------------------------------------------------ the learner
 def learner(m1_cache, **cfg):
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     spec = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": TINY})
     settings = LearnerConfig.model_validate({"finetune": "full", "lr": 1e-2, "max_grad_norm": None,

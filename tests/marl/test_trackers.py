@@ -75,7 +75,7 @@ def test_old_tensorboard_key_reads_with_a_deprecation_and_backends_default_to_te
 def test_a_tracker_not_installed_is_one_error_naming_the_extra_before_any_model_loads(tmp_path, monkeypatch):
     import importlib.util
 
-    import m1.marl.groups as groups
+    import m1.marl.actor.groups as groups
     from m1.marl.trainer import Trainer
 
     real = importlib.util.find_spec

@@ -16,7 +16,7 @@ from tests.conftest import is_dag, varied_reward
 from tests.fakes import FakeChat, FakeVision, scripted_reply
 from m1.config import TeamConfig
 from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig, load_train_config
-from m1.marl.rollout import Sample, build_samples, run_rollouts, sample_topology, score, training_team_config
+from m1.marl.rollout.episodes import Sample, build_samples, run_rollouts, sample_topology, score, training_team_config
 from m1.schema import Question
 from m1.team import topology as topo
 
@@ -59,7 +59,7 @@ def train_cfg(out, finetune="full", steps=1, **over):
 
 def group_all(rewards):
     """GRPO's group advantages (std-scaled) of every agent's [G, K] rewards."""
-    from m1.marl.advantages import group_advantages
+    from m1.marl.algo.advantages import group_advantages
 
     return {a: group_advantages(r) for a, r in rewards.items()}
 
@@ -279,7 +279,7 @@ def test_phase_credit_gives_answers_the_advantage_of_their_outcome(video):
 
 
 def test_phase_credit_needs_rewards_with_an_outcome(tmp_path, video, m1_cache):
-    from m1.marl.rollout import RolloutError
+    from m1.marl.rollout.episodes import RolloutError
 
     trainer = make_trainer(train_cfg(tmp_path, rollout={"credit": "phase"}), video)
     with pytest.raises(RolloutError, match="outcome"):
@@ -292,7 +292,7 @@ def test_greedy_baseline_step_credits_rewards_minus_the_greedy_run(tmp_path, vid
     sampled rollouts are those of a plain step, and the greedy team's result is logged."""
     import torch
 
-    from m1.marl.credit import CreditStrategy
+    from m1.marl.algo.credit import CreditStrategy
 
     seen = []
     real = CreditStrategy.advantages
@@ -343,7 +343,7 @@ def _synthetic_samples(n=10, seed=0):
 def test_gradient_accumulation_gives_the_full_batch_update(loss_type, m1_cache):
     import torch
 
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     spec = TeamConfig.model_validate(team_dict()).models["qa"]
     grpo = GRPOSettings(beta=0.0, loss_type=loss_type)
@@ -368,7 +368,7 @@ def test_gradient_accumulation_gives_the_full_batch_update(loss_type, m1_cache):
 def test_deepspeed_zero2_step_on_cpu(tmp_path, m1_cache):
     import torch
 
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     spec = TeamConfig.model_validate(team_dict()).models["qb"]
     cfg = LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4, precision="fp32", deepspeed="zero2")
@@ -516,7 +516,7 @@ def test_sampler_importance_weights_correct_engine_logprobs(m1_cache):
 
     import torch
 
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     spec = TeamConfig.model_validate(team_dict()).models["qa"]
     samples = _synthetic_samples(6)

@@ -52,8 +52,8 @@ def _node_resources() -> dict[str, set[str]]:
 @pytest.mark.slow
 def test_two_node_ray_run_stops_naming_a_lost_node_and_resumes_with_the_same_losses(two_node_ray, tmp_path, video,
                                                                                     monkeypatch):
-    from m1.marl import groups
-    from m1.marl.distributed import DistributedError
+    from m1.marl.actor import groups
+    from m1.marl.actor.distributed import DistributedError
     from m1.marl.trainer import Trainer
 
     checked: list[list[str]] = []  # who wrote a marker in each storage check
@@ -128,8 +128,8 @@ def test_two_node_ray_run_stops_naming_a_lost_node_and_resumes_with_the_same_los
 
 def test_two_node_ray_bundles_name_each_node_by_its_id():
     """Two Ray nodes of one machine share an address, so the plan's bundles select their node by Ray node id."""
-    from m1.marl.cluster import PlanError
-    from m1.marl.planner import make_plan
+    from m1.marl.plan.cluster import PlanError
+    from m1.marl.plan.planner import make_plan
 
     cfg = _config("/tmp/unused")
     plan = make_plan(cfg, nodes=[1, 1], gpu_mem_gb=80)
@@ -147,7 +147,7 @@ def test_two_node_ray_lost_ranks_names_the_node_or_the_dead_rank(monkeypatch):
     cluster): a dead node names its id, address and every rank it held; a rank whose process died on a live node
     names that rank; a Ray error with every node up, or an error that is not Ray's, is left as it is (None)."""
     ray = pytest.importorskip("ray")
-    from m1.marl.groups import RayLearners, lost_ranks
+    from m1.marl.actor.groups import RayLearners, lost_ranks
 
     a, b = "aa" * 28, "bb" * 28
     group = object.__new__(RayLearners)  # the state a built group holds, without starting actors

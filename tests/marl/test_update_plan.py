@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from m1.marl.config import LearnerConfig
-from m1.marl.learner import AgentLearner
+from m1.marl.actor.learner import AgentLearner
 from tests.marl.test_prefix_sharing import ForwardLog, grouped_rows, learner, samples
 
 
@@ -152,7 +152,7 @@ def test_prompt_loss_adds_the_prompts_token_mean_and_keeps_the_completions(m1_ca
     next-token log-probs of the unpadded prompt (its first token unscored)."""
     import torch
 
-    from m1.marl.grpo import token_logprobs
+    from m1.marl.algo.reductions import token_logprobs
 
     rows = grouped_rows(seed=11)
     lrn = learner("qwen3", micro_batch_size=64, micro_batch_tokens=None)

@@ -12,9 +12,9 @@ import pytest
 
 from m1.config import ModelSpec, TinySpec
 from m1.config_files import ConfigError
-from m1.marl.memory_model import GiB, driver_vision_shape, request_frames, vision_request_bytes
-from m1.marl.placement_plan import plan_summary, with_request_batches
-from m1.marl.planner import make_plan
+from m1.marl.plan.memory_model import GiB, driver_vision_shape, request_frames, vision_request_bytes
+from m1.marl.plan.placement_plan import plan_summary, with_request_batches
+from m1.marl.plan.planner import make_plan
 from m1.marl.config import load_train_config
 from m1.models.base import SamplingParams, VisionRequest
 from m1.models.shapes import VISION_SHAPES

@@ -350,7 +350,7 @@ def test_distinct_rollouts_remote_chat_stamps_seeds_before_splitting_over_ranks(
     one rank would give (here a fake rank echoes the seed it was given)."""
     from m1.models.base import mix_seed
 
-    import m1.marl.groups as groups
+    import m1.marl.actor.groups as groups
 
     class Rank:
         def __init__(self):

@@ -61,7 +61,7 @@ def server(folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def learner(folder):
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     cfg = LearnerConfig(finetune="lora", max_prompt_tokens=MAX_PROMPT, max_completion_tokens=MAX_COMPLETION)
     return AgentLearner("alpha", "qa", SPEC, cfg, GRPOSettings(beta=0.0))
@@ -233,7 +233,7 @@ def test_full_weight_reload(server, learner, folder, tmp_path):
     """The new weight files replace the engine's own (update_config answers 500, as on vLLM 0.32) and it reloads."""
     import torch
 
-    from m1.marl.grpo import token_logprobs
+    from m1.marl.algo.reductions import token_logprobs
 
     chat = _chat(server, learner)
     assert chat.engine_folder() == Path(server.argv[server.argv.index("--model") + 1])

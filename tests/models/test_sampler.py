@@ -162,8 +162,8 @@ def test_a_learner_update_or_load_empties_its_samplers_cache(m1_cache, tmp_path)
     import torch
 
     from m1.marl.config import GRPOSettings, LearnerConfig
-    from m1.marl.learner import AgentLearner
-    from m1.marl.rollout import Sample
+    from m1.marl.actor.learner import AgentLearner
+    from m1.marl.rollout.episodes import Sample
     from m1.models.base import ChatRequest
 
     spec = ModelSpec(kind="chat", tiny=TinySpec(arch="qwen3", seed=8))

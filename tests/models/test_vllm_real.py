@@ -77,7 +77,7 @@ def folder(m1_cache):
 
 @pytest.fixture(scope="module")
 def learner(folder):
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
 
     cfg = LearnerConfig(finetune="lora", max_prompt_tokens=MAX_PROMPT, max_completion_tokens=MAX_COMPLETION)
     return AgentLearner("alpha", "qa", SPEC, cfg, GRPOSettings(beta=0.0))
@@ -306,7 +306,7 @@ def _perturbed(folder, out, seed):
 def _hf_logprobs(model, prompt, completion):
     import torch
 
-    from m1.marl.grpo import token_logprobs
+    from m1.marl.algo.reductions import token_logprobs
 
     ids = torch.tensor([list(prompt) + list(completion)])
     with torch.no_grad():

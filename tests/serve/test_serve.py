@@ -24,7 +24,7 @@ from m1.config import load_team  # noqa: E402
 from m1.run import run_questions  # noqa: E402
 from m1.serve import ApiError, ChatCompletionRequest, Limits, create_app, split_options  # noqa: E402
 from m1.serve.protocol import FIELD_ERRORS, IGNORED_FIELDS, FieldError, fields  # noqa: E402
-from m1.team.kinds import make_team  # noqa: E402
+from m1.team.engines_registry import make_team  # noqa: E402
 
 NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
 LETTERS = "ABCDEFGHIJ"

@@ -46,7 +46,7 @@ def test_a_port_taken_while_the_team_loads_is_exit_2_not_uvicorns_3(monkeypatch,
     import m1.config
     import m1.models.preflight
     import m1.serve.command
-    import m1.team.kinds
+    import m1.team.engines_registry
 
     async def app(scope, receive, send):  # a server with nothing to serve, but a lifespan uvicorn can run
         while scope["type"] == "lifespan":
@@ -58,7 +58,7 @@ def test_a_port_taken_while_the_team_loads_is_exit_2_not_uvicorns_3(monkeypatch,
     monkeypatch.setattr(m1.serve.command, "check_port", lambda host, port: None, raising=False)  # free then
     monkeypatch.setattr(m1.config, "load_team", lambda name, overrides: SimpleNamespace(name=name))
     monkeypatch.setattr(m1.models.preflight, "startup_problems", lambda cfg: ([], []))
-    monkeypatch.setattr(m1.team.kinds, "make_team", lambda cfg: cfg)
+    monkeypatch.setattr(m1.team.engines_registry, "make_team", lambda cfg: cfg)
     monkeypatch.setattr(m1.serve.command, "create_app", lambda team, limits, api_key: app)
     r = invoke("serve", "--team", "mini_trained", "--port", held)
     one_error(r, f"cannot serve on 127.0.0.1:{held}", "did not start")

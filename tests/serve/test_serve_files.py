@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from m1.config import load_team  # noqa: E402
 from m1.serve import Limits, create_app  # noqa: E402
-from m1.team.kinds import make_team  # noqa: E402
+from m1.team.engines_registry import make_team  # noqa: E402
 from m1.video import probe  # noqa: E402
 from tests.serve.test_serve import NO_CLIP  # noqa: E402
 

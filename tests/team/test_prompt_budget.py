@@ -17,7 +17,7 @@ from m1.config import load_team
 from m1.memory import SharedMemory
 from m1.schema import Plan, Turn
 from m1.team import budget
-from m1.team.kinds import make_team
+from m1.team.engines_registry import make_team
 
 NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  # the world's CLIP takes minutes
 MARK = "left out to fit the prompt budget"
@@ -104,8 +104,8 @@ def test_prompt_budget_over_budget_is_an_error_or_a_configured_drop(world):
 
 def test_prompt_budget_learner_refuses_a_long_prompt_instead_of_cutting_its_head():
     from m1.marl.config import LearnerConfig
-    from m1.marl.rollout import Sample
-    from m1.marl.scorer import Scorer
+    from m1.marl.rollout.episodes import Sample
+    from m1.marl.actor.scorer import Scorer
 
     me = SimpleNamespace(agent="alpha", vl=False, cfg=LearnerConfig(max_prompt_tokens=8, max_completion_tokens=3))
     short = Sample(agent="alpha", question_id="q1", group=0, rollout=0, phase="answer", prompt_ids=list(range(8)),
@@ -123,7 +123,7 @@ def test_prompt_budget_count_learner_check_and_model_tokenize_a_prompt_once(monk
     and samples as tokenizing it at every stage (the memo held at 0 tokens)."""
     from m1.config import ModelSpec
     from m1.marl.config import GRPOSettings, LearnerConfig
-    from m1.marl.learner import AgentLearner
+    from m1.marl.actor.learner import AgentLearner
     from m1.models import base
 
     spec = {"kind": "chat", "device": "cpu",
@@ -184,8 +184,8 @@ def test_prompt_budget_trainer_logs_the_share_of_trimmed_prompts():
     dropped = Episode(id="q", question=q, topology=top, memory={}, error="dropped: agent 'a', phase plan ...")
     import torch
 
-    from m1.marl.credit import StepCredit
-    from m1.marl.team_kinds import CppKind
+    from m1.marl.algo.credit import StepCredit
+    from m1.marl.team_training import CppKind
 
     batch = SimpleNamespace(flat=[ok, dropped], breakdowns=[], rewards={"a": [[1.0, math.nan]]})
     me = SimpleNamespace(step=1, lr_at=lambda s: 0.0, kind=CppKind(), trained=["a"],

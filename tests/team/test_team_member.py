@@ -23,7 +23,7 @@ from m1.run import run_questions  # noqa: E402
 from m1.schema import AgentAnswer  # noqa: E402
 from m1.serve import Limits, create_app  # noqa: E402
 from m1.team import aggregate  # noqa: E402
-from m1.team.kinds import make_team  # noqa: E402
+from m1.team.engines_registry import make_team  # noqa: E402
 
 SECRET = "sk-test-member-key-do-not-print"
 
@@ -212,7 +212,7 @@ def test_team_model_config():
     assert "team model, vision needed" in refused({"tools": {**base["tools"], "browser": "p"}})
     TeamConfig.model_validate({**base, "models": {**base["models"], "p": {**base["models"]["p"],
                                                                         "video_transport": "file"}}})
-    from m1.marl.rollout import training_team_config
+    from m1.marl.rollout.episodes import training_team_config
 
     with pytest.raises(ValueError, match="agent 'panel' is a served team"):  # nothing here could train it
         training_team_config(cfg, 1.0)

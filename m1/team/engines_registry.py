@@ -1,5 +1,5 @@
 """Which engine runs a team, by its kind: the one registry `make_team` (m1 infer, eval, serve, training) and the
-trainer's `team_kind` (m1/marl/team_kinds.py) both read, so a new kind is one row here.
+trainer's `team_kind` (m1/marl/team_training.py) both read, so a new kind is one row here.
 
 A team's kind is its agents' kind: m1/config.py makes a team's agents share one (`cpp` for the paper's agents) and
 refuses a seed-kind agent (weaver, zoomer, sage, ...) with teammates.

@@ -2,13 +2,13 @@
 
 Ray and torch are imported here only inside the functions that ask them, so planning a cluster one describes
 (`m1 train --plan --gpus N --gpu-mem GB`) needs neither. `PlanError` lives here, below
-m1/marl/placement_plan.py and planner.py, since a cluster that cannot be asked is the first refusal a plan meets.
+m1/marl/plan/placement_plan.py and planner.py, since a cluster that cannot be asked is the first refusal a plan meets.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m1.marl.memory_model import GiB
+from m1.marl.plan.memory_model import GiB
 
 RAY_NODE_ID_LABEL = "ray.io/node-id"  # the label Ray puts on every node: its node id
 

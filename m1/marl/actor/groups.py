@@ -5,7 +5,7 @@
 torch.distributed process group (NCCL on GPU, gloo on CPU) under DeepSpeed ZeRO-2. Every rank holds the whole
 weights (ZeRO-2 shards gradients and optimizer state, not weights), so every rank can also generate: the team's
 requests for an agent are split across its ranks. A step's samples are split across the ranks inside
-`AgentLearner.update`. With a placement plan (m1/marl/planner.py), each rank runs in the placement-group bundle the
+`AgentLearner.update`. With a placement plan (m1/marl/plan/planner.py), each rank runs in the placement-group bundle the
 plan gave it, so no part lands on a GPU another part holds.
 
 Both are a `LearnerGroup` (m1/contracts.py): `chat_models()` (what the team generates with), `update(samples, lr,
@@ -26,14 +26,14 @@ from typing import Any, Callable
 from m1.config import ModelSpec
 from m1.contracts import LearnerGroup
 from m1.models.base import with_seeds
-from m1.marl.placement_plan import with_request_batches
+from m1.marl.plan.placement_plan import with_request_batches
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.marl.distributed import DistributedError, _require_ray, prepare_process_group
+from m1.marl.actor.distributed import DistributedError, _require_ray, prepare_process_group
 from m1.models.vllm_server import free_port
-from m1.marl.learner import AgentLearner
-from m1.marl.rollout import Sample
-from m1.marl.cluster import cluster_gpus_from_ray
-from m1.marl.planner import make_plan
+from m1.marl.actor.learner import AgentLearner
+from m1.marl.rollout.episodes import Sample
+from m1.marl.plan.cluster import cluster_gpus_from_ray
+from m1.marl.plan.planner import make_plan
 from m1.models.hub import ModelHub
 
 log = logging.getLogger(__name__)

@@ -2,11 +2,11 @@
 
 A 7-8B full fine-tune that does not fit its GPUs fails minutes into a run, after every model has loaded, with an
 out-of-memory error that names nothing. `make_plan` answers the same question from the models' shapes alone
-(m1/marl/memory_model.py) in well under a second: it estimates the peak memory of every GPU, hands out whole GPUs node
-by node, and lists every shortfall by agent or model with the setting that would fix it. It goes in the order the
+(m1/marl/plan/memory_model.py) in well under a second: it estimates the peak memory of every GPU, hands out whole GPUs
+node by node, and lists every shortfall by agent or model with the setting that would fix it. It goes in the order the
 plan is read: learners, their rollout batch, rollout engines, driver models, then memory checks, GPU assignment and
 checkpoint sizes, one helper each (`_Draft` carries what they gather). Nothing here imports torch or ray; the
-cluster is asked through m1/marl/cluster.py.
+cluster is asked through m1/marl/plan/cluster.py.
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from m1.config import ModelSpec, TeamConfig
-from m1.marl.cluster import PlanError, detect_cluster, local_cluster
+from m1.marl.plan.cluster import PlanError, detect_cluster, local_cluster
 from m1.marl.config import ClusterConfig, LearnerConfig, SFTConfig, TrainConfig
-from m1.marl.memory_model import (VISION_PROMPT_TOKENS, MemoryEstimate, chat_shape, checkpoint_bytes,
+from m1.marl.plan.memory_model import (VISION_PROMPT_TOKENS, MemoryEstimate, chat_shape, checkpoint_bytes,
                                   driver_vision_shape, in_gb, kv_fit, kv_token_bytes, learner_memory, model_parameters,
                                   needs_gpu, reference_bytes, request_frames, trained_weight_bytes,
                                   vision_request_bytes, weight_bytes)
-from m1.marl.placement_plan import GpuSlot, PlacementPlan, RequestBatch, RolloutChunk, Unit
+from m1.marl.plan.placement_plan import GpuSlot, PlacementPlan, RequestBatch, RolloutChunk, Unit
 from m1.models.hf import DEFAULT_VISION_BATCH
 from m1.models.shapes import ShapeError, TextShape
 from m1.registry import TOOLS

@@ -25,9 +25,9 @@ In the paper each agent is rewarded for its own answer only, which is our defaul
 rewards the generations no own-answer reward reaches, such as the summarizer's merged answer.
 `outcome` = w_res * R_res + w_format * (the agent's answer, and its summary if it wrote one, parsed strictly)
 + w_team * team_res is what an answer (or the summarizer's summary) decides; with `rollout.credit: phase` (ours)
-both are trained on the advantage of the outcome alone (m1.marl.rollout). Their own format is part of it so that a
-reply the parser must rescue (an option letter for an open question, say) loses to a well-formed one with the same
-result.
+both are trained on the advantage of the outcome alone (m1.marl.rollout.episodes). Their own format is part of it so
+that a reply the parser must rescue (an option letter for an open question, say) loses to a well-formed one with the
+same result.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from m1.text import parse_span
 from m1.config import Strict
 from m1.data.metrics import iou, is_correct, mra, normalize_answer, parse_number
-from m1.marl.judge import CorrectItem, Judge, JudgeItem
+from m1.marl.reward.judge import CorrectItem, Judge, JudgeItem
 from m1.registry import CPP, is_seed, seed_kind, seed_kind_names
 from m1.schema import Episode, Question
 

@@ -1,6 +1,6 @@
 """GRPO's tensor primitives as small pure functions: token log-probs, the k3 KL, the loss reductions
 (`grpo.loss_type`) and the old log-probs of the ratio (`grpo.old_logprobs`). The policy objectives and `grpo_loss`,
-which composes them, are in m1/marl/objectives.py; the advantage estimators in m1/marl/advantages.py.
+which composes them, are in m1/marl/algo/objectives.py; the advantage estimators in m1/marl/algo/advantages.py.
 
 Reference numerics: TRL 1.16.0 ``GRPOTrainer`` (parity is tested in ``tests/marl/test_grpo.py`` by running TRL's own
 ``_compute_loss``). Choices:
@@ -14,8 +14,8 @@ Reference numerics: TRL 1.16.0 ``GRPOTrainer`` (parity is tested in ``tests/marl
 Adding a loss or an old-log-prob mode: the loss types (``LOSSES``) and the ``grpo.old_logprobs`` modes
 (``OLD_LOGPROBS``) are registries, and the config accepts exactly their names. A new one is one function under
 ``@register_loss(name, token_level=...)`` or ``@register_old_logprobs(name)`` plus a test of its values; the
-learner (m1/marl/learner.py) needs no change. tests/marl/test_loss_registry.py registers a toy loss from outside m1/ and
-trains one step with it.
+learner (m1/marl/actor/learner.py) needs no change. tests/marl/test_loss_registry.py registers a toy loss from outside
+m1/ and trains one step with it.
 
 torch is imported inside the functions so that importing this module stays cheap.
 """

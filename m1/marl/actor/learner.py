@@ -1,18 +1,19 @@
 """One agent's learner: policy, reference and optimizer, and its optimizer step. The groups that hold one learner
-per agent (`LocalLearners`, `RayLearners`) live in m1/marl/groups.py.
+per agent (`LocalLearners`, `RayLearners`) live in m1/marl/actor/groups.py.
 
 Learners (`AgentLearner`) hold the policy (LoRA adapter through peft, or the full model), the reference (LoRA: the
 same model with the adapter disabled; full: a frozen copy; none when beta = 0), and an AdamW optimizer, optionally
 inside a DeepSpeed ZeRO-2 engine. Different agents may have different architectures and tokenizers: each learner
 tokenises and scores its own samples. Three parts live beside this file: loading the model, policy and reference
-(m1/marl/learner_load.py), scoring samples (m1/marl/scorer.py: token rows, the images of vision-language prompts,
-every log-prob pass) and the learner's state on disk (m1/marl/learner_io.py); this file is the update and its losses.
+(m1/marl/actor/learner_load.py), scoring samples (m1/marl/actor/scorer.py: token rows, the images of vision-language
+prompts, every log-prob pass) and the learner's state on disk (m1/marl/actor/learner_io.py); this file is the update
+and its losses.
 
 Old log-probs: with `grpo.old_logprobs: policy` (default) the surrogate uses `logp.detach()` — one update per
 rollout batch, TRL's on-policy case, ratio exactly 1 with the gradient of logp. `rollout` uses the sampler's
 log-probs instead, `sampler` weights each token by a truncated importance weight (the modes and the loss types are
-registries in m1/marl/grpo.py, the policy objectives in m1/marl/objectives.py). Whenever the samples carry the
-sampler's log-probs, `logp_gap` logs the mean |recomputed - sampled| log-prob, which should be ~0.
+registries in m1/marl/algo/reductions.py, the policy objectives in m1/marl/algo/objectives.py). Whenever the samples
+carry the sampler's log-probs, `logp_gap` logs the mean |recomputed - sampled| log-prob, which should be ~0.
 
 Gradient accumulation: an agent's samples of one step are split into micro-batches of `learner.micro_batch_size`;
 each micro-batch loss is weighted so the accumulated gradient equals that of the whole step's batch (`grpo` and
@@ -29,13 +30,13 @@ from typing import Any, NamedTuple
 from m1.attention_loss import HeadScores, evidence_attention_loss, supervised_layers
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.marl.distributed import deepspeed_engine
-from m1.marl.grpo import LOSSES, OLD_LOGPROBS
-from m1.marl.learner_io import export_learner_weights, load_learner, save_learner
-from m1.marl.learner_load import load_policy, reference
-from m1.marl.objectives import LOSS_TOTALS, grpo_loss
-from m1.marl.rollout import Sample
-from m1.marl.scorer import Scorer
+from m1.marl.actor.distributed import deepspeed_engine
+from m1.marl.algo.reductions import LOSSES, OLD_LOGPROBS
+from m1.marl.actor.learner_io import export_learner_weights, load_learner, save_learner
+from m1.marl.actor.learner_load import load_policy, reference
+from m1.marl.algo.objectives import LOSS_TOTALS, grpo_loss
+from m1.marl.rollout.episodes import Sample
+from m1.marl.actor.scorer import Scorer
 from m1.models.base import prompt_ids
 
 
@@ -132,7 +133,7 @@ class AgentLearner:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
 
-    # -------------------------------------------------------------- scoring (m1/marl/scorer.py)
+    # -------------------------------------------------------------- scoring (m1/marl/actor/scorer.py)
     def sft_sample(self, ex) -> Sample:
         """An SFT example (m1/marl/sft.py) as this learner's `Sample` (`Scorer.sft_sample`)."""
         return self.scorer.sft_sample(ex)
@@ -245,10 +246,11 @@ class AgentLearner:
         return loss, stats
 
     def _grpo_loss(self, micro: list[Sample], micro_rows: list, step: StepSize):
-        """`grpo_loss` of one micro-batch with the configured objective (m1/marl/objectives.py), loss type and
-        old-log-prob mode (m1/marl/grpo.py), weighted against the whole step: a token-level loss is normalised by the
-        step's token count, any other by the micro-batch's share of the step's samples. Per-token stats are means
-        over the tokens run; `logp_gap` is the mean |recomputed - sampled| log-prob, which should be ~0 on-policy."""
+        """`grpo_loss` of one micro-batch with the configured objective (m1/marl/algo/objectives.py), loss type and
+        old-log-prob mode (m1/marl/algo/reductions.py), weighted against the whole step: a token-level loss is
+        normalised by the step's token count, any other by the micro-batch's share of the step's samples. Per-token
+        stats are means over the tokens run; `logp_gap` is the mean |recomputed - sampled| log-prob, which should be
+        ~0 on-policy."""
         import torch
 
         g = self.grpo
@@ -348,11 +350,11 @@ class AgentLearner:
         return {n: p.detach().cpu().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
 
     def save(self, folder: str | Path, include_rng: bool = False) -> None:
-        """Weights, optimizer state and optionally this process's RNG (m1/marl/learner_io.py)."""
+        """Weights, optimizer state and optionally this process's RNG (m1/marl/actor/learner_io.py)."""
         save_learner(self, folder, include_rng)
 
     def load(self, folder: str | Path, include_rng: bool = False) -> None:
-        """What `save` wrote (m1/marl/learner_io.py)."""
+        """What `save` wrote (m1/marl/actor/learner_io.py)."""
         load_learner(self, folder, include_rng)
         self.weights_changed()
 

@@ -1,7 +1,7 @@
 """The placement plan as data: which GPUs each learner group, rollout engine and driver model gets, with its memory
 estimate, and how the plan reads (`render`), logs (`plan_summary`) and becomes Ray placement-group bundles.
 
-m1/marl/planner.py `make_plan` builds it; the trainer, the learner groups and `--plan` only read it, so they import
+m1/marl/plan/planner.py `make_plan` builds it; the trainer, the learner groups and `--plan` only read it, so they import
 these records without the planning logic.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from m1.config import ModelSpec
-from m1.marl.cluster import RAY_NODE_ID_LABEL, PlanError
-from m1.marl.memory_model import MemoryEstimate
+from m1.marl.plan.cluster import RAY_NODE_ID_LABEL, PlanError
+from m1.marl.plan.memory_model import MemoryEstimate
 
 
 @dataclass

@@ -4,9 +4,9 @@ A policy objective receives the policy's log-probs, the old log-probs, the advan
 advantages [B, 1] or [B, T]) and its own settings (the `grpo` fields it names in `settings`, nothing else), and
 returns its per-token loss ([B, T], or [B, 1] for one value per sequence) and its metrics (masked token means, which
 the learner logs per agent). `grpo_loss` then weights it by the sampler's importance weight, adds ``beta * k3 KL``
-per token and reduces with the `grpo.loss_type` rule (m1/marl/grpo.py `LOSSES`), so every objective is aggregated,
-accumulated over micro-batches and logged alike. Shipped (numerics equal TRL 1.16.0's `_compute_loss`, tested by
-running it in tests/marl/test_objectives.py and tests/marl/test_grpo.py):
+per token and reduces with the `grpo.loss_type` rule (m1/marl/algo/reductions.py `LOSSES`), so every objective is
+aggregated, accumulated over micro-batches and logged alike. Shipped (numerics equal TRL 1.16.0's `_compute_loss`,
+tested by running it in tests/marl/test_objectives.py and tests/marl/test_grpo.py):
 
 - `clip` (the default; PPO / GRPO): ``-min(r A, clip(r, 1 - eps, 1 + eps) A)`` per token, r = exp(logp - old),
   eps = `clip_eps_low`; `delta` caps the unclipped r (INTELLECT-2's two-sided clip, TRL's `delta`);
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from m1.marl.entries import Entry, Rule
 from m1.registry import add_entry
-from m1.marl.grpo import LOSSES, aggregate, kl_k3
+from m1.marl.algo.reductions import LOSSES, aggregate, kl_k3
 
 if TYPE_CHECKING:
     import torch

@@ -4,7 +4,7 @@ One training step samples **one** communication DAG (random edges + agent dropou
 step K times over it at temperature 1, through the ordinary `Team` engine (so generation is batched exactly as at
 inference). Then, for every agent:
 
-- its reward on each episode comes from the reward function (default: `m1.marl.rewards.batch_agent_rewards`);
+- its reward on each episode comes from the reward function (default: `m1.marl.reward.rewards.batch_agent_rewards`);
 - the advantage of rollout k of question g is normalised within that agent's own K rollouts of g;
 - every generation the agent wrote in that episode (plan, each communication decision, answer, summary) becomes
   one sample carrying that advantage (with `credit: phase`, answers and the summarizer's summary carry the
@@ -22,7 +22,7 @@ draw never decides the focus agent's credit.
 
 Episodes that failed (unreadable video, or dropped over the team's prompt budget) have a NaN reward, which
 `group_advantages` treats as a missing sample, and give no samples. Which advantages a step uses (credit rule,
-baseline, dynamic sampling) is m1/marl/credit.py's choice.
+baseline, dynamic sampling) is m1/marl/algo/credit.py's choice.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """How one agent's learner scores its samples: token rows, the images of vision-language prompts, and every path
 that computes a completion's log-probs.
 
-A learner (m1/marl/learner.py) owns one `Scorer` over its chat model. The scorer turns samples (and SFT examples)
+A learner (m1/marl/actor/learner.py) owns one `Scorer` over its chat model. The scorer turns samples (and SFT examples)
 into the (prompt, completion) token rows the update trains on, decodes the frames of multimodal prompts again from
 their video, and computes per-token log-probs [B, C] with their mask through one of four passes that give the same
 values: the joint pass over prompt + completion; the shared-prompt pass, each distinct prompt once and its key/value
@@ -21,8 +21,8 @@ from typing import Any
 
 from m1.evidence import chat_token_evidence
 from m1.marl.config import LearnerConfig
-from m1.marl.grpo import token_logprobs
-from m1.marl.rollout import Sample
+from m1.marl.algo.reductions import token_logprobs
+from m1.marl.rollout.episodes import Sample
 from m1.models.base import ChatRequest, image_frames, text_only
 from m1.video import VideoPool
 

@@ -3,8 +3,8 @@
 The trainer runs one loop for every team; what differs between the CPP team (several agents writing plans, notes,
 answers and a summary over a DAG) and a seed kind (Weaver, VideoZoomer, SAGE: one policy in a multi-turn tool
 loop, m1/team/single.py) lives behind one interface (`TeamKind`, m1/contracts.py), chosen once from the team
-config by `team_kind` through the team kinds' registry (m1/team/kinds.py: the engine that runs the kind picks its
-trainer kind here):
+config by `team_kind` through the team kinds' registry (m1/team/engines_registry.py: the engine that runs the kind picks
+its trainer kind here):
 
 - `phases` / `train_phases`: the generations an episode has, and those a run trains on;
 - `topology`: the step's communication DAG (a team of one always runs on the complete graph);
@@ -22,13 +22,13 @@ from collections.abc import Callable, Sequence
 from m1.agents.parsers import parse_plan
 from m1.config import TeamConfig
 from m1.contracts import Team, TeamKind
-from m1.marl.rewards import (RewardBreakdown, SeedReward, batch_agent_rewards, reward_kind, seed_rewards, summarize,
-                             summarize_seed)
-from m1.marl.rollout import RolloutBatch, step_topology
+from m1.marl.reward.rewards import (RewardBreakdown, SeedReward, batch_agent_rewards, reward_kind, seed_rewards,
+                                    summarize, summarize_seed)
+from m1.marl.rollout.episodes import RolloutBatch, step_topology
 from m1.marl.sft_examples import select_examples, select_seed_examples
 from m1.registry import CPP, is_seed
 from m1.team.cpp import Team as CppTeam
-from m1.team.kinds import kind_of
+from m1.team.engines_registry import kind_of
 from m1.team.single import SingleAgentTeam
 from m1.trace import family_of
 
@@ -56,7 +56,7 @@ def seed_phases(phases, where: str, kind: str, default) -> list[str] | None:
 def check_seed_policies(team: TeamConfig, trained: list[str], where: str, engine: str = "hf") -> None:
     """A trained seed-kind policy must be one the learner can score: a text chat model (backend hf or vllm; frames
     reach it as `[frame at t s]` placeholders) or a vision-language model on backend hf (frames reach it as images,
-    and the learner feeds their pixels to its forward pass; m1/marl/scorer.py). Other vision backends are refused,
+    and the learner feeds their pixels to its forward pass; m1/marl/actor/scorer.py). Other vision backends are refused,
     and so is a vLLM rollout engine for a vision-language policy (its multimodal requests are not built)."""
     for a in team.agents:
         if a.name not in trained:
@@ -183,7 +183,7 @@ class SeedKind:
         return select_seed_examples(episodes, self.name, seed_phases(phases, "data.phases", self.name, ["plan"]))
 
 
-# the engine a team kind runs on (m1/team/kinds.py) -> how the trainer trains it, built from the kind's name
+# the engine a team kind runs on (m1/team/engines_registry.py) -> how the trainer trains it, built from the kind's name
 TRAINED_BY: dict[Callable[..., Team], Callable[[str], TeamKind]] = {CppTeam: CppKind, SingleAgentTeam: SeedKind}
 
 

@@ -4,7 +4,7 @@ DeepSpeed. Each agent's policy gets its own engine (agents have different archit
 The caller owns gradient accumulation: the number of samples an agent produces varies from step to step, so the
 engine runs with `managed_gradient_accumulation: false` — every `backward` accumulates, every `step` is a boundary.
 `configs/deepspeed/zero2.json` is the GPU config; values written "auto" are filled from the learner config, and bf16
-runs accumulate gradients in fp32. In a plain process, or a rank of a learner group (m1/marl/groups.py),
+runs accumulate gradients in fp32. In a plain process, or a rank of a learner group (m1/marl/actor/groups.py),
 `prepare_process_group` sets the rendezvous variables DeepSpeed insists on and, on CPU, skips the JIT build of the
 shared-memory comm op (see environment notes §3), so collectives go through gloo.
 """

@@ -9,7 +9,7 @@ the choice of three small registries, each entry owning the extra rollouts it ne
     quality or another generation's format does not decide which answer is reinforced;
   - `agent`: question i of the run has one focus agent (trained agent i mod n) sampling while its teammates decode
     greedily; only the focus agent is credited, within its own K episodes.
-- `ESTIMATORS` (`grpo.baseline`, m1/marl/advantages.py) — what a reward is compared with: `group` (GRPO's mean
+- `ESTIMATORS` (`grpo.baseline`, m1/marl/algo/advantages.py) — what a reward is compared with: `group` (GRPO's mean
   and std of the agent's K rollouts of the question), `greedy` (one more greedy run of each question, after ReMax),
   `rloo` (the mean of the group's other rollouts); an estimator that asks for the greedy run gets it here;
 - `rollout.dynamic_sampling` (DAPO): a question whose groups all tie carries no signal; it is dropped and the next
@@ -18,7 +18,7 @@ the choice of three small registries, each entry owning the extra rollouts it ne
 A credit rule states what it cannot be combined with in `check`, an estimator in its `requires` / `refuses` rules
 (m1/marl/entries.py); the config's validator reads both, the only place those rules live. A credit rule is a class
 registered with `@register_credit`; `rollout.credit` accepts any registered name. Which phases carry the outcome
-advantage (`OUTCOME_PHASES`) stays in m1/marl/rollout.py with `generation_credit`, which tests and the samples
+advantage (`OUTCOME_PHASES`) stays in m1/marl/rollout/episodes.py with `generation_credit`, which tests and the samples
 record call without a rule (rollout cannot import this module).
 """
 from __future__ import annotations
@@ -28,8 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from m1.marl.advantages import ESTIMATORS, estimate_advantages
-from m1.marl.rollout import RewardFn, RolloutBatch, RolloutError, Sample, build_samples, generation_credit, score
+from m1.marl.algo.advantages import ESTIMATORS, estimate_advantages
+from m1.marl.rollout.episodes import (RewardFn, RolloutBatch, RolloutError, Sample, build_samples, generation_credit,
+                                      score)
 from m1.registry import add_entry
 from m1.schema import Question, Topology
 
@@ -110,7 +111,7 @@ class AgentCredit(EpisodeCredit):
 
 def check_credit(cfg, kind) -> None:
     """The one place the credit rule of a TrainConfig is checked against the other settings and the team kind (the
-    advantage estimator's rules are its entry's, m1/marl/advantages.py)."""
+    advantage estimator's rules are its entry's, m1/marl/algo/advantages.py)."""
     CREDITS[cfg.rollout.credit].check(cfg, kind)
 
 

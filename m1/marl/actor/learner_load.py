@@ -12,8 +12,8 @@ from typing import Any
 from m1.attention_loss import check_heads
 from m1.config import ModelSpec
 from m1.marl.config import LearnerConfig
-from m1.marl.distributed import resolve_ds_config
-from m1.marl.rollout import derive_seed
+from m1.marl.actor.distributed import resolve_ds_config
+from m1.marl.rollout.episodes import derive_seed
 from m1.models.hf import HFChatModel, HFVisionModel, resolve_device
 
 VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")  # vision-language models the learner feeds pixel_values/image_grid_thw

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from m1.marl.judge import CorrectItem, JudgeItem, PlanRubric, Verdict, check_plan_rubric
+from m1.marl.reward.judge import CorrectItem, JudgeItem, PlanRubric, Verdict, check_plan_rubric
 from m1.models.base import ChatModel, ChatRequest, ModelError, SamplingParams
 from m1.registry import PAPER_TOOLS, TOOLS
 

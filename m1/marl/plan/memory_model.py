@@ -1,8 +1,8 @@
 """The GPU memory model: the peak bytes each learner, rollout batch and vision request needs on one GPU, from the
 models' shapes alone (m1/models/shapes.py).
 
-It is kept apart from the placement (m1/marl/planner.py) so that the arithmetic, which the tests pin number by number,
-reads on its own; nothing here knows about nodes, Ray or torch.
+It is kept apart from the placement (m1/marl/plan/planner.py) so that the arithmetic, which the tests pin number by
+number, reads on its own; nothing here knows about nodes, Ray or torch.
 
 Units: "GB" in every number and message means GiB (2**30 bytes), the unit torch and nvidia-smi report, so an
 "80 GB" A100 shows about 79.2 here; the planning headroom absorbs the difference.
@@ -87,10 +87,10 @@ def weight_bytes(spec: ModelSpec, default: int = 2) -> int:
 
 
 def trained_weight_bytes(learner: LearnerConfig, zero: bool = True) -> int:
-    """Bytes of each weight as a learner holds and saves it (m1/marl/learner_load.py `weights_dtype`): bf16 (precision
-    bf16, or auto on a GPU) for LoRA's frozen base and adapter under ZeRO, and for a full fine-tune under ZeRO (its
-    fp32 master lives in the optimizer); fp32 otherwise (a plain-torch full fine-tune keeps fp32 weights, since a
-    1e-7 step would round away in bf16)."""
+    """Bytes of each weight as a learner holds and saves it (m1/marl/actor/learner_load.py `weights_dtype`): bf16
+    (precision bf16, or auto on a GPU) for LoRA's frozen base and adapter under ZeRO, and for a full fine-tune under
+    ZeRO (its fp32 master lives in the optimizer); fp32 otherwise (a plain-torch full fine-tune keeps fp32 weights,
+    since a 1e-7 step would round away in bf16)."""
     bf16 = learner.precision != "fp32"
     return 2 if bf16 and (zero or learner.finetune == "lora") else 4
 
@@ -153,8 +153,9 @@ def reference_bytes(shape: TextShape, learner: LearnerConfig) -> int:
 
 
 def checkpoint_bytes(shape: TextShape, learner: LearnerConfig) -> int:
-    """One agent's share of a checkpoint, as m1/marl/learner_io.py `save_learner` writes it: the trained weights in the dtype
-    they are held in (`trained_weight_bytes`: model/ or adapter/ safetensors, written once) + the optimizer state.
+    """One agent's share of a checkpoint, as m1/marl/actor/learner_io.py `save_learner` writes it: the trained weights
+    in the dtype they are held in (`trained_weight_bytes`: model/ or adapter/ safetensors, written once) + the
+    optimizer state.
 
     Optimizer: under ZeRO (learner.deepspeed) the ranks' shards hold the fp32 master and Adam m, v: 12 bytes per
     trained parameter in all; in plain torch the weights are the fp32 master, and optimizer.pt holds m, v: 8. So a

@@ -5,13 +5,13 @@ and returns a binary verdict on three criteria: is the plan feasible, are the to
 question, are the steps well managed. This module holds what both implementations share (the items judged, the
 verdict, the `Judge` protocol, the plan rubrics); each lives in a module of its own:
 
-- `LLMJudge` (m1/marl/llm_judge.py): any `ChatModel` (the paper uses GPT-4o behind an OpenAI-compatible API). All items
-  of a call go to the model in one batched `generate`; a requests-per-minute token bucket splits
+- `LLMJudge` (m1/marl/reward/llm_judge.py): any `ChatModel` (the paper uses GPT-4o behind an OpenAI-compatible API). All
+  items of a call go to the model in one batched `generate`; a requests-per-minute token bucket splits
   the batch when it would exceed the budget; verdicts are cached on disk by a SHA-256 of the
   rendered prompt (which contains the trajectory) and the judge model name. A reply that cannot
   be read is a verdict of 0 with `ok=False`, never an exception.
-- `RubricJudge` (m1/marl/rubric_judge.py): the **offline rubric judge** - deterministic rules over the same three criteria,
-  for CPU runs and tests where no judge model is available. Its name, "offline-rubric-judge",
+- `RubricJudge` (m1/marl/reward/rubric_judge.py): the **offline rubric judge** - deterministic rules over the same three
+  criteria, for CPU runs and tests where no judge model is available. Its name, "offline-rubric-judge",
   appears in every verdict and log line it produces, so its scores are never mistaken for an
   LLM judge's.
 

@@ -1,4 +1,4 @@
-"""The offline rubric judge of R_col: deterministic rules over the LLM judge's three criteria (m1/marl/judge.py),
+"""The offline rubric judge of R_col: deterministic rules over the LLM judge's three criteria (m1/marl/reward/judge.py),
 for CPU runs and tests where no judge model is available."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 import re
 
 from m1.data.metrics import is_correct, normalize_answer
-from m1.marl.judge import CorrectItem, JudgeItem, PlanRubric, Verdict, check_plan_rubric
+from m1.marl.reward.judge import CorrectItem, JudgeItem, PlanRubric, Verdict, check_plan_rubric
 from m1.registry import GLOBAL_SAMPLING, GROUNDING_TOOL, SPACE_TOOL, TIME_STAMP_RETRIEVAL
 from m1.schema import AgentRecord, Question
 from m1.text import format_span

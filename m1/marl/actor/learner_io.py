@@ -3,7 +3,7 @@ process's random number generators.
 
 A learner's folder holds its weights (`model/`, a whole HF folder, or `adapter/`, the peft adapter), its optimizer
 state (`optimizer.pt`, or one ZeRO shard per rank, `zero-rank{rank}.pt`), `learner.json` (updates, fine-tune mode,
-ranks) and optionally each rank's RNG states. Functions of the learner (m1/marl/learner.py `AgentLearner`) rather
+ranks) and optionally each rank's RNG states. Functions of the learner (m1/marl/actor/learner.py `AgentLearner`) rather
 than its methods, so that the class keeps to training.
 """
 from __future__ import annotations
