@@ -8,6 +8,8 @@
      seen at one of its tool frames' times, the target the drill chain with its exact evidence;
   d  b, plus the base's raw timestamp drills (m1/pretrain/drills.py) as half of each batch: rehearsal, the control
      for forgetting.
+  e  every turn `m1 sft` would train a Weaver student on, in the rules' layout: the act and answer turns of the
+     train world's timestamp questions and of every 4th question of any family (the chats of arm c, unchanged).
 Every arm trains as `m1 sft` does for weaver_synth (next-token loss on the target, the evidence attention loss,
 lr 2e-3 cosine, warm-up 5) and is measured at steps 0, 50 and 100, teacher-forced, per hop of the chain
 (`77 -> 77.0s>[caption] -> white -> A`: clock, frame, colour, letter; a hop is right when all its tokens are):
@@ -17,6 +19,8 @@ on the dev world's held-out Weaver answer turns in the rules' layout and chain f
     python scripts/seed_layout_sft.py --arms a b c d --steps 100 --json runs/r83/seed_layout.json
     python scripts/seed_layout_sft.py --table --json runs/r83/seed_layout.json
     python scripts/seed_layout_sft.py --arms a b --free --eval-at 0 100 --json runs/r83/free.json   # free-running too
+    python scripts/seed_layout_sft.py --arms e --free --act --steps 300 --eval-at 0 100 300 --json runs/r83/e.json
+`--act` adds the dev act turns, free-running: the tool the teacher called, its whole call, and whether one parses.
 `--build` runs weaver_synth's teacher over the timestamp questions of runs/mini/train (seed 1, 120 videos) and
 runs/mini/dev (seed 2001, 40 videos), and over every 4th train question of any family (arm c's chats).
 """
@@ -76,11 +80,12 @@ def chat_sample(tok, messages, completion: str, evidence, eos: int) -> Sample:
     reply = tok(completion, add_special_tokens=False, return_offsets_mapping=True)
     rows = chat_token_evidence(text, [m.get("content") or "" for m in msgs], prompt["offset_mapping"], completion,
                                reply["offset_mapping"], evidence, tail=1)
-    at = completion.index("Read:") + len("Read:")
-    end = completion.rindex(".\n<answer>")
     first = len(prompt["input_ids"])
-    return Sample(prompt["input_ids"] + reply["input_ids"] + [eos], first, rows,
-                  hop_ranges(completion, at, end, reply["offset_mapping"], first))
+    hops = []  # an act turn, or an answer turn without a chain, has no hops
+    if "Read:" in completion and ".\n<answer>" in completion:
+        at = completion.index("Read:") + len("Read:")
+        hops = hop_ranges(completion, at, completion.rindex(".\n<answer>"), reply["offset_mapping"], first)
+    return Sample(prompt["input_ids"] + reply["input_ids"] + [eos], first, rows, hops)
 
 
 def drill_sample(tok, drill) -> Sample:
@@ -230,6 +235,36 @@ def free_accuracy(model, tok, samples: list[Sample], eos: int) -> list[float]:
     return [round(letter / n, 3), round(chain / n, 3), round(parsed / n, 3)]
 
 
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def tool_call(text: str) -> dict | None:
+    """The JSON object of a reply's `<tool_call>`, or None when there is none or it does not parse."""
+    m = _CALL.search(text)
+    try:
+        got = json.loads(m.group(1)) if m else None
+    except json.JSONDecodeError:
+        return None
+    return got if isinstance(got, dict) else None
+
+
+@torch.no_grad()
+def act_accuracy(model, tok, samples: list[Sample], eos: int) -> list[float]:
+    """Free-running act turns from the teacher's prompts (greedy): the share whose tool call names the teacher's
+    tool, whose call equals the teacher's in every argument, and whose call parses at all."""
+    name = exact = parsed = 0
+    for s in samples:
+        want = tool_call(tok.decode(s.ids[s.start:-1]))
+        out = model.generate(torch.tensor([s.ids[:s.start]]), max_new_tokens=len(s.ids) - s.start + 16,
+                             do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        got = tool_call(tok.decode(out[0, s.start:], skip_special_tokens=True))
+        parsed += got is not None
+        name += bool(got and want and got.get("tool_name") == want.get("tool_name"))
+        exact += bool(got and got == want)
+    n = len(samples)
+    return [round(name / n, 3), round(exact / n, 3), round(parsed / n, 3)]
+
+
 def build(out: Path) -> None:
     """The Weaver rule teacher's kept examples: timestamp questions of the train and dev worlds, and every 4th train
     question of any family."""
@@ -253,8 +288,9 @@ def table(results: dict) -> str:
     and the whole chain."""
     layouts = list(next(iter(results.values()))["evals"]["0"])
     free = ("letter / chain / parses", lambda v: " / ".join(f"{x:.2f}" for x in v))
+    act = ("tool / whole call / parses", lambda v: " / ".join(f"{x:.2f}" for x in v))
     hops = ("clock / frame / colour / letter (chain)", lambda v: " / ".join(f"{x:.2f}" for x in v[:-1]) + f" ({v[-1]:.2f})")
-    kind = {n: free if n.endswith("free-running") else hops for n in layouts}
+    kind = {n: free if n.endswith("free-running") else act if n.startswith("dev act turns") else hops for n in layouts}
     lines = ["| arm | seed | step | " + " | ".join(f"{name}: {kind[name][0]}" for name in layouts)
              + " |", "|---|---|---|" + "---|" * len(layouts)]
     for key, r in results.items():
@@ -279,6 +315,8 @@ def main() -> None:
     p.add_argument("--json", default="runs/r83/seed_layout.json")
     p.add_argument("--free", action="store_true", help="also measure free-running replies on the dev chats (greedy: "
                    "letter right, chain word for word, parses)")
+    p.add_argument("--act", action="store_true", help="also measure free-running act turns on the dev chats (greedy: "
+                   "the teacher's tool, its whole call, parses)")
     p.add_argument("--table", action="store_true", help="print the results in --json as a markdown table and stop")
     p.add_argument("--build", action="store_true", help="write the teacher's examples into runs/r83 and stop")
     args = p.parse_args()
@@ -293,11 +331,13 @@ def main() -> None:
     att = load_sft_config("weaver_synth").learner.attention
     tok = AutoTokenizer.from_pretrained(BASE)
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
-    train, dev = timestamp_turns(load_examples(args.train)), timestamp_turns(load_examples(args.dev))
+    train_all, dev_all = load_examples(args.train), load_examples(args.dev)
+    train, dev = timestamp_turns(train_all), timestamp_turns(dev_all)
     held = {"dev chats, rules' layout": [chat_sample(tok, r["messages"], r["completion"], r["evidence"], eos)
                                          for r in dev],
             "dev chats, chain first": [chat_sample(tok, r["messages"], *chain_first(r["completion"], r["evidence"]),
                                                    eos) for r in dev]}
+    acts = [chat_sample(tok, r["messages"], r["completion"], r["evidence"], eos) for r in dev_all if r["phase"] == "act"]
     src = DrillSource("dev", 12345, 120.0)
     held["raw dev drills"] = [drill_sample(tok, src.draw("timestamp", 16, True)) for _ in range(args.drills)]
     results = json.loads(Path(args.json).read_text()) if Path(args.json).is_file() else {}
@@ -309,6 +349,9 @@ def main() -> None:
         torch.manual_seed(args.seed)
         own = [chat_sample(tok, r["messages"], *((r["completion"], r["evidence"]) if arm == "a" else
                                                  chain_first(r["completion"], r["evidence"])), eos) for r in train]
+        if arm == "e":
+            own = [chat_sample(tok, r["messages"], r["completion"], r["evidence"], eos)
+                   for r in train_all + load_examples(args.chats)]
         extra: list[Sample] = []
         if arm == "c":
             chats = load_examples(args.chats)
@@ -327,6 +370,8 @@ def main() -> None:
                 if args.free:
                     rows[s].update({f"{name}, free-running": free_accuracy(model, tok, samples, eos)
                                     for name, samples in held.items() if name.startswith("dev chats")})
+                if args.act:
+                    rows[s]["dev act turns"] = act_accuracy(model, tok, acts, eos)
                 print(arm, s, rows[s], flush=True)
                 model.train()
             if s == args.steps:

@@ -9,7 +9,8 @@ its trainer kind here):
 - `phases` / `train_phases`: the generations an episode has, and those a run trains on;
 - `topology`: the step's communication DAG (a team of one always runs on the complete graph);
 - `reward_fn`: the kind's own reward (the paper's R_res + R_format + R_col with a judge; each seed system's);
-- `summary`: the reward parts logged per step; `step_metrics`: what else the kind measures (plan entropy);
+- `summary`: the reward parts logged per step; `step_metrics`: what else the kind measures (plan entropy, revision
+  rate);
 - `check`: what a TrainConfig must satisfy to train this kind;
 - `sft_examples`: which generations of a teacher of this kind SFT learns from (m1/marl/sft_examples.py).
 """
@@ -19,7 +20,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 
-from m1.agents.parsers import parse_plan
+from m1.agents.parsers import parse_decision, parse_plan
 from m1.config import TeamConfig
 from m1.contracts import Team, TeamKind
 from m1.marl.reward.rewards import (RewardBreakdown, SeedReward, batch_agent_rewards, reward_kind, seed_rewards,
@@ -98,6 +99,24 @@ def plan_entropy(batches: Sequence[RolloutBatch], agents: Sequence[str], tools: 
     return row
 
 
+def revision_rate(batches: Sequence[RolloutBatch], agents: Sequence[str], tools: Sequence[str]) -> dict[str, float]:
+    """`revisions/rate/<family>`: the share of the `agents`' communicate decisions in the step's episodes of that
+    family that add a tool (a reply that does not parse counts as `continue()`, as the team reads it), and
+    `revisions/rate` over all of them. Nothing when no episode had a communicate phase."""
+    seen: dict[str, list[int]] = defaultdict(list)
+    for batch in batches:
+        for ep in batch.flat:
+            fam = family_of(ep)
+            for gen in ep.generations:
+                if gen.phase == "communicate" and gen.agent in agents:
+                    seen[fam].append(parse_decision(gen.completion, tools).decision.action == "add_tool")
+    row = {f"revisions/rate/{fam}": sum(v) / len(v) for fam, v in sorted(seen.items())}
+    if seen:
+        every = [x for v in seen.values() for x in v]
+        row["revisions/rate"] = sum(every) / len(every)
+    return row
+
+
 def _means(breakdowns, cls, summarise) -> dict[str, float]:
     """`summarise(breakdowns)` when every reward is a `cls` (a custom reward function's plain numbers: {})."""
     if breakdowns and all(isinstance(v, cls) for per in breakdowns for v in per.values()):
@@ -132,8 +151,8 @@ class CppKind:
                 if k in ("reward/res", "reward/team_res")}
 
     def step_metrics(self, rounds, trained, tools) -> dict[str, float]:
-        """How much the plan phase still explores, per question family."""
-        return plan_entropy(rounds, trained, tools)
+        """How much the plan phase still explores, and how often the agents revise a plan, per question family."""
+        return {**plan_entropy(rounds, trained, tools), **revision_rate(rounds, trained, tools)}
 
     def check(self, cfg, team: TeamConfig, trained: list[str]) -> None:
         if "act" in cfg.rollout.train_phases:

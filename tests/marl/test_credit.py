@@ -18,7 +18,7 @@ from m1.marl.config import TrainConfig
 from m1.marl.algo.advantages import ESTIMATORS
 from m1.marl.algo.credit import CREDITS, informative_groups, merge_batches
 from m1.marl.rollout.episodes import RolloutBatch, derive_seed, sample_topology, step_topology
-from m1.marl.team_training import entropy, plan_entropy
+from m1.marl.team_training import entropy, plan_entropy, revision_rate
 from m1.schema import Question
 from m1.team import topology as topo
 from tests.marl.test_trainer import AGENTS, COMPARED, make_trainer, team_dict, train_cfg
@@ -96,6 +96,26 @@ def test_plan_entropy_per_family_is_the_entropy_of_the_parsed_tool_sequences():
     assert row["plans/entropy/order"] == 0.0  # every plan the same
     assert row["plans/entropy/open"] == 0.0  # no synth family: the task names it
     assert row["plans/entropy"] == pytest.approx(counted / 3)
+
+
+def test_revision_rate_per_family_counts_the_trained_agents_add_tool_decisions():
+    def ep(family, *replies):
+        q = Question(id="q", video="v.mp4", text="?", task="mcq", meta={"family": family})
+        gens = [SimpleNamespace(phase="communicate", agent=a, completion=text) for a, text in replies]
+        gens.append(SimpleNamespace(phase="plan", agent="alpha", completion="##tool call: add tool <Fine Browser>"))
+        return SimpleNamespace(question=q, generations=gens)
+
+    add = "##tool call: add tool <Fine Browser>\n##key info: the red cross"
+    keep = "##tool call: continue()"
+    tools = ["Global Sampling", "Rough Browser", "Fine Browser"]
+    batch = SimpleNamespace(flat=[ep("order", ("alpha", add), ("beta", keep), ("gamma", add)),
+                                  ep("order", ("alpha", keep), ("beta", "no idea")),
+                                  ep("count", ("alpha", keep), ("beta", keep))])
+    row = revision_rate([batch], ["alpha", "beta"], tools)  # gamma is not trained; a plan reply is not a decision
+    assert row == {"revisions/rate/order": 0.25, "revisions/rate/count": 0.0, "revisions/rate": 1 / 6}
+    assert revision_rate([batch], ["alpha"], ["Global Sampling", "Rough Browser"]) == {  # a tool the run lacks: not added
+        "revisions/rate/order": 0.0, "revisions/rate/count": 0.0, "revisions/rate": 0.0}
+    assert revision_rate([SimpleNamespace(flat=[])], ["alpha"], tools) == {}
 
 
 # ------------------------------------------------------------------------------------------------ dynamic sampling
