@@ -152,7 +152,8 @@ def test_cispo_matches_trl(beta, eps_high, seed):
      "grpo.delta=2.0 is not read by grpo.objective 'cispo'"),
     ({"objective": "cispo", "clip_eps_high": 4.0, "loss_type": "dapo", "clip_eps_low": 0.1}, "clip_eps_low"),
     ({"baseline": "rloo"}, "'rloo' cannot run with grpo.scale_rewards=True"),
-    ({"objective": "ppo"}, r"unknown objective 'ppo'; registered: \['cispo', 'clip', 'clip_higher', 'gspo'\]"),
+    ({"objective": "ppo"},
+     r"unknown objective 'ppo'; registered: \['cispo', 'clip', 'clip_cov', 'clip_higher', 'gspo', 'kl_cov'\]"),
     ({"baseline": "mean"}, r"unknown baseline 'mean'; registered: \['greedy', 'group', 'rloo'\]"),
 ])
 def test_the_config_refuses_what_the_chosen_entry_refuses(tmp_path, grpo, words):
@@ -172,6 +173,8 @@ def test_gspo_refuses_the_sampler_weight_a_vllm_engine_would_default_to(tmp_path
     {}, {"objective": "clip", "delta": 1.5}, {"objective": "clip_higher", "clip_eps_high": 0.28},
     {"objective": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4},
     {"objective": "cispo", "clip_eps_high": 4.0, "loss_type": "dapo"},
+    {"objective": "clip_cov", "cov_ratio": 0.01, "cov_bounds": (0.5, 4.0)},
+    {"objective": "kl_cov", "old_logprobs": "rollout", "cov_ratio": 0.01, "kl_cov_coef": 0.5},
     {"baseline": "rloo", "scale_rewards": False}, {"baseline": "greedy", "scale_rewards": False},
 ])
 def test_the_config_accepts_each_entry_with_its_settings(tmp_path, grpo):
@@ -237,3 +240,62 @@ def test_an_entry_registered_here_trains_one_step(registries, new, tmp_path, vid
         assert row[f"{a}/adv_abs_mean"] > 0
         assert any(not torch.equal(after[n], before[a][n]) for n in after), a
         assert (row[f"{a}/logp_mean"] < 0) if new == "objective" else f"{a}/logp_mean" not in row
+
+
+# ------------------------------------------------------------------------------------------------ Clip-Cov, KL-Cov
+def _cov_batch(old_shift=((0.0, 0.0), (0.0, 0.0))):
+    """Two sequences of two tokens, A = 2 and -2: the covariances are 2.95, -2.85 (sequence 0) and -2.75, 2.85
+    (sequence 1), mean 0.05, so the band (1, 5) holds the first token of sequence 0 and the second of sequence 1."""
+    logp = torch.tensor([[-0.1, -3.0], [-0.2, -3.0]])
+    old = logp - torch.tensor(old_shift)
+    return logp.requires_grad_(True), old, torch.tensor([2.0, -2.0]), torch.ones(2, 2)
+
+
+def test_clip_cov_cuts_the_gradient_of_the_band_tokens_and_keeps_the_loss_value():
+    logp, old, adv, mask = _cov_batch()
+    grpo = settings(objective="clip_cov", cov_ratio=0.5, loss_type="token-mean")
+    loss, stats = grpo_loss(logp, old, None, adv, mask, grpo)
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)  # mean of -r A with r = 1: the cut tokens still count
+    loss.backward()
+    # -A / 4 per token, 0 where cut: both band tokens (0.5 of 4 tokens = 2)
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.5], [0.5, 0.0]]), atol=1e-6, rtol=0)
+    assert stats["cov_cut_frac"] == pytest.approx(0.5) and stats["cov_mean"] == pytest.approx(0.05, abs=1e-6)
+    # the share rounds down to at least one token, drawn the same way every time
+    cuts = []
+    for _ in range(3):
+        logp, old, adv, mask = _cov_batch()
+        loss, stats = grpo_loss(logp, old, None, adv, mask, settings(objective="clip_cov", loss_type="token-mean"))
+        loss.backward()
+        cuts.append(tuple((logp.grad == 0).flatten().tolist()))
+        assert stats["cov_cut_frac"] == pytest.approx(0.25)
+    assert len(set(cuts)) == 1 and sum(cuts[0]) == 1 and (cuts[0][0] or cuts[0][3])
+    # a band that holds no token cuts nothing: the objective is clip
+    logp, old, adv, mask = _cov_batch()
+    cov_loss, stats = grpo_loss(logp, old, None, adv, mask, settings(objective="clip_cov", cov_bounds=(3.0, 5.0)))
+    cov_loss.backward()
+    assert stats["cov_cut_frac"] == 0.0 and bool((logp.grad != 0).all())
+
+
+def test_kl_cov_holds_the_highest_covariance_token_near_the_old_policy():
+    logp, old, adv, mask = _cov_batch(old_shift=((0.1, 0.0), (0.0, -0.2)))
+    grpo = settings(objective="kl_cov", cov_ratio=0.25, kl_cov_coef=1.0, old_logprobs="rollout",
+                    loss_type="token-mean")
+    loss, stats = grpo_loss(logp, old, None, adv, mask, grpo)
+    r = torch.exp(torch.tensor([[0.1, 0.0], [0.0, -0.2]]))
+    want = (-r * torch.tensor([[2.0], [-2.0]])).sum() + 0.1  # the unclipped surrogate, |0.1| on token (0, 0)
+    assert loss.item() == pytest.approx(want.item() / 4, abs=1e-6)
+    loss.backward()
+    grad = -r * torch.tensor([[2.0], [-2.0]])
+    grad[0, 0] += 1.0  # d|logp - old| = sign(0.1)
+    torch.testing.assert_close(logp.grad, grad / 4, atol=1e-6, rtol=0)
+    assert stats["cov_penalised_frac"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("grpo, words", [
+    ({"objective": "kl_cov"}, "'kl_cov' cannot run with grpo.old_logprobs=.*set grpo.old_logprobs: rollout"),
+    ({"cov_ratio": 0.01}, r"grpo.cov_ratio=0.01 is not read by grpo.objective 'clip'.*clip_cov"),
+    ({"objective": "kl_cov", "old_logprobs": "rollout", "cov_bounds": [0.5, 2.0]}, "cov_bounds"),
+])
+def test_the_config_refuses_covariance_settings_the_objective_does_not_read(tmp_path, grpo, words):
+    with pytest.raises(ValueError, match=words):
+        train_cfg(tmp_path, grpo=grpo)

@@ -16,6 +16,9 @@ tested by running it in tests/marl/test_objectives.py and tests/marl/test_grpo.p
   grpo`);
 - `cispo` (MiniMax-M1): ``-sg(min(r, 1 + clip_eps_high)) A logp``: the importance weight is clipped and carries
   no gradient, so every token keeps its gradient; no lower bound (as MiniMax-M1 ran it and TRL implements it).
+- `clip_cov` and `kl_cov` (Cui et al. 2025, as verl's policy-loss modes): entropy kept from collapsing by
+  treating the few tokens whose log-prob and advantage covary most (the ones whose update lowers entropy most)
+  apart: Clip-Cov cuts their gradient from `clip`, KL-Cov holds them near the old policy with ``|logp - old|``.
 
 Each entry states the settings it reads, requires and refuses (m1/marl/entries.py); the config's validator reads
 them from the entry. A new objective is `register_objective(PolicyObjective(name=..., loss=...))`; `grpo.objective`
@@ -117,6 +120,62 @@ def _cispo(logp, old_logp, advantages, mask, s):
                                          "clip_frac": masked_mean(capped, mask)}
 
 
+def covariance(logp, advantages, mask):
+    """Per token, ``(A - mean A) (logp - mean logp)`` over the mask's tokens (logp without gradient): how much a
+    step on that token lowers the policy's entropy (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning
+    Language Models": the entropy change is minus the covariance of log-prob and advantage)."""
+    a = advantages.expand_as(mask)
+    lp = logp.detach()
+    mean_a = (a * mask).sum() / mask.sum().clamp(min=1.0)
+    mean_lp = (lp * mask).sum() / mask.sum().clamp(min=1.0)
+    return (a - mean_a) * (lp - mean_lp)
+
+
+def _clip_cov(logp, old_logp, advantages, mask, s):
+    """PPO's clip, and the gradient cut from a few tokens whose covariance lies in `cov_bounds` (the paper's
+    Clip-Cov): a `cov_ratio` share of the loss tokens (at least one), drawn at random among the tokens in the band
+    that the clip left alone. The draw is seeded by the micro-batch's shape and token count, so a resumed run, or
+    another machine, cuts the same tokens. The band and the share are per micro-batch (verl: per mini-batch)."""
+    import torch
+
+    per_token, metrics = clipped_surrogate(logp - old_logp, advantages, mask, s.clip_eps_low, s.clip_eps_low, s.delta)
+    ratio = torch.exp(logp - old_logp).detach()
+    clipped = ((ratio < 1 - s.clip_eps_low) & (advantages < 0)) | ((ratio > 1 + s.clip_eps_low) & (advantages > 0))
+    cov = covariance(logp, advantages, mask)
+    low, high = s.cov_bounds
+    band = torch.nonzero(((cov > low) & (cov < high) & (mask > 0) & ~clipped).flatten()).flatten().cpu()
+    n = max(int((s.cov_ratio or 2e-4) * float(mask.sum())), 1)
+    seed = (logp.shape[0] * 1_000_003 + logp.shape[1]) * 1_000_003 + int(mask.sum())
+    pick = band[torch.randperm(len(band), generator=torch.Generator().manual_seed(seed))[:n]]
+    keep = torch.ones(logp.numel(), dtype=logp.dtype)
+    keep[pick] = 0.0
+    keep = keep.view_as(logp).to(logp.device)
+    cut = (1.0 - keep) * mask
+    # the cut tokens keep their loss value, without its gradient
+    per_token = per_token.expand_as(mask) * keep + (per_token.expand_as(mask) * (1.0 - keep)).detach()
+    return per_token, {**metrics, "cov_mean": masked_mean(cov, mask), "cov_cut_frac": masked_mean(cut, mask)}
+
+
+def _kl_cov(logp, old_logp, advantages, mask, s):
+    """The unclipped surrogate ``-r A``, plus ``kl_cov_coef |logp - old|`` on the `cov_ratio` share of the loss
+    tokens with the largest covariance (the paper's KL-Cov: those tokens are held near the old policy). The penalty
+    needs old log-probs other than the policy's own (its gradient is 0 where logp = old)."""
+    import torch
+
+    ratio = torch.exp(logp - old_logp)
+    per_token = -ratio * advantages
+    cov = covariance(logp, advantages, mask).masked_fill(mask == 0, float("-inf"))
+    n = min(max(int((s.cov_ratio or 2e-3) * float(mask.sum())), 1), int(mask.sum()))
+    top = torch.zeros(logp.numel(), dtype=logp.dtype, device=logp.device)
+    if n:
+        top[torch.topk(cov.flatten(), n).indices] = 1.0
+    top = top.view_as(logp)
+    per_token = per_token.expand_as(mask) + top * s.kl_cov_coef * (logp - old_logp).abs()
+    return per_token, {"ratio_mean": masked_mean(ratio.detach(), mask),
+                       "cov_mean": masked_mean(covariance(logp, advantages, mask), mask),
+                       "cov_penalised_frac": masked_mean(top, mask)}
+
+
 def _given(setting: str, why: str) -> Rule:
     return Rule(f"grpo.{setting}", lambda v: v is not None, why)
 
@@ -138,7 +197,13 @@ CISPO = register_objective(PolicyObjective(
     requires=(_given("clip_eps_high", "the importance weight is capped at 1 + clip_eps_high; set it"),
               Rule("grpo.loss_type", lambda v: LOSSES[v].token_level,
                    "MiniMax-M1 normalises by the batch's tokens; set grpo.loss_type: dapo (or bnpo, token-mean)"))))
-
+CLIP_COV = register_objective(PolicyObjective(
+    name="clip_cov", loss=_clip_cov, settings=("clip_eps_low", "delta", "cov_ratio", "cov_bounds")))
+KL_COV = register_objective(PolicyObjective(
+    name="kl_cov", loss=_kl_cov, settings=("cov_ratio", "kl_cov_coef"),
+    requires=(Rule("grpo.old_logprobs", lambda v: v == "rollout",
+                   "its penalty |logp - old| has no gradient where old is the policy's own log-prob (policy, "
+                   "sampler); set grpo.old_logprobs: rollout"),)))
 
 # --------------------------------------------------------------------------------------------- the whole loss
 
