@@ -59,8 +59,9 @@ class LearnerGroup(Protocol):
 
     def chat_models(self) -> Mapping[str, ChatModel]: ...
 
-    def update(self, samples: dict[str, list[Any]], lr: float, objective: str = "grpo") -> dict[str, dict[str, float]]:
-        """One optimizer step per agent on its samples (`objective` grpo or sft); each agent's stats."""
+    def update(self, samples: dict[str, list[Any]], lr: float, family: str = "grpo") -> dict[str, dict[str, float]]:
+        """One optimizer step per agent on its samples under a loss family (m1/marl/actor/losses.py: grpo, sft, or a
+        registered one); each agent's stats."""
 
     def sft_samples(self, agent: str, examples: list) -> list[Any]: ...
 

@@ -233,7 +233,7 @@ def run(tiny: bool, only_full: bool = False, skip_full: bool = False, partial: P
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                with torch.inference_mode(), learner._autocast():
+                with torch.inference_mode(), learner.autocast():
                     out = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                           temperature=1.0, top_k=0, max_new_tokens=new_tokens,
                                           min_new_tokens=new_tokens, pad_token_id=learner.tokenizer.pad_token_id)

@@ -153,7 +153,7 @@ def tie_some(episodes):
 def spy(tr):
     seen = []
     update = tr.learners.update
-    tr.learners.update = lambda samples, lr, objective: seen.append(samples) or update(samples, lr, objective)
+    tr.learners.update = lambda samples, lr, family: seen.append(samples) or update(samples, lr, family)
     return seen
 
 

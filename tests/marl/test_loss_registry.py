@@ -91,3 +91,50 @@ def test_a_loss_registered_outside_m1_trains_one_step(m1_cache):
     assert stats["samples"] == 6 and stats["grad_norm"] > 0
     after = learner.parameters()
     assert any(not torch.equal(after[n], before[n]) for n in before)
+
+
+@pytest.mark.slow
+def test_a_loss_family_registered_outside_m1_drives_the_update(m1_cache):
+    """A loss family (what the step minimises, beside grpo and sft) is one registration: here plain REINFORCE,
+    -A log p summed over each completion and averaged over the step's samples, written with the actor's public
+    scoring calls only."""
+    from m1.marl.actor.learner import AgentLearner
+    from m1.marl.actor.losses import LOSS_FAMILIES, LossFamily, register_loss_family
+
+    calls = []
+
+    def reinforce(actor, micro, micro_rows, step):
+        vision, temperature = actor.scoring(micro)
+        with actor.autocast():
+            logp, mask = actor.completion_logprobs(actor.forward_model(), micro_rows, temperature, vision)
+        adv = torch.tensor([s.advantage for s in micro]).unsqueeze(1)
+        calls.append(len(micro))
+        return -(adv * logp * mask).sum() / step.samples, {"reinforce_tokens": float(mask.sum())}
+
+    rng = random.Random(1)
+    samples = [Sample(agent="alpha", question_id="q", group=0, rollout=i, phase="plan",
+                      prompt_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(5, 20))],
+                      completion_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(1, 9))],
+                      logprobs=None, reward=0.0, advantage=rng.uniform(-1, 1)) for i in range(6)]
+    spec = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
+        "arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}})
+    learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
+                           GRPOSettings(beta=0.0))
+    with pytest.raises(ValueError, match=r"unknown loss family 'reinforce'; registered: \['grpo', 'sft'\]"):
+        learner.update(samples, lr=1e-2, family="reinforce")
+    with torch.no_grad():  # REINFORCE's loss at the weights the step starts from
+        logp, mask = learner.completion_logprobs(learner.forward_model(), learner.scorer.rows(samples), 1.0)
+    want = -sum(s.advantage * float((logp[i] * mask[i]).sum()) for i, s in enumerate(samples)) / len(samples)
+    register_loss_family(LossFamily(name="reinforce", loss=reinforce))
+    try:
+        before = learner.parameters()
+        stats = learner.update(samples, lr=1e-2, family="reinforce")
+        with pytest.raises(ValueError, match="loss family 'grpo' is already registered"):
+            register_loss_family(LossFamily(name="grpo", loss=reinforce))
+    finally:
+        del LOSS_FAMILIES["reinforce"]
+    assert calls == [4, 2]  # two micro-batches of the one step
+    assert stats["reinforce_tokens"] == sum(len(s.completion_ids) for s in samples)
+    after = learner.parameters()
+    assert any(not torch.equal(after[n], before[n]) for n in before)
+    assert stats["loss"] == pytest.approx(want, abs=1e-5)

@@ -99,11 +99,11 @@ def test_lora_adapter_and_reference_pass_match(m1_cache):
             if "lora_B" in n:
                 p.normal_(0, 0.5)
     shared = scores_and_grads(lrn, rows, 1.0)
-    with torch.no_grad(), lrn._reference() as ref:
+    with torch.no_grad(), lrn.reference_model() as ref:
         ref_shared, _ = lrn.completion_logprobs(ref, rows, 1.0)
     lrn.cfg.share_prompt_forward = False
     joint = scores_and_grads(lrn, rows, 1.0)
-    with torch.no_grad(), lrn._reference() as ref:
+    with torch.no_grad(), lrn.reference_model() as ref:
         ref_joint, _ = lrn.completion_logprobs(ref, rows, 1.0)
     assert all("lora_" in n for n in shared[2]) and len(shared[2]) == 2 * 2 * 7  # A and B, 2 layers, 7 modules
     torch.testing.assert_close(shared[0] * shared[1], joint[0] * joint[1], atol=1e-5, rtol=0)

@@ -252,10 +252,10 @@ def test_sft_names_a_lost_ray_node_and_where_the_rerun_resumes(tmp_path, m1_cach
     update = tr.learners.update
     failures = {4: ActorDied("actor died"), 2: ValueError("a learner's own error")}
 
-    def update_failing(samples, lr, objective):
+    def update_failing(samples, lr, family):
         if tr.step + 1 in failures:
             raise failures.pop(tr.step + 1)
-        return update(samples, lr, objective)
+        return update(samples, lr, family)
 
     tr.learners.update = update_failing
     with pytest.raises(ValueError, match="a learner's own error"):

@@ -87,10 +87,10 @@ def test_two_node_ray_run_stops_naming_a_lost_node_and_resumes_with_the_same_los
     rank = next(r for r in (0, 1) if tr.learners.where[("alpha", r)]["node_id"] == worker.node_id)
     update = tr.learners.update
 
-    def update_after_losing_the_worker(samples, lr, objective="grpo"):
+    def update_after_losing_the_worker(samples, lr, family="grpo"):
         if tr.step == 1:
             two_node_ray.remove_node(worker)
-        return update(samples, lr, objective)
+        return update(samples, lr, family)
 
     tr.learners.update = update_after_losing_the_worker
     try:

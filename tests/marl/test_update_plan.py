@@ -33,8 +33,8 @@ def mixed_batch(zero_share: float = 0.0, seed: int = 7):
     return batch
 
 
-def update_results(lrn, batch, objective="grpo"):
-    stats = lrn.update(batch, lr=1e-2, objective=objective)
+def update_results(lrn, batch, family="grpo"):
+    stats = lrn.update(batch, lr=1e-2, family=family)
     return stats, lrn.parameters()
 
 
@@ -48,18 +48,18 @@ def assert_same_step(a, b):
         torch.testing.assert_close(p, pb[n], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("objective", ["grpo", "sft"])
+@pytest.mark.parametrize("family", ["grpo", "sft"])
 @pytest.mark.slow
-def test_sorted_token_budgeted_micro_batches_give_the_old_step(objective, m1_cache):
+def test_sorted_token_budgeted_micro_batches_give_the_old_step(family, m1_cache):
     batch = mixed_batch(zero_share=0.3)
     # eps=1 keeps Adam's first step smooth in the gradient (see test_prefix_sharing)
-    old = update_results(old_path(lr=1e-2, eps=1.0), batch, objective)
+    old = update_results(old_path(lr=1e-2, eps=1.0), batch, family)
     new_lrn = learner("qwen2", lr=1e-2, eps=1.0, micro_batch_size=64, micro_batch_tokens=120)
     log = ForwardLog(new_lrn.policy)
-    new = update_results(new_lrn, batch, objective)
+    new = update_results(new_lrn, batch, family)
     assert_same_step(new, old)
     assert len(log.shapes) > 2  # the budget really split the step
-    if objective == "grpo":  # the zero-advantage samples were not run, but counted
+    if family == "grpo":  # the zero-advantage samples were not run, but counted
         assert new[0]["samples_run"] == sum(s.advantage != 0 for s in batch) < len(batch) == new[0]["samples"]
     else:
         assert new[0]["samples_run"] == len(batch)
@@ -171,9 +171,9 @@ def test_prompt_loss_adds_the_prompts_token_mean_and_keeps_the_completions(m1_ca
         expect = float(-(c_logp * c_mask).sum() / n_c - 0.5 * (p_logp * p_mask).sum() / n_p)
     batch = samples(rows)
     lrn.cfg.prompt_loss = 0.5
-    stats = lrn.update(batch, lr=1e-2, objective="sft")
+    stats = lrn.update(batch, lr=1e-2, family="sft")
     assert stats["loss"] == pytest.approx(expect, rel=1e-5)
     assert stats["prompt_nll"] == pytest.approx(float(-(p_logp * p_mask).sum() / n_p), rel=1e-5)
     plain = learner("qwen3", micro_batch_size=64, micro_batch_tokens=None)
-    assert plain.update(samples(rows), lr=1e-2, objective="sft")["loss"] == pytest.approx(
+    assert plain.update(samples(rows), lr=1e-2, family="sft")["loss"] == pytest.approx(
         float(-(c_logp * c_mask).sum() / n_c), rel=1e-5)

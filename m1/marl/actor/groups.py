@@ -9,7 +9,7 @@ requests for an agent are split across its ranks. A step's samples are split acr
 plan gave it, so no part lands on a GPU another part holds.
 
 Both are a `LearnerGroup` (m1/contracts.py): `chat_models()` (what the team generates with), `update(samples, lr,
-objective)`, `save(folder)`, `load(folder)`, `parameters(agent)`, `shutdown()`, ...
+family)`, `save(folder)`, `load(folder)`, `parameters(agent)`, `shutdown()`, ...
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ class LocalLearners:
     def sft_samples(self, agent: str, examples: list) -> list[Sample]:
         return [self.learners[agent].sft_sample(e) for e in examples]
 
-    def update(self, samples: dict[str, list[Sample]], lr: float, objective: str = "grpo") -> dict[str, dict]:
-        return {a: learner.update(samples.get(a, []), lr, objective) for a, learner in self.learners.items()}
+    def update(self, samples: dict[str, list[Sample]], lr: float, family: str = "grpo") -> dict[str, dict]:
+        return {a: learner.update(samples.get(a, []), lr, family) for a, learner in self.learners.items()}
 
     def save(self, folder: Path) -> None:
         for agent, learner in self.learners.items():
@@ -122,8 +122,8 @@ class LearnerRank:
     def sft_samples(self, examples: list) -> list[Sample]:
         return [self._built.sft_sample(e) for e in examples]
 
-    def update(self, samples, lr, objective):
-        return self._built.update(samples, lr, objective)
+    def update(self, samples, lr, family):
+        return self._built.update(samples, lr, family)
 
     def save(self, folder: str, include_rng: bool) -> None:
         self._built.save(folder, include_rng)
@@ -209,9 +209,9 @@ class RayLearners:
         ray = _require_ray()
         return ray.get(self.groups[agent][0].sft_samples.remote(examples)) if examples else []
 
-    def update(self, samples: dict[str, list], lr: float, objective: str = "grpo") -> dict[str, dict[str, float]]:
+    def update(self, samples: dict[str, list], lr: float, family: str = "grpo") -> dict[str, dict[str, float]]:
         ray = _require_ray()
-        refs = {a: [actor.update.remote(samples.get(a, []), lr, objective) for actor in group]
+        refs = {a: [actor.update.remote(samples.get(a, []), lr, family) for actor in group]
                 for a, group in self.groups.items()}
         return {a: ray.get(r)[0] for a, r in refs.items()}  # every rank returns the whole step's stats
 

@@ -25,31 +25,17 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from m1.attention_loss import HeadScores, evidence_attention_loss, supervised_layers
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.actor.distributed import deepspeed_engine
-from m1.marl.algo.reductions import LOSSES, OLD_LOGPROBS
 from m1.marl.actor.learner_io import export_learner_weights, load_learner, save_learner
 from m1.marl.actor.learner_load import load_policy, reference
-from m1.marl.algo.objectives import LOSS_TOTALS, grpo_loss
+from m1.marl.actor.losses import LOSS_FAMILIES, StepSize, evidence_rows
 from m1.marl.rollout.episodes import Sample
 from m1.marl.actor.scorer import Scorer
 from m1.models.base import prompt_ids
-
-
-class StepSize(NamedTuple):
-    """What a micro-batch's loss is weighted against: the whole step's samples and loss tokens (every sample counts,
-    run or not), prompt tokens (a prompt's first token has nothing to predict it) and the tokens run (per-token
-    diagnostics are means over those)."""
-
-    samples: int
-    tokens: int
-    prompt_tokens: int
-    run_tokens: int
-    evidence_rows: int = 0  # SFT's attention loss: the evidence rows of the step's completions (as cut)
 
 
 def _accumulate(totals: dict[str, float], peaks: dict[str, float], stats: dict[str, float]) -> None:
@@ -123,10 +109,10 @@ class AgentLearner:
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.cfg.max_completion_tokens))
         cap = self.cfg.max_prompt_tokens + params.max_new_tokens
         chat.context_length = cap if self._context_length is None else min(self._context_length, cap)
-        with self._autocast():
+        with self.autocast():
             return chat.generate(requests, params)
 
-    def _autocast(self):
+    def autocast(self):
         import torch
 
         if self.bf16 and self.engine is None and str(self.device).startswith("cuda"):
@@ -149,35 +135,36 @@ class AgentLearner:
         return self.scorer.completion_logprobs(model, rows, temperature, vision)
 
     # -------------------------------------------------------------- one optimizer step
-    def update(self, samples: list[Sample], lr: float, objective: str = "grpo") -> dict[str, float]:
-        """One optimizer step on all `samples` of this agent (GRPO, or cross-entropy for `objective="sft"`).
+    def update(self, samples: list[Sample], lr: float, family: str = "grpo") -> dict[str, float]:
+        """One optimizer step on all `samples` of this agent under the loss family `family` (m1/marl/actor/losses.py
+        LOSS_FAMILIES: grpo, sft, or a registered one).
 
         In a learner group of W ranks every rank is handed the whole step and trains on its contiguous share of the
         step's length-sorted micro-batches (`_micro_batches`; a question's K rollouts share their prompt's forward).
-        The objective's loss (`_grpo_loss`, `_sft_loss`) is weighted against the whole step, times W here as
+        The family's loss is weighted against the whole step, times W here as
         DeepSpeed averages the ranks' gradients; ranks with fewer micro-batches run zero-weight ones so all ranks
         enter the same number of gradient reductions. The stats returned are the whole step's, on every rank.
         """
-        loss_of = {"grpo": self._grpo_loss, "sft": self._sft_loss}.get(objective)
-        if loss_of is None:
-            raise ValueError(f"objective must be 'grpo' or 'sft', got {objective!r}")
+        if family not in LOSS_FAMILIES:
+            raise ValueError(f"unknown loss family {family!r}; registered: {sorted(LOSS_FAMILIES)}")
+        loss_family = LOSS_FAMILIES[family]
         t0 = time.perf_counter()
         self._set_lr(lr)
         if not samples:
             return {"samples": 0.0, "lr": lr}
         self.policy.train()
         rows = self.scorer.rows(samples)
-        skip_zero = objective == "grpo" and self.grpo.beta == 0 and self.cfg.skip_zero_advantage
+        skip_zero = loss_family.skips_zero_advantage and self.grpo.beta == 0 and self.cfg.skip_zero_advantage
         run = [i for i, s in enumerate(samples) if not (skip_zero and s.advantage == 0)]
         step = StepSize(samples=len(samples), tokens=sum(len(c) for _, c in rows),
                         prompt_tokens=sum(len(p) - 1 for p, _ in rows), run_tokens=sum(len(rows[i][1]) for i in run),
-                        evidence_rows=sum(len(_evidence_rows(s, r)) for s, r in zip(samples, rows)))
+                        evidence_rows=sum(len(evidence_rows(s, r)) for s, r in zip(samples, rows)))
         totals: dict[str, float] = {}  # sums over the step's tokens or samples
         peaks: dict[str, float] = {}  # maxima over the step
         loss_sum = 0.0
         for micro, micro_rows, weight in self._micro_batches([samples[i] for i in run], [rows[i] for i in run],
                                                              (samples[:1], rows[:1])):
-            loss, stats = loss_of(micro, micro_rows, step)
+            loss, stats = loss_family.loss(self, micro, micro_rows, step)
             if weight:  # a zero-weight micro-batch only keeps the ranks' reductions in step
                 _accumulate(totals, peaks, stats)
             loss = loss * (weight * self.world)
@@ -192,90 +179,11 @@ class AgentLearner:
                 "tokens": float(step.tokens), "samples_run": float(len(run)), "seconds": time.perf_counter() - t0,
                 **totals, **peaks}
 
-    def _scoring(self, micro: list[Sample]):
+    def scoring(self, micro: list[Sample]):
         """The images and temperature of a micro-batch: the same for policy, reference and (sampler) old log-probs,
         and each sample scored at the temperature it was sampled with."""
         temps = [s.temperature for s in micro]
         return self.vision_inputs(micro), temps[0] if len(set(temps)) == 1 else temps
-
-    def _sft_loss(self, micro: list[Sample], micro_rows: list, step: StepSize):
-        """Cross-entropy of the completions as a token mean over the whole step (so micro-batch losses sum to the
-        step's); `learner.prompt_loss` adds the prompt's own step token mean with that weight, `learner.attention`
-        the evidence attention loss (`_attention_loss`). Either takes one forward over the whole sequence: the
-        attention rows need the prompt's keys from the pass that has gradient."""
-        vision, temperature = self._scoring(micro)
-        prompt_loss, att = self.cfg.prompt_loss > 0, self.cfg.attention
-        heads = HeadScores(self.policy, supervised_layers(att)) if att.on else nullcontext()
-        with self._autocast(), heads:
-            if prompt_loss or att.on:
-                logp, mask, p_logp, p_mask = self.scorer.sequence_logprobs(self._forward_model(), micro_rows,
-                                                                           prompt=prompt_loss)
-            else:
-                logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
-        loss = -(logp * mask).sum() / max(step.tokens, 1)
-        stats = {"nll": float(-(logp.detach() * mask).sum()) * (1.0 / max(step.tokens, 1))}
-        if prompt_loss:
-            loss = loss - self.cfg.prompt_loss * (p_logp * p_mask).sum() / max(step.prompt_tokens, 1)
-            stats["prompt_nll"] = float(-(p_logp.detach() * p_mask).sum()) * (1.0 / max(step.prompt_tokens, 1))
-        if att.on:
-            with self._autocast():
-                shown, shown_stats = self._attention_loss(heads, micro, micro_rows, step)
-            loss = loss + shown
-            stats.update(shown_stats)
-        return loss, stats
-
-    def _attention_loss(self, heads: HeadScores, micro: list[Sample], micro_rows: list, step: StepSize):
-        """The evidence attention loss of a micro-batch whose whole-sequence pass `heads` captured, weighted against
-        the step like the cross-entropy: the reading term by the micro-batch's share of the step's evidence rows,
-        the structural terms by its share of the step's completion tokens. Rows move from a sample's own positions
-        to the padded batch's (prompts are left-padded to the longest). Returns (loss, stats weighted alike)."""
-        p_len = max(len(p) for p, _ in micro_rows)
-        rows = [[(q + p_len - len(p), tuple(e + p_len - len(p) for e in ev)) for q, ev in _evidence_rows(s, (p, c))]
-                for s, (p, c) in zip(micro, micro_rows)]
-        _, attention, *_ = self.scorer.padded_rows(micro_rows)
-        shown = evidence_attention_loss(heads, self.cfg.attention, rows, attention)
-        if shown is None:
-            return 0.0, {}
-        read = sum(len(r) for r in rows) / max(step.evidence_rows, 1)
-        tokens = sum(len(c) for _, c in micro_rows) / max(step.tokens, 1)
-        share = {"read": read, "prev": tokens, "prev2": tokens}
-        loss = self.cfg.attention.weight * sum(part * share[k] for k, part in shown.parts.items())
-        of = {"attn_read": read, "attn_evidence_mass": read, "attn_prev": tokens, "attn_prev2": tokens}
-        stats = {k: v * of[k] for k, v in shown.metrics.items()}
-        stats["attn_loss"] = float(loss.detach())
-        return loss, stats
-
-    def _grpo_loss(self, micro: list[Sample], micro_rows: list, step: StepSize):
-        """`grpo_loss` of one micro-batch with the configured objective (m1/marl/algo/objectives.py), loss type and
-        old-log-prob mode (m1/marl/algo/reductions.py), weighted against the whole step: a token-level loss is
-        normalised by the step's token count, any other by the micro-batch's share of the step's samples. Per-token
-        stats are means over the tokens run; `logp_gap` is the mean |recomputed - sampled| log-prob, which should be
-        ~0 on-policy."""
-        import torch
-
-        g = self.grpo
-        vision, temperature = self._scoring(micro)
-        with self._autocast():
-            logp, mask = self.completion_logprobs(self._forward_model(), micro_rows, temperature, vision)
-        ref = None
-        if g.beta > 0:
-            with torch.no_grad(), self._autocast(), self._reference() as ref_model:
-                ref, _ = self.completion_logprobs(ref_model, micro_rows, temperature, vision)
-        given = [s.logprobs for s in micro]
-        sampled = self.scorer.padded(given, logp.shape[1]) if all(x is not None for x in given) else None
-        old, is_weight, mode_stats = OLD_LOGPROBS[g.old_logprobs or "policy"](logp, mask, sampled, g)
-        per_token = 1.0 / max(step.run_tokens, 1)
-        stats = {k: v if k.endswith("_max") else v * per_token for k, v in mode_stats.items()}
-        adv = torch.tensor([s.advantage for s in micro], device=self.device, dtype=torch.float32)
-        loss, loss_stats = grpo_loss(logp, old, ref, adv, mask, g, num_items_in_batch=step.tokens, is_weight=is_weight,
-                                     max_completion_length=self.cfg.max_completion_tokens)
-        if not LOSSES[g.loss_type].token_level:
-            loss = loss * (len(micro) / step.samples)
-        share = float(mask.sum()) / max(step.run_tokens, 1)  # the objective's metrics and kl are token means
-        stats.update({k: v * share for k, v in loss_stats.items() if k not in LOSS_TOTALS})
-        if sampled is not None:
-            stats["logp_gap"] = float(((logp.detach() - sampled).abs() * mask).sum()) * per_token
-        return loss, stats
 
     def _micro_batches(self, samples: list[Sample], rows: list, pad: tuple[list[Sample], list]):
         """(samples, rows, weight) of each micro-batch this rank runs (weight 1.0 for real ones).
@@ -312,10 +220,10 @@ class AgentLearner:
             out.append((pad[0], pad[1], 0.0))
         return out
 
-    def _forward_model(self):
+    def forward_model(self):
         return self.engine if self.engine is not None else self.policy
 
-    def _reference(self):
+    def reference_model(self):
         return reference(self.policy, self.ref, self.cfg.finetune)
 
     def _set_lr(self, lr: float) -> None:
@@ -384,12 +292,6 @@ class AgentLearner:
             self.policy.train(was_training)
         dtype = next(self.policy.parameters()).dtype
         return logp[0, :len(probe[1])].tolist(), 1e-3 if dtype == torch.float32 else 0.1
-
-
-def _evidence_rows(sample: Sample, row: tuple[list[int], list[int]]) -> list[tuple[int, tuple[int, ...]]]:
-    """The sample's evidence rows whose predicted token is still in the row (completions may have been cut)."""
-    length = len(row[0]) + len(row[1])
-    return [(q, ev) for q, ev in sample.evidence or () if q + 1 < length]
 
 
 def _sum_over_ranks(loss: float, totals: dict[str, float],
