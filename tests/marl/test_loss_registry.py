@@ -30,6 +30,19 @@ def toy_loss():
         del LOSSES[TOY]
 
 
+TINY = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
+    "arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}})
+
+
+def random_samples(seed: int) -> list[Sample]:
+    """Six samples of random prompts and completions, one agent, advantages in [-1, 1]."""
+    rng = random.Random(seed)
+    return [Sample(agent="alpha", question_id="q", group=0, rollout=i, phase="plan",
+                   prompt_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(5, 20))],
+                   completion_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(1, 9))],
+                   logprobs=None, reward=0.0, advantage=rng.uniform(-1, 1)) for i in range(6)]
+
+
 def test_config_accepts_exactly_the_registered_names():
     with pytest.raises(ValidationError, match="unknown loss_type"):
         GRPOSettings(loss_type=TOY)
@@ -72,13 +85,7 @@ def test_old_logprob_modes_by_hand():
 def test_a_loss_registered_outside_m1_trains_one_step(m1_cache):
     from m1.marl.actor.learner import AgentLearner
 
-    rng = random.Random(0)
-    samples = [Sample(agent="alpha", question_id="q", group=0, rollout=i, phase="plan",
-                      prompt_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(5, 20))],
-                      completion_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(1, 9))],
-                      logprobs=None, reward=0.0, advantage=rng.uniform(-1, 1)) for i in range(6)]
-    spec = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
-        "arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}})
+    samples, spec = random_samples(0), TINY
     with toy_loss():
         learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
                                GRPOSettings(beta=0.0, loss_type=TOY))
@@ -111,13 +118,7 @@ def test_a_loss_family_registered_outside_m1_drives_the_update(m1_cache):
         calls.append(len(micro))
         return -(adv * logp * mask).sum() / step.samples, {"reinforce_tokens": float(mask.sum())}
 
-    rng = random.Random(1)
-    samples = [Sample(agent="alpha", question_id="q", group=0, rollout=i, phase="plan",
-                      prompt_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(5, 20))],
-                      completion_ids=[rng.randrange(10, 300) for _ in range(rng.randrange(1, 9))],
-                      logprobs=None, reward=0.0, advantage=rng.uniform(-1, 1)) for i in range(6)]
-    spec = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
-        "arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}})
+    samples, spec = random_samples(1), TINY
     learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
                            GRPOSettings(beta=0.0))
     with pytest.raises(ValueError, match=r"unknown loss family 'reinforce'; registered: \['grpo', 'sft'\]"):
