@@ -20,7 +20,8 @@ on the dev world's held-out Weaver answer turns in the rules' layout and chain f
     python scripts/seed_layout_sft.py --table --json runs/r83/seed_layout.json
     python scripts/seed_layout_sft.py --arms a b --free --eval-at 0 100 --json runs/r83/free.json   # free-running too
     python scripts/seed_layout_sft.py --arms e --free --act --steps 300 --eval-at 0 100 300 --json runs/r83/e.json
-`--act` adds the dev act turns, free-running: the tool the teacher called, its whole call, and whether one parses.
+`--act` adds the dev act turns, free-running: the tool the teacher called, its whole call, whether one parses, and
+whether a trim window holds the time the question names.
 `--build` runs weaver_synth's teacher over the timestamp questions of runs/mini/train (seed 1, 120 videos) and
 runs/mini/dev (seed 2001, 40 videos), and over every 4th train question of any family (arm c's chats).
 """
@@ -248,21 +249,39 @@ def tool_call(text: str) -> dict | None:
     return got if isinstance(got, dict) else None
 
 
+_ASKED_AT = re.compile(r"Question: [^\n]*? at (\d+):(\d\d)")
+
+
+def holds(call: dict | None, at: float | None) -> bool:
+    """A trim call whose window holds the moment the question names."""
+    try:
+        return bool(call and at is not None and call.get("tool_name") == "trim"
+                    and float(call.get("start", 0.0)) <= at <= float(call["end"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 @torch.no_grad()
 def act_accuracy(model, tok, samples: list[Sample], eos: int) -> list[float]:
     """Free-running act turns from the teacher's prompts (greedy): the share whose tool call names the teacher's
-    tool, whose call equals the teacher's in every argument, and whose call parses at all."""
-    name = exact = parsed = 0
+    tool, whose call equals the teacher's in every argument, whose call parses at all, and, of the turns where the
+    teacher trims around a stated time, the share whose trim window holds that time."""
+    name = exact = parsed = held = timed = 0
     for s in samples:
         want = tool_call(tok.decode(s.ids[s.start:-1]))
+        asked = _ASKED_AT.search(tok.decode(s.ids[:s.start]))
+        at = int(asked.group(1)) * 60 + int(asked.group(2)) if asked else None
         out = model.generate(torch.tensor([s.ids[:s.start]]), max_new_tokens=len(s.ids) - s.start + 16,
                              do_sample=False, eos_token_id=eos, pad_token_id=eos)
         got = tool_call(tok.decode(out[0, s.start:], skip_special_tokens=True))
         parsed += got is not None
         name += bool(got and want and got.get("tool_name") == want.get("tool_name"))
         exact += bool(got and got == want)
+        if holds(want, at):
+            timed += 1
+            held += holds(got, at)
     n = len(samples)
-    return [round(name / n, 3), round(exact / n, 3), round(parsed / n, 3)]
+    return [round(name / n, 3), round(exact / n, 3), round(parsed / n, 3), round(held / max(timed, 1), 3)]
 
 
 def build(out: Path) -> None:
@@ -288,7 +307,7 @@ def table(results: dict) -> str:
     and the whole chain."""
     layouts = list(next(iter(results.values()))["evals"]["0"])
     free = ("letter / chain / parses", lambda v: " / ".join(f"{x:.2f}" for x in v))
-    act = ("tool / whole call / parses", lambda v: " / ".join(f"{x:.2f}" for x in v))
+    act = ("tool / whole call / parses / window holds the time", lambda v: " / ".join(f"{x:.2f}" for x in v))
     hops = ("clock / frame / colour / letter (chain)", lambda v: " / ".join(f"{x:.2f}" for x in v[:-1]) + f" ({v[-1]:.2f})")
     kind = {n: free if n.endswith("free-running") else act if n.startswith("dev act turns") else hops for n in layouts}
     lines = ["| arm | seed | step | " + " | ".join(f"{name}: {kind[name][0]}" for name in layouts)
