@@ -164,15 +164,15 @@ def _kl_cov(logp, old_logp, advantages, mask, s):
 
     ratio = torch.exp(logp - old_logp)
     per_token = -ratio * advantages
-    cov = covariance(logp, advantages, mask).masked_fill(mask == 0, float("-inf"))
+    cov = covariance(logp, advantages, mask)
     n = min(max(int((s.cov_ratio or 2e-3) * float(mask.sum())), 1), int(mask.sum()))
     top = torch.zeros(logp.numel(), dtype=logp.dtype, device=logp.device)
     if n:
-        top[torch.topk(cov.flatten(), n).indices] = 1.0
+        top[torch.topk(cov.masked_fill(mask == 0, float("-inf")).flatten(), n).indices] = 1.0
     top = top.view_as(logp)
     per_token = per_token.expand_as(mask) + top * s.kl_cov_coef * (logp - old_logp).abs()
     return per_token, {"ratio_mean": masked_mean(ratio.detach(), mask),
-                       "cov_mean": masked_mean(covariance(logp, advantages, mask), mask),
+                       "cov_mean": masked_mean(cov, mask),
                        "cov_penalised_frac": masked_mean(top, mask)}
 
 
