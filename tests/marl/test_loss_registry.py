@@ -139,3 +139,26 @@ def test_a_loss_family_registered_outside_m1_drives_the_update(m1_cache):
     after = learner.parameters()
     assert any(not torch.equal(after[n], before[n]) for n in before)
     assert stats["loss"] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_token_advantages_reach_the_loss_and_keep_their_samples_in_the_step(m1_cache):
+    """Per-token advantages replace the sequence's in the loss: on-policy each token's loss is -A_t, so the token
+    mean (`dapo`) of the step is -sum A_t / tokens. A sample whose sequence value is 0 but whose tokens carry
+    advantages is not skipped as advantage-free."""
+    from dataclasses import replace
+
+    from m1.marl.actor.learner import AgentLearner
+
+    rng = random.Random(2)
+    samples = [replace(s, advantage=0.0, token_advantages=[rng.uniform(-1, 1) for _ in s.completion_ids])
+               for s in random_samples(2)]
+    learner = AgentLearner("alpha", "qa", TINY, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
+                           GRPOSettings(beta=0.0, loss_type="dapo"))
+    before = learner.parameters()
+    stats = learner.update(samples, lr=1e-2)
+    tokens = sum(len(s.completion_ids) for s in samples)
+    assert stats["loss"] == pytest.approx(-sum(sum(s.token_advantages) for s in samples) / tokens, abs=1e-5)
+    assert stats["samples"] == 6 and stats["grad_norm"] > 0
+    after = learner.parameters()
+    assert any(not torch.equal(after[n], before[n]) for n in before)

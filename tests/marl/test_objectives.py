@@ -1,7 +1,7 @@
 """The policy objectives (m1/marl/algo/objectives.py) and advantage estimators (m1/marl/algo/advantages.py) are
 registries: each shipped entry against its defining formula on hand-computed tensors and, where TRL 1.16 implements it,
-against TRL's own `_compute_loss`; the rules each entry declares are what the config refuses; and an objective and an
-estimator registered here, outside m1/, train one MARL step.
+against TRL's own `_compute_loss`; the rules each entry declares are what the config refuses; and an objective, an
+estimator and a token-level estimator registered here, outside m1/, train one MARL step.
 
 TRL parity: clip_higher is TRL's `epsilon_high` (its cases run in tests/marl/test_grpo.py TRL_CASES, which route
 asymmetric bounds to clip_higher), gspo is `importance_sampling_level="sequence"`, cispo is `loss_type="cispo"`
@@ -13,10 +13,11 @@ import math
 import pytest
 import torch
 
-from m1.marl.algo.advantages import ESTIMATORS, AdvantageEstimator, estimate_advantages, register_estimator, \
-    rloo_advantages
+from m1.marl.algo.advantages import ESTIMATORS, AdvantageEstimator, discounted_token_advantages, \
+    estimate_advantages, register_estimator, rloo_advantages, token_advantages
 from m1.marl.config import GRPOSettings
 from m1.marl.algo.objectives import OBJECTIVES, PolicyObjective, grpo_loss, masked_mean, register_objective
+from m1.marl.rollout.episodes import Sample
 from tests.core.test_registry import registries  # noqa: F401 (the fixture)
 from tests.marl.test_grpo import _random_batch, _trl_inputs, _trl_self
 from tests.marl.test_trainer import AGENTS, make_trainer, train_cfg
@@ -83,6 +84,39 @@ def test_cispo_weights_log_probs_by_the_capped_ratio_without_its_gradient():
                                atol=1e-6, rtol=0)
     assert stats["clip_frac"] == pytest.approx(1 / 4)  # the capped token with A > 0
     assert stats["ratio_mean"] == pytest.approx((0.5 + 1.0 + 3.0 + 1.5) / 4, abs=1e-6)
+
+
+def _reply(group: int, rollout: int, tokens: int, value: float) -> Sample:
+    return Sample(agent="a", question_id=f"q{group}", group=group, rollout=rollout, phase="plan", prompt_ids=[1],
+                  completion_ids=[7] * tokens, logprobs=None, reward=value, advantage=value)
+
+
+def test_reinforce_pp_discounts_over_the_agents_later_replies_and_whitens_over_the_step():
+    # episode (0, 0): a plan of 2 tokens, then an answer of 3, value 1; episode (0, 1): one token, value 0
+    rows = [_reply(0, 0, 2, 1.0), _reply(0, 0, 3, 1.0), _reply(0, 1, 1, 0.0)]
+    returns = [0.5 ** 4, 0.5 ** 3, 0.5 ** 2, 0.5, 1.0, 0.0]  # tokens after each, in its episode: 4 3 2 1 0; 0
+    r = torch.tensor(returns, dtype=torch.float64)
+    want = ((r - r.mean()) / torch.sqrt(r.var() + 1e-8)).tolist()
+    got = discounted_token_advantages(rows, 0.5)
+    assert [len(g) for g in got] == [2, 3, 1]
+    assert [x for g in got for x in g] == pytest.approx(want, abs=1e-12)
+    flat = [x for g in discounted_token_advantages(rows, 1.0) for x in g]  # no discount: the reward, whitened
+    assert flat[:5] == pytest.approx([flat[0]] * 5) and flat[0] > 0 > flat[5]
+    assert discounted_token_advantages([_reply(0, 0, 3, 1.0)], 1.0) == [[0.0, 0.0, 0.0]]  # no spread: zeros
+    # through the registry: the sequence value is the reward itself, 0 where a sample is missing
+    entry = ESTIMATORS["reinforce_pp"]
+    seq = estimate_advantages(entry, {"a": [[1.0, float("nan")]]}, None, settings(baseline="reinforce_pp"))
+    assert seq["a"].tolist() == [[1.0, 0.0]]
+    out = token_advantages(entry, {"a": rows}, settings(baseline="reinforce_pp", gamma=0.5))["a"]
+    assert [s.token_advantages for s in out] == [pytest.approx(g) for g in got]
+    assert [s.advantage for s in out] == [1.0, 1.0, 0.0] and rows[0].token_advantages is None  # copies
+    assert not out[0].zero_advantage and Sample(**{**vars(rows[2]), "token_advantages": [0.0]}).zero_advantage
+
+
+def test_a_token_estimator_that_returns_the_wrong_shape_is_named():
+    bad = AdvantageEstimator(name="short", estimate=lambda r, ref, s: r, tokens=lambda rows, s: [[1.0] for _ in rows])
+    with pytest.raises(ValueError, match=r"estimator 'short': tokens\(\) must return one list per sample.*'a'"):
+        token_advantages(bad, {"a": [_reply(0, 0, 2, 1.0)]}, settings())
 
 
 def test_rloo_compares_each_reward_with_the_mean_of_the_others():
@@ -154,11 +188,17 @@ def test_cispo_matches_trl(beta, eps_high, seed):
     ({"baseline": "rloo"}, "'rloo' cannot run with grpo.scale_rewards=True"),
     ({"objective": "ppo"},
      r"unknown objective 'ppo'; registered: \['cispo', 'clip', 'clip_cov', 'clip_higher', 'gspo', 'kl_cov'\]"),
-    ({"baseline": "mean"}, r"unknown baseline 'mean'; registered: \['greedy', 'group', 'rloo'\]"),
+    ({"baseline": "mean"}, r"unknown baseline 'mean'; registered: \['greedy', 'group', 'reinforce_pp', 'rloo'\]"),
+    ({"gamma": 0.9}, "grpo.gamma=0.9 is not read by grpo.baseline 'group'"),
 ])
 def test_the_config_refuses_what_the_chosen_entry_refuses(tmp_path, grpo, words):
     with pytest.raises(ValueError, match=words):
         train_cfg(tmp_path, grpo=grpo)
+
+
+def test_reinforce_pp_refuses_dynamic_sampling(tmp_path):
+    with pytest.raises(ValueError, match="'reinforce_pp' cannot run with rollout.dynamic_sampling=True"):
+        train_cfg(tmp_path, grpo={"baseline": "reinforce_pp"}, rollout={"dynamic_sampling": True})
 
 
 def test_gspo_refuses_the_sampler_weight_a_vllm_engine_would_default_to(tmp_path):
@@ -176,6 +216,7 @@ def test_gspo_refuses_the_sampler_weight_a_vllm_engine_would_default_to(tmp_path
     {"objective": "clip_cov", "cov_ratio": 0.01, "cov_bounds": (0.5, 4.0)},
     {"objective": "kl_cov", "old_logprobs": "rollout", "cov_ratio": 0.01, "kl_cov_coef": 0.5},
     {"baseline": "rloo", "scale_rewards": False}, {"baseline": "greedy", "scale_rewards": False},
+    {"baseline": "reinforce_pp", "gamma": 0.99},
 ])
 def test_the_config_accepts_each_entry_with_its_settings(tmp_path, grpo):
     cfg = train_cfg(tmp_path, grpo=grpo)
@@ -217,24 +258,39 @@ def _sign_of_gap(calls):
     return AdvantageEstimator(name="sign_of_gap", estimate=estimate, settings=("scale_rewards",))
 
 
+def _last_token(calls):
+    """A token-level estimator: each reply's sign-of-gap advantage on its last token alone."""
+    sign = _sign_of_gap([])
+
+    def tokens(rows, own):
+        calls.append("token_estimator")
+        assert vars(own) == {"scale_rewards": False}
+        return [[0.0] * (len(s.completion_ids) - 1) + [s.advantage] for s in rows]
+
+    return AdvantageEstimator(name="last_token", estimate=sign.estimate, settings=("scale_rewards",), tokens=tokens)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("new", ["objective", "estimator"])
+@pytest.mark.parametrize("new", ["objective", "estimator", "token_estimator"])
 def test_an_entry_registered_here_trains_one_step(registries, new, tmp_path, video, m1_cache):  # noqa: F811
-    """A policy objective or an advantage estimator registered from this file: one MARL step selects it by name
-    (beside the shipped default of the other registry), calls it, and moves every trained agent's parameters; the
-    objective's own metric reaches the step's row."""
+    """A policy objective, an advantage estimator or a token-level estimator registered from this file: one MARL
+    step selects it by name (beside the shipped default of the other registry), calls it, and moves every trained
+    agent's parameters; the objective's own metric reaches the step's row."""
     calls: list[str] = []
     grpo = {"beta": 0.0, "scale_rewards": False}
     if new == "objective":
         register_objective(_reinforce(calls))
         grpo["objective"] = "reinforce"
-    else:
+    elif new == "estimator":
         register_estimator(_sign_of_gap(calls))
         grpo["baseline"] = "sign_of_gap"
+    else:
+        register_estimator(_last_token(calls))
+        grpo["baseline"] = "last_token"
     tr = make_trainer(train_cfg(tmp_path / "run", grpo=grpo), video)
     before = {a: tr.learners.parameters(a) for a in AGENTS}
     row = tr.train_step()
-    assert calls.count(new) >= (len(AGENTS) if new == "objective" else 1)
+    assert calls.count(new) >= (len(AGENTS) if new != "estimator" else 1)
     for a in AGENTS:
         after = tr.learners.parameters(a)
         assert row[f"{a}/adv_abs_mean"] > 0

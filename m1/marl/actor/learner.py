@@ -155,7 +155,7 @@ class AgentLearner:
         self.policy.train()
         rows = self.scorer.rows(samples)
         skip_zero = loss_family.skips_zero_advantage and self.grpo.beta == 0 and self.cfg.skip_zero_advantage
-        run = [i for i, s in enumerate(samples) if not (skip_zero and s.advantage == 0)]
+        run = [i for i, s in enumerate(samples) if not (skip_zero and s.zero_advantage)]
         step = StepSize(samples=len(samples), tokens=sum(len(c) for _, c in rows),
                         prompt_tokens=sum(len(p) - 1 for p, _ in rows), run_tokens=sum(len(rows[i][1]) for i in run),
                         evidence_rows=sum(len(evidence_rows(s, r)) for s, r in zip(samples, rows)))

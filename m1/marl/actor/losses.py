@@ -112,7 +112,11 @@ def grpo_loss_family(actor, micro: list[Sample], micro_rows: list, step: StepSiz
     old, is_weight, mode_stats = OLD_LOGPROBS[g.old_logprobs or "policy"](logp, mask, sampled, g)
     per_token = 1.0 / max(step.run_tokens, 1)
     stats = {k: v if k.endswith("_max") else v * per_token for k, v in mode_stats.items()}
-    adv = torch.tensor([s.advantage for s in micro], device=actor.device, dtype=torch.float32)
+    if any(s.token_advantages is not None for s in micro):  # [B, T], aligned with the completions' log-probs
+        adv = actor.scorer.padded([s.token_advantages if s.token_advantages is not None
+                                   else [s.advantage] * len(s.completion_ids) for s in micro], logp.shape[1])
+    else:
+        adv = torch.tensor([s.advantage for s in micro], device=actor.device, dtype=torch.float32)
     loss, loss_stats = grpo_loss(logp, old, ref, adv, mask, g, num_items_in_batch=step.tokens, is_weight=is_weight,
                                  max_completion_length=actor.cfg.max_completion_tokens)
     if not LOSSES[g.loss_type].token_level:

@@ -349,6 +349,7 @@ class Scorer:
         return token_logprobs(out.logits, c_ids, temperature), c_attn.float()
 
     def padded(self, values: list[list[float] | None], width: int):
+        """Per-token values (sampled log-probs, token advantages) as [B, width]: each row cut or 0-padded."""
         import torch
 
         rows = []

@@ -8,7 +8,14 @@ each question `[G]` when it asks for that run (`greedy_reference`, else None), a
 - `group` (GRPO): ``(r - mean_g) / (std_g + 1e-4)`` with the Bessel-corrected std of the group, or ``r - mean_g``
   with `grpo.scale_rewards: false` (Dr. GRPO); groups of one sample or without spread give exactly 0;
 - `greedy` (ours, after ReMax): ``r - r_greedy``, the reward of one untrained greedy run of the question;
-- `rloo` (REINFORCE leave-one-out): ``r_i - mean_{j != i} r_j`` over the group's present samples.
+- `rloo` (REINFORCE leave-one-out): ``r_i - mean_{j != i} r_j`` over the group's present samples;
+- `reinforce_pp` (REINFORCE++, token level): each token's return is the sequence value discounted by `grpo.gamma`
+  per generated token of the agent between it and the end of its episode (its later replies included), and the
+  returns are whitened over all the agent's tokens of the step.
+
+A token-level estimator also gives `tokens(samples, settings)`: one agent's samples of the step, which carry the
+`[G, K]` value of `estimate` as `advantage`, in, and one list of advantages per sample (one per completion token)
+out; the loss then uses those (`Sample.token_advantages`).
 
 An estimator states in `requires` / `refuses` what it cannot be combined with (m1/marl/entries.py); the config's
 validator reads them. A new one is `register_estimator(AdvantageEstimator(name=..., estimate=...))`;
@@ -26,6 +33,8 @@ from m1.registry import add_entry
 
 if TYPE_CHECKING:
     import torch
+
+    from m1.marl.rollout.episodes import Sample
 
 ADV_EPS = 1e-4  # TRL adds this to the group std
 
@@ -95,6 +104,13 @@ def _informative(r: "torch.Tensor", present: "torch.Tensor") -> "torch.Tensor":
     return present & (count > 1) & (hi > lo)
 
 
+def missing_as_zero(rewards: Any) -> "torch.Tensor":
+    """The rewards themselves, 0 where a sample is missing: REINFORCE++'s sequence value before its tokens."""
+    import torch
+
+    return torch.nan_to_num(_as_reward_tensor(rewards), nan=0.0)
+
+
 def baseline_advantages(rewards: Any, baseline: Any) -> "torch.Tensor":
     """Advantages ``r - b`` of ``[G, K]`` rewards against one baseline per group ``[G]`` (ours, after ReMax: the
     reward of the question's greedy run, so a sample is pushed up only when it beats greedy decoding). NaN in a
@@ -125,6 +141,32 @@ def rloo_advantages(rewards: Any) -> "torch.Tensor":
     return torch.where(_informative(r, present), r - others, torch.zeros_like(r))
 
 
+def discounted_token_advantages(samples: Sequence["Sample"], gamma: float, eps: float = 1e-8) -> list[list[float]]:
+    """REINFORCE++'s token advantages of one agent's samples: token t of a reply gets ``gamma**n * value``, n the
+    agent's generated tokens after t in its episode (rollout (group, k); the value is its reply's `advantage`), and
+    the returns are whitened over all the samples' tokens ``(x - mean) / sqrt(var + eps)``, var Bessel-corrected
+    (verl's masked_whiten). Fewer than two tokens, or returns without spread, give zeros."""
+    import torch
+
+    later: dict[tuple[int, int], int] = {}  # tokens the episode's later replies hold, walking back from its end
+    returns: list[list[float]] = [[] for _ in samples]
+    for i in range(len(samples) - 1, -1, -1):
+        s = samples[i]
+        key, n = (s.group, s.rollout), len(s.completion_ids)
+        after = later.get(key, 0)
+        returns[i] = [gamma ** (after + n - 1 - t) * s.advantage for t in range(n)]
+        later[key] = after + n
+    flat = torch.tensor([x for r in returns for x in r], dtype=torch.float64)
+    if flat.numel() < 2 or float(flat.max() - flat.min()) == 0.0:
+        return [[0.0] * len(r) for r in returns]
+    white = ((flat - flat.mean()) / torch.sqrt(flat.var(unbiased=True) + eps)).tolist()
+    out, at = [], 0
+    for r in returns:
+        out.append(white[at:at + len(r)])
+        at += len(r)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- the registry
 
 
@@ -134,6 +176,7 @@ class AdvantageEstimator(Entry):
 
     estimate: Callable[..., "torch.Tensor"]
     greedy_reference: bool = False  # run each question once greedily (not trained on); its reward is `reference`
+    tokens: Callable[..., list[list[float]]] | None = None  # token level: (one agent's samples, settings) -> per token
 
 
 ESTIMATORS: dict[str, AdvantageEstimator] = {}
@@ -161,6 +204,23 @@ def estimate_advantages(estimator: AdvantageEstimator, rewards: Mapping[str, Any
     return out
 
 
+def token_advantages(estimator: AdvantageEstimator, samples: Mapping[str, list["Sample"]],
+                     grpo: Any) -> dict[str, list["Sample"]]:
+    """Each agent's samples with the token-level estimator's advantages (`token_advantages`, one per completion
+    token; `advantage` keeps the sequence's value). An estimator returning a list of the wrong shape is an error
+    naming it."""
+    from dataclasses import replace
+
+    settings, out = estimator.own_settings(grpo), {}
+    for agent, rows in samples.items():
+        values = estimator.tokens(list(rows), settings)
+        if len(values) != len(rows) or any(len(v) != len(s.completion_ids) for v, s in zip(values, rows)):
+            raise ValueError(f"advantage estimator {estimator.name!r}: tokens() must return one list per sample, "
+                             f"one value per completion token (agent {agent!r}, {len(rows)} samples)")
+        out[agent] = [replace(s, token_advantages=[float(x) for x in v]) for s, v in zip(rows, values)]
+    return out
+
+
 def _unscaled(why: str) -> Rule:
     return Rule("grpo.scale_rewards", bool, f"{why}; set grpo.scale_rewards: false")
 
@@ -178,9 +238,16 @@ GREEDY = register_estimator(AdvantageEstimator(
 RLOO = register_estimator(AdvantageEstimator(
     name="rloo", estimate=lambda rewards, reference, s: rloo_advantages(rewards),
     refuses=(_unscaled("it takes rewards minus the mean of the group's other samples, unscaled"),)))
+REINFORCE_PP = register_estimator(AdvantageEstimator(
+    name="reinforce_pp", settings=("gamma",),
+    estimate=lambda rewards, reference, s: missing_as_zero(rewards),
+    tokens=lambda samples, s: discounted_token_advantages(samples, s.gamma),
+    refuses=(Rule("rollout.dynamic_sampling", bool,
+                  "its baseline is the step's whole batch of tokens, not a question's group, so a group whose K "
+                  "rewards tie still carries signal; leave dynamic sampling off"),)))
 
 
 __all__: Sequence[str] = (
-    "ADV_EPS", "ESTIMATORS", "AdvantageEstimator", "baseline_advantages", "estimate_advantages", "group_advantages",
-    "register_estimator", "rloo_advantages",
+    "ADV_EPS", "ESTIMATORS", "AdvantageEstimator", "baseline_advantages", "discounted_token_advantages",
+    "estimate_advantages", "group_advantages", "register_estimator", "rloo_advantages", "token_advantages",
 )

@@ -24,11 +24,12 @@ record call without a rule (rollout cannot import this module).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar, Protocol
 
-from m1.marl.algo.advantages import ESTIMATORS, estimate_advantages
+from m1.marl.algo.advantages import ESTIMATORS, estimate_advantages, token_advantages
 from m1.marl.rollout.episodes import (RewardFn, RolloutBatch, RolloutError, Sample, build_samples, generation_credit,
                                       score)
 from m1.registry import add_entry
@@ -187,6 +188,8 @@ class StepCredit:
     live: dict[str, list[bool]] | None = None  # dynamic sampling: agent -> kept question -> group has signal
     greedy: RolloutBatch | None = None  # grpo.baseline greedy: the greedy run of each question (scored)
     metrics: dict[str, Any] = field(default_factory=dict)  # what the strategy alone knows (groups dropped, greedy)
+    # a token-level estimator: agent -> samples in, the same samples with their token advantages out
+    tokens: Callable[[dict[str, list[Sample]]], dict[str, list[Sample]]] | None = None
 
     def generation_credit(self, phases):
         return generation_credit(self.batch, self.advantages, self.outcome_advantages, phases)
@@ -198,7 +201,7 @@ class StepCredit:
                                 phase_temperature)
         if self.live is not None:
             samples = {a: [s for s in rows if self.live[a][s.group]] for a, rows in samples.items()}
-        return samples
+        return self.tokens(samples) if self.tokens is not None else samples
 
 
 class EpisodeSource(Protocol):
@@ -262,7 +265,8 @@ class CreditStrategy:
         if base is not None:  # the greedy team on the step's questions: what evaluation measures
             flat = [r for a in base for g in base[a] for r in g if not math.isnan(r)]
             metrics["greedy/reward"] = sum(flat) / len(flat) if flat else float("nan")
-        return StepCredit(batch, advantages, outcome, episodes.rounds, episodes.live, greedy, metrics)
+        tokens = partial(token_advantages, self.estimator, grpo=self.grpo) if self.estimator.tokens else None
+        return StepCredit(batch, advantages, outcome, episodes.rounds, episodes.live, greedy, metrics, tokens)
 
     def advantages(self, rewards: Rewards, reference: Rewards | None) -> dict[str, Any]:
         """Agent -> [G, K] advantages of `rewards` under the run's estimator (`reference`: the greedy run's)."""

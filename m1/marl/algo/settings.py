@@ -44,7 +44,12 @@ class GRPOSettings(Strict):
         "against the K rollouts' mean, scaled by their std with scale_rewards (GRPO). greedy (ours, after ReMax): each "
         "question is also run once greedily, untrained, and a rollout's advantage is its reward minus that run's, "
         "so a sample gains only by beating the decoding the team is evaluated with. rloo: a reward minus the mean "
-        "of the group's other rewards (REINFORCE leave-one-out). greedy and rloo need scale_rewards: false."))
+        "of the group's other rewards (REINFORCE leave-one-out). greedy and rloo need scale_rewards: false. "
+        "reinforce_pp (REINFORCE++, token level): each token's return is the reward discounted by gamma per token "
+        "the agent generates after it in the episode, whitened over the step's tokens of the agent."))
+    gamma: float = Field(1.0, gt=0.0, le=1.0, description=(
+        "reinforce_pp: the discount per generated token of the agent between a token and the end of its episode "
+        "(its later replies count; tool outputs and teammates' text do not). 1: every token gets the reward."))
     old_logprobs: str | None = Field(default=None, description=(
         "The old policy of the ratio. policy: logp.detach() (TRL's on-policy case). rollout: the sampler's "
         "log-probs (generation may lag the weights). sampler: logp.detach(), each token weighted by "

@@ -75,6 +75,16 @@ class Sample:
     # SFT with learner.attention: (query position, evidence positions) in prompt + completion tokens (unpadded), the
     # teacher's evidence placed on this learner's tokens (m1/evidence.py chat_token_evidence)
     evidence: list[tuple[int, tuple[int, ...]]] | None = None
+    # a token-level estimator (`tokens` of m1/marl/algo/advantages.py): one advantage per completion token, which
+    # the loss uses in place of `advantage` (that keeps the sequence's value, for records)
+    token_advantages: list[float] | None = None
+
+    @property
+    def zero_advantage(self) -> bool:
+        """No token carries an advantage, so with beta 0 the sample has no gradient."""
+        if self.token_advantages is not None:
+            return not any(self.token_advantages)
+        return self.advantage == 0
 
 
 @dataclass(frozen=True)
