@@ -36,7 +36,7 @@ from typing import Any
 
 from m1.marl.checkpoint import STATE, StopFlag, load_checkpoint, naming_full_disk, resume_point, save_checkpoint
 from m1.marl.config import TrainConfig
-from m1.marl.algo.credit import CreditStrategy, StepCredit
+from m1.marl.algo.credit import CreditStrategy, StepCredit, StepEpisodes
 from m1.marl.actor.groups import build_learners, host_driver_models, reserve_placement
 from m1.contracts import LearnerGroup, RolloutEngine, Team
 from m1.marl.actor.learner_io import seed_everything
@@ -45,7 +45,7 @@ from m1.marl.loop import run_steps
 from m1.marl.producer import Producer, StepItem, sampling_version
 from m1.marl.resolve import resolve
 from m1.marl.reward.rubric_judge import RubricJudge
-from m1.marl.rollout.episodes import RewardFn, RolloutBatch, RolloutError, derive_seed, run_rollouts
+from m1.marl.rollout.episodes import RewardFn, RolloutError, derive_seed, run_rollouts, score
 from m1.marl.rollout_engines import HFSamplers, RolloutEngines
 from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples
 from m1.marl.rollout.stream import QuestionStream, load_questions
@@ -111,7 +111,6 @@ class Trainer:
         self.data = QuestionStream(questions if questions is not None else
                                    load_questions(cfg.data.questions, cfg.data.video_dir), cfg.seed, cfg.data.shuffle)
         self.step = self.checkpointed = 0  # checkpointed: the newest checkpoint's step (a stop writes one if behind)
-        self.rollout_step = 0  # the step whose rollouts run now (ahead of `step` when rollouts are asynchronous)
         self.cursor_trained = 0  # the data cursor after the questions of the steps trained on (what a checkpoint keeps)
         self.producer: Producer | None = None
         self.resumed_from: Path | None = None
@@ -128,7 +127,7 @@ class Trainer:
             if reward_fn is None and self.kind.needs_judge and judge is None:
                 self.judge = build_judge(self.cfg, hosted.get("judge"))
             self.reward_fn = reward_fn or self.kind.reward_fn(self.cfg, self.team_cfg, self.judge)
-            self.credit = CreditStrategy(self.cfg, self.trained, self.reward_fn, source=self)
+            self.credit = CreditStrategy(self.cfg, self.trained)
             if resume is not None:
                 self.load_checkpoint(resume, verified=True)
         except BaseException:
@@ -242,8 +241,7 @@ class Trainer:
         first = self.data.cursor  # the run's number of the step's first question
         questions = self.data.take(cfg.rollout.questions_per_step)
         topology = self.kind.topology(self.settings.agents, cfg.rollout, cfg.seed, step)
-        self.rollout_step = step
-        episodes = self.credit.episodes(questions, first, topology, clock)  # rollouts, then scores; laps rollout
+        episodes = self.step_episodes(step, questions, first, topology, clock)  # rollouts, then scores; laps rollout
         credit = self.credit.credit(episodes)
         samples = credit.samples(self.settings.temperatures, self.settings.phases,
                                  self.settings.team.sampling.phase_temperature)
@@ -284,27 +282,38 @@ class Trainer:
         return {"throughput/episodes_per_s": len(episodes) / wall, "throughput/tokens_per_s": tokens / wall,
                 "time/wall": wall}
 
-    def rollouts(self, questions, k: int, topology, focus=None, greedy: bool = False) -> RolloutBatch:
-        """K episodes per question on the run's team (`greedy`: its greedily decoding copy); the credit
-        strategy's EpisodeSource."""
-        return run_rollouts(self._team(greedy), questions, k, topology, focus)
+    def step_episodes(self, step: int, questions: list, first: int, topology, clock) -> StepEpisodes:
+        """Step `step`'s episodes, run (the clock's `rollout` lap; the teams reseeded for the step) and scored. Under dynamic sampling each round is
+        scored as it runs, since how many questions the next round refills depends on their rewards; the refill
+        questions come next from the data cursor."""
+        credit, rounds, todo = self.credit, [], questions
+        while True:
+            batch = run_rollouts(self._team(False, step), todo, credit.k, topology, credit.focus(first, len(todo)))
+            rounds.append(score(batch, self.trained, self.reward_fn) if credit.dynamic else batch)
+            need = credit.refill(rounds)
+            if need <= 0:
+                break
+            first, todo = self.data.cursor, self.data.take(need)
+        greedy = run_rollouts(self._team(True, step), questions, 1, topology) if credit.greedy_reference else None
+        clock.lap("rollout")
+        if not credit.dynamic:
+            rounds = [score(rounds[0], self.trained, self.reward_fn)]
+        if greedy is not None:
+            greedy = score(greedy, self.trained, self.reward_fn)
+        return credit.step_episodes(rounds, greedy)
 
-    def take(self, n: int) -> tuple[int, list]:
-        """(the run's number of the next question, the next n questions) of the data cursor, for refills."""
-        first = self.data.cursor
-        return first, self.data.take(n)
-
-    def _team(self, greedy: bool) -> Team:
-        """One team for the whole run (so CLIP embeddings and decoded frames are reused), reseeded once per step
-        from (seed, step) so rollouts repeat exactly after a resume; `greedy`: its copy decoding greedily."""
+    def _team(self, greedy: bool, step: int) -> Team:
+        """One team for the whole run (so CLIP embeddings and decoded frames are reused), reseeded from (seed, step)
+        at the first rollouts of each step, so they repeat exactly after a resume (a refill round of the same step
+        goes on from where the step's first round left the generator); `greedy`: its copy decoding greedily."""
         name = "greedy" if greedy else "sampling"
         if name not in self.teams:
             cfg = self.team_cfg.greedy() if greedy else self.team_cfg
             self.teams[name] = (make_team(cfg, hub=self.hub, pool=self.pool), -1)
         team, seeded = self.teams[name]
-        if seeded != self.rollout_step:
-            team.reseed(derive_seed(self.cfg.seed, self.rollout_step, name))
-            self.teams[name] = (team, self.rollout_step)
+        if seeded != step:
+            team.reseed(derive_seed(self.cfg.seed, step, name))
+            self.teams[name] = (team, step)
         return team
 
     def write_samples(self, credit: StepCredit) -> Path:

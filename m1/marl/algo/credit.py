@@ -1,7 +1,8 @@
 """Credit strategies: which episodes a step runs and what advantage each generation gets.
 
-A training step asks its `StepCredit` for the step's scored episodes and their advantages; how those are made is
-the choice of three small registries, each entry owning the extra rollouts it needs:
+A training step's trainer runs and scores the episodes this module's `CreditStrategy` asks for (the focus agents,
+the refills, the greedy run), then asks it for the step's `StepCredit`: every function here takes values and
+returns values. How the credit is made is the choice of three small registries:
 
 - `CREDITS` (`rollout.credit`) — who is credited with what:
   - `episode` (the paper's): every generation of an agent carries the advantage of that agent's episode reward;
@@ -11,7 +12,8 @@ the choice of three small registries, each entry owning the extra rollouts it ne
     greedily; only the focus agent is credited, within its own K episodes.
 - `ESTIMATORS` (`grpo.baseline`, m1/marl/algo/advantages.py) — what a reward is compared with: `group` (GRPO's mean
   and std of the agent's K rollouts of the question), `greedy` (one more greedy run of each question, after ReMax),
-  `rloo` (the mean of the group's other rollouts); an estimator that asks for the greedy run gets it here;
+  `rloo` (the mean of the group's other rollouts), `reinforce_pp` (per token); an estimator that asks for the greedy
+  run gets it;
 - `rollout.dynamic_sampling` (DAPO): a question whose groups all tie carries no signal; it is dropped and the next
   questions of the data cursor run in its place, for at most `rollout.max_refill` more rounds.
 
@@ -27,13 +29,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from m1.marl.algo.advantages import ESTIMATORS, estimate_advantages, token_advantages
-from m1.marl.rollout.episodes import (RewardFn, RolloutBatch, RolloutError, Sample, build_samples, generation_credit,
-                                      score)
+from m1.marl.rollout.episodes import RolloutBatch, RolloutError, Sample, build_samples, generation_credit
 from m1.registry import add_entry
-from m1.schema import Question, Topology
 
 Rewards = dict[str, list[list[float]]]  # agent -> [question][rollout]
 
@@ -204,48 +204,58 @@ class StepCredit:
         return self.tokens(samples) if self.tokens is not None else samples
 
 
-class EpisodeSource(Protocol):
-    """Where a credit strategy's episodes come from: the trainer's team and its data cursor (for refills)."""
-
-    def rollouts(self, questions: Sequence[Question], k: int, topology: Topology,
-                 focus: Sequence[str] | None = None, greedy: bool = False) -> RolloutBatch:
-        """K episodes per question (`greedy`: on the team's greedily decoding copy)."""
-        ...
-
-    def take(self, n: int) -> tuple[int, list[Question]]:
-        """(the run's number of the next question, the next n questions) of the data cursor."""
-        ...
-
-
 class CreditStrategy:
-    """The step's rollouts, scores and advantages under one credit rule, one baseline and (optionally) dynamic
-    sampling; episodes come from `source`, rewards from `reward_fn` for the `trained` agents."""
+    """A step's credit under one credit rule, one baseline and (optionally) dynamic sampling, as functions of
+    values: which agent each question focuses on, how many questions a dynamic-sampling round must refill, the
+    step's episodes from its scored rounds, and what each generation is credited with. The trainer runs and scores
+    the episodes (m1/marl/trainer.py `Trainer.step_episodes`); nothing here calls back into it."""
 
-    def __init__(self, cfg, trained: Sequence[str], reward_fn: RewardFn, source: EpisodeSource):
+    def __init__(self, cfg, trained: Sequence[str]):
         self.rule = CREDITS[cfg.rollout.credit]()
         self.estimator, self.grpo = ESTIMATORS[cfg.grpo.baseline], cfg.grpo
-        self.k, self.per_step, self.refill = (cfg.rollout.num_generations, cfg.rollout.questions_per_step,
+        self.k, self.per_step, self.max_refill = (cfg.rollout.num_generations, cfg.rollout.questions_per_step,
                                               cfg.rollout.max_refill)
         self.dynamic = cfg.rollout.dynamic_sampling
-        self.trained, self.reward_fn, self.source = list(trained), reward_fn, source
+        self.trained = list(trained)
 
-    def episodes(self, questions: list[Question], first: int, topology: Topology, clock) -> StepEpisodes:
-        """The step's episodes, run (the clock's `rollout` lap) and then scored; dynamic sampling scores each
-        round as it runs, since which questions it refills depends on their rewards."""
-        if self.dynamic:
-            batch, rounds, live, dropped = self._refilled(questions, first, topology)
-        else:
-            batch = self.source.rollouts(questions, self.k, topology,
-                                         self.rule.focus(self.trained, first, len(questions)))
-            live, dropped = None, 0.0
-        greedy = self.source.rollouts(questions, 1, topology, greedy=True) if self.estimator.greedy_reference else None
-        clock.lap("rollout")
+    @property
+    def greedy_reference(self) -> bool:
+        """The baseline needs one greedy run of each of the step's first questions."""
+        return self.estimator.greedy_reference
+
+    def focus(self, first: int, n: int) -> list[str] | None:
+        """The focus agent of each of n questions starting at the run's question `first` (credit: agent)."""
+        return self.rule.focus(self.trained, first, n)
+
+    def kept(self, batch: RolloutBatch) -> tuple[list[int], dict[str, list[bool | None]]]:
+        """Dynamic sampling: the questions of a scored round where some trained agent's group has reward spread,
+        and every (agent, question) group's flag (True signal, False tied, None no reward there)."""
+        live = informative_groups(self.rule.credited(batch.rewards, batch.focus),
+                                  batch.outcomes if self.rule.outcome else None)
+        return [g for g in range(len(batch.questions)) if any(live[a][g] for a in self.trained)], live
+
+    def refill(self, rounds: Sequence[RolloutBatch]) -> int:
+        """How many questions the next dynamic-sampling round runs after these scored rounds: the step's
+        questions not yet kept, or 0 when none are missing, `max_refill` rounds have run, or sampling is static."""
+        if not self.dynamic or len(rounds) > self.max_refill:
+            return 0
+        return self.per_step - sum(len(self.kept(batch)[0]) for batch in rounds)
+
+    def step_episodes(self, rounds: Sequence[RolloutBatch], greedy: RolloutBatch | None) -> StepEpisodes:
+        """The step's episodes from its scored rounds (one, unless dynamic sampling refilled it) and the scored
+        greedy run: under dynamic sampling the kept questions of every round, merged, and the share that tied."""
         if not self.dynamic:
-            batch = score(batch, self.trained, self.reward_fn)
-            rounds = [batch]
-        if greedy is not None:
-            greedy = score(greedy, self.trained, self.reward_fn)
-        return StepEpisodes(batch, rounds, live, dropped, greedy)
+            return StepEpisodes(rounds[0], list(rounds), None, 0.0, greedy)
+        parts, flags = [], {a: [] for a in self.trained}
+        groups = tied = 0
+        for batch in rounds:
+            keep, live = self.kept(batch)
+            for a in self.trained:
+                groups += sum(f is not None for f in live[a])
+                tied += sum(f is False for f in live[a])
+                flags[a] += [bool(live[a][g]) for g in keep]
+            parts.append((batch, keep))
+        return StepEpisodes(merge_batches(parts), list(rounds), flags, tied / groups if groups else 0.0, greedy)
 
     def credit(self, episodes: StepEpisodes) -> StepCredit:
         """What each generation of the step's scored episodes is credited with, and the strategy's metrics."""
@@ -271,28 +281,3 @@ class CreditStrategy:
     def advantages(self, rewards: Rewards, reference: Rewards | None) -> dict[str, Any]:
         """Agent -> [G, K] advantages of `rewards` under the run's estimator (`reference`: the greedy run's)."""
         return estimate_advantages(self.estimator, rewards, reference, self.grpo)
-
-    def _refilled(self, questions, first: int, topology):
-        """Dynamic sampling: run and score `questions`, keep each question where some agent's group has reward
-        spread, and run the next questions of the data cursor in place of the others, for at most `max_refill`
-        more rounds. Returns the kept questions' merged batch, every round's scored batch, which (agent, kept
-        question) groups carry signal, and the share of all groups that tied."""
-        parts, rounds, flags = [], [], {a: [] for a in self.trained}
-        groups = tied = 0
-        while True:
-            focus = self.rule.focus(self.trained, first, len(questions))
-            batch = score(self.source.rollouts(questions, self.k, topology, focus), self.trained, self.reward_fn)
-            credited = self.rule.credited(batch.rewards, focus)
-            live = informative_groups(credited, batch.outcomes if self.rule.outcome else None)
-            keep = [g for g in range(len(questions)) if any(live[a][g] for a in self.trained)]
-            for a in self.trained:
-                groups += sum(f is not None for f in live[a])
-                tied += sum(f is False for f in live[a])
-                flags[a] += [bool(live[a][g]) for g in keep]
-            rounds.append(batch)
-            parts.append((batch, keep))
-            need = self.per_step - sum(len(k) for _, k in parts)
-            if need == 0 or len(rounds) > self.refill:
-                break
-            first, questions = self.source.take(need)
-        return merge_batches(parts), rounds, flags, tied / groups if groups else 0.0
