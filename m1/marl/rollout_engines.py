@@ -332,13 +332,13 @@ class RolloutEngines(StagedVersions):
 # ------------------------------------------------------------------------------------------------ hf samplers
 class HFSampler:
     """A trained agent's chat model for asynchronous rollouts on the hf engine: a copy of its learner's model at a
-    staged weight version, generating under the learner's caps (`AgentLearner.generate_with`) and stamping the
+    staged weight version, generating under the learner's caps (`Sampler.generate_with`, m1/marl/actor/sampler.py) and stamping the
     version on every completion, so the learners update their own weights while the producer samples."""
 
     def __init__(self, learner):
         import copy
 
-        self.learner, self.name, self.accepts_images = learner, learner.name, learner.accepts_images
+        self.learner, self.name, self.accepts_images = learner, learner.name, learner.sampler.accepts_images
         self.chat = copy.copy(learner.chat)  # the same settings; its own model and tokenizer below
         self.chat.tokenizer = copy.deepcopy(learner.chat.tokenizer)  # a fast tokenizer is not safe across threads
         if hasattr(self.chat, "processor"):
@@ -366,7 +366,7 @@ class HFSampler:
         self.version = version
 
     def generate(self, requests, params):
-        outs = self.learner.generate_with(self.chat, requests, params)
+        outs = self.learner.sampler.generate_with(self.chat, requests, params)
         for o in outs:
             o.meta["weight_version"] = self.version
         return outs

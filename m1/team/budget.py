@@ -58,7 +58,7 @@ def _text(content) -> str:
 
 def token_counter(model) -> Callable[[list[dict]], int]:
     """How many prompt tokens `model` reads for a chat: its own tokenizer and chat template when it has them
-    (HFChatModel, AgentLearner, EngineChat, the vLLM backend), else `estimate_tokens`."""
+    (HFChatModel, a learner's Sampler, EngineChat, the vLLM backend), else `estimate_tokens`."""
     tok = getattr(model, "tokenizer", None)
     if tok is None or getattr(tok, "chat_template", None) is None:
         return estimate_tokens

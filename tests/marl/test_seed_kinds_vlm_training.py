@@ -47,7 +47,7 @@ def rollout(world, m1_cache):
                            LearnerConfig(finetune="full", max_prompt_tokens=2048, max_completion_tokens=16),
                            GRPOSettings(beta=0.0))
     hub = ModelHub(cfg.models)
-    hub.register("policy", learner, kind="vision")
+    hub.register("policy", learner.sampler, kind="vision")
     team = SingleAgentTeam(cfg, hub=hub)
     batch = run_rollouts(team, world[2][:2], 2, topo.complete(["weaver"]))
     assert all(e.error is None for e in batch.flat)
@@ -150,7 +150,7 @@ def test_grpo_trains_a_vl_policy_on_its_frames(world, tmp_path, m1_cache):
 
     tr = Trainer(train_cfg(tmp_path / "run"), questions=world[2], reward_fn=varied_reward)
     try:
-        assert tr.hub.vision("policy") is tr.learners.learners["weaver"]
+        assert tr.hub.vision("policy") is tr.learners.learners["weaver"].sampler
         before = tr.learners.parameters("weaver")
         rows = tr.train()
         after = tr.learners.parameters("weaver")

@@ -143,10 +143,10 @@ def test_generate_matches_the_learner(server, learner):
     with pytest.raises(EngineError, match=rf"a prompt of \d+ tokens is over learner.max_prompt_tokens={MAX_PROMPT}"):
         chat.generate([CHATS[0], LONG], params)
     with pytest.raises(ValueError, match=rf"over learner.max_prompt_tokens={MAX_PROMPT}"):
-        learner.generate([CHATS[0], LONG], params)
+        learner.sampler.generate([CHATS[0], LONG], params)
     outs = chat.generate(CHATS, params)
     # the prompts the learner itself would sample from (HFChatModel rendering, whole)
-    expected = [c.prompt_ids for c in learner.generate(CHATS, params)]
+    expected = [c.prompt_ids for c in learner.sampler.generate(CHATS, params)]
     assert [o.prompt_ids for o in outs] == expected and all("truncated" not in o.meta for o in outs)
     eos = set(learner.chat.eos_ids)
     for o in outs:
@@ -174,7 +174,7 @@ def test_generate_matches_the_learner(server, learner):
     for o in warm:
         assert learner_logprobs(learner, o.prompt_ids, o.completion_ids, 0.7) == pytest.approx(o.logprobs, abs=1e-4)
     greedy = chat.generate(CHATS[:1], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
-    assert greedy.completion_ids == learner.generate(CHATS[:1], SamplingParams(max_new_tokens=6))[0].completion_ids
+    assert greedy.completion_ids == learner.sampler.generate(CHATS[:1], SamplingParams(max_new_tokens=6))[0].completion_ids
 
 
 @pytest.mark.slow

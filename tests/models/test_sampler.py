@@ -170,7 +170,7 @@ def test_a_learner_update_or_load_empties_its_samplers_cache(m1_cache, tmp_path)
     learner = AgentLearner("a", "m", spec, LearnerConfig(finetune="full", lr=1e-2, max_prompt_tokens=512,
                                                          max_completion_tokens=6), GRPOSettings(beta=0.0))
     chat = [{"role": "user", "content": "where is the red square? " * 8}]
-    out = learner.generate([ChatRequest(chat)] * 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=1))
+    out = learner.sampler.generate([ChatRequest(chat)] * 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=1))
     cache = learner.chat.sampler.cache
     assert cache.blocks
     with torch.no_grad():  # a write the version counters do not see
@@ -183,7 +183,7 @@ def test_a_learner_update_or_load_empties_its_samplers_cache(m1_cache, tmp_path)
                for i, o in enumerate(out)]
     learner.update(samples, lr=1e-2)
     assert not cache.blocks
-    learner.generate([ChatRequest(chat)], SamplingParams(max_new_tokens=6))
+    learner.sampler.generate([ChatRequest(chat)], SamplingParams(max_new_tokens=6))
     assert cache.blocks
     learner.load(tmp_path / "state")
     assert not cache.blocks

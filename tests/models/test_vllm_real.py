@@ -245,7 +245,7 @@ def test_completions_carry_token_ids_and_the_learners_logprobs(server, learner):
     assert chat.engine_folder() == Path(server.argv[server.argv.index("--model") + 1])
     params = SamplingParams(max_new_tokens=MAX_COMPLETION, temperature=1.0, seed=7)
     outs = chat.generate(CHATS, params)
-    expected = [c.prompt_ids for c in learner.generate(CHATS, params)]
+    expected = [c.prompt_ids for c in learner.sampler.generate(CHATS, params)]
     assert [o.prompt_ids for o in outs] == expected  # the engine conditioned on the learner's own prompt ids
     eos = set(learner.chat.eos_ids)
     for o in outs:

@@ -146,7 +146,7 @@ def test_prompt_budget_count_learner_check_and_model_tokenize_a_prompt_once(monk
     def step():
         calls.clear()
         sizes = [count(m) for m in chats]
-        out = learner.generate([base.ChatRequest(m) for m in chats], params)
+        out = learner.sampler.generate([base.ChatRequest(m) for m in chats], params)
         return sizes, [(o.prompt_ids, o.completion_ids, o.text) for o in out], len(calls), [o.logprobs for o in out]
 
     monkeypatch.setattr(base, "PROMPT_MEMO_TOKENS", 0)

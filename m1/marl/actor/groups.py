@@ -31,6 +31,7 @@ from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.actor.distributed import DistributedError, _require_ray, prepare_process_group
 from m1.models.vllm_server import free_port
 from m1.marl.actor.learner import AgentLearner
+from m1.marl.actor.sampler import Sampler
 from m1.marl.rollout.episodes import Sample
 from m1.marl.plan.cluster import cluster_gpus_from_ray
 from m1.marl.plan.planner import make_plan
@@ -47,8 +48,8 @@ class LocalLearners:
         self.learners = {agent: AgentLearner(agent, key, spec, learner_cfg, grpo, seed)
                          for agent, (key, spec) in specs.items()}
 
-    def chat_models(self) -> dict[str, AgentLearner]:
-        return dict(self.learners)
+    def chat_models(self) -> dict[str, Sampler]:
+        return {agent: learner.sampler for agent, learner in self.learners.items()}
 
     def sft_samples(self, agent: str, examples: list) -> list[Sample]:
         return [self.learners[agent].sft_sample(e) for e in examples]
@@ -117,7 +118,7 @@ class LearnerRank:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def generate(self, requests, params):
-        return self._built.generate(requests, params)
+        return self._built.sampler.generate(requests, params)
 
     def sft_samples(self, examples: list) -> list[Sample]:
         return [self._built.sft_sample(e) for e in examples]

@@ -34,8 +34,8 @@ from m1.marl.actor.learner_io import export_learner_weights, load_learner, save_
 from m1.marl.actor.learner_load import load_policy, reference
 from m1.marl.actor.losses import LOSS_FAMILIES, StepSize, evidence_rows
 from m1.marl.rollout.episodes import Sample
+from m1.marl.actor.sampler import Sampler
 from m1.marl.actor.scorer import Scorer
-from m1.models.base import prompt_ids
 
 
 def _accumulate(totals: dict[str, float], peaks: dict[str, float], stats: dict[str, float]) -> None:
@@ -50,7 +50,8 @@ def _accumulate(totals: dict[str, float], peaks: dict[str, float], stats: dict[s
 
 # ================================================================================================ one agent's learner
 class AgentLearner:
-    """Policy, reference and optimizer of one agent; also a ChatModel (`name`, `generate`) for the team."""
+    """Policy, reference and optimizer of one agent, and its update; `sampler` is the chat model the team
+    generates with (m1/marl/actor/sampler.py), on the same policy weights."""
 
     def __init__(self, agent: str, model_key: str, spec: ModelSpec, cfg: LearnerConfig, grpo: GRPOSettings,
                  seed: int = 0, rank: int = 0, world: int = 1):
@@ -64,9 +65,7 @@ class AgentLearner:
         loaded = load_policy(agent, model_key, spec, cfg, grpo.beta, seed)
         self.chat, self.policy, self.ref = loaded.chat, loaded.policy, loaded.ref
         self.vl, self.bf16, self.weights_dtype = loaded.vl, loaded.bf16, loaded.weights_dtype
-        self.accepts_images = self.vl  # the team sends it frames, not placeholders
         self.tokenizer, self.device = self.chat.tokenizer, self.chat.device
-        self._context_length = loaded.context_length
         self.scorer = Scorer(agent, self.chat, cfg, self.vl)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         if not self.params:
@@ -81,36 +80,8 @@ class AgentLearner:
             self.engine, self.optimizer = deepspeed_engine(self.policy, self.optimizer, loaded.ds_cfg)
         self.scorer.engine = self.engine
         self.updates = 0
-
-    # -------------------------------------------------------------- generation (ChatModel protocol)
-    def generate(self, requests, params):
-        """Sample with the current weights, under the same length caps the update uses.
-
-        Completions stop at `max_completion_tokens`; a prompt over `max_prompt_tokens` is an error, never cut (the
-        team trims to its `limits.max_prompt_tokens`, which may not exceed this cap, m1/team/budget.py), so the token
-        ids a sample carries are exactly the context and the tokens that get trained: sampler and learner score the
-        same conditional.
-        """
-        self.policy.eval()  # no dropout while sampling
-        return self.generate_with(self.chat, requests, params)
-
-    def generate_with(self, chat, requests, params):
-        """`generate` on `chat`, this learner's chat model or a copy of it at older weights (asynchronous rollouts on
-        the hf engine, m1/marl/rollout_engines.py HFSamplers)."""
-        from dataclasses import replace
-
-        if not self.vl:  # a vision-language prompt's length is checked with its image tokens in (Scorer.rows)
-            for i, r in enumerate(requests):
-                n = len(prompt_ids(chat.tokenizer, chat.render(r)))  # tokenized once for budget, check, model
-                if n > self.cfg.max_prompt_tokens:
-                    raise ValueError(f"agent {self.agent!r}: prompt {i} of this call is {n} tokens, over "
-                                     f"learner.max_prompt_tokens={self.cfg.max_prompt_tokens}; prompts are never cut: "
-                                     "set the team's limits.max_prompt_tokens at or below it so the team trims them")
-        params = replace(params, max_new_tokens=min(params.max_new_tokens, self.cfg.max_completion_tokens))
-        cap = self.cfg.max_prompt_tokens + params.max_new_tokens
-        chat.context_length = cap if self._context_length is None else min(self._context_length, cap)
-        with self.autocast():
-            return chat.generate(requests, params)
+        self.sampler = Sampler(agent, model_key, self.chat, self.policy, cfg, self.vl, loaded.context_length,
+                               self.autocast)
 
     def autocast(self):
         import torch
