@@ -336,6 +336,9 @@ def main() -> None:
                    "letter right, chain word for word, parses)")
     p.add_argument("--act", action="store_true", help="also measure free-running act turns on the dev chats (greedy: "
                    "the teacher's tool, its whole call, parses)")
+    p.add_argument("--save", default=None, help="also write each arm's trained student to SAVE/<arm>_s<seed> (a model "
+                   "folder with the base's tokenizer), for its own episodes: m1 infer --team weaver_synth --set "
+                   "'models.policy={kind: chat, backend: hf, device: cpu, path: SAVE/<arm>_s<seed>}'")
     p.add_argument("--table", action="store_true", help="print the results in --json as a markdown table and stop")
     p.add_argument("--build", action="store_true", help="write the teacher's examples into runs/r83 and stop")
     args = p.parse_args()
@@ -404,6 +407,10 @@ def main() -> None:
             m = step(model, opt, batch, att, scheduled_lr(2e-3, s, args.steps, 5, "cosine"), pad)
             if s % 10 == 0:
                 print(arm, "step", s, m, f"{time.time() - t0:.0f}s", flush=True)
+        if args.save:
+            folder = Path(args.save) / f"{arm}_s{args.seed}"
+            model.save_pretrained(folder)
+            tok.save_pretrained(folder)
         results[key] = {"evals": rows, "train_turns": len(own), "chat_drills": len(extra),
                         "seconds": round(time.time() - t0, 1)}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
