@@ -468,12 +468,14 @@ class SFTDataConfig(Strict):
         "with its name."))
     communicate_per_episode: int | None = Field(None, ge=0, description=(
         "Ours: keep at most this many communicate examples per agent and question, the first ones (a data budget "
-        "after the keep rule); None: all."))
+        "after the keep rule); None: all, so every round holds the teacher's own mix of continue() and revisions "
+        "(the one setting whose student revises as its teacher does, docs/experiments/decision_space.md)."))
     communicate_revisions: Literal["thin", "keep"] = Field("thin", description=(
         "Ours: how communicate_per_episode treats a communicate example that adds a tool (a plan revision). thin: "
         "like any other (the majority continue() examples come first, so most revisions go); keep: every kept "
         "revision stays and the budget applies to the continue() examples only, so SFT sees the teacher's "
-        "revisions (docs/experiments/decision_space.md). The stats file counts both."))
+        "revisions; with communicate_pick first its later rounds then hold revisions only, and the student learnt "
+        "to revise at every later round (docs/experiments/decision_space.md). The stats file counts both."))
     communicate_pick: Literal["first", "spread"] = Field("first", description=(
         "Ours: which communicate examples communicate_per_episode keeps per agent and question. first: the first "
         "ones (the first round: a rule teacher revises there mostly on open questions); spread: that many drawn "
