@@ -332,8 +332,9 @@ class RolloutEngines(StagedVersions):
 # ------------------------------------------------------------------------------------------------ hf samplers
 class HFSampler:
     """A trained agent's chat model for asynchronous rollouts on the hf engine: a copy of its learner's model at a
-    staged weight version, generating under the learner's caps (`Sampler.generate_with`, m1/marl/actor/sampler.py) and stamping the
-    version on every completion, so the learners update their own weights while the producer samples."""
+    staged weight version, generating under the learner's caps (`Sampler.generate_with`, m1/marl/actor/sampler.py)
+    and stamping the version on every completion, so the learners update their own weights while the producer
+    samples."""
 
     def __init__(self, learner):
         import copy

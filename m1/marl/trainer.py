@@ -283,9 +283,9 @@ class Trainer:
                 "time/wall": wall}
 
     def step_episodes(self, step: int, questions: list, first: int, topology, clock) -> StepEpisodes:
-        """Step `step`'s episodes, run (the clock's `rollout` lap; the teams reseeded for the step) and scored. Under dynamic sampling each round is
-        scored as it runs, since how many questions the next round refills depends on their rewards; the refill
-        questions come next from the data cursor."""
+        """Step `step`'s episodes, run (the clock's `rollout` lap; the teams reseeded for the step) and scored.
+        Under dynamic sampling each round is scored as it runs, since how many questions the next round refills
+        depends on their rewards; the refill questions come next from the data cursor."""
         credit, rounds, todo = self.credit, [], questions
         while True:
             batch = run_rollouts(self._team(False, step), todo, credit.k, topology, credit.focus(first, len(todo)))

@@ -32,7 +32,8 @@ class Sampler:
     def generate_with(self, chat, requests, params):
         """`generate` on `chat`, this sampler's chat model or a copy of it at older weights (asynchronous rollouts on
         the hf engine, m1/marl/rollout_engines.py HFSamplers)."""
-        if not self.accepts_images:  # a vision-language prompt's length is checked with its image tokens in (Scorer.rows)
+        # a vision-language prompt's length is checked with its image tokens in (Scorer.rows)
+        if not self.accepts_images:
             for i, r in enumerate(requests):
                 n = len(prompt_ids(chat.tokenizer, chat.render(r)))  # tokenized once for budget, check, model
                 if n > self.cfg.max_prompt_tokens:
