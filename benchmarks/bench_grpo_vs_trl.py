@@ -101,7 +101,8 @@ def _grad_label(with_grad: str, without: str):
 
 
 class OurSide:
-    """One AgentLearner and the step the MARL trainer performs for one agent, minus the multi-agent team."""
+    """One AgentLearner (sampler and actor) and the step the MARL trainer performs for one agent, minus the
+    multi-agent team."""
 
     def __init__(self, folder: str, args, answers_of: dict[str, str]):
         from m1.config import ModelSpec
@@ -115,15 +116,15 @@ class OurSide:
                             share_prompt_forward=not args.no_prompt_sharing)
         grpo = GRPOSettings(beta=args.beta, clip_eps_low=0.2, loss_type="grpo", scale_rewards=True,
                             old_logprobs="policy")
-        self.learner = AgentLearner("solo", "solo", spec, cfg, grpo, seed=args.seed)
+        self.learner = AgentLearner.build("solo", "solo", spec, cfg, grpo, seed=args.seed)
         # Forced length, as TRL's generation_kwargs below: `generate` merges this default into its call.
-        self.learner.policy.generation_config.min_new_tokens = args.tokens
+        self.learner.actor.policy.generation_config.min_new_tokens = args.tokens
         self.args, self.answers_of = args, answers_of
         self.clock = Clock()
-        self.clock.wrap(self.learner, "completion_logprobs", _grad_label("logprobs (policy, grad)",
-                                                                         "logprobs (reference)"))
-        self.clock.wrap(self.learner, "_backward", "backward")
-        self.clock.wrap(self.learner, "_step", "clip + optimizer")
+        self.clock.wrap(self.learner.actor, "compute_logprobs", _grad_label("logprobs (policy, grad)",
+                                                                            "logprobs (reference)"))
+        self.clock.wrap(self.learner.actor.optim, "backward", "backward")
+        self.clock.wrap(self.learner.actor.optim, "step", "clip + optimizer")
         self.lengths: list[int] = []
 
     def step(self, chats: list[list[dict]], index: int) -> float:
@@ -136,7 +137,7 @@ class OurSide:
         requests = [ChatRequest(messages=c) for c in chats for _ in range(k)]
         params = SamplingParams(max_new_tokens=a.tokens, temperature=1.0, top_p=1.0, seed=a.seed * 1000 + index)
         t = time.perf_counter()
-        comps = self.learner.generate(requests, params)
+        comps = self.learner.sampler.generate(requests, params)
         self.clock.now["generation"] += time.perf_counter() - t
         t = time.perf_counter()
         answers = [self.answers_of[c[0]["content"]] for c in chats for _ in range(k)]
@@ -148,7 +149,7 @@ class OurSide:
                           advantage=float(adv[g, r]), temperature=1.0)
                    for g in range(len(chats)) for r in range(k)]
         self.clock.now["rewards + advantages"] += time.perf_counter() - t
-        self.stats = self.learner.update(samples, a.lr, "grpo")
+        self.stats = self.learner.actor.update(samples, a.lr, "grpo")
         total = time.perf_counter() - t0
         self.clock.close_step(total)
         self.lengths += [len(c.completion_ids) for c in comps]
@@ -272,17 +273,17 @@ def main() -> None:
         raise RuntimeError(f"completion lengths {bad} differ from the forced {args.tokens} tokens")
     tm, om = trl_clock.medians(args.warmup), ours.clock.medians(args.warmup)
     ratio = om["step"] / tm["step"]
-    params = sum(p.numel() for p in ours.learner.params)
+    params = sum(p.numel() for p in ours.learner.actor.optim.params)
 
     res = Result("bench_grpo_vs_trl.py")
     res.add("model", f"tiny random Qwen2 H={args.hidden} L={args.layers} ({params / 1e6:.2f} M params, "
-                     f"vocab {ours.learner.tokenizer.vocab_size}), full fine-tune, fp32, CPU, "
+                     f"vocab {ours.learner.actor.tokenizer.vocab_size}), full fine-tune, fp32, CPU, "
                      f"{torch.get_num_threads()} torch threads")
     res.add("batch", f"{args.prompts} prompts x {args.generations} generations x {args.tokens} tokens (forced), "
                      f"beta {args.beta}, lr {args.lr}, loss grpo")
     res.add("setup (load both, not timed)", f"{setup_s:.2f} s")
     trl_opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    res.add("optimizers", f"ours {type(ours.learner.optimizer).__name__}, TRL {type(trl_opt).__name__} "
+    res.add("optimizers", f"ours {type(ours.learner.actor.optim.optimizer).__name__}, TRL {type(trl_opt).__name__} "
                           f"(optim={trainer.args.optim})")
     res.add("steps", f"{args.warmup} warm-up + {args.steps} timed per side, alternating")
     st = ours.stats

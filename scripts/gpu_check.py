@@ -174,6 +174,7 @@ def run(tiny: bool, only_full: bool = False, skip_full: bool = False, partial: P
 
     from m1.config import ModelSpec
     from m1.marl.actor.learner import AgentLearner
+    from m1.marl.actor.learner_io import load_actor, save_actor
     from m1.models.shapes import TEXT_SHAPES, TextShape
 
     check = Check(tiny, partial)
@@ -214,10 +215,10 @@ def run(tiny: bool, only_full: bool = False, skip_full: bool = False, partial: P
             if tiny:  # bf16 on CPU: the same dtypes as on the GPU
                 cfg = cfg.model_copy(update={"precision": "bf16"})
             t0 = time.perf_counter()
-            learner = AgentLearner("qwen3_8b", "qwen3_8b", spec, cfg, grpo, seed=0)
+            learner = AgentLearner.build("qwen3_8b", "qwen3_8b", spec, cfg, grpo, seed=0)
             state["learner"] = learner
-            return {"load_seconds": round(time.perf_counter() - t0, 2), "deepspeed": learner.engine is not None,
-                    "weights_dtype": learner.weights_dtype, "peak_gb": _peak_gb(reset=True)}
+            return {"load_seconds": round(time.perf_counter() - t0, 2), "deepspeed": learner.actor.engine is not None,
+                    "weights_dtype": learner.actor.weights_dtype, "peak_gb": _peak_gb(reset=True)}
 
         if not check.step("lora_learner", build_lora)["ok"]:
             return res
@@ -225,18 +226,18 @@ def run(tiny: bool, only_full: bool = False, skip_full: bool = False, partial: P
 
         def generate(batch: int):
             def fn():
-                policy = learner.policy
+                policy = learner.actor.policy
                 policy.eval()
                 g = torch.Generator().manual_seed(batch)
-                ids = torch.randint(10, 1000, (batch, prompt_len), generator=g).to(learner.device)
+                ids = torch.randint(10, 1000, (batch, prompt_len), generator=g).to(learner.actor.device)
                 _peak_gb(reset=True)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                with torch.inference_mode(), learner.autocast():
+                with torch.inference_mode(), learner.actor.autocast():
                     out = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                           temperature=1.0, top_k=0, max_new_tokens=new_tokens,
-                                          min_new_tokens=new_tokens, pad_token_id=learner.tokenizer.pad_token_id)
+                                          min_new_tokens=new_tokens, pad_token_id=learner.actor.tokenizer.pad_token_id)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
@@ -253,7 +254,7 @@ def run(tiny: bool, only_full: bool = False, skip_full: bool = False, partial: P
         batch2 = _samples(n_questions, k, step_prompt, step_completion, vocab, seed=2)
 
         def lora_update():
-            named = dict(learner.policy.named_parameters())
+            named = dict(learner.actor.policy.named_parameters())
             lora = {n: p for n, p in named.items() if p.requires_grad}
             base = {n: p for n, p in named.items() if not p.requires_grad}
             assert lora and all("lora_" in n for n in lora), f"trainable parameters that are not LoRA: {list(lora)[:3]}"
@@ -264,7 +265,7 @@ def run(tiny: bool, only_full: bool = False, skip_full: bool = False, partial: P
             probe_base = {n: p.detach().clone() for n, p in list(base.items())[:: max(1, len(base) // 16)]}
             before = {n: p.detach().float().clone() for n, p in lora.items()}
             _peak_gb(reset=True)
-            stats = learner.update(batch1, cfg_lr(learner))
+            stats = learner.actor.update(batch1, cfg_lr(learner))
             assert math.isfinite(stats["loss"]), f"loss {stats['loss']}"
             changed = sum(not torch.equal(before[n], p.detach().float()) for n, p in lora.items())
             b_changed = sum(not torch.equal(before[n], p.detach().float()) for n, p in lora.items() if "lora_B" in n)
@@ -282,10 +283,10 @@ def run(tiny: bool, only_full: bool = False, skip_full: bool = False, partial: P
 
         def resume():
             ckpt = work / "ckpt"
-            learner.save(ckpt, include_rng=True)
-            first = learner.update(batch2, cfg_lr(learner))["loss"]
-            learner.load(ckpt, include_rng=True)
-            again = learner.update(batch2, cfg_lr(learner))["loss"]
+            save_actor(learner.actor, ckpt, include_rng=True)
+            first = learner.actor.update(batch2, cfg_lr(learner))["loss"]
+            load_actor(learner.actor, ckpt, include_rng=True)
+            again = learner.actor.update(batch2, cfg_lr(learner))["loss"]
             size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
             assert math.isfinite(first) and abs(first - again) <= 1e-5 * max(1.0, abs(first)), (first, again)
             return {"loss_after_save": first, "loss_after_reload": again, "checkpoint_mb": round(size / 2**20, 1)}
@@ -320,19 +321,19 @@ def full_3b(shape3b, work: Path, device: str, tiny: bool, have_ds: bool, n_quest
         cfg = cfg.model_copy(update={"precision": "bf16"})
     _peak_gb(reset=True)
     try:
-        full = AgentLearner("qwen25_3b", "qwen25_3b", spec, cfg, grpo, seed=0)
+        full = AgentLearner.build("qwen25_3b", "qwen25_3b", spec, cfg, grpo, seed=0)
         loaded = _peak_gb()
         masters_before = _master_copy(full)
-        stats = full.update(_samples(n_questions, k, step_prompt, step_completion,
+        stats = full.actor.update(_samples(n_questions, k, step_prompt, step_completion,
                                      min(shape3b.vocab_size, 150_000), seed=3), cfg.learning_rate())
     except torch.OutOfMemoryError as exc:
         return {"fits": False, "error": str(exc).splitlines()[0], "peak_gb": _peak_gb(reset=True)}
     assert math.isfinite(stats["loss"]), f"loss {stats['loss']}"
     masters_after = _master_copy(full)
     moved = masters_before is not None and not torch.equal(masters_before, masters_after)
-    out = {"fits": True, "loss": stats["loss"], "deepspeed_zero2": full.engine is not None,
-           "weights_dtype": full.weights_dtype,
-           "reference_dtype": str(next(full.ref.parameters()).dtype) if full.ref is not None else None,
+    out = {"fits": True, "loss": stats["loss"], "deepspeed_zero2": full.actor.engine is not None,
+           "weights_dtype": full.actor.weights_dtype,
+           "reference_dtype": str(next(full.actor.ref.parameters()).dtype) if full.actor.ref is not None else None,
            "fp32_masters_moved": moved, "peak_after_load_gb": loaded, "peak_gb": _peak_gb(reset=True),
            "update_seconds": round(stats["seconds"], 2)}
     del full
@@ -341,13 +342,13 @@ def full_3b(shape3b, work: Path, device: str, tiny: bool, have_ds: bool, n_quest
 
 
 def cfg_lr(learner) -> float:
-    return learner.cfg.learning_rate()
+    return learner.actor.cfg.learning_rate()
 
 
 def _masters(learner) -> list:
     """The weights the optimizer steps: DeepSpeed's fp32 partitions, or the trainable tensors."""
-    opt = getattr(learner.engine, "optimizer", None) if learner.engine is not None else None
-    return getattr(opt, "single_partition_of_fp32_groups", None) or learner.params
+    opt = getattr(learner.actor.engine, "optimizer", None) if learner.actor.engine is not None else None
+    return getattr(opt, "single_partition_of_fp32_groups", None) or learner.actor.optim.params
 
 
 def _master_dtypes(learner) -> list[str]:

@@ -54,6 +54,7 @@ def install() -> None:
     from transformers.models.qwen3 import modeling_qwen3 as q3
 
     import m1.marl.actor.learner as L
+    import m1.marl.actor.optimizer as O
     import m1.synth.vision as sv
     import m1.team.cpp as cpp
     import m1.tools.clip_index as ci
@@ -110,9 +111,9 @@ def install() -> None:
     timed(ci.ClipIndex, "frame_embeddings", "tools/clip frames")
     timed(ci.ClipIndex, "text_embedding", "tools/clip text")
     timed(vr.VideoReader, "_decode", "tools/frame decode")
-    timed(L.AgentLearner, "update", "update/total", inner="learn")
-    timed(L.AgentLearner, "_backward", "update/backward", inner="learn")
-    timed(L.AgentLearner, "_step", "update/optimizer", inner="learn")
+    timed(L.Actor, "update", "update/total", inner="learn")
+    timed(O.PolicyOptimizer, "backward", "update/backward", inner="learn")
+    timed(O.PolicyOptimizer, "step", "update/optimizer", inner="learn")
 
 
 def _head_dim(model) -> int:

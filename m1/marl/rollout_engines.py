@@ -27,7 +27,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from m1.config import ModelSpec
 from m1.contracts import RolloutEngine
@@ -36,6 +36,9 @@ from m1.marl.rollout.episodes import RolloutError
 from m1.models.hf import HFChatModel, resolve_source
 from m1.models.vllm_client import EngineChat, EngineError
 from m1.models.vllm_server import CPU_BIND_ENV, EngineHost, EngineServer, cpu_core_shares, free_port, vllm_command
+
+if TYPE_CHECKING:
+    from m1.marl.actor.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -336,21 +339,21 @@ class HFSampler:
     and stamping the version on every completion, so the learners update their own weights while the producer
     samples."""
 
-    def __init__(self, learner):
+    def __init__(self, sampler: Sampler):
         import copy
 
-        self.learner, self.name, self.accepts_images = learner, learner.name, learner.sampler.accepts_images
-        self.chat = copy.copy(learner.chat)  # the same settings; its own model and tokenizer below
-        self.chat.tokenizer = copy.deepcopy(learner.chat.tokenizer)  # a fast tokenizer is not safe across threads
+        self.sampler, self.name, self.accepts_images = sampler, sampler.name, sampler.accepts_images
+        self.chat = copy.copy(sampler.chat)  # the same settings; its own model and tokenizer below
+        self.chat.tokenizer = copy.deepcopy(sampler.chat.tokenizer)  # a fast tokenizer is not safe across threads
         if hasattr(self.chat, "processor"):
-            self.chat.processor = self.chat.tokenizer if learner.chat.processor is learner.chat.tokenizer else \
-                copy.deepcopy(learner.chat.processor)
-        self.chat.model = copy.deepcopy(learner.policy).eval().requires_grad_(False)
+            self.chat.processor = self.chat.tokenizer if sampler.chat.processor is sampler.chat.tokenizer else \
+                copy.deepcopy(sampler.chat.processor)
+        self.chat.model = copy.deepcopy(sampler.policy).eval().requires_grad_(False)
         self.version = -1
 
     def trainable_state(self) -> dict[str, Any]:
         """A copy of the learner's trainable tensors now (LoRA: the adapter; full fine-tuning: every weight)."""
-        return {n: p.detach().clone() for n, p in self.learner.policy.named_parameters() if p.requires_grad}
+        return {n: p.detach().clone() for n, p in self.sampler.policy.named_parameters() if p.requires_grad}
 
     def load(self, state: dict[str, Any], version: int) -> None:
         import torch
@@ -358,7 +361,7 @@ class HFSampler:
         params = dict(self.chat.model.named_parameters())
         missing = set(state) - set(params)
         if missing:
-            raise RolloutError(f"agent {self.learner.agent}: staged weights name parameters the sampler copy lacks: "
+            raise RolloutError(f"agent {self.sampler.agent}: staged weights name parameters the sampler copy lacks: "
                                f"{sorted(missing)[:3]}")
 
         with torch.no_grad():
@@ -367,7 +370,7 @@ class HFSampler:
         self.version = version
 
     def generate(self, requests, params):
-        outs = self.learner.sampler.generate_with(self.chat, requests, params)
+        outs = self.sampler.generate_with(self.chat, requests, params)
         for o in outs:
             o.meta["weight_version"] = self.version
         return outs
@@ -385,7 +388,7 @@ class HFSamplers(StagedVersions):
         if local is None:
             raise ValueError("rollout.max_staleness > 0 with rollout.engine hf needs placement: local (the sampler "
                              "copies live beside the learners in this process); use rollout.engine vllm under Ray")
-        self.samplers = {agent: HFSampler(learner) for agent, learner in local.items()}
+        self.samplers = {agent: HFSampler(learner.sampler) for agent, learner in local.items()}
         self.out = Path(out_dir).resolve()
         self.version: int | None = None
         self._staged: dict[str, dict[int, dict[str, Any]]] = {a: {} for a in self.samplers}

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from m1.config import ModelSpec
 from m1.models.base import (ChatRequest, Completion, ModelError, SamplingParams, VisionRequest, prompt_ids,
                             request_seeds)
-from m1.models.sampler import RowSampler, Sampler, draw_seeds, supports
+from m1.models.sampler import PrefixSampler, RowSampler, draw_seeds, supports
 from m1.models.tiny import ensure_tiny
 
 
@@ -239,7 +239,7 @@ class HFChatModel:
         self.context_length = _context_length(self.model.config)
         self.sampler = None  # m1/models/sampler.py: prefix-cached prefill, a decode loop without HF's per-step work
         if spec.prefix_cache_mb and supports(self.model):
-            self.sampler = Sampler(self.eos_ids, self.tokenizer.pad_token_id, spec.prefix_cache_mb << 20)
+            self.sampler = PrefixSampler(self.eos_ids, self.tokenizer.pad_token_id, spec.prefix_cache_mb << 20)
 
     def render(self, request: ChatRequest) -> str:
         """The prompt text for one chat, with the assistant turn opened."""

@@ -7,11 +7,11 @@ prompt, question and shared notes, and a second communicate round repeats the fi
 caching does, prompts are cut into blocks of `BLOCK` tokens and the keys and values of every full block are kept,
 keyed by the block's tokens and the blocks before it (exact: a tree of token tuples, no hashes that could collide);
 a new prompt runs only the tokens after its longest cached prefix (on CPU each distinct prompt alone on its own
-cached blocks when that costs less than one padded batch, `Sampler._alone_pays`). The cache belongs to one model
-and is emptied whenever its weights change (the sum of the parameters' in-place version counters moves at every
-optimizer step and weight load; a learner also empties it after each of those, m1/marl/actor/learner.py
-`weights_changed`, since writes through `.data` move no counter), so a learner's sampler never reuses keys of older
-weights. Entries are evicted least recently used past `max_bytes`.
+cached blocks when that costs less than one padded batch, `PrefixSampler._alone_pays`). The cache belongs to one
+model and is emptied whenever its weights change (the sum of the parameters' in-place version counters moves at
+every optimizer step and weight load; an actor also empties it after each of those, m1/marl/actor/learner.py
+`Actor.weights_changed`, since writes through `.data` move no counter), so a learner's sampler never reuses keys of
+older weights. Entries are evicted least recently used past `max_bytes`.
 
 Sampling is `RowSampler`'s (below; transformers' generate samples through it too, m1/models/hf.py): row i
 draws one uniform vector per step it is alive from a generator seeded with seeds[i] and takes
@@ -27,7 +27,8 @@ from typing import Any
 
 BLOCK = 16  # tokens per cached block: long enough to keep the per-block bookkeeping cheap, short enough to share
 # a forward's fixed cost per layer, in FLOPs at one core's matmul rate (~0.45 ms a layer at ~50 GFLOP/s on the mini
-# team's models: scripts/profile_loop.py); only `Sampler._alone_pays` uses it, to weigh U calls against one
+# team's models: scripts/profile_loop.py); only `PrefixSampler._alone_pays` uses it, to weigh U calls
+# against one batched call
 CALL_FLOPS = 2e7
 
 
@@ -235,7 +236,7 @@ def _buffer_layer():
     return BufferLayer
 
 
-class Sampler:
+class PrefixSampler:
     """Batched generation for one hf text chat model (see the module docstring)."""
 
     def __init__(self, eos_ids: list[int], pad_id: int, max_bytes: int):

@@ -37,9 +37,9 @@ def make(cfg, video):
 def _logprobs(learner, prompt, completion):
     import torch
 
-    learner.policy.eval()  # no LoRA dropout: the engine serves the weights as they are
+    learner.actor.policy.eval()  # no LoRA dropout: the engine serves the weights as they are
     with torch.no_grad():
-        logp, _ = learner.completion_logprobs(learner.policy, [(prompt, completion)], 1.0)
+        logp, _ = learner.actor.compute_logprobs([(prompt, completion)], 1.0, model=learner.actor.policy)
     return logp[0].tolist()
 
 

@@ -149,7 +149,7 @@ def test_several_gpus_need_ray_and_deepspeed(m1_cache):
         build_learners({"alpha": ("qa", spec)}, LearnerConfig(**{**LEARNER, "gpus": 2}), GRPOSettings(), 0,
                        worlds={"alpha": 2})
     with pytest.raises(ValueError, match="set learner.deepspeed"):
-        AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full"), GRPOSettings(), rank=0, world=2)
+        AgentLearner.build("alpha", "qa", spec, LearnerConfig(finetune="full"), GRPOSettings(), rank=0, world=2)
 
 
 @pytest.mark.slow
@@ -199,16 +199,16 @@ def test_bf16_learner_dtypes_without_deepspeed(finetune, m1_cache):
     from m1.marl.actor.learner import AgentLearner
 
     spec = TeamConfig.model_validate(team_dict()).models["qa"]
-    learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune=finetune, precision="bf16"),
-                           GRPOSettings(beta=0.05))
-    trainable = {p.dtype for p in learner.params}
-    frozen = {p.dtype for p in learner.policy.parameters() if not p.requires_grad}
+    learner = AgentLearner.build("alpha", "qa", spec, LearnerConfig(finetune=finetune, precision="bf16"),
+                                 GRPOSettings(beta=0.05))
+    trainable = {p.dtype for p in learner.actor.optim.params}
+    frozen = {p.dtype for p in learner.actor.policy.parameters() if not p.requires_grad}
     assert trainable == {torch.float32}
     if finetune == "lora":
-        assert learner.weights_dtype == "bfloat16" and frozen == {torch.bfloat16} and learner.ref is None
+        assert learner.actor.weights_dtype == "bfloat16" and frozen == {torch.bfloat16} and learner.actor.ref is None
     else:
-        assert learner.weights_dtype == "float32" and not frozen
-        assert {p.dtype for p in learner.ref.parameters()} == {torch.bfloat16}
+        assert learner.actor.weights_dtype == "float32" and not frozen
+        assert {p.dtype for p in learner.actor.ref.parameters()} == {torch.bfloat16}
 
 
 @pytest.mark.slow

@@ -87,16 +87,16 @@ def test_a_loss_registered_outside_m1_trains_one_step(m1_cache):
 
     samples, spec = random_samples(0), TINY
     with toy_loss():
-        learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
-                               GRPOSettings(beta=0.0, loss_type=TOY))
-        before = learner.parameters()
-        stats = learner.update(samples, lr=1e-2)  # two micro-batches (4 + 2), one optimizer step
+        learner = AgentLearner.build("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
+                                     GRPOSettings(beta=0.0, loss_type=TOY))
+        before = learner.actor.parameters()
+        stats = learner.actor.update(samples, lr=1e-2)  # two micro-batches (4 + 2), one optimizer step
     # on-policy the ratio is 1, so each token's loss is -A; a per-micro-batch loss is weighted by its share of the
     # step's samples, so the step's loss is the toy loss of the whole batch
     want = sum(-s.advantage * len(s.completion_ids) for s in samples) / len(samples)
     assert stats["loss"] == pytest.approx(want, abs=1e-5)
     assert stats["samples"] == 6 and stats["grad_norm"] > 0
-    after = learner.parameters()
+    after = learner.actor.parameters()
     assert any(not torch.equal(after[n], before[n]) for n in before)
 
 
@@ -113,30 +113,31 @@ def test_a_loss_family_registered_outside_m1_drives_the_update(m1_cache):
     def reinforce(actor, micro, micro_rows, step):
         vision, temperature = actor.scoring(micro)
         with actor.autocast():
-            logp, mask = actor.completion_logprobs(actor.forward_model(), micro_rows, temperature, vision)
+            logp, mask = actor.compute_logprobs(micro_rows, temperature, vision)
         adv = torch.tensor([s.advantage for s in micro]).unsqueeze(1)
         calls.append(len(micro))
         return -(adv * logp * mask).sum() / step.samples, {"reinforce_tokens": float(mask.sum())}
 
     samples, spec = random_samples(1), TINY
-    learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
-                           GRPOSettings(beta=0.0))
+    learner = AgentLearner.build("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
+                                 GRPOSettings(beta=0.0))
     with pytest.raises(ValueError, match=r"unknown loss family 'reinforce'; registered: \['grpo', 'sft'\]"):
-        learner.update(samples, lr=1e-2, family="reinforce")
+        learner.actor.update(samples, lr=1e-2, family="reinforce")
     with torch.no_grad():  # REINFORCE's loss at the weights the step starts from
-        logp, mask = learner.completion_logprobs(learner.forward_model(), learner.scorer.rows(samples), 1.0)
+        actor = learner.actor
+        logp, mask = actor.compute_logprobs(actor.scorer.rows(samples), 1.0, model=actor.forward_model())
     want = -sum(s.advantage * float((logp[i] * mask[i]).sum()) for i, s in enumerate(samples)) / len(samples)
     register_loss_family(LossFamily(name="reinforce", loss=reinforce))
     try:
-        before = learner.parameters()
-        stats = learner.update(samples, lr=1e-2, family="reinforce")
+        before = learner.actor.parameters()
+        stats = learner.actor.update(samples, lr=1e-2, family="reinforce")
         with pytest.raises(ValueError, match="loss family 'grpo' is already registered"):
             register_loss_family(LossFamily(name="grpo", loss=reinforce))
     finally:
         del LOSS_FAMILIES["reinforce"]
     assert calls == [4, 2]  # two micro-batches of the one step
     assert stats["reinforce_tokens"] == sum(len(s.completion_ids) for s in samples)
-    after = learner.parameters()
+    after = learner.actor.parameters()
     assert any(not torch.equal(after[n], before[n]) for n in before)
     assert stats["loss"] == pytest.approx(want, abs=1e-5)
 
@@ -153,12 +154,12 @@ def test_token_advantages_reach_the_loss_and_keep_their_samples_in_the_step(m1_c
     rng = random.Random(2)
     samples = [replace(s, advantage=0.0, token_advantages=[rng.uniform(-1, 1) for _ in s.completion_ids])
                for s in random_samples(2)]
-    learner = AgentLearner("alpha", "qa", TINY, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
-                           GRPOSettings(beta=0.0, loss_type="dapo"))
-    before = learner.parameters()
-    stats = learner.update(samples, lr=1e-2)
+    learner = AgentLearner.build("alpha", "qa", TINY, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4),
+                                 GRPOSettings(beta=0.0, loss_type="dapo"))
+    before = learner.actor.parameters()
+    stats = learner.actor.update(samples, lr=1e-2)
     tokens = sum(len(s.completion_ids) for s in samples)
     assert stats["loss"] == pytest.approx(-sum(sum(s.token_advantages) for s in samples) / tokens, abs=1e-5)
     assert stats["samples"] == 6 and stats["grad_norm"] > 0
-    after = learner.parameters()
+    after = learner.actor.parameters()
     assert any(not torch.equal(after[n], before[n]) for n in before)

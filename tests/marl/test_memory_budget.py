@@ -21,6 +21,7 @@ from m1.marl.plan.planner import make_plan, rollout_batch
 from m1.marl.config import GRPOSettings, LearnerConfig, load_train_config
 from m1.marl.rollout.episodes import Sample
 from m1.models.shapes import shape_from_config
+from m1.marl.actor.learner_io import load_actor, save_actor
 
 TINY = {"kind": "chat", "device": "cpu",
         "tiny": {"arch": "qwen2", "hidden_size": 128, "layers": 2, "heads": 4, "kv_heads": 2, "seed": 1}}
@@ -37,8 +38,9 @@ def _samples(n=4, seed=0):
 def _learner(**cfg):
     from m1.marl.actor.learner import AgentLearner
 
-    return AgentLearner("a", "m", ModelSpec.model_validate(TINY), LearnerConfig(lr=1e-3, micro_batch_size=4, **cfg),
-                        GRPOSettings(beta=0.0))
+    return AgentLearner.build("a", "m", ModelSpec.model_validate(TINY),
+                              LearnerConfig(lr=1e-3, micro_batch_size=4, **cfg),
+                              GRPOSettings(beta=0.0))
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -55,11 +57,11 @@ def _folder_bytes(folder: Path) -> int:
 @pytest.mark.slow
 def test_checkpoint_estimate_is_what_a_learner_writes(kind, tmp_path, m1_cache):
     learner = _learner(**kind)
-    learner.update(_samples(), lr=1e-3)  # Adam moments exist only after a step
-    learner.save(tmp_path / "agent")
+    learner.actor.update(_samples(), lr=1e-3)  # Adam moments exist only after a step
+    save_actor(learner.actor, tmp_path / "agent")
     written = _folder_bytes(tmp_path / "agent")
-    shape = shape_from_config(learner.chat.model.config.to_dict(), "tiny")  # its real vocabulary
-    estimate = checkpoint_bytes(shape, learner.cfg)
+    shape = shape_from_config(learner.sampler.chat.model.config.to_dict(), "tiny")  # its real vocabulary
+    estimate = checkpoint_bytes(shape, learner.actor.cfg)
     assert estimate == pytest.approx(written, rel=0.03), (estimate, written)
     if kind["finetune"] == "full" and kind.get("deepspeed"):
         # bf16 weights once (model/) + fp32 master and Adam m, v in the ZeRO shard; no second copy of the weights
@@ -84,8 +86,8 @@ def test_resume_reads_the_weights_once_and_only_its_own_zero_shard(tmp_path, m1_
 
     cfg = dict(finetune="full", precision="bf16", deepspeed="zero2")
     learner = _learner(**cfg)
-    learner.update(_samples(), lr=1e-3)
-    learner.save(tmp_path / "agent")
+    learner.actor.update(_samples(), lr=1e-3)
+    save_actor(learner.actor, tmp_path / "agent")
     twin = _learner(**cfg)
     reads: list[str] = []
     real_load, real_file = torch.load, safetensors.torch.load_file
@@ -100,14 +102,14 @@ def test_resume_reads_the_weights_once_and_only_its_own_zero_shard(tmp_path, m1_
 
     monkeypatch.setattr(torch, "load", counting_load)
     monkeypatch.setattr(safetensors.torch, "load_file", counting_file)
-    twin.load(tmp_path / "agent")
+    load_actor(twin.actor, tmp_path / "agent")
     monkeypatch.undo()
     assert sorted(reads) == ["agent/model/model.safetensors", "agent/zero-rank0.pt"]
-    a, b = learner.parameters(), twin.parameters()
+    a, b = learner.actor.parameters(), twin.actor.parameters()
     assert all(torch.equal(a[n], b[n]) for n in a)
     nxt = _samples(seed=1)  # the fp32 master and the moments came back too: the next step is the same
-    assert twin.update(nxt, lr=1e-3)["loss"] == learner.update(nxt, lr=1e-3)["loss"]
-    a, b = learner.parameters(), twin.parameters()
+    assert twin.actor.update(nxt, lr=1e-3)["loss"] == learner.actor.update(nxt, lr=1e-3)["loss"]
+    a, b = learner.actor.parameters(), twin.actor.parameters()
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 

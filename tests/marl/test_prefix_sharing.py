@@ -21,7 +21,7 @@ def learner(arch: str = "qwen3", finetune: str = "full", share: bool = True, bet
 
     # LoRA dropout 0: dropout masks are drawn per forward, so two ways of computing would draw different ones
     config = LearnerConfig(finetune=finetune, lora=LoraSettings(dropout=0.0), share_prompt_forward=share, **cfg)
-    return AgentLearner("alpha", "m", spec(arch), config, GRPOSettings(beta=beta))
+    return AgentLearner.build("alpha", "m", spec(arch), config, GRPOSettings(beta=beta)).actor
 
 
 def grouped_rows(seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -48,7 +48,7 @@ class ForwardLog:
 
 def scores_and_grads(lrn, rows, temperature):
     lrn.policy.zero_grad(set_to_none=True)
-    logp, mask = lrn.completion_logprobs(lrn.policy, rows, temperature)
+    logp, mask = lrn.compute_logprobs(rows, temperature, model=lrn.policy)
     (logp * mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in lrn.policy.named_parameters() if p.requires_grad}
     return logp.detach(), mask, grads
@@ -100,11 +100,11 @@ def test_lora_adapter_and_reference_pass_match(m1_cache):
                 p.normal_(0, 0.5)
     shared = scores_and_grads(lrn, rows, 1.0)
     with torch.no_grad(), lrn.reference_model() as ref:
-        ref_shared, _ = lrn.completion_logprobs(ref, rows, 1.0)
+        ref_shared, _ = lrn.compute_logprobs(rows, 1.0, model=ref)
     lrn.cfg.share_prompt_forward = False
     joint = scores_and_grads(lrn, rows, 1.0)
     with torch.no_grad(), lrn.reference_model() as ref:
-        ref_joint, _ = lrn.completion_logprobs(ref, rows, 1.0)
+        ref_joint, _ = lrn.compute_logprobs(rows, 1.0, model=ref)
     assert all("lora_" in n for n in shared[2]) and len(shared[2]) == 2 * 2 * 7  # A and B, 2 layers, 7 modules
     torch.testing.assert_close(shared[0] * shared[1], joint[0] * joint[1], atol=1e-5, rtol=0)
     torch.testing.assert_close(ref_shared * shared[1], ref_joint * joint[1], atol=1e-5, rtol=0)
@@ -120,15 +120,15 @@ def test_distinct_prompts_and_single_token_completions(m1_cache):
     log = ForwardLog(lrn.policy)
     distinct = [([rng.randrange(10, 300) for _ in range(n)], [rng.randrange(10, 300) for _ in range(3)])
                 for n in (3, 5, 4)]
-    lrn.completion_logprobs(lrn.policy, distinct, 1.0)
+    lrn.compute_logprobs(distinct, 1.0, model=lrn.policy)
     assert log.shapes == [(3, 8)]  # nothing to share: the joint pass
     prompt = [rng.randrange(10, 300) for _ in range(6)]
     single = [(prompt, [t]) for t in (11, 12, 13)]
     with torch.no_grad():
-        logp, mask = lrn.completion_logprobs(lrn.policy, single, 1.0)
+        logp, mask = lrn.compute_logprobs(single, 1.0, model=lrn.policy)
         assert log.shapes[1:] == [(1, 6)]  # only the prompt pass: its last column scores every completion
         lrn.cfg.share_prompt_forward = False
-        joint, joint_mask = lrn.completion_logprobs(lrn.policy, single, 1.0)
+        joint, joint_mask = lrn.compute_logprobs(single, 1.0, model=lrn.policy)
     torch.testing.assert_close(logp, joint, atol=1e-5, rtol=0)
     assert torch.equal(mask, joint_mask) and mask.shape == (3, 1)
 
@@ -174,12 +174,12 @@ def test_gradient_checkpointing_keeps_the_joint_pass_in_training(m1_cache):
     lrn = learner("qwen3", gradient_checkpointing=True)
     log = ForwardLog(lrn.policy)
     lrn.policy.train()  # checkpointed layers drop the cache in training: sharing must not be attempted
-    logp, mask = lrn.completion_logprobs(lrn.policy, rows, 1.0)
+    logp, mask = lrn.compute_logprobs(rows, 1.0, model=lrn.policy)
     c_len = max(len(c) for _, c in rows)
     assert log.shapes == [(10, 12 + c_len)]
     lrn.policy.eval()  # the checkpointing wrapper is inactive in eval (the full-model reference): sharing again
     with torch.no_grad():
-        shared, shared_mask = lrn.completion_logprobs(lrn.policy, rows, 1.0)
+        shared, shared_mask = lrn.compute_logprobs(rows, 1.0, model=lrn.policy)
     assert log.shapes[1:] == [(4, 12), (10, c_len - 1)]
     torch.testing.assert_close(shared * mask, logp.detach() * mask, atol=1e-5, rtol=0)
     assert torch.equal(shared_mask, mask)

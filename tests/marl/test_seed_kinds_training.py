@@ -170,10 +170,10 @@ def test_observations_are_context_never_targets(world, m1_cache):
     from m1.team import topology as topo
 
     cfg = TeamConfig.model_validate(weaver_team())
-    learner = AgentLearner("weaver", "policy", ModelSpec(kind="chat", device="cpu", tiny=TINY),
-                           LearnerConfig(finetune="full", max_prompt_tokens=4096), GRPOSettings(beta=0.0))
+    learner = AgentLearner.build("weaver", "policy", ModelSpec(kind="chat", device="cpu", tiny=TINY),
+                                 LearnerConfig(finetune="full", max_prompt_tokens=4096), GRPOSettings(beta=0.0))
     hub = ModelHub(cfg.models)
-    hub.register("policy", ScriptedTokens(learner.chat), kind="chat")
+    hub.register("policy", ScriptedTokens(learner.sampler.chat), kind="chat")
     team = SingleAgentTeam(cfg, hub=hub)
     qs = [q for q in world[2] if q.task == "mcq"][:2]
     batch = run_rollouts(team, qs, 2, topo.complete(["weaver"]))
@@ -182,7 +182,7 @@ def test_observations_are_context_never_targets(world, m1_cache):
     adv = {a: group_advantages(r) for a, r in rewards.items()}
     samples = build_samples(batch, adv, {"weaver": 1.0})["weaver"]
     assert len(samples) == 2 * 2 * 2 and [s.phase for s in samples[:2]] == ["act", "answer"]
-    tok = learner.tokenizer
+    tok = learner.actor.tokenizer
     for g, group in enumerate(batch.episodes):
         for k, ep in enumerate(group):
             mine = [s for s in samples if (s.group, s.rollout) == (g, k)]
@@ -196,9 +196,9 @@ def test_observations_are_context_never_targets(world, m1_cache):
             for s in mine:
                 target = tok.decode(s.completion_ids)
                 assert "[trim]" not in target and obs.output[:40] not in target and "<frame" not in target
-    _, mask = learner.completion_logprobs(learner.policy, learner.scorer.rows(samples), 1.0)
+    _, mask = learner.actor.compute_logprobs(learner.actor.scorer.rows(samples), 1.0, model=learner.actor.policy)
     assert mask.sum(1).tolist() == [float(len(s.completion_ids)) for s in samples]  # the loss sees replies only
-    learner_rows = learner.scorer.rows(samples)
+    learner_rows = learner.actor.scorer.rows(samples)
     assert all(p == s.prompt_ids and c == s.completion_ids for (p, c), s in zip(learner_rows, samples))
 
 

@@ -43,9 +43,9 @@ def rollout(world, m1_cache):
     from m1.team.single import SingleAgentTeam
 
     cfg = TeamConfig.model_validate(vl_team())
-    learner = AgentLearner("weaver", "policy", ModelSpec(kind="vision", device="cpu", tiny=TINY_VL),
-                           LearnerConfig(finetune="full", max_prompt_tokens=2048, max_completion_tokens=16),
-                           GRPOSettings(beta=0.0))
+    learner = AgentLearner.build("weaver", "policy", ModelSpec(kind="vision", device="cpu", tiny=TINY_VL),
+                                 LearnerConfig(finetune="full", max_prompt_tokens=2048, max_completion_tokens=16),
+                                 GRPOSettings(beta=0.0))
     hub = ModelHub(cfg.models)
     hub.register("policy", learner.sampler, kind="vision")
     team = SingleAgentTeam(cfg, hub=hub)
@@ -60,7 +60,7 @@ def rollout(world, m1_cache):
 def test_samples_keep_frame_references_not_pixels(rollout):
     """Each sample names its video and the frame of each image part; traces (Generation dumps) hold no pixels."""
     learner, batch, samples = rollout
-    pad = learner.chat.model.config.image_token_id
+    pad = learner.sampler.chat.model.config.image_token_id
     assert samples and all(s.frames and s.video for s in samples)
     for ep in batch.flat:
         for gen in ep.generations:
@@ -78,17 +78,19 @@ def test_samples_keep_frame_references_not_pixels(rollout):
 
 def test_loss_mask_is_the_reply_tokens_only(rollout):
     learner, _, samples = rollout
-    config = learner.chat.model.config
+    config = learner.sampler.chat.model.config
     special = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
-    vision = learner.vision_inputs(samples)
-    _, mask = learner.completion_logprobs(learner.policy, learner.scorer.rows(samples), 1.0, vision)
+    vision = learner.actor.scorer.vision_inputs(samples)
+    actor = learner.actor
+    _, mask = actor.compute_logprobs(actor.scorer.rows(samples), 1.0, vision, model=actor.policy)
     assert mask.sum(1).tolist() == [float(len(s.completion_ids)) for s in samples]
-    tok = learner.tokenizer
+    tok = learner.actor.tokenizer
     for s in samples:
         assert not special & set(s.completion_ids)  # no image (or any vision) token is ever a target
         target = tok.decode(s.completion_ids)
         assert "<frame" not in target and "[trim]" not in target  # observations are context
-    assert all(p == s.prompt_ids and c == s.completion_ids for (p, c), s in zip(learner.scorer.rows(samples), samples))
+    rows = learner.actor.scorer.rows(samples)
+    assert all(p == s.prompt_ids and c == s.completion_ids for (p, c), s in zip(rows, samples))
 
 
 def test_learner_logprobs_match_generation_only_with_the_images(rollout):
@@ -97,15 +99,15 @@ def test_learner_logprobs_match_generation_only_with_the_images(rollout):
     import torch
 
     learner, _, samples = rollout
-    learner.policy.eval()
-    rows = learner.scorer.rows(samples)
-    vision = learner.vision_inputs(samples)
+    learner.actor.policy.eval()
+    rows = learner.actor.scorer.rows(samples)
+    vision = learner.actor.scorer.vision_inputs(samples)
     with torch.no_grad():
-        logp, mask = learner.completion_logprobs(learner.policy, rows, 1.0, vision)
-        blind, _ = learner.completion_logprobs(learner.policy, rows, 1.0, None)
+        logp, mask = learner.actor.compute_logprobs(rows, 1.0, vision, model=learner.actor.policy)
+        blind, _ = learner.actor.compute_logprobs(rows, 1.0, None, model=learner.actor.policy)
         other = dict(vision, pixel_values=torch.zeros_like(vision["pixel_values"]))
-        wrong, _ = learner.completion_logprobs(learner.policy, rows, 1.0, other)
-    sampled = learner.scorer.padded([s.logprobs for s in samples], logp.shape[1])
+        wrong, _ = learner.actor.compute_logprobs(rows, 1.0, other, model=learner.actor.policy)
+    sampled = learner.actor.scorer.padded([s.logprobs for s in samples], logp.shape[1])
     gap = ((logp - sampled).abs() * mask).max().item()
     assert gap < 1e-4, gap
     assert ((blind - sampled).abs() * mask).max().item() > 1e-3
@@ -116,16 +118,16 @@ def test_a_prompt_that_does_not_fit_is_an_error_not_a_cut(rollout):
     from dataclasses import replace
 
     learner, _, samples = rollout
-    short = learner.cfg.model_copy(update={"max_prompt_tokens": 8})
-    learner.scorer.cfg, keep = short, learner.scorer.cfg
+    short = learner.actor.cfg.model_copy(update={"max_prompt_tokens": 8})
+    learner.actor.scorer.cfg, keep = short, learner.actor.scorer.cfg
     try:
         with pytest.raises(ValueError, match="exceeds learner.max_prompt_tokens=8"):
-            learner.scorer.rows(samples[:1])
+            learner.actor.scorer.rows(samples[:1])
     finally:
-        learner.scorer.cfg = keep
+        learner.actor.scorer.cfg = keep
     bad = replace(samples[0], frames=samples[0].frames[:-1])
     with pytest.raises(ValueError, match="image-pad tokens but its"):
-        learner.vision_inputs([bad])
+        learner.actor.scorer.vision_inputs([bad])
 
 
 # ----------------------------------------------------------------------------- GRPO through the trainer
@@ -198,8 +200,8 @@ def test_sft_of_a_vl_student_on_the_rule_weaver_lowers_the_loss(world, tmp_path,
     tr = SFTTrainer(cfg, examples=examples)
     try:
         learner = tr.learners.learners["weaver"]
-        sample = learner.sft_sample(examples[0])
-        pad = learner.chat.model.config.image_token_id
+        sample = learner.actor.scorer.sft_sample(examples[0])
+        pad = learner.sampler.chat.model.config.image_token_id
         assert sample.frames and sum(t == pad for t in sample.prompt_ids) == 16 * len(sample.frames)
         rows = tr.train()
     finally:

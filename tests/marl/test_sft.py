@@ -138,8 +138,8 @@ def test_sft_trains_on_completion_tokens_and_lowers_the_loss(tmp_path, m1_cache)
 
     tr = SFTTrainer(sft_cfg(tmp_path), examples=EXAMPLES)
     learner = tr.learners.learners["alpha"]
-    s = learner.sft_sample(EXAMPLES[0])
-    tok = learner.tokenizer
+    s = learner.actor.scorer.sft_sample(EXAMPLES[0])
+    tok = learner.actor.tokenizer
     assert tok.decode(s.completion_ids) == EXAMPLES[0].completion + "<|im_end|>"  # the target ends the turn
     assert tok.decode(s.prompt_ids).endswith("<|im_start|>assistant\n")  # the prompt is context only
     assert tr.total_steps == 6  # 8 examples / batch 4 x 3 epochs
@@ -149,7 +149,8 @@ def test_sft_trains_on_completion_tokens_and_lowers_the_loss(tmp_path, m1_cache)
         assert rows[0][f"{a}/samples"] == 4  # assign=all: every student learns every example
         assert rows[-1][f"{a}/loss"] < 0.6 * rows[0][f"{a}/loss"]
         # every example has the same completion: the loss counts exactly its tokens (plus end-of-turn), 4 times
-        assert rows[0][f"{a}/tokens"] == 4 * len(tr.learners.learners[a].sft_sample(EXAMPLES[0]).completion_ids)
+        sample = tr.learners.learners[a].actor.scorer.sft_sample(EXAMPLES[0])
+        assert rows[0][f"{a}/tokens"] == 4 * len(sample.completion_ids)
     assert (tmp_path / "checkpoints" / "step-000006" / "agents" / "beta" / "model" / "config.json").is_file()
     resumed = SFTTrainer(sft_cfg(tmp_path), examples=EXAMPLES)
     assert resumed.step == 6 and resumed.train() == []
@@ -165,7 +166,7 @@ def test_sft_lora_same_name_assignment_moves_only_adapters(tmp_path, m1_cache):
     cfg = sft_cfg(tmp_path, learner={"finetune": "lora"}, data={"assign": "same_name"}, batch_size=5,
                   max_steps=1)
     tr = SFTTrainer(cfg, examples=only_alpha + [EXAMPLES[1]])  # one beta example
-    policy = tr.learners.learners["alpha"].policy
+    policy = tr.learners.learners["alpha"].actor.policy
     base = {n: p.detach().clone() for n, p in policy.named_parameters() if not p.requires_grad}
     adapter = tr.learners.parameters("alpha")
     rows = tr.train()

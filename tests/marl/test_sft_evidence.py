@@ -230,7 +230,7 @@ def learner(m1_cache, **cfg):
     spec = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": TINY})
     settings = LearnerConfig.model_validate({"finetune": "full", "lr": 1e-2, "max_grad_norm": None,
                                              "micro_batch_size": 8, **cfg})
-    return AgentLearner("alpha", "qa", spec, settings, GRPOSettings(beta=0.0), seed=0)
+    return AgentLearner.build("alpha", "qa", spec, settings, GRPOSettings(beta=0.0), seed=0).actor
 
 
 def examples():
@@ -247,7 +247,7 @@ def examples():
 
 def test_evidence_lands_on_the_tokens_that_hold_the_read_text(m1_cache):
     lrn = learner(m1_cache, attention=READ.model_dump())
-    answer, plan = (lrn.sft_sample(e) for e in examples())
+    answer, plan = (lrn.scorer.sft_sample(e) for e in examples())
     tok = lrn.tokenizer
     for s in (answer, plan):
         p = len(s.prompt_ids)
@@ -261,12 +261,12 @@ def test_evidence_lands_on_the_tokens_that_hold_the_read_text(m1_cache):
     sources = tok.decode([ids[e] for e in sorted({e for _, ev in plan.evidence for e in ev})])  # the two objects
     read = tok.decode([ids[q + 1] for q, _ in plan.evidence])  # the key info's copies of them
     assert sources.strip() == read.strip() == "the green triangle the red square"
-    assert learner(m1_cache).sft_sample(examples()[0]).evidence is None  # off: nothing placed
+    assert learner(m1_cache).scorer.sft_sample(examples()[0]).evidence is None  # off: nothing placed
     from m1.synth import seed_rules
 
     msgs = weaver_chat()  # list contents (frames as placeholders) and an earlier reply
     reply, evidence = seed_rules.write(msgs, None)
-    s = lrn.sft_sample(SFTExample("alpha", "w", "act", msgs, reply, evidence=list(evidence)))
+    s = lrn.scorer.sft_sample(SFTExample("alpha", "w", "act", msgs, reply, evidence=list(evidence)))
     ids = s.prompt_ids + s.completion_ids
     assert tok.decode([ids[e] for e in s.evidence[0][1]]).strip() == "12.0s to 20.5"
 
@@ -286,12 +286,12 @@ def test_attention_loss_step_reports_its_figures_and_weight_0_is_todays_step(m1_
     off = learner(m1_cache, attention={**READ.model_dump(), "weight": 0.0})
     on = learner(m1_cache, attention=READ.model_dump())
     ex = examples()
-    base, _ = step_stats(plain, [plain.sft_sample(e) for e in ex])
-    zero, _ = step_stats(off, [off.sft_sample(e) for e in ex])
+    base, _ = step_stats(plain, [plain.scorer.sft_sample(e) for e in ex])
+    zero, _ = step_stats(off, [off.scorer.sft_sample(e) for e in ex])
     assert zero["loss"] == base["loss"] and zero["grad_norm"] == base["grad_norm"]
     assert not any(k.startswith("attn") for k in zero)
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters().values(), off.parameters().values()))
-    shown, moved = step_stats(on, [on.sft_sample(e) for e in ex])
+    shown, moved = step_stats(on, [on.scorer.sft_sample(e) for e in ex])
     assert moved and 0 < shown["attn_evidence_mass"] < 1 and shown["attn_read"] > 0 and shown["attn_prev"] > 0
     assert shown["nll"] == pytest.approx(base["nll"], rel=1e-5)  # the whole-sequence pass scores the same tokens
     assert shown["loss"] == pytest.approx(shown["nll"] + shown["attn_loss"], rel=1e-5)
@@ -305,8 +305,8 @@ def test_left_padding_and_micro_batches_give_the_steps_mean(m1_cache):
     settings = {**READ.model_dump(), "prev_head": None, "prev2_head": None}
     one = learner(m1_cache, attention=settings, micro_batch_size=1)
     two = learner(m1_cache, attention=settings, micro_batch_size=2)
-    a, _ = step_stats(one, [one.sft_sample(e) for e in examples()])
-    b, _ = step_stats(two, [two.sft_sample(e) for e in examples()])
+    a, _ = step_stats(one, [one.scorer.sft_sample(e) for e in examples()])
+    b, _ = step_stats(two, [two.scorer.sft_sample(e) for e in examples()])
     for k in ("loss", "nll", "attn_loss"):
         assert a[k] == pytest.approx(b[k], rel=1e-5), k
     for k in ("attn_read", "attn_evidence_mass"):  # figures rounded to 4 places per micro-batch
@@ -316,7 +316,7 @@ def test_left_padding_and_micro_batches_give_the_steps_mean(m1_cache):
 @pytest.mark.slow
 def test_reading_head_learns_to_look_at_the_evidence(m1_cache):
     lrn = learner(m1_cache, attention={**READ.model_dump(), "weight": 5.0})
-    samples = [lrn.sft_sample(e) for e in examples()]
+    samples = [lrn.scorer.sft_sample(e) for e in examples()]
     masses = [lrn.update(samples, 1e-2, "sft")["attn_evidence_mass"] for _ in range(12)]
     assert masses[-1] > 10 * masses[0]  # 0.0012 -> 0.15 here; the plain loss leaves it near 0.0016
 
@@ -324,7 +324,7 @@ def test_reading_head_learns_to_look_at_the_evidence(m1_cache):
 @pytest.mark.slow
 def test_lora_learner_takes_an_attention_step(m1_cache):
     lrn = learner(m1_cache, finetune="lora", attention=READ.model_dump())
-    stats, moved = step_stats(lrn, [lrn.sft_sample(e) for e in examples()])
+    stats, moved = step_stats(lrn, [lrn.scorer.sft_sample(e) for e in examples()])
     assert moved and stats["attn_read"] > 0 and "attn_prev2" in stats
 
 

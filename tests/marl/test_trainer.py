@@ -19,6 +19,7 @@ from m1.marl.config import GRPOSettings, LearnerConfig, TrainConfig, load_train_
 from m1.marl.rollout.episodes import Sample, build_samples, run_rollouts, sample_topology, score, training_team_config
 from m1.schema import Question
 from m1.team import topology as topo
+from m1.marl.actor.learner_io import load_actor, save_actor
 
 AGENTS = ["alpha", "beta"]
 
@@ -79,7 +80,7 @@ def test_full_step_changes_every_trainable_parameter(tmp_path, video, m1_cache):
     # learner's), and the update scores exactly the trimmed context the rollouts were generated from
     tr = make_trainer(train_cfg(tmp_path / "run", learner={"max_prompt_tokens": 700}), video)
     before = {a: tr.learners.parameters(a) for a in AGENTS}
-    ref_before = {n: p.clone() for n, p in tr.learners.learners["alpha"].ref.named_parameters()}
+    ref_before = {n: p.clone() for n, p in tr.learners.learners["alpha"].actor.ref.named_parameters()}
     rows = tr.train()
     assert [r["step"] for r in rows] == [1]
     assert 0 <= rows[0]["prompts/trimmed"] < 1 and rows[0]["prompts/dropped"] == 0  # trimmed when peers are visible
@@ -93,7 +94,7 @@ def test_full_step_changes_every_trainable_parameter(tmp_path, video, m1_cache):
         # the learner's recomputed log-probs are the sampler's (same temperature, same positions)
         assert row[f"{a}/logp_gap"] < 1e-4
         assert row[f"{a}/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the update
-    ref = dict(tr.learners.learners["alpha"].ref.named_parameters())
+    ref = dict(tr.learners.learners["alpha"].actor.ref.named_parameters())
     assert all(torch.equal(ref[n], p) for n, p in ref_before.items())  # the frozen reference never moves
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1]
@@ -107,8 +108,8 @@ def test_full_step_changes_every_trainable_parameter(tmp_path, video, m1_cache):
     for a in AGENTS:
         trained, loaded = tr.learners.parameters(a), back.learners.parameters(a)
         assert all(torch.equal(trained[n], loaded[n]) for n in trained)
-        opt_a = tr.learners.learners[a].optimizer.state_dict()["state"]
-        opt_b = back.learners.learners[a].optimizer.state_dict()["state"]
+        opt_a = tr.learners.learners[a].actor.optim.optimizer.state_dict()["state"]
+        opt_b = back.learners.learners[a].actor.optim.optimizer.state_dict()["state"]
         assert all(torch.equal(opt_a[i]["exp_avg_sq"], opt_b[i]["exp_avg_sq"]) for i in opt_a)
 
 
@@ -117,7 +118,7 @@ def test_lora_changes_only_adapter_parameters(tmp_path, video, m1_cache):
     import torch
 
     tr = make_trainer(train_cfg(tmp_path / "run", finetune="lora", steps=2), video)
-    policies = {a: tr.learners.learners[a].policy for a in AGENTS}
+    policies = {a: tr.learners.learners[a].actor.policy for a in AGENTS}
     base_before = {a: {n: p.detach().clone() for n, p in m.named_parameters() if not p.requires_grad}
                    for a, m in policies.items()}
     adapter_before = {a: tr.learners.parameters(a) for a in AGENTS}
@@ -136,8 +137,8 @@ def test_lora_changes_only_adapter_parameters(tmp_path, video, m1_cache):
     from m1.models.hf import HFChatModel
 
     learner = tr.learners.learners["alpha"]
-    spec = tr.team_cfg.models[learner.name]
-    ids = torch.tensor([learner.tokenizer("Plan the tools for the question.")["input_ids"]])
+    spec = tr.team_cfg.models[learner.actor.name]
+    ids = torch.tensor([learner.actor.tokenizer("Plan the tools for the question.")["input_ids"]])
     adapter = tmp_path / "run" / "checkpoints" / "step-000002" / "agents" / "alpha" / "adapter"
     loaded = HFChatModel(spec.model_copy(update={"adapter": str(adapter)}), "alpha")
     plain = HFChatModel(spec, "alpha")
@@ -352,10 +353,10 @@ def test_gradient_accumulation_gives_the_full_batch_update(loss_type, m1_cache):
     for micro in (10, 3, 1):
         # eps=1 makes Adam's first step ~ g / (|g| + 1), smooth in g; with eps=1e-8 it is ~sign(g), which turns
         # float rounding in near-zero gradient entries into full-size differences.
-        learner = AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1.0, eps=1.0,
-                                                                  micro_batch_size=micro, max_grad_norm=None), grpo)
-        stats = learner.update(samples, lr=1.0)
-        results.append((stats, learner.parameters()))
+        cfg = LearnerConfig(finetune="full", lr=1.0, eps=1.0, micro_batch_size=micro, max_grad_norm=None)
+        learner = AgentLearner.build("alpha", "qa", spec, cfg, grpo)
+        stats = learner.actor.update(samples, lr=1.0)
+        results.append((stats, learner.actor.parameters()))
     (s0, p0), *rest = results
     for st, params in rest:
         assert st["loss"] == pytest.approx(s0["loss"], abs=1e-6)
@@ -372,21 +373,21 @@ def test_deepspeed_zero2_step_on_cpu(tmp_path, m1_cache):
 
     spec = TeamConfig.model_validate(team_dict()).models["qb"]
     cfg = LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=4, precision="fp32", deepspeed="zero2")
-    learner = AgentLearner("beta", "qb", spec, cfg, GRPOSettings(beta=0.0))
-    assert type(learner.optimizer).__name__ == "DeepSpeedZeroOptimizer"
-    assert learner.engine.zero_optimization_stage() == 2
-    before = learner.parameters()
-    stats = learner.update(_synthetic_samples(6), lr=1e-2)  # two micro-batches, one optimizer step
-    after = learner.parameters()
+    learner = AgentLearner.build("beta", "qb", spec, cfg, GRPOSettings(beta=0.0))
+    assert type(learner.actor.optim.optimizer).__name__ == "DeepSpeedZeroOptimizer"
+    assert learner.actor.engine.zero_optimization_stage() == 2
+    before = learner.actor.parameters()
+    stats = learner.actor.update(_synthetic_samples(6), lr=1e-2)  # two micro-batches, one optimizer step
+    after = learner.actor.parameters()
     assert stats["samples"] == 6 and stats["grad_norm"] > 0
     assert all(not torch.equal(after[n], before[n]) for n in before)
-    learner.save(tmp_path / "ckpt")
+    save_actor(learner.actor, tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "zero-rank0.pt").is_file() and not (tmp_path / "ckpt" / "deepspeed").exists()
-    twin = AgentLearner("beta", "qb", spec, cfg, GRPOSettings(beta=0.0))
-    twin.load(tmp_path / "ckpt")  # weights and ZeRO optimizer state: the next step is identical
+    twin = AgentLearner.build("beta", "qb", spec, cfg, GRPOSettings(beta=0.0))
+    load_actor(twin.actor, tmp_path / "ckpt")  # weights and ZeRO optimizer state: the next step is identical
     nxt = _synthetic_samples(6, seed=1)
-    assert twin.update(nxt, lr=1e-2)["loss"] == learner.update(nxt, lr=1e-2)["loss"]
-    a, b = learner.parameters(), twin.parameters()
+    assert twin.actor.update(nxt, lr=1e-2)["loss"] == learner.actor.update(nxt, lr=1e-2)["loss"]
+    a, b = learner.actor.parameters(), twin.actor.parameters()
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
@@ -522,12 +523,12 @@ def test_sampler_importance_weights_correct_engine_logprobs(m1_cache):
     samples = _synthetic_samples(6)
 
     def learner(mode, cap=2.0):
-        return AgentLearner("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=6),
-                            GRPOSettings(beta=0.0, old_logprobs=mode, is_cap=cap))
+        return AgentLearner.build("alpha", "qa", spec, LearnerConfig(finetune="full", lr=1e-2, micro_batch_size=6),
+                                  GRPOSettings(beta=0.0, old_logprobs=mode, is_cap=cap)).actor
 
     probe = learner("policy")
     with torch.no_grad():
-        logp, mask = probe.completion_logprobs(probe.policy, probe.scorer.rows(samples), 1.0)
+        logp, mask = probe.compute_logprobs(probe.scorer.rows(samples), 1.0, model=probe.policy)
     exact = [s.__class__(**{**s.__dict__, "logprobs": logp[i, :len(s.completion_ids)].tolist()})
              for i, s in enumerate(samples)]
     plain, same = learner("policy").update(exact, 1e-2), learner("sampler").update(exact, 1e-2)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from m1.marl.config import LearnerConfig
-from m1.marl.actor.learner import AgentLearner
+from m1.marl.actor.learner import Actor
 from tests.marl.test_prefix_sharing import ForwardLog, grouped_rows, learner, samples
 
 
@@ -85,7 +85,7 @@ def plan(n_rows, lengths, world=1, rank=0, mb=64, budget=None):
     fake = SimpleNamespace(cfg=LearnerConfig(micro_batch_size=mb, micro_batch_tokens=budget), world=world, rank=rank)
     rows = [([7] * p, [1] * c) for p, c in lengths]  # same length, same prompt
     batch = [SimpleNamespace(i=i) for i in range(n_rows)]
-    return AgentLearner._micro_batches(fake, batch, rows, (batch[:1], rows[:1]))
+    return Actor._micro_batches(fake, batch, rows, (batch[:1], rows[:1]))
 
 
 def test_plan_sorts_by_length_keeps_the_budget_and_pads_ranks_alike():
@@ -141,7 +141,7 @@ def test_prompt_without_gradient_keeps_the_values_and_changes_the_gradient(m1_ca
     lrn.policy.eval()  # not in training (a reference pass): the exact path
     lrn.cfg.prompt_grad = False
     with torch.no_grad():
-        lrn.completion_logprobs(lrn.policy, rows, 0.7)
+        lrn.compute_logprobs(rows, 0.7, model=lrn.policy)
     assert log.shapes[-2] == (4, 12)
 
 

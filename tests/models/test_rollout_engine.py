@@ -1,7 +1,7 @@
 """Rollout engines over HTTP (m1/models/vllm_client.py, launched by m1/models/vllm_server.py) against the CPU stand-in server (tests/engine_standin.py).
 
 The stand-in serves a tiny random Qwen3 model behind vLLM's endpoints and JSON shapes; the learner loads the same
-folder, so every log-prob the engine returns can be checked against `AgentLearner.completion_logprobs`.
+folder, so every log-prob the engine returns can be checked against `Actor.compute_logprobs`.
 """
 from __future__ import annotations
 
@@ -64,12 +64,12 @@ def learner(folder):
     from m1.marl.actor.learner import AgentLearner
 
     cfg = LearnerConfig(finetune="lora", max_prompt_tokens=MAX_PROMPT, max_completion_tokens=MAX_COMPLETION)
-    return AgentLearner("alpha", "qa", SPEC, cfg, GRPOSettings(beta=0.0))
+    return AgentLearner.build("alpha", "qa", SPEC, cfg, GRPOSettings(beta=0.0))
 
 
 def _chat(server, learner, **kw) -> EngineChat:
     kw = {"max_prompt_tokens": MAX_PROMPT, "max_completion_tokens": MAX_COMPLETION, "timeout": 30.0, **kw}
-    return EngineChat("qa", server.url, learner.tokenizer, agent="alpha", served_model="base", **kw)
+    return EngineChat("qa", server.url, learner.actor.tokenizer, agent="alpha", served_model="base", **kw)
 
 
 def learner_logprobs(learner, prompt, completion, temperature=1.0, adapter=True):
@@ -78,10 +78,11 @@ def learner_logprobs(learner, prompt, completion, temperature=1.0, adapter=True)
 
     import torch
 
-    learner.policy.eval()
-    ctx = contextlib.nullcontext() if adapter else learner.policy.disable_adapter()
+    learner.actor.policy.eval()
+    ctx = contextlib.nullcontext() if adapter else learner.actor.policy.disable_adapter()
     with torch.no_grad(), ctx:
-        lp, mask = learner.completion_logprobs(learner.policy, [(list(prompt), list(completion))], temperature)
+        lp, mask = learner.actor.compute_logprobs([(list(prompt), list(completion))], temperature,
+                                                  model=learner.actor.policy)
     assert mask[0].sum().item() == len(completion)
     return lp[0, :len(completion)].tolist()
 
@@ -126,7 +127,7 @@ def test_hung_engine_times_out_with_the_agent_and_url(learner):
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        chat = EngineChat("qa", url, learner.tokenizer, agent="alpha", served_model="base", timeout=1.0)
+        chat = EngineChat("qa", url, learner.actor.tokenizer, agent="alpha", served_model="base", timeout=1.0)
         start = time.monotonic()
         with pytest.raises(EngineError, match=rf"agent alpha: rollout engine {url} did not answer .* within 1 s"
                                               r".*resumes from the last checkpoint"):
@@ -148,7 +149,7 @@ def test_generate_matches_the_learner(server, learner):
     # the prompts the learner itself would sample from (HFChatModel rendering, whole)
     expected = [c.prompt_ids for c in learner.sampler.generate(CHATS, params)]
     assert [o.prompt_ids for o in outs] == expected and all("truncated" not in o.meta for o in outs)
-    eos = set(learner.chat.eos_ids)
+    eos = set(learner.sampler.chat.eos_ids)
     for o in outs:
         assert 1 <= len(o.completion_ids) <= MAX_COMPLETION and len(o.logprobs) == len(o.completion_ids)
         assert all(math.isfinite(x) and x <= 0 for x in o.logprobs)
@@ -157,7 +158,7 @@ def test_generate_matches_the_learner(server, learner):
         assert o.finish_reason == "stop" or len(o.completion_ids) == MAX_COMPLETION
         assert o.meta["engine"] == server.url and o.meta["weight_version"] == 0 and o.meta["served_model"] == "base"
         assert o.meta["max_new_tokens"] == MAX_COMPLETION
-        assert o.text == learner.tokenizer.decode(o.completion_ids, skip_special_tokens=True)
+        assert o.text == learner.actor.tokenizer.decode(o.completion_ids, skip_special_tokens=True)
         # sampler and learner agree on the log-probs of what was sampled (temperature 1)
         assert learner_logprobs(learner, o.prompt_ids, o.completion_ids) == pytest.approx(o.logprobs, abs=1e-4)
         assert chat.score(o.prompt_ids, o.completion_ids) == pytest.approx(o.logprobs, abs=1e-4)
@@ -185,17 +186,18 @@ def test_runtime_lora_sync(server, learner, tmp_path):
     chat = _chat(server, learner)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in learner.policy.named_parameters():
+        for name, p in learner.actor.policy.named_parameters():
             if "lora_B" in name:  # B starts at zero: give the adapter a visible effect
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    learner.policy.save_pretrained(tmp_path / "alpha-v1")
+    learner.actor.policy.save_pretrained(tmp_path / "alpha-v1")
     assert chat.load_adapter("alpha-v1", tmp_path / "alpha-v1") >= 0
     assert sorted(chat.models()) == ["alpha-v1", "base"]
     with pytest.raises(EngineError, match=r"agent alpha: rollout engine .* already been loaded"):
         chat.load_adapter("alpha-v1", tmp_path / "alpha-v1")
     chat.serve("alpha-v1", 1)
     prompt = chat.prompt_ids(CHATS[0])[0]
-    completion = learner.tokenizer("##Answer: B ##Reason: the square is red", add_special_tokens=False)["input_ids"]
+    completion = learner.actor.tokenizer("##Answer: B ##Reason: the square is red",
+                                         add_special_tokens=False)["input_ids"]
     tuned = learner_logprobs(learner, prompt, completion)
     base = learner_logprobs(learner, prompt, completion, adapter=False)
     assert chat.score(prompt, completion) == pytest.approx(tuned, abs=1e-4)
@@ -240,7 +242,7 @@ def test_full_weight_reload(server, learner, folder, tmp_path):
     assert chat.engine_folder() == Path(server.argv[server.argv.index("--model") + 1])
     model = _perturbed(folder, tmp_path / "step-2", seed=1)
     prompt = chat.prompt_ids(CHATS[2])[0]
-    completion = learner.tokenizer("##tool call: add tool <Fine Browser>", add_special_tokens=False)["input_ids"]
+    completion = learner.actor.tokenizer("##tool call: add tool <Fine Browser>", add_special_tokens=False)["input_ids"]
     before = chat.score(prompt, completion)
     probe = chat.probe()
     ids = torch.tensor([probe[0] + probe[1]])
@@ -316,7 +318,7 @@ def test_engine_host_owns_a_server_and_reports_the_node_url(folder, learner, tmp
         url = host.start(folder, argv=argv, timeout=120)
         assert url.startswith(f"http://{ray.util.get_node_ip_address()}:") and host.alive()
         assert (tmp_path / "engine-alpha.log").is_file()
-        chat = EngineChat("qa", url, learner.tokenizer, agent="alpha", served_model=folder, timeout=10.0)
+        chat = EngineChat("qa", url, learner.actor.tokenizer, agent="alpha", served_model=folder, timeout=10.0)
         assert chat.health() and chat.models() == [folder]
     finally:
         host.stop()

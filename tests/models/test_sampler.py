@@ -12,6 +12,7 @@ from m1.config import ModelSpec, TinySpec
 from m1.models.base import SamplingParams
 from m1.models.hf import HFChatModel
 from m1.models.sampler import BLOCK
+from m1.marl.actor.learner_io import load_actor, save_actor
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])
@@ -56,8 +57,8 @@ def test_the_sampler_gives_generates_tokens_and_logprobs_over_calls_that_reuse_p
 
 @pytest.mark.parametrize("alone", [True, False])
 def test_prompts_run_alone_or_batched_to_the_same_tokens(pair, alone, monkeypatch):
-    """On CPU a call's distinct prompts run one at a time on their own cached blocks (`Sampler._alone`) when that
-    costs less than one padded batch (`_alone_pays`), else batched: forced either way, both give generate's tokens
+    """On CPU a call's distinct prompts run one at a time on their own cached blocks (`PrefixSampler._alone`) when
+    that costs less than one padded batch (`_alone_pays`), else batched: forced either way, both give generate's tokens
     with nothing cached and again on the blocks they kept, and those blocks serve the next call alike."""
     fast, slow = pair
     monkeypatch.setattr(fast.sampler, "_alone_pays", lambda hit, tails: alone)
@@ -167,23 +168,23 @@ def test_a_learner_update_or_load_empties_its_samplers_cache(m1_cache, tmp_path)
     from m1.models.base import ChatRequest
 
     spec = ModelSpec(kind="chat", tiny=TinySpec(arch="qwen3", seed=8))
-    learner = AgentLearner("a", "m", spec, LearnerConfig(finetune="full", lr=1e-2, max_prompt_tokens=512,
+    learner = AgentLearner.build("a", "m", spec, LearnerConfig(finetune="full", lr=1e-2, max_prompt_tokens=512,
                                                          max_completion_tokens=6), GRPOSettings(beta=0.0))
     chat = [{"role": "user", "content": "where is the red square? " * 8}]
     out = learner.sampler.generate([ChatRequest(chat)] * 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=1))
-    cache = learner.chat.sampler.cache
+    cache = learner.sampler.chat.sampler.cache
     assert cache.blocks
     with torch.no_grad():  # a write the version counters do not see
-        for p in learner.policy.parameters():
+        for p in learner.actor.policy.parameters():
             p.data.mul_(1.0)
     assert cache.blocks
-    learner.save(tmp_path / "state")
+    save_actor(learner.actor, tmp_path / "state")
     samples = [Sample(agent="a", question_id="q", group=0, rollout=i, phase="plan", prompt_ids=o.prompt_ids,
                       completion_ids=o.completion_ids, logprobs=o.logprobs, reward=float(i), advantage=2.0 * i - 1.0)
                for i, o in enumerate(out)]
-    learner.update(samples, lr=1e-2)
+    learner.actor.update(samples, lr=1e-2)
     assert not cache.blocks
     learner.sampler.generate([ChatRequest(chat)], SamplingParams(max_new_tokens=6))
     assert cache.blocks
-    learner.load(tmp_path / "state")
+    load_actor(learner.actor, tmp_path / "state")
     assert not cache.blocks

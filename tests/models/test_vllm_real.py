@@ -28,6 +28,7 @@ from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.models.base import SamplingParams
 from m1.models.vllm_client import EngineChat, EngineError
 from m1.models.vllm_server import EngineServer, free_port, vllm_command
+from m1.marl.actor.learner_io import export_weights
 from tests.models.test_rollout_engine import CHATS, MAX_COMPLETION, MAX_PROMPT
 from tests.models.test_rollout_engine import _perturbed as _noisy_copy
 
@@ -80,7 +81,7 @@ def learner(folder):
     from m1.marl.actor.learner import AgentLearner
 
     cfg = LearnerConfig(finetune="lora", max_prompt_tokens=MAX_PROMPT, max_completion_tokens=MAX_COMPLETION)
-    return AgentLearner("alpha", "qa", SPEC, cfg, GRPOSettings(beta=0.0))
+    return AgentLearner.build("alpha", "qa", SPEC, cfg, GRPOSettings(beta=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def server(folder, learner, tmp_path_factory):
     shutil.copytree(folder, own / "model")
     port = free_port()
     # 1040 tokens: the trainer test below sends the mini team's prompts (~600 tokens) to this engine
-    argv = vllm_command(str(own / "model"), port, lora_rank=learner.cfg.lora.r, max_model_len=1040,
+    argv = vllm_command(str(own / "model"), port, lora_rank=learner.actor.cfg.lora.r, max_model_len=1040,
                         served_model_name="base", host="127.0.0.1", python=VLLM_PYTHON, extra=VLLM_FLAGS)
     srv = EngineServer(argv, own / "engine.log", port=port, env=VLLM_ENV, dev_mode=True,
                        name="agent alpha: rollout engine")
@@ -223,7 +224,7 @@ def test_marl_lora_steps_on_engines_m1_launches_and_a_resumed_run_repeats_them(t
 
 def _chat(server, learner, **kw) -> EngineChat:
     kw = {"max_prompt_tokens": MAX_PROMPT, "max_completion_tokens": MAX_COMPLETION, "timeout": 120.0, **kw}
-    return EngineChat("qa", server.url, learner.tokenizer, agent="alpha", served_model="base", **kw)
+    return EngineChat("qa", server.url, learner.actor.tokenizer, agent="alpha", served_model="base", **kw)
 
 
 def learner_logprobs(learner, prompt, completion, temperature=1.0, adapter=True):
@@ -231,10 +232,11 @@ def learner_logprobs(learner, prompt, completion, temperature=1.0, adapter=True)
 
     import torch
 
-    learner.policy.eval()  # no LoRA dropout
-    ctx = contextlib.nullcontext() if adapter else learner.policy.disable_adapter()
+    learner.actor.policy.eval()  # no LoRA dropout
+    ctx = contextlib.nullcontext() if adapter else learner.actor.policy.disable_adapter()
     with torch.no_grad(), ctx:
-        lp, mask = learner.completion_logprobs(learner.policy, [(list(prompt), list(completion))], temperature)
+        lp, mask = learner.actor.compute_logprobs([(list(prompt), list(completion))], temperature,
+                                                  model=learner.actor.policy)
     assert mask[0].sum().item() == len(completion)
     return lp[0, :len(completion)].tolist()
 
@@ -247,7 +249,7 @@ def test_completions_carry_token_ids_and_the_learners_logprobs(server, learner):
     outs = chat.generate(CHATS, params)
     expected = [c.prompt_ids for c in learner.sampler.generate(CHATS, params)]
     assert [o.prompt_ids for o in outs] == expected  # the engine conditioned on the learner's own prompt ids
-    eos = set(learner.chat.eos_ids)
+    eos = set(learner.sampler.chat.eos_ids)
     for o in outs:
         assert 1 <= len(o.completion_ids) <= MAX_COMPLETION and len(o.logprobs) == len(o.completion_ids)
         assert (o.completion_ids[-1] in eos) == (o.finish_reason == "stop")
@@ -269,17 +271,18 @@ def test_lora_adapter_loaded_and_unloaded_every_step(server, learner, tmp_path):
 
     chat = _chat(server, learner)
     prompt = chat.prompt_ids(CHATS[0])[0]
-    completion = learner.tokenizer("##Answer: B ##Reason: the square is red", add_special_tokens=False)["input_ids"]
+    completion = learner.actor.tokenizer("##Answer: B ##Reason: the square is red",
+                                         add_special_tokens=False)["input_ids"]
     base = learner_logprobs(learner, prompt, completion, adapter=False)
     gen = torch.Generator().manual_seed(0)
     previous = None
     for step in range(1, 4):
         with torch.no_grad():
-            for name, p in learner.policy.named_parameters():
+            for name, p in learner.actor.policy.named_parameters():
                 if "lora_" in name:  # B starts at zero: a new visible adapter every step
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         name = f"alpha-v{step}"
-        learner.export_weights(tmp_path / name)
+        export_weights(learner.actor, tmp_path / name)
         assert chat.load_adapter(name, tmp_path / name) >= 0
         chat.serve(name, step)
         if previous is not None:
@@ -322,7 +325,7 @@ def test_full_weight_reload_on_vllm_cpu_is_caught_by_the_probe(server, learner, 
     old and new weights. The probe check turns that into a clear EngineError instead of a run sampling from it."""
     chat = _chat(server, learner)
     prompt = chat.prompt_ids(CHATS[2])[0]
-    completion = learner.tokenizer("##tool call: add tool <Fine Browser>", add_special_tokens=False)["input_ids"]
+    completion = learner.actor.tokenizer("##tool call: add tool <Fine Browser>", add_special_tokens=False)["input_ids"]
     probe = chat.probe()
     # the update_config path: HTTP 500, and the reload after it leaves the log-probs exactly as they were
     before = chat.score(prompt, completion)

@@ -128,19 +128,19 @@ def test_prompt_budget_count_learner_check_and_model_tokenize_a_prompt_once(monk
 
     spec = {"kind": "chat", "device": "cpu",
             "tiny": {"arch": "qwen2", "hidden_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}}
-    learner = AgentLearner("a", "m", ModelSpec.model_validate(spec),
-                           LearnerConfig(max_prompt_tokens=512, max_completion_tokens=6), GRPOSettings(beta=0.0))
+    learner = AgentLearner.build("a", "m", ModelSpec.model_validate(spec),
+                                 LearnerConfig(max_prompt_tokens=512, max_completion_tokens=6), GRPOSettings(beta=0.0))
     calls = []
-    tokenize = type(learner.tokenizer).__call__
+    tokenize = type(learner.actor.tokenizer).__call__
 
     def counted(self, text, *a, **kw):
         calls.append(text)
         return tokenize(self, text, *a, **kw)
 
-    monkeypatch.setattr(type(learner.tokenizer), "__call__", counted)
+    monkeypatch.setattr(type(learner.actor.tokenizer), "__call__", counted)
     chats = [[{"role": "system", "content": "You answer questions about a video."},
               {"role": "user", "content": f"Question {i}: where is the red square? " * (i + 1)}] for i in range(3)]
-    count = budget.token_counter(learner)
+    count = budget.token_counter(learner.sampler)
     params = base.SamplingParams(max_new_tokens=6, temperature=0.7, seed=3)
 
     def step():

@@ -5,7 +5,7 @@
 torch.distributed process group (NCCL on GPU, gloo on CPU) under DeepSpeed ZeRO-2. Every rank holds the whole
 weights (ZeRO-2 shards gradients and optimizer state, not weights), so every rank can also generate: the team's
 requests for an agent are split across its ranks. A step's samples are split across the ranks inside
-`AgentLearner.update`. With a placement plan (m1/marl/plan/planner.py), each rank runs in the placement-group bundle the
+`Actor.update`. With a placement plan (m1/marl/plan/planner.py), each rank runs in the placement-group bundle the
 plan gave it, so no part lands on a GPU another part holds.
 
 Both are a `LearnerGroup` (m1/contracts.py): `chat_models()` (what the team generates with), `update(samples, lr,
@@ -31,6 +31,7 @@ from m1.marl.config import GRPOSettings, LearnerConfig
 from m1.marl.actor.distributed import DistributedError, _require_ray, prepare_process_group
 from m1.models.vllm_server import free_port
 from m1.marl.actor.learner import AgentLearner
+from m1.marl.actor.learner_io import export_weights, load_actor, reload_probe, save_actor
 from m1.marl.actor.sampler import Sampler
 from m1.marl.rollout.episodes import Sample
 from m1.marl.plan.cluster import cluster_gpus_from_ray
@@ -45,34 +46,34 @@ class LocalLearners:
 
     def __init__(self, specs: dict[str, tuple[str, ModelSpec]], learner_cfg: LearnerConfig, grpo: GRPOSettings,
                  seed: int):
-        self.learners = {agent: AgentLearner(agent, key, spec, learner_cfg, grpo, seed)
+        self.learners = {agent: AgentLearner.build(agent, key, spec, learner_cfg, grpo, seed)
                          for agent, (key, spec) in specs.items()}
 
     def chat_models(self) -> dict[str, Sampler]:
         return {agent: learner.sampler for agent, learner in self.learners.items()}
 
     def sft_samples(self, agent: str, examples: list) -> list[Sample]:
-        return [self.learners[agent].sft_sample(e) for e in examples]
+        return [self.learners[agent].actor.scorer.sft_sample(e) for e in examples]
 
     def update(self, samples: dict[str, list[Sample]], lr: float, family: str = "grpo") -> dict[str, dict]:
-        return {a: learner.update(samples.get(a, []), lr, family) for a, learner in self.learners.items()}
+        return {a: learner.actor.update(samples.get(a, []), lr, family) for a, learner in self.learners.items()}
 
     def save(self, folder: Path) -> None:
         for agent, learner in self.learners.items():
-            learner.save(Path(folder) / agent)
+            save_actor(learner.actor, Path(folder) / agent)
 
     def export_weights(self, agent: str, folder: Path) -> None:
-        self.learners[agent].export_weights(folder)
+        export_weights(self.learners[agent].actor, folder)
 
     def probe_logprobs(self, agent: str, probe: tuple[list[int], list[int]]) -> tuple[list[float], float]:
-        return self.learners[agent].probe_logprobs(probe)
+        return reload_probe(self.learners[agent].actor, probe)
 
     def load(self, folder: Path) -> None:
         for agent, learner in self.learners.items():
-            learner.load(Path(folder) / agent)
+            load_actor(learner.actor, Path(folder) / agent)
 
     def parameters(self, agent: str) -> dict[str, Any]:
-        return self.learners[agent].parameters()
+        return self.learners[agent].actor.parameters()
 
     def shutdown(self) -> None:
         pass
@@ -101,7 +102,7 @@ class LearnerRank:
               rank: int, world: int, addr: str, port: int) -> dict[str, Any]:
         if world > 1:
             prepare_process_group(rank, world, addr, port)
-        self.learner = AgentLearner(agent, key, spec, cfg, grpo, seed, rank=rank, world=world)
+        self.learner = AgentLearner.build(agent, key, spec, cfg, grpo, seed, rank=rank, world=world)
         import torch.distributed as dist
 
         return {**self.where(), "world": dist.get_world_size() if dist.is_initialized() else 1}
@@ -121,25 +122,25 @@ class LearnerRank:
         return self._built.sampler.generate(requests, params)
 
     def sft_samples(self, examples: list) -> list[Sample]:
-        return [self._built.sft_sample(e) for e in examples]
+        return [self._built.actor.scorer.sft_sample(e) for e in examples]
 
     def update(self, samples, lr, family):
-        return self._built.update(samples, lr, family)
+        return self._built.actor.update(samples, lr, family)
 
     def save(self, folder: str, include_rng: bool) -> None:
-        self._built.save(folder, include_rng)
+        save_actor(self._built.actor, folder, include_rng)
 
     def load(self, folder: str, include_rng: bool) -> None:
-        self._built.load(folder, include_rng)
+        load_actor(self._built.actor, folder, include_rng)
 
     def export_weights(self, folder: str) -> None:
-        self._built.export_weights(folder)
+        export_weights(self._built.actor, folder)
 
     def probe_logprobs(self, probe):
-        return self._built.probe_logprobs(probe)
+        return reload_probe(self._built.actor, probe)
 
     def parameters(self) -> dict[str, Any]:
-        return self._built.parameters()
+        return self._built.actor.parameters()
 
     def write_marker(self, folder: str, name: str, token: str) -> str:
         return write_storage_marker(folder, name, token)
@@ -233,7 +234,7 @@ class RayLearners:
         ray.get(self.groups[agent][0].export_weights.remote(str(Path(folder).resolve())))
 
     def probe_logprobs(self, agent: str, probe: tuple[list[int], list[int]]) -> tuple[list[float], float]:
-        """Rank 0's log-probs of a reload probe (AgentLearner.probe_logprobs)."""
+        """Rank 0's log-probs of a reload probe (m1/marl/actor/learner_io.py reload_probe)."""
         ray = _require_ray()
         return ray.get(self.groups[agent][0].probe_logprobs.remote(probe))
 

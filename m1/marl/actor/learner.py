@@ -1,13 +1,14 @@
-"""One agent's learner: policy, reference and optimizer, and its optimizer step. The groups that hold one learner
-per agent (`LocalLearners`, `RayLearners`) live in m1/marl/actor/groups.py.
+"""One trained agent: the Sampler the team generates with (m1/marl/actor/sampler.py) and the Actor that updates the
+same weights. The groups that hold one learner per agent (`LocalLearners`, `RayLearners`) live in
+m1/marl/actor/groups.py.
 
-Learners (`AgentLearner`) hold the policy (LoRA adapter through peft, or the full model), the reference (LoRA: the
-same model with the adapter disabled; full: a frozen copy; none when beta = 0), and an AdamW optimizer, optionally
-inside a DeepSpeed ZeRO-2 engine. Different agents may have different architectures and tokenizers: each learner
-tokenises and scores its own samples. Three parts live beside this file: loading the model, policy and reference
-(m1/marl/actor/learner_load.py), scoring samples (m1/marl/actor/scorer.py: token rows, the images of vision-language
-prompts, every log-prob pass) and the learner's state on disk (m1/marl/actor/learner_io.py); this file is the update
-and its losses.
+The Actor holds the policy (LoRA adapter through peft, or the full model) and the reference (LoRA: the same model with
+the adapter disabled; full: a frozen copy; none when beta = 0); its update runs a registered loss family
+(m1/marl/actor/losses.py) over the step's micro-batches and hands the gradients to its optimizer step
+(m1/marl/actor/optimizer.py: AdamW, optionally inside a DeepSpeed ZeRO-2 engine). Different agents may have
+different architectures and tokenizers: each actor tokenises and scores its own samples (m1/marl/actor/scorer.py:
+token rows, the images of vision-language prompts, every log-prob pass). Loading the model, policy and reference is
+m1/marl/actor/learner_load.py; the actor's state on disk and the reload probe are m1/marl/actor/learner_io.py.
 
 Old log-probs: with `grpo.old_logprobs: policy` (default) the surrogate uses `logp.detach()` — one update per
 rollout batch, TRL's on-policy case, ratio exactly 1 with the gradient of logp. `rollout` uses the sampler's
@@ -24,15 +25,14 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from m1.config import ModelSpec
 from m1.marl.config import GRPOSettings, LearnerConfig
-from m1.marl.actor.distributed import deepspeed_engine
-from m1.marl.actor.learner_io import export_learner_weights, load_learner, save_learner
-from m1.marl.actor.learner_load import load_policy, reference
+from m1.marl.actor.learner_load import LoadedPolicy, load_policy, reference
 from m1.marl.actor.losses import LOSS_FAMILIES, StepSize, evidence_rows
+from m1.marl.actor.optimizer import PolicyOptimizer
 from m1.marl.rollout.episodes import Sample
 from m1.marl.actor.sampler import Sampler
 from m1.marl.actor.scorer import Scorer
@@ -48,40 +48,44 @@ def _accumulate(totals: dict[str, float], peaks: dict[str, float], stats: dict[s
             totals[k] = totals.get(k, 0.0) + v
 
 
-# ================================================================================================ one agent's learner
+# ================================================================================================ one trained agent
+@dataclass
 class AgentLearner:
-    """Policy, reference and optimizer of one agent, and its update; `sampler` is the chat model the team
-    generates with (m1/marl/actor/sampler.py), on the same policy weights."""
+    """One trained agent as a pair on the same weights: `sampler`, the chat model the team generates with, and
+    `actor`, which scores and updates them. `AgentLearner.build` loads both."""
 
-    def __init__(self, agent: str, model_key: str, spec: ModelSpec, cfg: LearnerConfig, grpo: GRPOSettings,
-                 seed: int = 0, rank: int = 0, world: int = 1):
-        import torch
+    sampler: Sampler
+    actor: Actor
 
-        self.agent, self.name, self.cfg, self.grpo = agent, model_key, cfg, grpo
-        self.rank, self.world = rank, world
+    @classmethod
+    def build(cls, agent: str, model_key: str, spec: ModelSpec, cfg: LearnerConfig, grpo: GRPOSettings,
+              seed: int = 0, rank: int = 0, world: int = 1) -> AgentLearner:
+        """Load `spec` as agent `agent`'s policy (rank `rank` of a ZeRO-2 group of `world`) and wrap it twice."""
         if world > 1 and not cfg.deepspeed:
             raise ValueError(f"agent {agent!r}: a learner on {world} GPUs is one ZeRO-2 group; set learner.deepspeed "
                              "(configs/deepspeed/zero2.json)")
         loaded = load_policy(agent, model_key, spec, cfg, grpo.beta, seed)
-        self.chat, self.policy, self.ref = loaded.chat, loaded.policy, loaded.ref
+        actor = Actor(agent, model_key, loaded, cfg, grpo, rank, world)
+        sampler = Sampler(agent, model_key, loaded.chat, loaded.policy, cfg, loaded.vl, loaded.context_length,
+                          actor.autocast)
+        return cls(sampler=sampler, actor=actor)
+
+
+class Actor:
+    """The update side of one agent: `compute_logprobs` of token rows at its current weights, and `update`, one
+    optimizer step on the agent's samples of a training step under a registered loss family."""
+
+    def __init__(self, agent: str, model_key: str, loaded: LoadedPolicy, cfg: LearnerConfig, grpo: GRPOSettings,
+                 rank: int = 0, world: int = 1):
+        self.agent, self.name, self.cfg, self.grpo = agent, model_key, cfg, grpo
+        self.rank, self.world = rank, world
+        self.policy, self.ref = loaded.policy, loaded.ref
         self.vl, self.bf16, self.weights_dtype = loaded.vl, loaded.bf16, loaded.weights_dtype
-        self.tokenizer, self.device = self.chat.tokenizer, self.chat.device
-        self.scorer = Scorer(agent, self.chat, cfg, self.vl)
-        self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError(f"agent {agent!r}: the model has no trainable parameters")
-        # On a GPU the fused kernel: the default multi-tensor path makes full-size temporaries of the (ZeRO-flattened)
-        # fp32 state at each step, 11.5 GiB for a 3B model, which decided whether a 3B full fine-tune fits on an A100
-        fused = {"fused": True} if str(self.device).startswith("cuda") else {}
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate(), betas=tuple(cfg.betas),
-                                           eps=cfg.eps, weight_decay=cfg.weight_decay, **fused)
-        self.engine = None
-        if loaded.ds_cfg is not None:
-            self.engine, self.optimizer = deepspeed_engine(self.policy, self.optimizer, loaded.ds_cfg)
-        self.scorer.engine = self.engine
+        self.tokenizer, self.device = loaded.chat.tokenizer, loaded.chat.device
+        self.scorer = Scorer(agent, loaded.chat, cfg, self.vl)
+        self.optim = PolicyOptimizer(agent, self.policy, cfg, self.device, loaded.ds_cfg)
+        self.engine = self.scorer.engine = self.optim.engine
         self.updates = 0
-        self.sampler = Sampler(agent, model_key, self.chat, self.policy, cfg, self.vl, loaded.context_length,
-                               self.autocast)
 
     def autocast(self):
         import torch
@@ -90,22 +94,14 @@ class AgentLearner:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
 
-    # -------------------------------------------------------------- scoring (m1/marl/actor/scorer.py)
-    def sft_sample(self, ex) -> Sample:
-        """An SFT example (m1/marl/sft.py) as this learner's `Sample` (`Scorer.sft_sample`)."""
-        return self.scorer.sft_sample(ex)
+    def compute_logprobs(self, rows: list[tuple[list[int], list[int]]], temperature: float | list[float],
+                         vision: dict[str, Any] | None = None, model=None):
+        """Log-probs [B, C] of each completion token given its prompt, and the mask [B, C], under `model` (default:
+        the policy as the update runs it, through the DeepSpeed engine when there is one;
+        `Scorer.completion_logprobs`)."""
+        return self.scorer.completion_logprobs(self.forward_model() if model is None else model, rows, temperature,
+                                               vision)
 
-    def vision_inputs(self, samples: list[Sample]) -> dict[str, Any] | None:
-        """The images of the samples' prompts (`Scorer.vision_inputs`); None for a text learner."""
-        return self.scorer.vision_inputs(samples)
-
-    def completion_logprobs(self, model, rows: list[tuple[list[int], list[int]]], temperature: float | list[float],
-                            vision: dict[str, Any] | None = None):
-        """Log-probs [B, C] of each completion token given its prompt under `model`, and the mask [B, C]
-        (`Scorer.completion_logprobs`)."""
-        return self.scorer.completion_logprobs(model, rows, temperature, vision)
-
-    # -------------------------------------------------------------- one optimizer step
     def update(self, samples: list[Sample], lr: float, family: str = "grpo") -> dict[str, float]:
         """One optimizer step on all `samples` of this agent under the loss family `family` (m1/marl/actor/losses.py
         LOSS_FAMILIES: grpo, sft, or a registered one).
@@ -120,7 +116,7 @@ class AgentLearner:
             raise ValueError(f"unknown loss family {family!r}; registered: {sorted(LOSS_FAMILIES)}")
         loss_family = LOSS_FAMILIES[family]
         t0 = time.perf_counter()
-        self._set_lr(lr)
+        self.optim.set_lr(lr)
         if not samples:
             return {"samples": 0.0, "lr": lr}
         self.policy.train()
@@ -139,9 +135,9 @@ class AgentLearner:
             if weight:  # a zero-weight micro-batch only keeps the ranks' reductions in step
                 _accumulate(totals, peaks, stats)
             loss = loss * (weight * self.world)
-            self._backward(loss)
+            self.optim.backward(loss)
             loss_sum += float(loss.detach()) / self.world
-        grad_norm = self._step()
+        grad_norm = self.optim.step()
         self.weights_changed()
         self.updates += 1
         if self.world > 1:
@@ -154,7 +150,7 @@ class AgentLearner:
         """The images and temperature of a micro-batch: the same for policy, reference and (sampler) old log-probs,
         and each sample scored at the temperature it was sampled with."""
         temps = [s.temperature for s in micro]
-        return self.vision_inputs(micro), temps[0] if len(set(temps)) == 1 else temps
+        return self.scorer.vision_inputs(micro), temps[0] if len(set(temps)) == 1 else temps
 
     def _micro_batches(self, samples: list[Sample], rows: list, pad: tuple[list[Sample], list]):
         """(samples, rows, weight) of each micro-batch this rank runs (weight 1.0 for real ones).
@@ -197,72 +193,16 @@ class AgentLearner:
     def reference_model(self):
         return reference(self.policy, self.ref, self.cfg.finetune)
 
-    def _set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def _backward(self, loss) -> None:
-        if self.engine is not None:
-            self.engine.backward(loss, scale_wrt_gas=False)  # we weight micro-batches ourselves
-        else:
-            loss.backward()
-
-    def _step(self) -> float:
-        import torch
-
-        if self.engine is not None:
-            self.engine.step()  # clips (gradient_clipping) and zeroes gradients
-            norm = self.engine.get_global_grad_norm()
-            return float(norm) if norm is not None else float("nan")
-        if self.cfg.max_grad_norm is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
-        else:
-            norm = float(torch.linalg.vector_norm(torch.stack([
-                torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None])))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    # -------------------------------------------------------------- state
     def parameters(self) -> dict[str, Any]:
         """Trainable parameters by name, detached CPU copies (tests, Ray)."""
         return {n: p.detach().cpu().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
 
-    def save(self, folder: str | Path, include_rng: bool = False) -> None:
-        """Weights, optimizer state and optionally this process's RNG (m1/marl/actor/learner_io.py)."""
-        save_learner(self, folder, include_rng)
-
-    def load(self, folder: str | Path, include_rng: bool = False) -> None:
-        """What `save` wrote (m1/marl/actor/learner_io.py)."""
-        load_learner(self, folder, include_rng)
-        self.weights_changed()
-
     def weights_changed(self) -> None:
-        """Tell the sampler its cached prompt keys are stale (m1/models/sampler.py). Its own check sees in-place writes
-        to the parameters, not those through `.data` (DeepSpeed copies its updated partitions that way)."""
-        if getattr(self.chat, "sampler", None) is not None:
-            self.chat.sampler.cache.clear()
-
-    def export_weights(self, folder: str | Path) -> None:
-        """The weights as a rollout engine loads them: the peft adapter folder (LoRA) or a whole HF model folder."""
-        export_learner_weights(self, folder)
-
-    def probe_logprobs(self, probe: tuple[list[int], list[int]]) -> tuple[list[float], float]:
-        """The log-probs (temperature 1) of a rollout engine's reload probe at these weights, and how close the
-        engine's must be after it loads them: float32 1e-3, else 0.1 (bf16 rounding), far below what a layer left
-        at its old weights changes. Any rank can answer: every rank holds the whole weights (ZeRO-2 shards only
-        gradients and optimizer state)."""
-        import torch
-
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
-            with torch.no_grad():
-                logp, _ = self.completion_logprobs(self.policy, [probe], 1.0)
-        finally:
-            self.policy.train(was_training)
-        dtype = next(self.policy.parameters()).dtype
-        return logp[0, :len(probe[1])].tolist(), 1e-3 if dtype == torch.float32 else 0.1
+        """Tell the chat model's prefix cache its prompt keys are stale (m1/models/sampler.py). Its own check sees
+        in-place writes to the parameters, not those through `.data` (DeepSpeed copies its updated partitions that
+        way)."""
+        if getattr(self.scorer.chat, "sampler", None) is not None:
+            self.scorer.chat.sampler.cache.clear()
 
 
 def _sum_over_ranks(loss: float, totals: dict[str, float],

@@ -2,11 +2,11 @@
 
 A family is `loss(actor, micro, micro_rows, step) -> (loss, stats)`: the loss of one micro-batch of the agent's step
 (its `Sample`s and their token rows, prompt and completion ids), already weighted against the whole step (`StepSize`)
-so the learner can sum micro-batches into the step's gradient, and its stats weighted alike. The actor is the agent's
-learner (m1/marl/actor/learner.py): a family scores tokens with `actor.completion_logprobs(actor.forward_model(),
-rows, temperature, vision)` (`actor.scoring(micro)` gives the images and temperatures, `actor.reference_model()`
-the reference, `actor.autocast()` the precision) and reads `actor.cfg` (the learner block) and `actor.grpo`.
-`AgentLearner.update(samples, lr, family=...)` runs it. Shipped: `grpo` (the GRPO loss, m1/marl/algo) and `sft`
+so the actor can sum micro-batches into the step's gradient, and its stats weighted alike. The actor is the agent's
+`Actor` (m1/marl/actor/learner.py): a family scores tokens with `actor.compute_logprobs(rows, temperature, vision)`
+(`actor.scoring(micro)` gives the images and temperatures, `actor.reference_model()` the reference,
+`actor.autocast()` the precision) and reads `actor.cfg` (the learner block) and `actor.grpo`.
+`Actor.update(samples, lr, family=...)` runs it. Shipped: `grpo` (the GRPO loss, m1/marl/algo) and `sft`
 (cross-entropy of the completions, with the prompt loss and the evidence attention loss when configured). A new
 family (DPO, distillation) is one `register_loss_family(LossFamily(...))`.
 """
@@ -55,7 +55,7 @@ def sft_loss(actor, micro: list[Sample], micro_rows: list, step: StepSize):
             logp, mask, p_logp, p_mask = actor.scorer.sequence_logprobs(actor.forward_model(), micro_rows,
                                                                        prompt=prompt_loss)
         else:
-            logp, mask = actor.completion_logprobs(actor.forward_model(), micro_rows, temperature, vision)
+            logp, mask = actor.compute_logprobs(micro_rows, temperature, vision)
     loss = -(logp * mask).sum() / max(step.tokens, 1)
     stats = {"nll": float(-(logp.detach() * mask).sum()) * (1.0 / max(step.tokens, 1))}
     if prompt_loss:
@@ -102,11 +102,11 @@ def grpo_loss_family(actor, micro: list[Sample], micro_rows: list, step: StepSiz
     g = actor.grpo
     vision, temperature = actor.scoring(micro)
     with actor.autocast():
-        logp, mask = actor.completion_logprobs(actor.forward_model(), micro_rows, temperature, vision)
+        logp, mask = actor.compute_logprobs(micro_rows, temperature, vision)
     ref = None
     if g.beta > 0:
         with torch.no_grad(), actor.autocast(), actor.reference_model() as ref_model:
-            ref, _ = actor.completion_logprobs(ref_model, micro_rows, temperature, vision)
+            ref, _ = actor.compute_logprobs(micro_rows, temperature, vision, model=ref_model)
     given = [s.logprobs for s in micro]
     sampled = actor.scorer.padded(given, logp.shape[1]) if all(x is not None for x in given) else None
     old, is_weight, mode_stats = OLD_LOGPROBS[g.old_logprobs or "policy"](logp, mask, sampled, g)
@@ -142,7 +142,7 @@ LOSS_FAMILIES: dict[str, LossFamily] = {}
 
 
 def register_loss_family(family: LossFamily) -> LossFamily:
-    """Make `family` selectable as `AgentLearner.update(..., family=<name>)`."""
+    """Make `family` selectable as `Actor.update(..., family=<name>)`."""
     add_entry(LOSS_FAMILIES, family.name, family, "loss family")
     return family
 

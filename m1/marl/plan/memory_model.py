@@ -153,7 +153,7 @@ def reference_bytes(shape: TextShape, learner: LearnerConfig) -> int:
 
 
 def checkpoint_bytes(shape: TextShape, learner: LearnerConfig) -> int:
-    """One agent's share of a checkpoint, as m1/marl/actor/learner_io.py `save_learner` writes it: the trained weights
+    """One agent's share of a checkpoint, as m1/marl/actor/learner_io.py `save_actor` writes it: the trained weights
     in the dtype they are held in (`trained_weight_bytes`: model/ or adapter/ safetensors, written once) + the
     optimizer state.
 
