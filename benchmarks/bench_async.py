@@ -63,7 +63,7 @@ def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
     sys.path.insert(0, str(REPO))
     from tests.conftest import varied_reward  # rewards that differ between rollouts (random tiny models seldom answer right)
     from m1.marl.config import TrainConfig
-    from m1.marl.trainer import Trainer
+    from m1.marl.parts import make_trainer
     from m1.schema import Question
 
     torch.set_num_threads(1)
@@ -79,7 +79,7 @@ def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
         "grpo": {"beta": 0.04}, "judge": {"kind": "rubric"},
         "learner": {"finetune": "lora", "lr": 1e-3, "micro_batch_size": 8, "max_completion_tokens": 16},
         "checkpoint": {"every": 100000, "keep_last": 1}, "log": {"progress": False, "backends": []}})
-    trainer = Trainer(cfg, questions=questions, reward_fn=varied_reward)
+    trainer = make_trainer(cfg, questions=questions, reward_fn=varied_reward)
     try:
         rows = trainer.train()
     finally:

@@ -47,10 +47,10 @@ def main(tree: str, kind: str, steps: int, out: str, sets: list[str]) -> None:
         cfg, make = load_sft_config("mini", common + [f"max_steps={steps}"] + sets), SFTTrainer
     elif kind == "marl":
         from m1.marl.config import load_train_config
-        from m1.marl.trainer import Trainer
+        from m1.marl.parts import make_trainer
 
         cfg = load_train_config("mini_recipe", common + [f"steps={steps}", "rollout.topology=complete"] + sets)
-        make = Trainer
+        make = make_trainer
     elif kind == "eval":
         print("BENCH_ROWS " + json.dumps(evaluate(steps, Path(out), sets)), flush=True)
         return

@@ -203,10 +203,10 @@ def main() -> None:
     common = [f"out_dir={args.out}", "log.progress=false", "checkpoint.every=100000"]
     if args.kind == "marl":
         from m1.marl.config import load_train_config
-        from m1.marl.trainer import Trainer
+        from m1.marl.parts import make_trainer
 
-        trainer = Trainer(load_train_config("mini_recipe", common + [f"steps={args.steps + args.skip}",
-                                                                     "rollout.topology=complete"] + args.set))
+        steps = [f"steps={args.steps + args.skip}", "rollout.topology=complete"]
+        trainer = make_trainer(load_train_config("mini_recipe", common + steps + args.set))
     else:
         from m1.marl.config import load_sft_config
         from m1.marl.sft import SFTTrainer

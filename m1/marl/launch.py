@@ -11,7 +11,7 @@ from m1.locks import hold_dir
 from m1.marl.checkpoint import find_latest_checkpoint, stop_on_signals, stopped
 from m1.marl.config import load_train_config
 from m1.marl.preflight import check_run
-from m1.marl.trainer import Trainer
+from m1.marl.parts import make_trainer
 from m1.models.hf import HFChatModel
 from m1.models.preflight import require
 from m1.plots import plot_finished_run
@@ -163,8 +163,8 @@ def train_main(config_path: str | Path, overrides: list[str] | None = None,
             progress(f"resuming {cfg.name} from step {trainer.step} in {cfg.out_dir}")
 
     # the SFT adapters are merged inside the run (its out_dir held), and the trainer's config carries the seat
-    trainer, rows = run_training(cfg, lambda c: Trainer(seat_init(c, progress)), lambda tr: cfg.steps, announce,
-                                 progress)
+    trainer, rows = run_training(cfg, lambda c: make_trainer(seat_init(c, progress)), lambda tr: cfg.steps,
+                                 announce, progress)
     cfg = trainer.cfg
     start = trainer.step - len(rows)
     if rows:

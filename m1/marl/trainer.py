@@ -16,9 +16,10 @@ One training step, top to bottom (`Trainer.train_step`):
 
 What differs between the CPP team and a seed kind (Weaver, VideoZoomer, SAGE: one policy in a tool loop) is
 behind one interface, m1/marl/team_training.py; every setting derived from others is decided once by
-m1/marl/resolve.py before anything loads. The learners (policy, reference, optimizer; local or Ray actors) live in
-m1/marl/actor/learner.py and m1/marl/actor/groups.py, checkpoints in m1/marl/checkpoint.py, the question stream and
-metrics log in m1/marl/rollout/stream.py, the command in m1/marl/launch.py.
+m1/marl/resolve.py before anything loads (`prepare_run`, which also verifies the resume point and reserves the
+GPUs). The learners (a sampler and an actor per agent; local or Ray actors) live in m1/marl/actor/learner.py and
+m1/marl/actor/groups.py, checkpoints in m1/marl/checkpoint.py, the question stream and metrics log in
+m1/marl/rollout/stream.py, the command in m1/marl/launch.py.
 
 Exact resume: a checkpoint holds each agent's weights (or adapter) and optimizer state, the Python/NumPy/torch RNG
 states, the step and the data cursor. Rollout randomness (DAG, sampling seeds) is derived from (seed, step), so a
@@ -31,46 +32,28 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from m1.marl.checkpoint import STATE, StopFlag, load_checkpoint, naming_full_disk, resume_point, save_checkpoint
 from m1.marl.config import TrainConfig
 from m1.marl.algo.credit import CreditStrategy, StepCredit, StepEpisodes
-from m1.marl.actor.groups import build_learners, host_driver_models, reserve_placement
+from m1.marl.actor.groups import RayPlacement, reserve_placement
 from m1.contracts import LearnerGroup, RolloutEngine, Team
 from m1.marl.actor.learner_io import seed_everything
-from m1.marl.reward.llm_judge import LLMJudge
 from m1.marl.loop import run_steps
 from m1.marl.producer import Producer, StepItem, sampling_version
-from m1.marl.resolve import resolve
-from m1.marl.reward.rubric_judge import RubricJudge
+from m1.marl.resolve import ResolvedRun, resolve
 from m1.marl.rollout.episodes import RewardFn, RolloutError, derive_seed, run_rollouts, score
-from m1.marl.rollout_engines import HFSamplers, RolloutEngines
 from m1.marl.samples import TABLE_COLUMNS, due, table_rows, write_step_samples
-from m1.marl.rollout.stream import QuestionStream, load_questions
+from m1.marl.rollout.stream import QuestionStream
 from m1.marl.trackers import require_trackers
 from m1.models.hub import ModelHub
 from m1.team.engines_registry import make_team
 from m1.video import VideoPool
 
 log = logging.getLogger(__name__)
-
-
-def build_judge(cfg: TrainConfig, model=None):
-    """The collaboration-reward judge; `model`: the LLM judge's model when it is already loaded (hosted on a GPU)."""
-    j = cfg.judge
-    if j.kind == "none":
-        return None
-    if j.kind == "rubric":
-        return RubricJudge(tool_call_limit=cfg.rewards.tool_call_limit, plan_rubric=j.plan_rubric)
-    if model is None:
-        if j.model is None:
-            raise ValueError(f"judge.kind {j.kind!r} needs judge.model")
-        model = ModelHub({"judge": j.model}).chat("judge")
-    cache = j.cache_dir or str(Path(cfg.out_dir) / "judge_cache")
-    return LLMJudge(model, cache_dir=cache, rate_per_minute=j.rate_per_minute,
-                    tool_call_limit=cfg.rewards.tool_call_limit, plan_rubric=j.plan_rubric)
 
 
 class StepClock:
@@ -87,29 +70,50 @@ class StepClock:
 
 
 # ================================================================================================ the trainer
-class Trainer:
-    """Multi-agent GRPO over a team. `train()` runs to `cfg.steps`, resuming from out_dir's newest checkpoint."""
+@dataclass(frozen=True)
+class PreparedRun:
+    """A MARL run made ready before any model loads (`prepare_run`): its settings resolved, its GPUs reserved
+    (placement ray; the trainer built from it releases them) and the checkpoint it resumes from, verified."""
 
-    def __init__(self, cfg: TrainConfig, questions: list | None = None, hub=None, reward_fn: RewardFn | None = None,
-                 judge=None):
-        require_trackers(cfg.log.backends)  # a tracker that is not installed is named before any model loads
-        self.out = Path(cfg.out_dir)
-        # the checkpoint to resume from, verified before anything loads: a damaged one is reported in seconds
-        resume = resume_point(self.out, cfg.checkpoint.resume_from) if cfg.checkpoint.resume else None
-        if resume is not None:
-            _same_staleness(resume, cfg.rollout.max_staleness)
-        seed_everything(cfg.seed)
-        # on GPUs (placement ray): the plan's GPUs reserved before anything loads
-        self.placement = reserve_placement(cfg) if cfg.placement == "ray" else None
-        self.settings = resolve(cfg, self.placement.plan if self.placement is not None else None)
-        self.cfg, self.team_cfg, self.kind, self.trained = self.settings.cfg, self.settings.team, self.settings.kind, self.settings.trained
-        self.hub = hub if hub is not None else ModelHub(self.team_cfg.models)
-        self.hub.specs.update(self.team_cfg.models)  # split keys of agents that shared a model
+    settings: ResolvedRun
+    placement: RayPlacement | None
+    resume: Path | None
+
+
+def prepare_run(cfg: TrainConfig) -> PreparedRun:
+    """What `Trainer` needs decided first: a tracker that is not installed and a damaged checkpoint are named in
+    seconds, the RNGs are seeded, and on GPUs the plan's GPUs are reserved and sized into the settings."""
+    require_trackers(cfg.log.backends)
+    resume = resume_point(Path(cfg.out_dir), cfg.checkpoint.resume_from) if cfg.checkpoint.resume else None
+    if resume is not None:
+        _same_staleness(resume, cfg.rollout.max_staleness)
+    seed_everything(cfg.seed)
+    placement = reserve_placement(cfg) if cfg.placement == "ray" else None
+    try:
+        settings = resolve(cfg, placement.plan if placement is not None else None)
+    except BaseException:
+        if placement is not None:
+            placement.release()
+        raise
+    return PreparedRun(settings=settings, placement=placement, resume=resume)
+
+
+class Trainer:
+    """Multi-agent GRPO over a team. `train()` runs to `cfg.steps`, resuming from out_dir's newest checkpoint.
+    Built from values (m1/marl/parts.py `make_trainer` assembles them from a config): the prepared run, the learner
+    group and rollout engines, the hub the team reads, the reward function and the question stream."""
+
+    def __init__(self, run: PreparedRun, learners: LearnerGroup, engines: RolloutEngine | None, hub: ModelHub,
+                 reward_fn: RewardFn, data: QuestionStream, judge=None):
+        self.settings, self.placement = run.settings, run.placement
+        self.cfg, self.team_cfg, self.kind, self.trained = run.settings.cfg, run.settings.team, run.settings.kind, \
+            run.settings.trained
+        self.out = Path(self.cfg.out_dir)
+        self.learners: LearnerGroup | None = learners
+        self.engines, self.hub, self.reward_fn, self.data, self.judge = engines, hub, reward_fn, data, judge
         self.pool = VideoPool()
         # the sample pages' own pool when a producer thread decodes frames for rollouts at the same time
-        self.page_pool = VideoPool() if cfg.rollout.max_staleness > 0 else self.pool
-        self.data = QuestionStream(questions if questions is not None else
-                                   load_questions(cfg.data.questions, cfg.data.video_dir), cfg.seed, cfg.data.shuffle)
+        self.page_pool = VideoPool() if self.cfg.rollout.max_staleness > 0 else self.pool
         self.step = self.checkpointed = 0  # checkpointed: the newest checkpoint's step (a stop writes one if behind)
         self.cursor_trained = 0  # the data cursor after the questions of the steps trained on (what a checkpoint keeps)
         self.producer: Producer | None = None
@@ -118,44 +122,10 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.tracker_ids: dict[str, str] = {}  # the tracker runs this run logs to (kept in its checkpoints)
         self.trackers = None
-        self.engines: RolloutEngine | None = None
-        self.learners: LearnerGroup | None = None
         self.teams: dict[str, tuple[Team, int]] = {}  # sampling / greedy -> (team, the step it was seeded for)
-        try:
-            hosted = self._load_models()
-            self.judge = judge
-            if reward_fn is None and self.kind.needs_judge and judge is None:
-                self.judge = build_judge(self.cfg, hosted.get("judge"))
-            self.reward_fn = reward_fn or self.kind.reward_fn(self.cfg, self.team_cfg, self.judge)
-            self.credit = CreditStrategy(self.cfg, self.trained)
-            if resume is not None:
-                self.load_checkpoint(resume, verified=True)
-        except BaseException:
-            self.close()
-            raise
-
-    def _load_models(self) -> dict:
-        """The trained agents' learners (and vLLM engines), registered in the hub under their agents' model keys so
-        the team generates with the weights being trained; on GPUs, the driver models the plan hosts. Returns the
-        hosted models."""
-        cfg, keys, models = self.cfg, self.settings.model_keys, self.team_cfg.models
-        specs = {a: (keys[a], models[keys[a]]) for a in self.trained}
-        judge = {"judge": cfg.judge.model} if cfg.judge.model is not None else {}
-        hosted = host_driver_models(self.placement, {**models, **judge}) if self.placement is not None else {}
-        self.learners = build_learners(specs, cfg.learner, cfg.grpo, cfg.seed, cfg.placement, cfg.ray, cfg.out_dir,
-                                       {a: cfg.cluster.gpus_of(a, cfg.learner) for a in self.trained},
-                                       self.placement)
-        if cfg.rollout.engine == "vllm":  # each trained agent generates on a vLLM server, synced before every step
-            self.engines = RolloutEngines(cfg, specs, self.learners, self.placement)
-        elif cfg.rollout.max_staleness > 0:  # hf, asynchronous: copies of the learners' models sample
-            self.engines = HFSamplers(self.learners, cfg.out_dir)
-        chats = self.engines.chat_models() if self.engines is not None else self.learners.chat_models()
-        for agent, chat in chats.items():  # a vision-language policy is fetched as a vision model (m1/team/single.py)
-            self.hub.register(keys[agent], chat, kind=models[keys[agent]].kind)
-        for key, model in hosted.items():
-            if key != "judge":
-                self.hub.register(key, model, kind=model.kind)
-        return hosted
+        self.credit = CreditStrategy(self.cfg, self.trained)
+        if run.resume is not None:
+            self.load_checkpoint(run.resume, verified=True)
 
     @property
     def _learners(self) -> LearnerGroup:

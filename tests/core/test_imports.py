@@ -44,7 +44,7 @@ MARL_FLOORS: tuple[tuple[str, ...], ...] = (
     ("actor",),
     ("rollout_engines", "producer", "resolve", "checkpoint", "guard", "samples", "trackers", "view"),
     ("loop",),
-    ("trainer", "launch", "sft"),
+    ("trainer", "parts", "launch", "sft"),
 )
 # (importing module, imported module) -> why this upward import inside m1/marl stays. Empty: none does.
 MARL_UPWARD_ALLOWED: dict[tuple[str, str], str] = {}

@@ -188,9 +188,9 @@ def test_sigterm_during_step_3_checkpoints_it_and_the_rerun_repeats_the_losses(t
     before = signal.getsignal(signal.SIGTERM)
     cfg = train_cfg(tmp_path / "run", **LORA, checkpoint={"every": 2, "keep_last": 2})
     box = [None, False]
-    from m1.marl.trainer import Trainer
+    from m1.marl import parts
 
-    tr = box[0] = Trainer(cfg, questions=questions(video), reward_fn=killer(box, 3))
+    tr = box[0] = parts.make_trainer(cfg, questions=questions(video), reward_fn=killer(box, 3))
     with stop_on_signals() as stop:
         rows = tr.train(stop=stop)
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is gone again
@@ -212,9 +212,9 @@ def test_sigterm_during_step_3_checkpoints_it_and_the_rerun_repeats_the_losses(t
 def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path, video):
     cfg = train_cfg(tmp_path / "run", **LORA, checkpoint={"every": 2, "keep_last": 2})
     box = [None, False]
-    from m1.marl.trainer import Trainer
+    from m1.marl import parts
 
-    tr = box[0] = Trainer(cfg, questions=questions(video), reward_fn=killer(box, 3, times=2))
+    tr = box[0] = parts.make_trainer(cfg, questions=questions(video), reward_fn=killer(box, 3, times=2))
     with pytest.raises(StoppedAtOnce) as err, stop_on_signals() as stop:
         tr.train(stop=stop)
     assert err.value.exit_status == 143 and "stopped at once by a second SIGTERM" in str(err.value)

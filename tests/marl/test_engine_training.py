@@ -29,9 +29,9 @@ def engine_cfg(out, steps=2, engine="vllm", learner=None, **grpo):
 
 
 def make(cfg, video):
-    from m1.marl.trainer import Trainer
+    from m1.marl.parts import make_trainer
 
-    return Trainer(cfg, questions=questions(video), reward_fn=varied_reward)
+    return make_trainer(cfg, questions=questions(video), reward_fn=varied_reward)
 
 
 def _logprobs(learner, prompt, completion):

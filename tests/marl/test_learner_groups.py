@@ -96,7 +96,7 @@ def test_two_rank_zero2_group_matches_one_process_in_the_planned_bundles(ray_clu
 
 @pytest.mark.slow
 def test_killed_two_rank_run_resumes_with_the_same_losses(ray_cluster, tmp_path, video):
-    from m1.marl.trainer import Trainer
+    from m1.marl.parts import make_trainer
 
     def run(out, stop_after=None):
         cfg = TrainConfig.model_validate({
@@ -104,7 +104,7 @@ def test_killed_two_rank_run_resumes_with_the_same_losses(ray_cluster, tmp_path,
             "rollout": {"num_generations": 2, "questions_per_step": 2}, "learner": {**LEARNER, "gpus": 2},
             "placement": "ray", "steps": 2, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
             "log": {"progress": False, "backends": []}})
-        tr = Trainer(cfg, questions=questions(video), reward_fn=varied_reward)
+        tr = make_trainer(cfg, questions=questions(video), reward_fn=varied_reward)
         try:
             return tr.train(stop_after=stop_after)
         finally:
@@ -217,7 +217,7 @@ def test_async_rollouts_with_a_two_rank_ray_group_and_engines(ray_cluster, tmp_p
     its rollouts on a stand-in vLLM engine; the producer samples step 1 with version 0 while the group updates, and
     the adapter rank 0 exports is what the engine serves next."""
     from tests.marl.test_engine_training import STANDIN
-    from m1.marl.trainer import Trainer
+    from m1.marl.parts import make_trainer
 
     cfg = TrainConfig.model_validate({
         "team": team_dict(), "train_agents": ["alpha"], "judge": {"kind": "rubric"}, "grpo": {"beta": 0.05},
@@ -227,7 +227,7 @@ def test_async_rollouts_with_a_two_rank_ray_group_and_engines(ray_cluster, tmp_p
         "learner": {**LEARNER, "finetune": "lora", "gpus": 2}, "placement": "ray", "steps": 3,
         "out_dir": str(tmp_path), "checkpoint": {"every": 1, "keep_last": 2}, "log": {"progress": False,
                                                                                    "backends": []}})
-    tr = Trainer(cfg, questions=questions(video), reward_fn=varied_reward)
+    tr = make_trainer(cfg, questions=questions(video), reward_fn=varied_reward)
     try:
         rows = tr.train()
         assert [r["async/staleness"] for r in rows] == [0, 1, 1]

@@ -171,7 +171,7 @@ def test_llm_judge_prompt_follows_the_plan_rubric():
 
 # ----------------------------------------------------------------------------- configs
 def test_judge_config_plan_rubric_field_and_recipe():
-    from m1.marl.trainer import build_judge
+    from m1.marl.parts import build_judge
 
     assert "plan_rubric" not in JudgeConfig().recorded()  # a default: not part of a recorded identity
     assert JudgeConfig(plan_rubric="outcome").recorded()["plan_rubric"] == "outcome"

@@ -203,9 +203,9 @@ def test_observations_are_context_never_targets(world, m1_cache):
 
 
 def make_trainer(cfg, qs, reward_fn=None):
-    from m1.marl.trainer import Trainer
+    from m1.marl import parts
 
-    return Trainer(cfg, questions=qs, reward_fn=reward_fn)
+    return parts.make_trainer(cfg, questions=qs, reward_fn=reward_fn)
 
 
 @pytest.mark.slow

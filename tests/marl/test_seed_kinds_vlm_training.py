@@ -148,9 +148,9 @@ def test_grpo_trains_a_vl_policy_on_its_frames(world, tmp_path, m1_cache):
     trainable parameter moves, and the learner's log-probs equal the sampler's (logp_gap ~ 0)."""
     import torch
 
-    from m1.marl.trainer import Trainer
+    from m1.marl.parts import make_trainer
 
-    tr = Trainer(train_cfg(tmp_path / "run"), questions=world[2], reward_fn=varied_reward)
+    tr = make_trainer(train_cfg(tmp_path / "run"), questions=world[2], reward_fn=varied_reward)
     try:
         assert tr.hub.vision("policy") is tr.learners.learners["weaver"].sampler
         before = tr.learners.parameters("weaver")

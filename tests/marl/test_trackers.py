@@ -31,11 +31,11 @@ def tiny_cfg(out, steps=2, **log):
 
 
 def trainer(cfg, video):
-    from m1.marl.trainer import Trainer
+    from m1.marl.parts import make_trainer
 
     qs = [Question(id=f"q{i}", video=video, text=f"What colour is the square in scene {i}?",
                    options=["white", "red"], task="mcq", answer="A") for i in range(3)]
-    return Trainer(cfg, questions=qs, reward_fn=varied_reward)
+    return make_trainer(cfg, questions=qs, reward_fn=varied_reward)
 
 
 def killed_after_step_1(tr):
@@ -76,13 +76,14 @@ def test_a_tracker_not_installed_is_one_error_naming_the_extra_before_any_model_
     import importlib.util
 
     import m1.marl.actor.groups as groups
-    from m1.marl.trainer import Trainer
+    from m1.marl.parts import make_trainer
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     monkeypatch.setattr(groups, "build_learners", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(ConfigError) as err:
-        Trainer(tiny_cfg(tmp_path, backends=["tensorboard", "wandb"]), questions=[], reward_fn=varied_reward)
+        make_trainer(tiny_cfg(tmp_path, backends=["tensorboard", "wandb"]), questions=[],
+                reward_fn=varied_reward)
     msg = str(err.value)
     assert "log.backends" in msg and "'wandb'" in msg and "pip install 'm1[wandb]'" in msg and "mlflow" not in msg
 

@@ -66,9 +66,9 @@ def group_all(rewards):
 
 
 def make_trainer(cfg, video, reward_fn=varied_reward):
-    from m1.marl.trainer import Trainer
+    from m1.marl import parts
 
-    return Trainer(cfg, questions=questions(video), reward_fn=reward_fn)
+    return parts.make_trainer(cfg, questions=questions(video), reward_fn=reward_fn)
 
 
 # ------------------------------------------------------------------------------------------------ parameters move

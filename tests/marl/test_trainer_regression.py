@@ -105,10 +105,11 @@ def numbers(row, agents):
 
 
 def run_marl(name, tmp_path, video, lr=1e-2):
-    from m1.marl.trainer import Trainer
+    from m1.marl.parts import make_trainer
 
     team, over = MARL_CASES[name]
-    tr = Trainer(marl_cfg(tmp_path / name, team, over, lr), questions=questions(video), reward_fn=varied_reward)
+    tr = make_trainer(marl_cfg(tmp_path / name, team, over, lr), questions=questions(video),
+                 reward_fn=varied_reward)
     try:
         return [numbers(r, tr.trained) for r in tr.train()]
     finally:

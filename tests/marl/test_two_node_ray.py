@@ -54,6 +54,7 @@ def test_two_node_ray_run_stops_naming_a_lost_node_and_resumes_with_the_same_los
                                                                                     monkeypatch):
     from m1.marl.actor import groups
     from m1.marl.actor.distributed import DistributedError
+    from m1.marl.parts import make_trainer
     from m1.marl.trainer import Trainer
 
     checked: list[list[str]] = []  # who wrote a marker in each storage check
@@ -62,7 +63,7 @@ def test_two_node_ray_run_stops_naming_a_lost_node_and_resumes_with_the_same_los
                         lambda out_dir, writers: (checked.append(list(writers)), real_check(out_dir, writers))[1])
 
     def start(out) -> Trainer:
-        tr = Trainer(_config(out), questions=questions(video), reward_fn=varied_reward)
+        tr = make_trainer(_config(out), questions=questions(video), reward_fn=varied_reward)
         # the plan spreads alpha's two ranks over the two nodes, and each rank runs on the node its bundle named
         assert [str(s) for s in tr.placement.plan.learners["alpha"]] == ["node 0 gpu 0", "node 1 gpu 0"]
         rb, where = tr.placement.bundles, tr.learners.where

@@ -138,9 +138,9 @@ def marl_trainer(cfg, video):
     from tests.conftest import varied_reward
     from tests.marl.test_trainer import questions
 
-    from m1.marl.trainer import Trainer
+    from m1.marl.parts import make_trainer
 
-    return Trainer(cfg, questions=questions(video), reward_fn=varied_reward)
+    return make_trainer(cfg, questions=questions(video), reward_fn=varied_reward)
 
 
 def test_marl_lora_steps_on_engines_m1_launches_and_a_resumed_run_repeats_them(tmp_path, video, vllm_env, m1_cache,
