@@ -33,6 +33,20 @@ def check_tree(tree: str) -> None:
         raise RuntimeError(f"bench worker for tree {tree} imported m1 from {got}")
 
 
+def _marl_trainer():
+    """The tree's way from a config to a MARL trainer: `make_trainer` (m1/marl/parts.py), or in a tree from before
+    it, the trainer's own constructor."""
+    import importlib.util
+
+    if importlib.util.find_spec("m1.marl.parts") is None:
+        from m1.marl.trainer import Trainer
+
+        return Trainer
+    from m1.marl.parts import make_trainer
+
+    return make_trainer
+
+
 def main(tree: str, kind: str, steps: int, out: str, sets: list[str]) -> None:
     check_tree(tree)
     import torch
@@ -47,10 +61,9 @@ def main(tree: str, kind: str, steps: int, out: str, sets: list[str]) -> None:
         cfg, make = load_sft_config("mini", common + [f"max_steps={steps}"] + sets), SFTTrainer
     elif kind == "marl":
         from m1.marl.config import load_train_config
-        from m1.marl.parts import make_trainer
 
         cfg = load_train_config("mini_recipe", common + [f"steps={steps}", "rollout.topology=complete"] + sets)
-        make = make_trainer
+        make = _marl_trainer()
     elif kind == "eval":
         print("BENCH_ROWS " + json.dumps(evaluate(steps, Path(out), sets)), flush=True)
         return
