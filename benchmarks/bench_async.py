@@ -44,9 +44,9 @@ def _team() -> dict:
     tiny = {"hidden_size": 128, "layers": 2, "heads": 4, "kv_heads": 2}
     return {
         "name": "async-bench",
-        "models": {"qa": {"kind": "chat", "device": "cpu", "tiny": {"arch": "qwen3", "seed": 1, **tiny}},
-                   "qb": {"kind": "chat", "device": "cpu", "tiny": {"arch": "qwen2", "seed": 2, **tiny}},
-                   "vlm": {"kind": "vision", "backend": "synth"}},
+        "models": {"qa": {"interface": "chat", "device": "cpu", "tiny": {"arch": "qwen3", "seed": 1, **tiny}},
+                   "qb": {"interface": "chat", "device": "cpu", "tiny": {"arch": "qwen2", "seed": 2, **tiny}},
+                   "vlm": {"interface": "vision", "backend": "synth"}},
         "agents": [{"name": "alpha", "model": "qa"}, {"name": "beta", "model": "qb"}],
         "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm", "global_frames": 4,
                   "rough_frames": 4},
@@ -76,7 +76,7 @@ def worker(k: int, steps: int, latency_ms: float, out: str) -> None:
                     "engine_command": _pin(os.environ.get("M1_BENCH_ENGINE_CORE")) + [
                         sys.executable, str(STANDIN), "--model", "{model}", "--port", "{port}", "--host", "{host}",
                         "--latency-ms", str(latency_ms)]},
-        "grpo": {"beta": 0.04}, "judge": {"kind": "rubric"},
+        "grpo": {"beta": 0.04}, "judge": {"method": "rubric"},
         "learner": {"finetune": "lora", "lr": 1e-3, "micro_batch_size": 8, "max_completion_tokens": 16},
         "checkpoint": {"every": 100000, "keep_last": 1}, "log": {"progress": False, "backends": []}})
     trainer = make_trainer(cfg, questions=questions, reward_fn=varied_reward)

@@ -60,10 +60,10 @@ def run_variant(cfg, base_hub, one_at_a_time: bool, questions):
     hub = ModelHub(cfg.models)
     wrapped = {}
     for key, spec in cfg.models.items():
-        if spec.kind == "clip":
+        if spec.interface == "clip":
             hub.register(key, base_hub.clip(key))
             continue
-        inner = base_hub.chat(key) if spec.kind == "chat" else base_hub.vision(key)
+        inner = base_hub.chat(key) if spec.interface == "chat" else base_hub.vision(key)
         wrapped[key] = Split(inner, one_at_a_time)
         hub.register(key, wrapped[key])
     pool = VideoPool()
@@ -87,7 +87,7 @@ def main() -> None:
     base = ModelHub(cfg.models)
     t0 = time.perf_counter()
     for key, spec in cfg.models.items():  # load everything before timing anything
-        getattr(base, spec.kind)(key)
+        getattr(base, spec.interface)(key)
     load_s = time.perf_counter() - t0
     run_variant(cfg, base, False, questions[:2])  # warm-up: first-call costs out of the figures
 
@@ -99,12 +99,12 @@ def main() -> None:
     res.add("episodes x agents", f"{len(questions)} x {len(cfg.agents)} (batch_episodes={args.episodes})")
     for label, eps, wall, models in (("one call at a time", seq_eps, seq_wall, seq_models),
                                      ("batched", bat_eps, bat_wall, bat_models)):
-        chat = sum(m.calls for k, m in models.items() if cfg.models[k].kind == "chat")
-        chat_req = sum(m.requests for k, m in models.items() if cfg.models[k].kind == "chat")
-        vis = sum(m.calls for k, m in models.items() if cfg.models[k].kind == "vision")
-        vis_req = sum(m.requests for k, m in models.items() if cfg.models[k].kind == "vision")
-        llm = sum(m.seconds for k, m in models.items() if cfg.models[k].kind == "chat")
-        vlm = sum(m.seconds for k, m in models.items() if cfg.models[k].kind == "vision")
+        chat = sum(m.calls for k, m in models.items() if cfg.models[k].interface == "chat")
+        chat_req = sum(m.requests for k, m in models.items() if cfg.models[k].interface == "chat")
+        vis = sum(m.calls for k, m in models.items() if cfg.models[k].interface == "vision")
+        vis_req = sum(m.requests for k, m in models.items() if cfg.models[k].interface == "vision")
+        llm = sum(m.seconds for k, m in models.items() if cfg.models[k].interface == "chat")
+        vlm = sum(m.seconds for k, m in models.items() if cfg.models[k].interface == "vision")
         tools = sum(e.timings.get("tools", 0.0) for e in eps)
         errors = sum(e.error is not None for e in eps)
         res.add(f"{label}: wall", f"{wall:.2f} s")
@@ -118,10 +118,10 @@ def main() -> None:
     ratio = seq_wall / bat_wall
     note = ""
     if ratio < 4:
-        llm_seq = sum(m.seconds for k, m in seq_models.items() if cfg.models[k].kind == "chat")
-        llm_bat = sum(m.seconds for k, m in bat_models.items() if cfg.models[k].kind == "chat")
-        vis_seq = sum(m.seconds for k, m in seq_models.items() if cfg.models[k].kind == "vision")
-        vis_bat = sum(m.seconds for k, m in bat_models.items() if cfg.models[k].kind == "vision")
+        llm_seq = sum(m.seconds for k, m in seq_models.items() if cfg.models[k].interface == "chat")
+        llm_bat = sum(m.seconds for k, m in bat_models.items() if cfg.models[k].interface == "chat")
+        vis_seq = sum(m.seconds for k, m in seq_models.items() if cfg.models[k].interface == "vision")
+        vis_bat = sum(m.seconds for k, m in bat_models.items() if cfg.models[k].interface == "vision")
         note = (f"chat time {llm_seq:.2f} s -> {llm_bat:.2f} s ({llm_seq / max(llm_bat, 1e-9):.2f}x), "
                 f"vision {vis_seq:.2f} s -> {vis_bat:.2f} s ({vis_seq / max(vis_bat, 1e-9):.2f}x); "
                 "see README for the analysis")

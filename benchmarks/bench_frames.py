@@ -61,8 +61,8 @@ def team_cfg():
     from m1.config import TeamConfig, load_team
 
     clip_spec = load_team("tiny").models["clip"].model_dump()
-    models = {k: {"kind": "chat", "path": f"scripted/{k}"} for k in PLANS}
-    models["vlm"] = {"kind": "vision", "path": "scripted/vlm"}
+    models = {k: {"interface": "chat", "path": f"scripted/{k}"} for k in PLANS}
+    models["vlm"] = {"interface": "vision", "path": "scripted/vlm"}
     models["clip"] = clip_spec
     agents = [{"name": f"agent_{k[-1]}", "model": k} for k in PLANS]
     return TeamConfig.model_validate({"name": "bench-frames", "models": models, "agents": agents,

@@ -109,7 +109,7 @@ class OurSide:
         from m1.marl.config import GRPOSettings, LearnerConfig
         from m1.marl.actor.learner import AgentLearner
 
-        spec = ModelSpec(kind="chat", path=folder, dtype="float32", device="cpu")
+        spec = ModelSpec(interface="chat", path=folder, dtype="float32", device="cpu")
         cfg = LearnerConfig(finetune="full", lr=args.lr, weight_decay=0.0, max_grad_norm=1.0,
                             micro_batch_size=args.prompts * args.generations, max_prompt_tokens=1024,
                             max_completion_tokens=args.tokens, precision="fp32",

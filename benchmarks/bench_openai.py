@@ -58,7 +58,7 @@ def run_once(server: SlowServer, questions, concurrency: int, distinct: bool, se
     cfg = team_cfg(server.url + "/v1", 1 if sequential else concurrency, distinct)
     team = Team(cfg, pool=VideoPool())
     for key, spec in cfg.models.items():  # build the clients before timing, as a server run would
-        model = getattr(team.hub, spec.kind)(key)
+        model = getattr(team.hub, spec.interface)(key)
         if sequential:
             model.remote = False  # the engine then calls the models of a phase one after another
     server.reset()

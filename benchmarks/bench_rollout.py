@@ -63,8 +63,8 @@ def make_team(urls: dict[str, tuple[str, str]], tokenizer, sequential: bool, lim
 
     cfg = TeamConfig.model_validate({
         "name": "bench-rollout",
-        "models": {**{f"m_{a}": {"kind": "chat", "backend": "openai", "path": a, "base_url": "http://unused"}
-                      for a in AGENTS}, "vlm": {"kind": "vision", "backend": "synth"}},
+        "models": {**{f"m_{a}": {"interface": "chat", "backend": "openai", "path": a, "base_url": "http://unused"}
+                      for a in AGENTS}, "vlm": {"interface": "vision", "backend": "synth"}},
         "agents": [{"name": a, "model": f"m_{a}"} for a in AGENTS],
         "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm", "global_frames": 8,
                   "rough_frames": 8},
@@ -75,7 +75,7 @@ def make_team(urls: dict[str, tuple[str, str]], tokenizer, sequential: bool, lim
         chat = EngineChat(f"m_{a}", url, tokenizer, agent=a, served_model=served, timeout=600.0)
         if sequential:
             chat.remote = False  # the team then calls the agents' engines of a phase one after another
-        team.hub.register(f"m_{a}", chat, kind="chat")
+        team.hub.register(f"m_{a}", chat, interface="chat")
     return team
 
 
@@ -140,8 +140,8 @@ def _real_cfg(out: Path):
     from m1.marl.config import TrainConfig
 
     team = {"name": "bench-rollout-real",
-            "models": {**{f"m_{a}": {"kind": "chat", "device": "cpu", "tiny": REAL_TINY} for a in AGENTS},
-                       "vlm": {"kind": "vision", "backend": "synth"}},
+            "models": {**{f"m_{a}": {"interface": "chat", "device": "cpu", "tiny": REAL_TINY} for a in AGENTS},
+                       "vlm": {"interface": "vision", "backend": "synth"}},
             "agents": [{"name": a, "model": f"m_{a}"} for a in AGENTS],
             "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm"}}
     return TrainConfig.model_validate({"team": team, "rollout": {"engine": "vllm"}, "out_dir": str(out),

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from _common import Figure, Result, bench_dir, cli, finish
 
-TINY_CLIP = ("models.clip={kind: clip, backend: open_clip, device: cpu, "
+TINY_CLIP = ("models.clip={interface: clip, backend: open_clip, device: cpu, "
              "tiny: {arch: open_clip, hidden_size: 64, layers: 2, image_size: 64, seed: 6}}")
 
 
@@ -295,7 +295,7 @@ def soak(args) -> None:
     res.figures.append(Figure(
         f"m1 serve soak, {clients} clients x {args.minutes:g} min on mini_trained: RSS growth after the first "
         f"tenth", f"{first:.0f} MB", f"{last:.0f} MB", growth, "RSS end / RSS at 10 % - 1", "<= 0.10",
-        growth <= 0.10 and not errors, note=f"p50 {p50:.2f} s, p95 {p95:.2f} s, {len(lat)} requests, "
+        growth <= 0.10 and not errors, note=f"p50 {p50:.2f} s, p95 {p95:.2f} s, {len(latencies)} requests, "
                                            f"errors {len(errors)}"))
     finish(res, args.json)
 

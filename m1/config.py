@@ -6,7 +6,7 @@ that points nowhere is a ConfigError naming the file and the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
@@ -22,10 +22,26 @@ CONFIG_VERSION = 1
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # a field's earlier name -> its name: read from config files and checkpoints written before the rename. The field
+    # keeps the earlier name as its serialization alias, so identities (recorded(), the experiment's stage hashes)
+    # and every record stored under them stay the same
+    RENAMED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_names(cls, data: Any) -> Any:
+        if not (cls.RENAMED and isinstance(data, dict)):
+            return data
+        for old, new in cls.RENAMED.items():
+            if old in data:
+                if new in data:
+                    raise ValueError(f"`{old}` is the earlier name of `{new}`: give `{new}` only")
+                data = {(new if k == old else k): v for k, v in data.items()}
+        return data
 
     def recorded(self) -> dict[str, Any]:
         """This config as identities record it: the fields that differ from their defaults, and CONFIG_VERSION."""
-        return {"config_version": CONFIG_VERSION, **self.model_dump(mode="json", exclude_defaults=True)}
+        return {"config_version": CONFIG_VERSION, **self.model_dump(mode="json", exclude_defaults=True, by_alias=True)}
 
 
 class TinySpec(Strict):
@@ -54,8 +70,10 @@ class TinySpec(Strict):
 class ModelSpec(Strict):
     """Where a model comes from and how to run it. One instance is shared by all its users."""
 
-    kind: Literal["chat", "vision", "clip", "team"] = Field(description=(
-        "What the model is: a chat (text) model, a vision-language model, a CLIP embedder, or team: a whole M1 team "
+    RENAMED: ClassVar[dict[str, str]] = {"kind": "interface"}
+    interface: Literal["chat", "vision", "clip", "team"] = Field(serialization_alias="kind", description=(
+        "What the model answers as (`kind` before): a chat (text) model, a vision-language model, a CLIP embedder, "
+        "or team: a whole M1 team "
         "served by `m1 serve`, used as one agent (backend openai, `path` its /v1/models id, `base_url` its URL, "
         "video_input video_url; m1/team/member.py)."))
     backend: Literal["hf", "vllm", "openai", "open_clip", "synth", "eagle"] = Field(default="hf", description=(
@@ -117,9 +135,9 @@ class ModelSpec(Strict):
         if self.backend in ("hf", "vllm", "openai") and not (self.path or self.tiny):
             raise ValueError("needs `path` (a local folder or hub id) or `tiny`")
         if self.backend == "eagle":
-            if self.kind != "vision" or not self.path or self.tiny is not None:
+            if self.interface != "vision" or not self.path or self.tiny is not None:
                 raise ValueError("backend eagle loads a vision model from `path` (a hub id such as nvidia/Eagle2.5-8B "
-                                 "or its folder); kind must be vision and `tiny` unset")
+                                 "or its folder); interface must be vision and `tiny` unset")
             if not self.trust_remote_code:
                 raise ValueError("backend eagle runs the model's own code from its folder; set trust_remote_code: true")
         if self.backend == "open_clip" and not (self.clip_name or self.tiny):
@@ -127,17 +145,19 @@ class ModelSpec(Strict):
         if self.attn_implementation == "flash_attention_2" and self.dtype not in ("bfloat16", "float16"):
             raise ValueError(f"attn_implementation flash_attention_2 runs only on bfloat16/float16 weights; set "
                              f"dtype: bfloat16 (got dtype {self.dtype!r})")
-        if self.max_batch_requests != "auto" and (self.kind != "vision" or self.backend not in ("hf", "eagle")):
-            raise ValueError(f"`max_batch_requests` applies to vision models of backend hf or eagle, not a {self.kind} "
+        if self.max_batch_requests != "auto" and (self.interface != "vision" or self.backend not in ("hf", "eagle")):
+            raise ValueError("`max_batch_requests` applies to vision models of backend hf or eagle, not a "
+                             f"{self.interface} "
                              f"model of backend {self.backend!r}")
-        if self.adapter is not None and (self.kind != "chat" or self.backend not in ("hf", "vllm")):
-            raise ValueError(f"`adapter` applies to chat models of backend hf or vllm, not a {self.kind} model "
+        if self.adapter is not None and (self.interface != "chat" or self.backend not in ("hf", "vllm")):
+            raise ValueError(f"`adapter` applies to chat models of backend hf or vllm, not a {self.interface} model "
                              f"of backend {self.backend!r}")
-        if self.kind == "team" and (self.backend != "openai" or not self.path or self.tiny is not None):
-            raise ValueError("kind team is a served M1 team (`m1 serve`) asked over HTTP: backend openai, `path` = "
+        if self.interface == "team" and (self.backend != "openai" or not self.path or self.tiny is not None):
+            raise ValueError("interface team is a served M1 team (`m1 serve`) asked over HTTP: backend openai, "
+                             "`path` = "
                              "the team's model name (its /v1/models id), `base_url` = where it is served")
-        if self.kind == "team" and self.video_input != "video_url":
-            raise ValueError("kind team sends each question's whole video: set video_input: video_url "
+        if self.interface == "team" and self.video_input != "video_url":
+            raise ValueError("interface team sends each question's whole video: set video_input: video_url "
                              "(video_transport: file sends a file:// URL the server reads under its "
                              "--allowed-media-root; data inlines the video file)")
         self._check_video()
@@ -146,10 +166,10 @@ class ModelSpec(Strict):
     def _check_video(self) -> None:
         """video_url settings apply only to an openai vision or team model, and a vision model's file transport needs
         its folder."""
-        if self.video_input == "video_url" and (self.kind not in ("vision", "team") or self.backend != "openai"):
+        if self.video_input == "video_url" and (self.interface not in ("vision", "team") or self.backend != "openai"):
             raise ValueError(f"video_input: video_url applies to a vision model of backend openai (or a team model), "
-                             f"not a {self.kind} model of backend {self.backend!r}")
-        if self.kind == "team":  # the question's own video is sent (its file:// URL or its bytes): nothing written
+                             f"not a {self.interface} model of backend {self.backend!r}")
+        if self.interface == "team":  # the question's own video is sent (its file:// URL or its bytes): nothing written
             if self.video_root is not None:
                 raise ValueError("video_root: a team model sends each question's video where it lies; leave "
                                  "video_root unset (the server must read that path, or use video_transport: data)")
@@ -350,14 +370,14 @@ class TeamConfig(Strict):
         for i, a in enumerate(self.agents):
             if not is_seed(a.kind):
                 spec = self.models.get(a.model)
-                if spec is None or spec.kind != "team":  # a team model: a served M1 team as one agent
+                if spec is None or spec.interface != "team":  # a team model: a served M1 team as one agent
                     self._need(f"agents.{i}.model", a.model, "chat")
             else:  # a seed system's policy: a vision-language model, or a chat model that reads frames as text
                 spec = self.models.get(a.model)
                 if spec is None:
                     raise ValueError(f"agents.{i}.model: no model named {a.model!r} (models: {list(self.models)})")
-                if spec.kind not in ("chat", "vision"):
-                    raise ValueError(f"agents.{i}.model: model {a.model!r} is a {spec.kind} model; a {a.kind} "
+                if spec.interface not in ("chat", "vision"):
+                    raise ValueError(f"agents.{i}.model: model {a.model!r} is a {spec.interface} model; a {a.kind} "
                                      f"policy needs a chat or vision model")
         for key in ("clip", *vision_model_attrs()):
             ref = getattr(self.tools, key)
@@ -369,7 +389,7 @@ class TeamConfig(Strict):
                 raise ValueError(f"aggregation.{key}: no agent named {ref!r} (agents: {names})")
         if self.aggregation.summarizer in self.served_teams:
             raise ValueError(f"aggregation.summarizer: agent {self.aggregation.summarizer!r} is a served team (model "
-                             f"kind team), which answers questions but writes no summaries; name an agent of a "
+                             f"interface team), which answers questions but writes no summaries; name an agent of a "
                              f"chat model")
         for t in self.tools.enabled:
             if t not in TOOL_NAMES:
@@ -405,12 +425,12 @@ class TeamConfig(Strict):
                 why = f" ({spec.unavailable[t]})" if t in spec.unavailable else ""
                 raise ValueError(f"seed_system.tools: {t!r} is not a {kind} tool{why} (known: {list(known)})")
 
-    def _need(self, where: str, ref: str, kind: str) -> None:
+    def _need(self, where: str, ref: str, interface: str) -> None:
         spec = self.models.get(ref)
         if spec is None:
             raise ValueError(f"{where}: no model named {ref!r} (models: {list(self.models)})")
-        if spec.kind != kind:
-            raise ValueError(f"{where}: model {ref!r} is a {spec.kind} model, {kind} needed")
+        if spec.interface != interface:
+            raise ValueError(f"{where}: model {ref!r} is a {spec.interface} model, {interface} needed")
 
     def greedy(self) -> "TeamConfig":
         """This team decoding greedily (temperature 0 for every agent): how teams are evaluated, and the baseline
@@ -421,8 +441,8 @@ class TeamConfig(Strict):
 
     @property
     def served_teams(self) -> list[str]:
-        """The agents whose model is a served M1 team (`kind: team`, m1/team/member.py)."""
-        return [a.name for a in self.agents if a.model in self.models and self.models[a.model].kind == "team"]
+        """The agents whose model is a served M1 team (`interface: team`, m1/team/member.py)."""
+        return [a.name for a in self.agents if a.model in self.models and self.models[a.model].interface == "team"]
 
     @property
     def summarizer(self) -> str:

@@ -26,9 +26,6 @@ class Evidence:
     sources: tuple[tuple[int, int], ...]
     copy: bool = False
 
-    def shifted(self, by: int) -> Evidence:
-        return Evidence(self.start + by, self.end + by, tuple((a + by, b + by) for a, b in self.sources), self.copy)
-
     def to_json(self) -> list:
         return [self.start, self.end, [list(s) for s in self.sources], self.copy]
 

@@ -12,7 +12,6 @@ API:
         ...
     with hold_dir(out_dir, "training output folder"):   # lock file: <out_dir>/.lock
         ...
-    holder(path) -> dict | None              # who holds it now (for messages)
 Both raise `LockError` (one line, naming the holder and what to do) when another process holds it.
 The lock file is removed on a clean release. flock does not reach across hosts on every network file
 system; the lock protects runs on one machine and, on file systems where flock is shared (NFS v4,
@@ -99,24 +98,6 @@ def describe(info: dict | None) -> str:
         return f"another process (lock file reads {info['unreadable']!r})"
     cmd = f" ({info['command']})" if info.get("command") else ""
     return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} since {info.get('started', '?')}{cmd}"
-
-
-def holder(target: Path, lock_file: Path | None = None) -> dict | None:
-    """The record of the process holding `target`'s lock now, or None when no process holds it."""
-    lf = Path(lock_file) if lock_file else lock_path(target)
-    try:
-        fd = os.open(lf, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read_info(fd) or {}
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
 
 
 def _warn_stderr(msg: str) -> None:

@@ -210,7 +210,7 @@ def run(tiny: bool, only_full: bool = False, skip_full: bool = False, partial: P
         def build_lora():
             folder = write_random_model(shape8b, work / "qwen3_8b", device)
             cfg, grpo = learner_config("videochat_m1_lora", tiny, have_ds)
-            spec = ModelSpec(kind="chat", backend="hf", path=str(folder), dtype="bfloat16", attn_implementation="sdpa",
+            spec = ModelSpec(interface="chat", backend="hf", path=str(folder), dtype="bfloat16", attn_implementation="sdpa",
                              device="cpu" if tiny else "auto")
             if tiny:  # bf16 on CPU: the same dtypes as on the GPU
                 cfg = cfg.model_copy(update={"precision": "bf16"})
@@ -315,7 +315,7 @@ def full_3b(shape3b, work: Path, device: str, tiny: bool, have_ds: bool, n_quest
 
     folder = write_random_model(shape3b, work / "qwen25_3b", device)
     cfg, grpo = learner_config("videochat_m1_full", tiny, have_ds)
-    spec = ModelSpec(kind="chat", backend="hf", path=str(folder), dtype="bfloat16", attn_implementation="sdpa",
+    spec = ModelSpec(interface="chat", backend="hf", path=str(folder), dtype="bfloat16", attn_implementation="sdpa",
                      device="cpu" if tiny else "auto")
     if tiny:
         cfg = cfg.model_copy(update={"precision": "bf16"})

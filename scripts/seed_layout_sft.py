@@ -338,7 +338,7 @@ def main() -> None:
                    "the teacher's tool, its whole call, parses)")
     p.add_argument("--save", default=None, help="also write each arm's trained student to SAVE/<arm>_s<seed> (a model "
                    "folder with the base's tokenizer), for its own episodes: m1 infer --team weaver_synth --set "
-                   "'models.policy={kind: chat, backend: hf, device: cpu, path: SAVE/<arm>_s<seed>}'")
+                   "'models.policy={interface: chat, backend: hf, device: cpu, path: SAVE/<arm>_s<seed>}'")
     p.add_argument("--table", action="store_true", help="print the results in --json as a markdown table and stop")
     p.add_argument("--build", action="store_true", help="write the teacher's examples into runs/r83 and stop")
     args = p.parse_args()

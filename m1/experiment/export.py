@@ -85,8 +85,8 @@ def export_agents(exp: Experiment, arm: str, seed: int, dest: str | Path,
     for agent in agents:
         key = next(a.model for a in team.agents if a.name == agent)
         spec = team.models[key]
-        if spec.backend != "hf" or spec.kind != "chat":
-            raise ExperimentError(f"arm {arm} seed {seed}: agent {agent}'s model {key!r} is {spec.kind}/"
+        if spec.backend != "hf" or spec.interface != "chat":
+            raise ExperimentError(f"arm {arm} seed {seed}: agent {agent}'s model {key!r} is {spec.interface}/"
                                   f"{spec.backend}; only hf chat models are exported")
         how = f"{spec.path}" + (f" + adapter {spec.adapter} (merged)" if spec.adapter else "")
         progress(f"export {agent}: {how} -> {dest / agent}")

@@ -47,13 +47,14 @@ def identity_text(exp: Experiment, arm: str, seed: int, stage: str, root: str = 
         if st == "eval":
             assert exp.eval is not None
             team = load_team(eval_team(exp, arm), eval_overrides(exp, run, shift))
-            parts.append([st, exp.eval.model_dump(mode="json", exclude_defaults=True),
-                          team.model_dump(mode="json", exclude_defaults=True)])
+            parts.append([st, exp.eval.model_dump(mode="json", exclude_defaults=True, by_alias=True),
+                          team.model_dump(mode="json", exclude_defaults=True, by_alias=True)])
         else:
             cfg = load_stage_config(exp, run)[0]
-            dump = cfg.model_dump(mode="json", exclude_defaults=True)
+            dump = cfg.model_dump(mode="json", exclude_defaults=True, by_alias=True)
             dump.pop("out_dir", None)
-            parts.append([st, dump, cfg.team_config().model_dump(mode="json", exclude_defaults=True), shift])
+            team_dump = cfg.team_config().model_dump(mode="json", exclude_defaults=True, by_alias=True)
+            parts.append([st, dump, team_dump, shift])
     text = json.dumps(parts, sort_keys=True)
     worlds = [w.model_dump(mode="json") for w in (exp.data.worlds if exp.data else [])
               if f'"{Path(w.out)}"' in text or f'"{Path(w.out)}/' in text]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
@@ -207,10 +207,12 @@ class RolloutConfig(Strict):
 class JudgeConfig(Strict):
     """Judge of the collaboration reward: the offline rubric, an LLM (paper: GPT-4o), or none (w_col must be 0)."""
 
-    kind: Literal["rubric", "llm", "none"] = Field(default="rubric", description=(
-        "rubric: the offline rule-based judge; llm: a chat model; none: no judge (rewards.w_col must be 0)."))
+    RENAMED: ClassVar[dict[str, str]] = {"kind": "method"}
+    method: Literal["rubric", "llm", "none"] = Field(default="rubric", serialization_alias="kind", description=(
+        "How plans and collaboration are judged (`kind` before). rubric: the offline rule-based judge; llm: a chat "
+        "model; none: no judge (rewards.w_col must be 0)."))
     model: ModelSpec | None = Field(default=None, description=(
-        "llm: the judge's chat model, e.g. {kind: chat, backend: openai, path: gpt-4o}."))
+        "llm: the judge's chat model, e.g. {interface: chat, backend: openai, path: gpt-4o}."))
     cache_dir: str | None = Field(default=None, description="llm: where verdicts are cached; None: "
                                                             "<out_dir>/judge_cache.")
     rate_per_minute: float | None = Field(None, gt=0.0, description="llm: most requests per minute; None: no limit.")
@@ -221,10 +223,10 @@ class JudgeConfig(Strict):
 
     @model_validator(mode="after")
     def _model_for_llm(self) -> JudgeConfig:
-        if self.kind == "llm" and self.model is None:
+        if self.method == "llm" and self.model is None:
             raise ValueError("judge.model: an llm judge needs a chat model spec")
-        if self.model is not None and self.model.kind != "chat":
-            raise ValueError(f"judge.model: must be a chat model, got kind {self.model.kind!r}")
+        if self.model is not None and self.model.interface != "chat":
+            raise ValueError(f"judge.model: must be a chat model, got interface {self.model.interface!r}")
         return self
 
 
@@ -387,8 +389,8 @@ class TrainConfig(RunSettings):
         for a in self.train_agents or []:
             if a not in names:
                 raise ValueError(f"train_agents: no agent named {a!r} in team {team.name!r} (agents: {names})")
-        if self.judge.kind == "none" and self.rewards.w_col != 0:
-            raise ValueError(f"judge.kind is 'none' but rewards.w_col={self.rewards.w_col}; set w_col: 0")
+        if self.judge.method == "none" and self.rewards.w_col != 0:
+            raise ValueError(f"judge.method is 'none' but rewards.w_col={self.rewards.w_col}; set w_col: 0")
         r = self.rollout
         trained = list(self.train_agents or names)
         if r.engine == "hf" and (r.engine_url or r.engine_command):

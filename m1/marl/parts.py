@@ -39,13 +39,13 @@ class TrainingParts:
 def build_judge(cfg: TrainConfig, model=None):
     """The collaboration-reward judge; `model`: the LLM judge's model when it is already loaded (hosted on a GPU)."""
     j = cfg.judge
-    if j.kind == "none":
+    if j.method == "none":
         return None
-    if j.kind == "rubric":
+    if j.method == "rubric":
         return RubricJudge(tool_call_limit=cfg.rewards.tool_call_limit, plan_rubric=j.plan_rubric)
     if model is None:
         if j.model is None:
-            raise ValueError(f"judge.kind {j.kind!r} needs judge.model")
+            raise ValueError(f"judge.method {j.method!r} needs judge.model")
         model = ModelHub({"judge": j.model}).chat("judge")
     cache = j.cache_dir or str(Path(cfg.out_dir) / "judge_cache")
     return LLMJudge(model, cache_dir=cache, rate_per_minute=j.rate_per_minute,
@@ -73,10 +73,10 @@ def build_parts(run: PreparedRun, hub: ModelHub | None = None, reward_fn: Reward
             engines = HFSamplers(learners, cfg.out_dir)
         chats = engines.chat_models() if engines is not None else learners.chat_models()
         for agent, chat in chats.items():  # a vision-language policy is fetched as a vision model (m1/team/single.py)
-            hub.register(keys[agent], chat, kind=models[keys[agent]].kind)
+            hub.register(keys[agent], chat, interface=models[keys[agent]].interface)
         for key, model in hosted.items():
             if key != "judge":
-                hub.register(key, model, kind=model.kind)
+                hub.register(key, model, interface=model.interface)
         if reward_fn is None and s.kind.needs_judge and judge is None:
             judge = build_judge(cfg, hosted.get("judge"))
         reward_fn = reward_fn or s.kind.reward_fn(cfg, s.team, judge)

@@ -19,7 +19,7 @@ def run_models(cfg: TrainConfig | SFTConfig, teacher: bool | None = None) -> dic
         teacher_cfg = cfg.teacher_config()
         if build and teacher_cfg is not None:
             models.update(team_models(teacher_cfg, prefix="teacher."))
-    elif cfg.judge.kind == "llm" and cfg.judge.model is not None:
+    elif cfg.judge.method == "llm" and cfg.judge.model is not None:
         models["judge"] = (cfg.judge.model, {JUDGE})
     return models
 

@@ -386,7 +386,7 @@ class SFTTrainer:
             if teacher is not None:
                 teacher_hub = ModelHub(teacher.models)
                 for key, model in host_driver_models(self.placement, teacher.models).items():
-                    teacher_hub.register(key, model, kind=model.kind)
+                    teacher_hub.register(key, model, interface=model.interface)
         examples, self.data_stats = prepare_examples(self.cfg, teacher_hub)
         return examples
 

@@ -63,18 +63,19 @@ def check_seed_policies(team: TeamConfig, trained: list[str], where: str, engine
         if a.name not in trained:
             continue
         spec = team.models[a.model]
-        if spec.kind == "vision":
+        if spec.interface == "vision":
             if spec.backend != "hf":
-                raise ValueError(f"{where}: agent {a.name!r} (kind {a.kind}) has model {a.model!r} of kind 'vision', "
-                                 f"backend {spec.backend!r}; a trained vision-language policy needs backend 'hf' "
+                raise ValueError(f"{where}: agent {a.name!r} (kind {a.kind}) has model {a.model!r} of interface "
+                                 f"'vision', backend {spec.backend!r}; a trained vision-language policy needs "
+                                 "backend 'hf' "
                                  "(a Qwen2-VL / Qwen2.5-VL model)")
             if engine != "hf":
                 raise ValueError(f"rollout.engine: {engine!r} cannot sample the vision-language policy of agent "
                                  f"{a.name!r} (model {a.model!r}); use rollout.engine: hf")
-        elif spec.kind != "chat" or spec.backend not in ("hf", "vllm"):
-            raise ValueError(f"{where}: agent {a.name!r} (kind {a.kind}) has model {a.model!r} of kind {spec.kind!r}, "
-                             f"backend {spec.backend!r}; training a seed-kind policy needs a kind chat model "
-                             "(backend hf or vllm) or a kind vision model (backend hf)")
+        elif spec.interface != "chat" or spec.backend not in ("hf", "vllm"):
+            raise ValueError(f"{where}: agent {a.name!r} (kind {a.kind}) has model {a.model!r} of interface "
+                             f"{spec.interface!r}, backend {spec.backend!r}; training a seed-kind policy needs a chat "
+                             "model (backend hf or vllm) or a vision model (backend hf)")
 
 
 def entropy(counts: Counter) -> float:

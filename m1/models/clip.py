@@ -48,8 +48,8 @@ class OpenClipModel:
     """CLIP embeddings, L2-normalised float32 rows, computed in batches."""
 
     def __init__(self, spec: ModelSpec, name: str, batch_size: int = 64):
-        if spec.kind != "clip":
-            raise ModelError(f"model {name!r}: OpenClipModel needs kind 'clip', got {spec.kind!r}")
+        if spec.interface != "clip":
+            raise ModelError(f"model {name!r}: OpenClipModel needs interface 'clip', got {spec.interface!r}")
         import open_clip
         import torch
 

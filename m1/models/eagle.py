@@ -60,8 +60,8 @@ class EagleVisionModel(HFVisionModel):
     accepts_images = False  # a tool only: the seed kinds' multimodal chat is not offered
 
     def __init__(self, spec: ModelSpec, name: str, max_batch: int | None = None):
-        if spec.kind != "vision":
-            raise ModelError(f"model {name!r}: backend eagle serves vision models, got kind {spec.kind!r}")
+        if spec.interface != "vision":
+            raise ModelError(f"model {name!r}: backend eagle serves vision models, got interface {spec.interface!r}")
         if not spec.trust_remote_code:
             raise ModelError(f"model {name!r}: backend eagle runs the model's own code from its folder; set "
                              "trust_remote_code: true")

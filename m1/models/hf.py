@@ -178,7 +178,7 @@ def _load_into(obj, spec: ModelSpec, name: str, max_batch: int | None, processor
     from safetensors import SafetensorError
 
     obj.name, obj.spec, obj.calls = name, spec, 0
-    obj.max_batch = vision_batch(spec, max_batch) if spec.kind == "vision" else max_batch
+    obj.max_batch = vision_batch(spec, max_batch) if spec.interface == "vision" else max_batch
     obj._lock = threading.Lock()
     source, local_only = resolve_source(spec, name)
     obj.device = resolve_device(spec.device)
@@ -225,8 +225,8 @@ class HFChatModel:
     """A causal LM from a local folder, a hub id or a tiny config; batched chat generation."""
 
     def __init__(self, spec: ModelSpec, name: str, max_batch: int | None = None):
-        if spec.kind != "chat":
-            raise ModelError(f"model {name!r}: HFChatModel needs kind 'chat', got {spec.kind!r}")
+        if spec.interface != "chat":
+            raise ModelError(f"model {name!r}: HFChatModel needs interface 'chat', got {spec.interface!r}")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         source = _load_into(self, spec, name, max_batch, AutoTokenizer, AutoModelForCausalLM)
@@ -333,8 +333,8 @@ class HFVisionModel:
     accepts_images = True
 
     def __init__(self, spec: ModelSpec, name: str, max_batch: int | None = None):
-        if spec.kind != "vision":
-            raise ModelError(f"model {name!r}: HFVisionModel needs kind 'vision', got {spec.kind!r}")
+        if spec.interface != "vision":
+            raise ModelError(f"model {name!r}: HFVisionModel needs interface 'vision', got {spec.interface!r}")
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         source = _load_into(self, spec, name, max_batch, AutoProcessor, AutoModelForImageTextToText)

@@ -13,7 +13,7 @@ from typing import Any
 from m1.config import ModelSpec
 from m1.models.base import ChatModel, ClipModel, ModelError, VisionModel
 
-# (backend, kind) -> (module, class name)
+# (backend, interface) -> (module, class name)
 BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
     ("hf", "chat"): ("m1.models.hf", "HFChatModel"),
     ("hf", "vision"): ("m1.models.hf", "HFVisionModel"),
@@ -46,24 +46,24 @@ class ModelHub:
         return self._get(key, "clip")
 
     def team(self, key: str) -> Any:
-        """A served M1 team (`kind: team`): asked whole questions (m1/team/member.py)."""
+        """A served M1 team (`interface: team`): asked whole questions (m1/team/member.py)."""
         return self._get(key, "team")
 
-    def register(self, key: str, model: Any, kind: str | None = None) -> None:
+    def register(self, key: str, model: Any, interface: str | None = None) -> None:
         """Use an already built model (a fake in tests, a model shared with a trainer) for `key`."""
-        if kind is None:
+        if interface is None:
             spec = self.specs.get(key)
-            kind = spec.kind if spec is not None else _guess_kind(model)
-        if kind not in ("chat", "vision", "clip", "team"):
+            interface = spec.interface if spec is not None else _guess_interface(model)
+        if interface not in ("chat", "vision", "clip", "team"):
             raise ModelError(f"register({key!r}): cannot tell whether the model is chat, vision, clip "
-                             f"or team; pass kind=")
+                             f"or team; pass interface=")
         with self._lock:
-            self._models[key] = (kind, model)
+            self._models[key] = (interface, model)
 
     def loaded(self) -> list[str]:
         return list(self._models)
 
-    def _get(self, key: str, kind: str) -> Any:
+    def _get(self, key: str, interface: str) -> Any:
         with self._lock:
             entry = self._models.get(key)
             if entry is None:
@@ -72,31 +72,31 @@ class ModelHub:
                     raise ModelError(f"unknown model key {key!r} (known: {known})")
                 key_lock = self._key_locks.setdefault(key, threading.Lock())
         if entry is not None:
-            return self._check_kind(key, entry[0], kind, entry[1])
+            return self._check_interface(key, entry[0], interface, entry[1])
         spec = self.specs[key]
-        self._check_kind(key, spec.kind, kind, None)
+        self._check_interface(key, spec.interface, interface, None)
         with key_lock:  # one loader per key; other keys keep loading in parallel
             entry = self._models.get(key)
             if entry is None:
                 model = self._build(key, spec)
                 self.loads[key] = self.loads.get(key, 0) + 1
-                entry = (spec.kind, model)
+                entry = (spec.interface, model)
                 with self._lock:
                     self._models[key] = entry
         return entry[1]
 
     @staticmethod
-    def _check_kind(key: str, have: str, want: str, model: Any) -> Any:
+    def _check_interface(key: str, have: str, want: str, model: Any) -> Any:
         if have != want:
             raise ModelError(f"model {key!r} is a {have} model, asked for as a {want} model")
         return model
 
     def _build(self, key: str, spec: ModelSpec) -> Any:
-        target = BACKENDS.get((spec.backend, spec.kind))
+        target = BACKENDS.get((spec.backend, spec.interface))
         if target is None:
-            kinds = sorted(k for b, k in BACKENDS if b == spec.backend)
-            raise ModelError(f"model {key!r}: backend {spec.backend!r} has no {spec.kind} models "
-                             f"(it offers: {kinds})")
+            interfaces = sorted(k for b, k in BACKENDS if b == spec.backend)
+            raise ModelError(f"model {key!r}: backend {spec.backend!r} has no {spec.interface} models "
+                             f"(it offers: {interfaces})")
         module_name, class_name = target
         try:
             module = importlib.import_module(module_name)
@@ -107,7 +107,7 @@ class ModelHub:
         return cls(spec, key)
 
 
-def _guess_kind(model: Any) -> str | None:
+def _guess_interface(model: Any) -> str | None:
     if hasattr(model, "ask"):
         return "team"
     if hasattr(model, "generate"):

@@ -92,7 +92,7 @@ def team_models(team: TeamConfig, prefix: str = "") -> dict[str, tuple[ModelSpec
     """The models a run of `team` loads, each with its roles; keys get `prefix` (e.g. "teacher.")."""
     roles: dict[str, set[str]] = defaultdict(set)
     for a in team.agents:
-        roles[a.model].add(AGENT if not is_seed(a.kind) or team.models[a.model].kind == "chat" else VLM_POLICY)
+        roles[a.model].add(AGENT if not is_seed(a.kind) or team.models[a.model].interface == "chat" else VLM_POLICY)
     t, enabled = team.tools, set(team.tools.enabled)
     seeded = any(is_seed(a.kind) for a in team.agents)
 
@@ -149,8 +149,8 @@ def check_model(key: str, spec: ModelSpec, roles: set[str]) -> ModelCheck:
         return result("skipped", "M1-Synth's own model")
     if spec.backend == "open_clip":
         return result("skipped", "open_clip builds it by name at load")
-    if (spec.backend, spec.kind) not in BACKENDS:
-        return result("refused", f"backend {spec.backend!r} has no {spec.kind} models")
+    if (spec.backend, spec.interface) not in BACKENDS:
+        return result("refused", f"backend {spec.backend!r} has no {spec.interface} models")
     if spec.backend == "eagle" and roles - {BROWSE}:
         return result("refused", f"backend eagle serves the browse tools only, not a {' or '.join(sorted(roles))}")
     if spec.tiny is not None:
@@ -180,9 +180,9 @@ def _cached(hub_id: str) -> bool:
 
 def _tiny_problem(spec: ModelSpec) -> str | None:
     t = spec.tiny
-    arches = {"chat": ("qwen2", "qwen3"), "vision": ("qwen2_5_vl",), "clip": ("open_clip",)}[spec.kind]
+    arches = {"chat": ("qwen2", "qwen3"), "vision": ("qwen2_5_vl",), "clip": ("open_clip",)}[spec.interface]
     if t.arch not in arches:
-        return f"tiny arch {t.arch!r} is not a {spec.kind} model (use {' or '.join(arches)})"
+        return f"tiny arch {t.arch!r} is not a {spec.interface} model (use {' or '.join(arches)})"
     if t.arch != "open_clip" and (t.hidden_size % t.heads or t.heads % t.kv_heads):
         return (f"tiny shape: hidden_size {t.hidden_size} must divide by heads {t.heads}, and heads by kv_heads "
                 f"{t.kv_heads}")
@@ -253,7 +253,7 @@ def _check_files(spec: ModelSpec, roles: set[str], source: str, result, hub: boo
         return result("refused", f"its config.json is not JSON: {exc}")
     if raw is None:
         return result("refused", f"no config.json in {source}")
-    auto = AUTO_CLASS[(spec.backend, spec.kind)]
+    auto = AUTO_CLASS[(spec.backend, spec.interface)]
     why = _class_problem(spec, raw.get("model_type"), raw.get("auto_map") or {}, auto)
     if why:
         return result("refused", why)
@@ -270,7 +270,7 @@ def _check_files(spec: ModelSpec, roles: set[str], source: str, result, hub: boo
         return result("refused", f"{auto} cannot build it from its config: {_first_line(exc)}")
     cls = type(built).__name__
     try:
-        if spec.kind == "chat":
+        if spec.interface == "chat":
             tok = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True, **trust)
             empty = _no_vocabulary(tok, source, hub, result)
             if empty:
@@ -310,12 +310,12 @@ def _check_known(spec: ModelSpec, roles: set[str], result) -> ModelCheck:
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     model_type, auto_map = KNOWN_HUB_CONFIGS[spec.path]
-    auto = AUTO_CLASS[(spec.backend, spec.kind)]
+    auto = AUTO_CLASS[(spec.backend, spec.interface)]
     why = _class_problem(spec, model_type, {k: "" for k in auto_map}, auto)
     if why:
         return result("refused", f"{why} (from its public config; its files are not in the cache)")
     parts = ""
-    needs = _needs(spec, roles) if spec.kind == "vision" else []
+    needs = _needs(spec, roles) if spec.interface == "vision" else []
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
     cls = getattr(transformers, name, None) if name and spec.backend != "eagle" else None
     if needs and cls is not None:
@@ -359,7 +359,7 @@ def check_endpoints(team: TeamConfig) -> list[ModelCheck]:
     built: dict[str, object] = {}
     endpoints: dict[tuple[str | None, str], list[str]] = defaultdict(list)
     for key, (spec, _) in models.items():
-        cls = OpenAIVisionModel if spec.kind == "vision" else OpenAIChatModel
+        cls = OpenAIVisionModel if spec.interface == "vision" else OpenAIChatModel
         try:  # the run's own constructor: a missing key, path or video_root is refused with its message
             built[key] = cls(spec, key)
         except ModelError as exc:
@@ -452,11 +452,11 @@ def _check_endpoint(team: TeamConfig, models, built, keys: list[str], probed) ->
             rows.append(_api_row(team, key, spec, "refused",
                                  f"model {spec.path!r} is not served there; served: {shown or 'none'}"))
             continue
-        problems = _probe_vision(first, built[key], probed) if spec.kind == "vision" else []
+        problems = _probe_vision(first, built[key], probed) if spec.interface == "vision" else []
         rows += [_api_row(team, key, spec, status, why) for status, why in problems]
         if not any(status == "refused" for status, _ in problems):
             takes = {"frames": "; takes images", "video_url": "; takes images and video"}[spec.video_input]
-            probed_ok = spec.kind == "vision" and not problems  # an unchecked probe: served, the input not known
+            probed_ok = spec.interface == "vision" and not problems  # an unchecked probe: served, the input not known
             rows.append(_api_row(team, key, spec, "ok", f"served{takes if probed_ok else ''}"))
     return rows
 

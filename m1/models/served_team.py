@@ -1,4 +1,4 @@
-"""A served M1 team (`m1 serve`) asked whole questions: the model of a `kind: team` spec (m1/team/member.py).
+"""A served M1 team (`m1 serve`) asked whole questions: the model of a `interface: team` spec (m1/team/member.py).
 
 Why a model of its own and not a chat model: a served team takes the question's video and its question, not a
 prompt, and answers with the team's final answer (its reason and per-agent answers under the reply's `m1` field).

@@ -181,14 +181,6 @@ class EngineChat:
             raise EngineError(f"{self._where()}: POST {path} failed with HTTP {status}: {_error_detail(body)}")
         return body
 
-    def health(self) -> bool:
-        """Whether GET /health answers 200 (False on any failure, never raises)."""
-        try:
-            status, _ = self._call("GET", "/health", timeout=min(self.timeout, 10.0))
-        except EngineError:
-            return False
-        return status == 200
-
     def models(self) -> list[str]:
         """Names the engine serves (the base and every loaded LoRA adapter)."""
         status, body = self._call("GET", "/v1/models")

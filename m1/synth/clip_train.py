@@ -214,7 +214,7 @@ def model_files(model_dir: str | os.PathLike) -> tuple[Path, Path]:
 def model_spec(model_dir: str | os.PathLike):
     """The ModelSpec that loads this folder through OpenClipModel."""
     cfg, ckpt = model_files(model_dir)
-    return ModelSpec(kind="clip", backend="open_clip", clip_name=str(cfg), pretrained=str(ckpt),
+    return ModelSpec(interface="clip", backend="open_clip", clip_name=str(cfg), pretrained=str(ckpt),
                      device="cpu", dtype="float32")
 
 

@@ -26,7 +26,7 @@ LOOKUP_WORDS = frozenset(w for text in (*COLOURS, *BACKGROUNDS, *SHAPES, *SIZES,
                                         *RELATIONS, *MOTION_TEXT.values()) for w in text.split())
 
 # a tiny random CLIP for retrieval: its notes read like the world's trained CLIP's, at no training cost
-CORPUS_CLIP = {"kind": "clip", "backend": "open_clip", "device": "cpu",
+CORPUS_CLIP = {"interface": "clip", "backend": "open_clip", "device": "cpu",
                "tiny": {"arch": "open_clip", "hidden_size": 64, "layers": 2, "image_size": 64, "seed": 6}}
 
 
@@ -50,11 +50,12 @@ def synth_corpus(workdir: Path, videos: int = 4, seed: int = 424242, duration: f
 
 
 def _cpp_texts(questions) -> list[str]:
-    teachers = {f"t{i}": {"kind": "chat", "backend": "synth", "error_rate": rate, "seed": i}
+    teachers = {f"t{i}": {"interface": "chat", "backend": "synth", "error_rate": rate, "seed": i}
                 for i, rate in enumerate((0.0, 0.1, 0.2, 0.3))}
     budget = SYNTH_BROWSER_TOKENS
     cfg = TeamConfig.model_validate({
-        "name": "corpus", "models": {**teachers, "vision": {"kind": "vision", "backend": "synth"}, "clip": CORPUS_CLIP},
+        "name": "corpus",
+        "models": {**teachers, "vision": {"interface": "vision", "backend": "synth"}, "clip": CORPUS_CLIP},
         "agents": [{"name": name, "model": f"t{i}"} for i, name in enumerate(SYNTH_AGENTS)],
         "tools": {"browser": "vision", "clip": "clip", "rough_tokens": budget, "fine_tokens": budget,
                   "space_tokens": budget, "grounding_tokens": budget},
@@ -85,8 +86,9 @@ def seed_kinds_corpus(workdir: Path, videos: int = 4, seed: int = 424242, durati
     texts = _cpp_texts(questions) + _default_corpus()
     for kind, loop in seed_kind_loops():
         cfg = TeamConfig.model_validate({
-            "name": f"corpus_{kind}", "models": {"policy": {"kind": "chat", "backend": "synth"},
-                                                 "vision": {"kind": "vision", "backend": "synth"}, "clip": CORPUS_CLIP},
+            "name": f"corpus_{kind}",
+            "models": {"policy": {"interface": "chat", "backend": "synth"},
+                       "vision": {"interface": "vision", "backend": "synth"}, "clip": CORPUS_CLIP},
             "agents": [{"name": kind, "model": "policy", "kind": kind}],
             "tools": {"clip": "clip", "browser": "vision"},
             "seed_system": {**loop, "captioner": "vision"}, "limits": {"batch_episodes": 16}})

@@ -8,7 +8,7 @@ and the world's words for the objects a question names. Their replies are in the
 the same parsers as a real model's.
 
 `TeacherChatModel` (backend `synth`) hands a seed-kind chat to `write` here, so a config names these policies the
-way it names the teacher: `{kind: chat, backend: synth}`.
+way it names the teacher: `{interface: chat, backend: synth}`.
 """
 from __future__ import annotations
 

@@ -86,13 +86,8 @@ class KeyPlan(NamedTuple):
     copies: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
 
 
-def plan_for(question: str) -> tuple[str, list[str]]:
-    """(key info, tools) from the question's wording alone."""
-    return key_plan(question)[:2]
-
-
 def key_plan(question: str) -> KeyPlan:
-    """`plan_for` with the key's copies of the question's words."""
+    """(key info, tools) from the question's wording alone, with the key's copies of the question's words."""
     q = question.lower()
     same = len(q) == len(question)  # lower() kept every character where it was: q's spans are the question's
     key, copies = TextBuilder(), []

@@ -5,7 +5,7 @@ execute + communicate, then answer and aggregate. In every phase the requests of
 all episodes in flight are gathered and each model gets **one batched call** (per distinct
 sampling temperature). Browsers are batched the same way per vision model. Frames come from one
 shared VideoPool, CLIP embeddings from one ClipIndex per CLIP model, so nothing is decoded or
-embedded twice. An agent whose model is a served M1 team (`kind: team`, m1/team/member.py) only answers.
+embedded twice. An agent whose model is a served M1 team (`interface: team`, m1/team/member.py) only answers.
 
 Errors: a bad video ends that episode with `error` set; a failing tool becomes an error turn in
 memory; an unreadable reply is a format failure with a fallback. Every prompt fits `limits.max_prompt_tokens`

@@ -1,9 +1,9 @@
 """A served M1 team as one agent of this team: teams of teams.
 
-An agent whose model is `kind: team` stands for a whole team behind `m1 serve`:
+An agent whose model is `interface: team` stands for a whole team behind `m1 serve`:
 
     models:
-      panel: {kind: team, backend: openai, path: synth_teacher, base_url: "http://host:8000/v1",
+      panel: {interface: team, backend: openai, path: synth_teacher, base_url: "http://host:8000/v1",
               video_input: video_url, video_transport: file}   # or data: the video inlined
     agents:
       - {name: local_a, model: q3}

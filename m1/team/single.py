@@ -227,11 +227,11 @@ class SingleAgentTeam(TeamEngine):
         """The policy's model: a chat model, or a vision-language model that also writes chat replies (hf
         Qwen2-VL / Qwen2.5-VL, fed the frames as images)."""
         key = self.agent.model
-        if self.cfg.models[key].kind != "vision":
+        if self.cfg.models[key].interface != "vision":
             return self.hub.chat(key)
         model = self.hub.vision(key)
         if not isinstance(model, ChatModel):
-            raise ModelError(f"model {key!r} (kind vision) describes frames but writes no chat replies, so it cannot "
+            raise ModelError(f"model {key!r} (interface vision) describes frames but writes no chat replies, so it cannot "
                              f"be the policy of agent {self.agent.name!r} ({self.kind})")
         return model
 

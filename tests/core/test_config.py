@@ -48,7 +48,7 @@ def test_bad_config_named_before_models_load(override, words):
 
 def test_unknown_key_in_file_names_file_and_key(tmp_path):
     p = tmp_path / "team.yaml"
-    p.write_text("name: x\nmodels: {m: {kind: chat, path: a/b, colour: red}}\nagents: [{name: a, model: m}]\n")
+    p.write_text("name: x\nmodels: {m: {interface: chat, path: a/b, colour: red}}\nagents: [{name: a, model: m}]\n")
     with pytest.raises(ConfigError) as err:
         load_team(p)
     assert str(p) in str(err.value) and "models.m.colour" in str(err.value)
@@ -65,7 +65,7 @@ def test_missing_config_and_bad_yaml(tmp_path):
 
 def test_model_needs_a_source():
     with pytest.raises(Exception, match="path"):
-        TeamConfig.model_validate({"name": "x", "models": {"m": {"kind": "chat"}},
+        TeamConfig.model_validate({"name": "x", "models": {"m": {"interface": "chat"}},
                                    "agents": [{"name": "a", "model": "m"}]})
 
 
@@ -79,8 +79,8 @@ def test_model_path_relative_to_the_yaml(tmp_path, monkeypatch):
     import yaml
 
     data = yaml.safe_load((CONFIG_DIR / "team" / "tiny.yaml").read_text())
-    chat = next(k for k, m in data["models"].items() if m["kind"] == "chat")
-    other = next(k for k, m in data["models"].items() if m["kind"] == "chat" and k != chat)
+    chat = next(k for k, m in data["models"].items() if m["interface"] == "chat")
+    other = next(k for k, m in data["models"].items() if m["interface"] == "chat" and k != chat)
     for key, path in ((chat, "./weights/agent"), (other, "Qwen/Qwen3-8B")):
         data["models"][key].pop("tiny", None)
         data["models"][key]["path"] = path
@@ -96,8 +96,8 @@ def test_model_path_relative_to_the_yaml(tmp_path, monkeypatch):
     assert cfg.models[chat].adapter is None and "adapter" not in cfg.recorded()["models"][chat]
 
 
-@pytest.mark.parametrize("spec", [{"kind": "vision", "path": "Qwen/Qwen2.5-VL-7B-Instruct"},
-                                  {"kind": "chat", "backend": "openai", "path": "gpt-4o"}])
+@pytest.mark.parametrize("spec", [{"interface": "vision", "path": "Qwen/Qwen2.5-VL-7B-Instruct"},
+                                  {"interface": "chat", "backend": "openai", "path": "gpt-4o"}])
 def test_adapter_only_on_local_chat_backends(spec):
     with pytest.raises(Exception, match="`adapter` applies to chat models of backend hf or vllm"):
         TeamConfig.model_validate({"name": "x", "models": {"m": {**spec, "adapter": "runs/a"}},
@@ -119,8 +119,8 @@ def test_remote_code_and_flash_attention_settings_reach_the_loader():
     assert kw["trust_remote_code"] is True and kw["device_map"] == {"": "cuda:0"}
     assert "device_map" not in _model_kwargs(team.models["space"], "cpu", local_only=True)
     with pytest.raises(ValueError, match="flash_attention_2 runs only on bfloat16/float16"):
-        ModelSpec(kind="chat", path="x", attn_implementation="flash_attention_2")
-    ModelSpec(kind="chat", path="x", attn_implementation="flash_attention_2", dtype="bfloat16")
+        ModelSpec(interface="chat", path="x", attn_implementation="flash_attention_2")
+    ModelSpec(interface="chat", path="x", attn_implementation="flash_attention_2", dtype="bfloat16")
     with pytest.raises(ConfigError, match="flash_attention_2"):
         load_team("videochat_m1", ["models.qwen3_4b.attn_implementation=flash_attention_2",
                                    "models.qwen3_4b.dtype=float32"])
@@ -163,7 +163,26 @@ def test_bad_bytes_folders_and_override_typos_are_named(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_team("tiny", ["limits.max_turns=many"])
     assert str(err.value).startswith("override 'limits.max_turns=many': limits.max_turns: Input should be a valid")
-    p.write_text("name: x\nmodels: {m: {kind: chat, path: a/b, colour: red}}\nagents: [{name: a, model: m}]\n")
+    p.write_text("name: x\nmodels: {m: {interface: chat, path: a/b, colour: red}}\nagents: [{name: a, model: m}]\n")
     with pytest.raises(ConfigError) as err:  # a key of the file stays the file's, whatever else is overridden
         load_team(p, ["name=y"])
     assert str(err.value) == f"{p}: unknown key 'models.m.colour'"
+
+
+def test_a_renamed_field_reads_its_earlier_name_and_records_it():
+    """`models.*.interface` and `judge.method` were both `kind`: files and checkpoints written before read as before,
+    both names at once are refused, and identities record the earlier name, so stored records stay current."""
+    from m1.config import ModelSpec
+    from m1.marl.config import JudgeConfig
+
+    old = ModelSpec.model_validate({"kind": "vision", "backend": "synth"})
+    assert old == ModelSpec(interface="vision", backend="synth") and old.interface == "vision"
+    with pytest.raises(ValueError, match="`kind` is the earlier name of `interface`: give `interface` only"):
+        ModelSpec.model_validate({"kind": "chat", "interface": "chat", "backend": "synth"})
+    assert old.recorded()["kind"] == "vision" and "interface" not in old.recorded()
+    assert old.model_dump()["interface"] == "vision"  # what the code and `m1 config explain` read
+    judge = JudgeConfig.model_validate({"kind": "llm", "model": {"kind": "chat", "backend": "synth"}})
+    assert judge.method == "llm" and judge.model.interface == "chat"
+    assert judge.recorded()["kind"] == "llm" and judge.recorded()["model"]["kind"] == "chat"
+    with pytest.raises(ConfigError, match="override 'models.qwen3_big.kind=vision'.*give `interface` only"):
+        load_team("mini", ["models.qwen3_big.kind=vision"])  # the file says `interface`: one name per field

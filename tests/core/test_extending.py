@@ -38,7 +38,7 @@ def test_infer_runs_a_team_of_a_new_kind_with_a_new_tool(extension, tmp_path, m1
     folder, questions, _ = make_synth_world(tmp_path / "world", videos=1, seed=3, duration=30,
                                            questions_per_video=1)
     team_file = tmp_path / "relay.yaml"
-    synth = {"kind": "chat", "backend": "synth"}  # M1-Synth's rule policies: real answers on a synth video
+    synth = {"interface": "chat", "backend": "synth"}  # M1-Synth's rule policies: real answers on a synth video
     team_file.write_text(yaml.safe_dump({**relay_team(extension, qa=synth, qb=synth), "name": "relay-test"}))
     assert type(make_team(TeamConfig.model_validate(relay_team(extension)))) is extension.RelayTeam
 
@@ -82,7 +82,7 @@ def test_an_installed_plugin_is_usable_from_the_command_line(registries, tmp_pat
     importlib.invalidate_caches()
     folder, questions, _ = make_synth_world(tmp_path / "world", videos=1, seed=3, duration=30,
                                            questions_per_video=1)
-    synth = {"kind": "chat", "backend": "synth"}
+    synth = {"interface": "chat", "backend": "synth"}
     team_file = tmp_path / "relay.yaml"
     team_file.write_text(yaml.safe_dump({**relay_team(extension, qa=synth, qb=synth), "name": "relay-plugin"}))
     assert extension.RELAY not in TEAM_KINDS  # nothing registered it in this process: the plugin will
@@ -145,8 +145,8 @@ def skimmer(registries):  # noqa: F811
 
 
 def skim_team(ext, **over) -> dict:
-    synth = {"kind": "chat", "backend": "synth"}  # M1-Synth's backend: it runs the kind's own rule policy
-    return {"name": "skim-test", "models": {"policy": synth, "vision": {"kind": "vision", "backend": "synth"}},
+    synth = {"interface": "chat", "backend": "synth"}  # M1-Synth's backend: it runs the kind's own rule policy
+    return {"name": "skim-test", "models": {"policy": synth, "vision": {"interface": "vision", "backend": "synth"}},
             "agents": [{"name": "skim", "model": "policy", "kind": ext.SKIMMER}], "tools": {"browser": "vision"},
             **over}
 

@@ -48,7 +48,7 @@ def test_hosted_team_defaults_one_local_endpoint_and_the_papers_models(clean_env
     assert {m.base_url for m in cfg.models.values() if m.backend == "openai"} == {"http://localhost:8000/v1"}
     for tool in ("browser", "space", "grounding"):
         m = cfg.models[getattr(cfg.tools, tool)]
-        assert (m.kind, m.backend, m.path, m.video_input) == ("vision", "openai", "Qwen/Qwen2.5-VL-7B-Instruct",
+        assert (m.interface, m.backend, m.path, m.video_input) == ("vision", "openai", "Qwen/Qwen2.5-VL-7B-Instruct",
                                                                "frames")
         assert m.api_key_env == "M1_VISION_API_KEY"
     assert cfg.models[cfg.tools.clip].backend == "open_clip"  # retrieval stays on this machine

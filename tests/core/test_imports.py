@@ -32,6 +32,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 # (importing module, imported module) -> why this upward import stays. Empty: none does.
 UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
+# Loads by name: a module that names a module of a higher layer in a string and imports it with importlib when a
+# config asks for it. Each is a registration table entry (the table named here), so that the lower layer offers the
+# choice without importing the higher one; no other module may name a higher layer's module. (importing module, named
+# module) -> the table.
+BY_NAME: dict[tuple[str, str], str] = {
+    ("m1.models.hub", "m1.synth.vision"): "BACKENDS: (backend synth, vision) -> the synth vision model",
+    ("m1.models.hub", "m1.synth.teacher"): "BACKENDS: (backend synth, chat) -> the rule-based teacher",
+    ("m1.models.clip", "m1.synth.clip_train"): "NAMED_CLIPS: clip_name m1-synth -> the world's CLIP, trained once",
+    ("m1.models.tiny", "m1.synth.corpus"): "CORPORA: a tiny tokenizer's corpus (synth, seed_kinds, reading)",
+    ("m1.registry", "m1.kinds"): "SHIPPED_SEED_KINDS: the seed kinds register themselves on the first look-up",
+}
 
 # m1/marl's floors, lowest first, checked the same way inside m1/marl: a unit is one of its sub-packages or one of
 # its top-level modules ("__init__" is m1/marl/__init__.py), and an import from one m1/marl module to another runs
@@ -50,8 +61,8 @@ MARL_FLOORS: tuple[tuple[str, ...], ...] = (
 MARL_UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
 
 
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+def _module(path: Path, root: Path = PKG.parent) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -149,6 +160,47 @@ def test_no_import_runs_upward():
     found = upward_imports(import_graph())
     assert [f for f in found if f not in UPWARD_ALLOWED] == []
     assert sorted(set(UPWARD_ALLOWED) - set(found)) == [], "an allowed upward import is gone: drop it from the list"
+
+
+def named_modules(pkg: Path = PKG) -> set[tuple[str, str]]:
+    """(module, m1 module named in one of its strings): the modules a file could import by name. A string naming
+    the file's own module or one of its packages (a logger's name, an entry point group) is not a load."""
+    found = set()
+    for path in pkg.rglob("*.py"):
+        me = _module(path, pkg.parent)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and re.fullmatch(r"m1(\.[A-Za-z_]\w*)+", node.value)):
+                continue
+            target = pkg.parent.joinpath(*node.value.split("."))
+            if (target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()) \
+                    and not (me + ".").startswith(node.value + "."):
+                found.add((me, node.value))
+    return found
+
+
+def test_every_upward_load_by_name_is_a_declared_registration():
+    """importlib loads are invisible to the import graph: each one that reaches a higher layer is declared in
+    BY_NAME (and written in docs/layout.md), and a declared one that is gone is dropped."""
+    graph: dict[str, set[str]] = {}
+    for m, d in named_modules():
+        graph.setdefault(m, set()).add(d)
+    upward = set(upward_imports(graph))
+    assert sorted(upward - set(BY_NAME)) == [], "declare the load by name in BY_NAME and docs/layout.md, or import it"
+    assert sorted(set(BY_NAME) - upward) == [], "a declared load by name is gone: drop it from BY_NAME"
+    doc = LAYOUT.read_text().split("### Loads by name", 1)[1].split("\n## ", 1)[0]
+    assert [(m, d) for m, d in BY_NAME if f"`{m}` -> `{d}`" not in doc] == []
+
+
+def test_the_by_name_scan_finds_a_load_and_skips_a_logger_name(tmp_path):
+    pkg = tmp_path / "m1"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "synth").mkdir()
+    for f in ("__init__.py", "models/__init__.py", "synth/__init__.py", "synth/vision.py"):
+        (pkg / f).write_text("")
+    (pkg / "models" / "hub.py").write_text('import logging\nlog = logging.getLogger("m1.models")\n'
+                                           'TABLE = {"synth": ("m1.synth.vision", "Model"), "x": "m1.nowhere"}\n')
+    assert named_modules(pkg) == {("m1.models.hub", "m1.synth.vision")}
 
 
 def test_the_checker_finds_an_upward_import():

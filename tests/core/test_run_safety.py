@@ -4,6 +4,7 @@
 The `m1 infer` runs use the offline tiny team on the generated videos of test_e2e_tiny; the disk-full
 tests use a scripted team in-process, since what is tested there is how lines are written."""
 import errno
+import fcntl
 import json
 import os
 import signal
@@ -19,13 +20,30 @@ from typer.testing import CliRunner
 from m1 import files
 from m1.config import load_team
 from m1.files import WriteError
-from m1.locks import LockError, hold, hold_dir, holder
+from m1.locks import LockError, _read_info, hold, hold_dir, lock_path
 from m1.team.engines_registry import TEAM_KINDS, KindSpec
 from m1.schema import AgentRecord, Episode, Question, Topology
 from m1.results import FINGERPRINT_PREFIX, result_row
 from tests.core.test_e2e_tiny import REPO, _infer, folder  # noqa: F401  (folder is a fixture)
 
 IDS = [f"q{i:02d}" for i in range(10)]
+
+
+def holder(target: Path) -> dict | None:
+    """The record of the process holding `target`'s lock now (a shared flock fails while it is held), or None."""
+    try:
+        fd = os.open(lock_path(target), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_info(fd) or {}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _questions_file(tmp_path, ids=IDS) -> Path:

@@ -23,7 +23,7 @@ import pytest
 from m1.schema import Episode
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_CLIP = ("models.clip={kind: clip, backend: open_clip, device: cpu, "
+TINY_CLIP = ("models.clip={interface: clip, backend: open_clip, device: cpu, "
              "tiny: {arch: open_clip, hidden_size: 64, layers: 2, image_size: 64, seed: 6}}")
 # a random DAG with dropout: with topology seed 0 the three questions get 3, 2 and 4 active agents
 OVERRIDES = [TINY_CLIP, "topology.mode=random", "topology.dropout=0.3", "topology.edge_prob=0.7"]

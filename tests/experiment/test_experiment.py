@@ -46,7 +46,7 @@ def tiny_experiment(tmp_path):
         "name": "tiny_marl", "team": str(team),
         "data": {"questions": str(tmp_path / "questions.jsonl"), "video_dir": str(video.parent)},
         "rollout": {"num_generations": 2, "questions_per_step": 2}, "grpo": {"beta": 0.0},
-        "judge": {"kind": "rubric"}, "steps": 1, "checkpoint": {"every": 1, "keep_last": 1}, "log": log,
+        "judge": {"method": "rubric"}, "steps": 1, "checkpoint": {"every": 1, "keep_last": 1}, "log": log,
         "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16}})
     return _write(tmp_path / "exp.yaml", {
         "name": "tiny", "out_dir": str(tmp_path / "exp"), "seeds": [0],
@@ -361,7 +361,7 @@ def test_export_writes_the_seated_agents_as_full_models(tmp_path, m1_cache):
             assert "model.safetensors" in files and "config.json" in files, files
             assert not any("adapter" in f or "optim" in f or f.endswith(".pt") for f in files), files
             seated = HFChatModel(team.models[key], key)
-            alone = HFChatModel(ModelSpec(kind="chat", backend="hf", device="cpu", path=str(folder / agent)), agent)
+            alone = HFChatModel(ModelSpec(interface="chat", backend="hf", device="cpu", path=str(folder / agent)), agent)
             want, got = seated.model.state_dict(), read_safetensors(folder / agent, "model")
             assert set(got) <= set(want) and all(got[k].equal(want[k]) for k in got)
             a, b = seated.generate(req, greedy)[0], alone.generate(req, greedy)[0]

@@ -16,7 +16,7 @@ from m1.cli import app
 REPO = Path(__file__).resolve().parents[2]
 AGENTS = ["qwen3_big", "qwen3_small", "qwen2_big", "qwen2_small"]
 # the random CLIP of configs/team/tiny.yaml: the synth worlds' trained CLIP costs minutes on first use
-TINY_CLIP = "models.clip=" + json.dumps({"kind": "clip", "backend": "open_clip", "device": "cpu", "tiny": {
+TINY_CLIP = "models.clip=" + json.dumps({"interface": "clip", "backend": "open_clip", "device": "cpu", "tiny": {
     "arch": "open_clip", "hidden_size": 64, "layers": 2, "image_size": 64, "seed": 6}})
 
 

@@ -28,8 +28,8 @@ def test_the_mini_base_recipe_starts_from_the_base_with_the_loss(name):
     team = sft.team_config()
     assert sft.learner.attention.weight == 1.0 and sft.max_steps == 800
     base = (Path(__file__).parents[2] / "assets" / "mini_base").resolve()
-    assert {Path(m.path).resolve() for k, m in team.models.items() if m.kind == "chat"} == {base}
-    assert all(m.tiny is None for m in team.models.values() if m.kind == "chat")
+    assert {Path(m.path).resolve() for k, m in team.models.items() if m.interface == "chat"} == {base}
+    assert all(m.tiny is None for m in team.models.values() if m.interface == "chat")
     if "sft_plain" in exp.arms:
         plain = _sft(exp, "sft_plain")
         assert plain.learner.attention.weight == 0 and plain.team_config().models["qwen3_big"].path == \

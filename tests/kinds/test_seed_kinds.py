@@ -33,7 +33,7 @@ NO_CLIP = ["models.clip.clip_name=null", "models.clip.tiny={arch: open_clip}"]  
 
 # ----------------------------------------------------------------------------- configs
 def _team(**over) -> dict:
-    base = {"name": "t", "models": {"p": {"kind": "chat", "backend": "synth"}},
+    base = {"name": "t", "models": {"p": {"interface": "chat", "backend": "synth"}},
             "agents": [{"name": "a", "model": "p", "kind": "zoomer"}]}
     base.update(over)
     return base
@@ -57,7 +57,7 @@ def test_kind_defaults_and_settings_merge():
      "'trim' is not a zoomer tool"),
     ({"agents": [{"name": "a", "model": "p"}], "seed_system": {"max_turns": 3}}, "seed_system: applies to agents"),
     ({"agents": [{"name": "a", "model": "p", "kind": "magic"}]}, "agents.0.kind"),
-    ({"models": {"p": {"kind": "clip", "backend": "open_clip", "clip_name": "x"}}}, "needs a chat or vision model"),
+    ({"models": {"p": {"interface": "clip", "backend": "open_clip", "clip_name": "x"}}}, "needs a chat or vision model"),
 ])
 def test_bad_kind_configs_name_the_field(tmp_path, over, message):
     import yaml
@@ -451,7 +451,7 @@ def test_a_seed_kind_takes_per_episode_temperatures(world):
             calls.append((params.temperature, len(requests)))
             return policy.generate(requests, params)
 
-    team.hub.register(key, Recording(), kind="chat")
+    team.hub.register(key, Recording(), interface="chat")
     qs = world[2][:3]
     eps = team.run(qs, temperatures=[{agent: 0.7}, {}, {}])
     assert all(e.error is None for e in eps)
@@ -492,11 +492,11 @@ def test_tiny_random_policies_run_without_crashing(world, tmp_path, m1_cache):
 
     d, _, qs = world
     team = {"name": "tiny_seed", "models": {
-        "vl": {"kind": "vision", "backend": "hf", "device": "cpu",
+        "vl": {"interface": "vision", "backend": "hf", "device": "cpu",
                "tiny": {"arch": "qwen2_5_vl", "hidden_size": 64, "layers": 2, "seed": 5}},
-        "txt": {"kind": "chat", "backend": "hf", "device": "cpu",
+        "txt": {"interface": "chat", "backend": "hf", "device": "cpu",
                 "tiny": {"arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 2}},
-        "vision": {"kind": "vision", "backend": "synth"}},
+        "vision": {"interface": "vision", "backend": "synth"}},
         "agents": [{"name": "p", "model": "vl", "kind": "weaver"}], "tools": {"browser": "vision"},
         "seed_system": {"glance_frames": 4, "max_turns": 2, "reply_tokens": 12}, "limits": {"batch_episodes": 4}}
     for kind, model in (("weaver", "vl"), ("zoomer", "txt"), ("sage", "vl")):
@@ -567,7 +567,7 @@ def test_hf_vision_policy_takes_interleaved_frames(m1_cache):
     from m1.models.base import ChatRequest, SamplingParams
     from m1.models.hf import HFVisionModel
 
-    m = HFVisionModel(ModelSpec(kind="vision", device="cpu", tiny={"arch": "qwen2_5_vl", "seed": 5}), "vl")
+    m = HFVisionModel(ModelSpec(interface="vision", device="cpu", tiny={"arch": "qwen2_5_vl", "seed": 5}), "vl")
     frames = [np.full((64, 64, 3), c, np.uint8) for c in (0, 128)]
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": [
         {"type": "image", "time": 0.0, "frame": 0}, {"type": "image", "time": 1.0, "frame": 4},

@@ -48,8 +48,8 @@ def noisy_team(beta_salt):
     from m1.team.cpp import Team
 
     cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "models": {
-        "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
-        "vlm": {"kind": "vision", "path": "fake/v"}}}), 1.0)
+        "qa": {"interface": "chat", "path": "fake/a"}, "qb": {"interface": "chat", "path": "fake/b"},
+        "vlm": {"interface": "vision", "path": "fake/v"}}}), 1.0)
     hub = ModelHub(cfg.models)
     chats = {"alpha": NoisyChat(), "beta": NoisyChat(beta_salt)}
     hub.register("qa", chats["alpha"])

@@ -527,7 +527,7 @@ def test_damaged_weights_for_inference_name_the_file(tmp_path, m1_cache):
     from m1.models.tiny import ensure_tiny
 
     cfg = load_team("tiny")
-    key = next(k for k, s in cfg.models.items() if s.tiny is not None and s.kind == "chat")
+    key = next(k for k, s in cfg.models.items() if s.tiny is not None and s.interface == "chat")
     import shutil
 
     folder = tmp_path / "weights"

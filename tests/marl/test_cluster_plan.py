@@ -105,7 +105,7 @@ def test_full_fits_two_nodes_with_each_group_on_one_node():
     assert plan.driver == {"browser": _slots(0, 7), "space": _slots(1, 4), "grounding": _slots(1, 5),
                            "clip": _slots(1, 6)}
     _no_gpu_twice(plan)
-    assert max(plan.peak_gb().values()) <= plan.usable_gb == pytest.approx(72.0)
+    assert max(u.memory.peak for u, _ in plan.by_gpu().values()) <= plan.usable_gb == pytest.approx(72.0)
     # 14 bytes per parameter (bf16 weights + fp32 master and Adam) for every agent, 3 checkpoints kept
     total = sum(TEXT_SHAPES[h].parameters() for h in ("Qwen/Qwen3-8B", "Qwen/Qwen3-4B", "Qwen/Qwen2.5-7B-Instruct",
                                                        "Qwen/Qwen2.5-3B-Instruct"))

@@ -13,7 +13,7 @@ def _cfg(tmp_path, engine, **grpo):
     if engine == "vllm":
         rollout.update(engine="vllm", engine_url="http://127.0.0.1:1")
     return TrainConfig.model_validate({
-        "team": team_dict(), "rollout": rollout, "grpo": grpo, "judge": {"kind": "rubric"},
+        "team": team_dict(), "rollout": rollout, "grpo": grpo, "judge": {"method": "rubric"},
         "train_agents": ["alpha"], "learner": {"finetune": "lora"}, "steps": 1, "out_dir": str(tmp_path)})
 
 

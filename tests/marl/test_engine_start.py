@@ -22,7 +22,7 @@ COMMAND = [sys.executable, STANDIN, "--model", "{model}", "--port", "{port}", "-
 
 def _cfg(tmp_path, team=None, command=COMMAND):
     return TrainConfig.model_validate({
-        "team": team or team_dict(), "judge": {"kind": "rubric"}, "steps": 1, "out_dir": str(tmp_path),
+        "team": team or team_dict(), "judge": {"method": "rubric"}, "steps": 1, "out_dir": str(tmp_path),
         "rollout": {"num_generations": 2, "questions_per_step": 2, "engine": "vllm", "engine_command": command},
         "learner": {"finetune": "lora", "max_completion_tokens": 8}})
 

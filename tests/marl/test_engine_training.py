@@ -17,7 +17,7 @@ AGENTS = ["alpha", "beta"]
 
 def engine_cfg(out, steps=2, engine="vllm", learner=None, **grpo):
     data = {"team": team_dict(), "rollout": {"num_generations": 2, "questions_per_step": 2},
-            "grpo": {"beta": 0.05, "old_logprobs": "sampler", **grpo}, "judge": {"kind": "rubric"},
+            "grpo": {"beta": 0.05, "old_logprobs": "sampler", **grpo}, "judge": {"method": "rubric"},
             "learner": {"finetune": "lora", "lr": 5e-2, "micro_batch_size": 4, "max_completion_tokens": 16,
                         **(learner or {})},
             "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 3},

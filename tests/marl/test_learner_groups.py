@@ -46,7 +46,7 @@ def test_two_rank_zero2_group_matches_one_process_in_the_planned_bundles(ray_clu
     from m1.marl.actor.groups import LocalLearners, RayLearners, reserve_placement
 
     cfg = TrainConfig.model_validate({
-        "team": gpu_team(), "train_agents": ["alpha"], "judge": {"kind": "rubric"}, "grpo": {"beta": 0.05},
+        "team": gpu_team(), "train_agents": ["alpha"], "judge": {"method": "rubric"}, "grpo": {"beta": 0.05},
         "learner": {**LEARNER, "gpus": 2}, "placement": "ray", "out_dir": str(tmp_path),
         "cluster": {"gpu_mem_gb": 80, "cpus_per_gpu": 0}})
     placement = reserve_placement(cfg)
@@ -100,7 +100,7 @@ def test_killed_two_rank_run_resumes_with_the_same_losses(ray_cluster, tmp_path,
 
     def run(out, stop_after=None):
         cfg = TrainConfig.model_validate({
-            "team": team_dict(), "train_agents": ["alpha"], "judge": {"kind": "rubric"}, "grpo": {"beta": 0.05},
+            "team": team_dict(), "train_agents": ["alpha"], "judge": {"method": "rubric"}, "grpo": {"beta": 0.05},
             "rollout": {"num_generations": 2, "questions_per_step": 2}, "learner": {**LEARNER, "gpus": 2},
             "placement": "ray", "steps": 2, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
             "log": {"progress": False, "backends": []}})
@@ -220,7 +220,7 @@ def test_async_rollouts_with_a_two_rank_ray_group_and_engines(ray_cluster, tmp_p
     from m1.marl.parts import make_trainer
 
     cfg = TrainConfig.model_validate({
-        "team": team_dict(), "train_agents": ["alpha"], "judge": {"kind": "rubric"}, "grpo": {"beta": 0.05},
+        "team": team_dict(), "train_agents": ["alpha"], "judge": {"method": "rubric"}, "grpo": {"beta": 0.05},
         "rollout": {"num_generations": 2, "questions_per_step": 2, "max_staleness": 1, "engine": "vllm",
                     "engine_command": [sys.executable, STANDIN, "--model", "{model}", "--port", "{port}",
                                        "--host", "{host}"]},

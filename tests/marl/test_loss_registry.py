@@ -30,7 +30,7 @@ def toy_loss():
         del LOSSES[TOY]
 
 
-TINY = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
+TINY = ModelSpec.model_validate({"interface": "chat", "device": "cpu", "tiny": {
     "arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}})
 
 

@@ -16,14 +16,13 @@ from tests.marl.test_trainer import make_trainer, team_dict, train_cfg
 from m1.config import ModelSpec
 from m1.marl import checkpoint as ckpt
 from m1.marl.plan.memory_model import GiB, checkpoint_bytes
-from m1.marl.plan.placement_plan import plan_summary
 from m1.marl.plan.planner import make_plan, rollout_batch
 from m1.marl.config import GRPOSettings, LearnerConfig, load_train_config
 from m1.marl.rollout.episodes import Sample
 from m1.models.shapes import shape_from_config
 from m1.marl.actor.learner_io import load_actor, save_actor
 
-TINY = {"kind": "chat", "device": "cpu",
+TINY = {"interface": "chat", "device": "cpu",
         "tiny": {"arch": "qwen2", "hidden_size": 128, "layers": 2, "heads": 4, "kv_heads": 2, "seed": 1}}
 
 
@@ -151,8 +150,7 @@ def test_plan_shows_what_beta_zero_saves():
     assert with_ref.rollout.fits < with_ref.rollout.fits_without_reference == no_ref.rollout.fits
     assert (f"KV cache would hold {no_ref.rollout.fits} rollout episodes instead of {with_ref.rollout.fits}"
             in with_ref.render())
-    assert plan_summary(no_ref)["reference_gb"]["qwen3_8b"] == pytest.approx(with_ref.reference_gb["qwen3_8b"],
-                                                                             abs=0.01)
+    assert no_ref.reference_gb["qwen3_8b"] == pytest.approx(with_ref.reference_gb["qwen3_8b"], abs=0.01)
     lora = make_plan(load_train_config("videochat_m1_lora"), gpus=24, gpu_mem_gb=80)
     assert lora.reference_gb == {} and "reference copy" not in lora.render()
 

@@ -28,7 +28,7 @@ def turn(step, tool, output, key_info=KEY, answer=None, span=None, decision="con
 
 
 def teacher_record(answer="B"):
-    """The rule-based teacher's plan for a stated time (m1/synth/teacher.py plan_for)."""
+    """The rule-based teacher's plan for a stated time (m1/synth/teacher.py key_plan)."""
     return AgentRecord(plan=["Time Stamp Retrieval", "Rough Browser"], key_info=KEY,
                        turns=[turn(1, "Time Stamp Retrieval", "8 frames from 12.0s to 16.0s"),
                               turn(2, "Rough Browser", "a red square in the centre", answer="B")],

@@ -12,7 +12,7 @@ from m1.marl.rollout.episodes import Sample
 
 
 def spec(arch: str) -> ModelSpec:
-    return ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
+    return ModelSpec.model_validate({"interface": "chat", "device": "cpu", "tiny": {
         "arch": arch, "hidden_size": 32, "layers": 2, "heads": 2, "kv_heads": 1, "seed": 3}})
 
 

@@ -114,8 +114,8 @@ def world(tmp_path_factory):
 
 def weaver_team(max_turns=3, **seed):
     return {"name": "weaver_tiny",
-            "models": {"policy": {"kind": "chat", "device": "cpu", "tiny": TINY},
-                       "vision": {"kind": "vision", "backend": "synth"}},
+            "models": {"policy": {"interface": "chat", "device": "cpu", "tiny": TINY},
+                       "vision": {"interface": "vision", "backend": "synth"}},
             "agents": [{"name": "weaver", "model": "policy", "kind": "weaver"}], "tools": {"browser": "vision"},
             "seed_system": {"glance_frames": 4, "max_turns": max_turns, "reply_tokens": 12, **seed},
             "limits": {"batch_episodes": 16}}
@@ -170,10 +170,10 @@ def test_observations_are_context_never_targets(world, m1_cache):
     from m1.team import topology as topo
 
     cfg = TeamConfig.model_validate(weaver_team())
-    learner = AgentLearner.build("weaver", "policy", ModelSpec(kind="chat", device="cpu", tiny=TINY),
+    learner = AgentLearner.build("weaver", "policy", ModelSpec(interface="chat", device="cpu", tiny=TINY),
                                  LearnerConfig(finetune="full", max_prompt_tokens=4096), GRPOSettings(beta=0.0))
     hub = ModelHub(cfg.models)
-    hub.register("policy", ScriptedTokens(learner.sampler.chat), kind="chat")
+    hub.register("policy", ScriptedTokens(learner.sampler.chat), interface="chat")
     team = SingleAgentTeam(cfg, hub=hub)
     qs = [q for q in world[2] if q.task == "mcq"][:2]
     batch = run_rollouts(team, qs, 2, topo.complete(["weaver"]))
@@ -289,9 +289,9 @@ def test_seed_configs_refuse_what_does_not_apply(tmp_path):
         with pytest.raises(ValueError, match=f"rollout.credit: '{credit}'.*use credit: episode"):
             train_cfg(tmp_path, rollout={"credit": credit})
     vl = weaver_team()
-    vl["models"]["policy"] = {"kind": "vision", "device": "cpu", "tiny": {"arch": "qwen2_5_vl", "seed": 5}}
-    assert train_cfg(tmp_path, team=vl).team.models["policy"].kind == "vision"  # tests/marl/test_seed_kinds_vlm_training.py
-    vl["models"]["policy"] = {"kind": "vision", "backend": "synth"}
+    vl["models"]["policy"] = {"interface": "vision", "device": "cpu", "tiny": {"arch": "qwen2_5_vl", "seed": 5}}
+    assert train_cfg(tmp_path, team=vl).team.models["policy"].interface == "vision"  # tests/marl/test_seed_kinds_vlm_training.py
+    vl["models"]["policy"] = {"interface": "vision", "backend": "synth"}
     with pytest.raises(ValueError, match="a trained vision-language policy needs backend 'hf'"):
         train_cfg(tmp_path, team=vl)
     with pytest.raises(ValueError, match="rewards.kind: 'cpp' does not fit"):
@@ -313,7 +313,7 @@ def test_shipped_seed_kind_configs_load_with_one_loop_for_teacher_student_and_ev
     evaluated = load_team(exp.eval.team, exp.eval.overrides)
     for cfg in (marl, sft):
         team = cfg.team_config()
-        assert team.agents[0].kind == kind and team.models[team.agents[0].model].kind == "chat"
+        assert team.agents[0].kind == kind and team.models[team.agents[0].model].interface == "chat"
         policy = team.models[team.agents[0].model]
         assert policy.tiny is None and Path(policy.path).resolve() == BASE and team.seed_system.captioner == "vision"
         assert team.seed_system.reply_tokens == cfg.learner.max_completion_tokens

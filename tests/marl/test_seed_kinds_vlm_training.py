@@ -1,4 +1,4 @@
-"""Training a vision-language seed-kind policy on the frames it saw (m1/marl/actor/learner.py, `kind: vision` models).
+"""Training a vision-language seed-kind policy on the frames it saw (m1/marl/actor/learner.py, `interface: vision` models).
 
 A tiny random Qwen2.5-VL weaver on a tiny M1-Synth world: its samples keep their image-pad tokens, the learner's
 forward gets the pixels of exactly those frames (decoded again from the video), and the loss sees reply tokens
@@ -23,8 +23,8 @@ def world(tmp_path_factory):
 
 def vl_team(max_turns=2, glance=2):
     return {"name": "weaver_vl_tiny",
-            "models": {"policy": {"kind": "vision", "backend": "hf", "device": "cpu", "tiny": TINY_VL},
-                       "vision": {"kind": "vision", "backend": "synth"}},
+            "models": {"policy": {"interface": "vision", "backend": "hf", "device": "cpu", "tiny": TINY_VL},
+                       "vision": {"interface": "vision", "backend": "synth"}},
             "agents": [{"name": "weaver", "model": "policy", "kind": "weaver"}], "tools": {"browser": "vision"},
             "seed_system": {"glance_frames": glance, "max_turns": max_turns, "reply_tokens": 10},
             "sampling": {"temperature": 1.0}, "limits": {"batch_episodes": 16}}
@@ -43,11 +43,11 @@ def rollout(world, m1_cache):
     from m1.team.single import SingleAgentTeam
 
     cfg = TeamConfig.model_validate(vl_team())
-    learner = AgentLearner.build("weaver", "policy", ModelSpec(kind="vision", device="cpu", tiny=TINY_VL),
+    learner = AgentLearner.build("weaver", "policy", ModelSpec(interface="vision", device="cpu", tiny=TINY_VL),
                                  LearnerConfig(finetune="full", max_prompt_tokens=2048, max_completion_tokens=16),
                                  GRPOSettings(beta=0.0))
     hub = ModelHub(cfg.models)
-    hub.register("policy", learner.sampler, kind="vision")
+    hub.register("policy", learner.sampler, interface="vision")
     team = SingleAgentTeam(cfg, hub=hub)
     batch = run_rollouts(team, world[2][:2], 2, topo.complete(["weaver"]))
     assert all(e.error is None for e in batch.flat)
@@ -168,9 +168,9 @@ def test_grpo_trains_a_vl_policy_on_its_frames(world, tmp_path, m1_cache):
 
 def test_configs_refuse_vision_policies_the_learner_cannot_train(tmp_path):
     team = vl_team()
-    assert train_cfg(tmp_path, team=team).team.models["policy"].kind == "vision"
+    assert train_cfg(tmp_path, team=team).team.models["policy"].interface == "vision"
     synth = vl_team()
-    synth["models"]["policy"] = {"kind": "vision", "backend": "synth"}
+    synth["models"]["policy"] = {"interface": "vision", "backend": "synth"}
     with pytest.raises(ValueError, match="a trained vision-language policy needs backend 'hf'"):
         train_cfg(tmp_path, team=synth)
     rollout = {"num_generations": 2, "questions_per_step": 2, "engine": "vllm", "engine_url": "http://x:1"}

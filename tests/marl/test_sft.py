@@ -67,7 +67,7 @@ def fake_teacher(answer_letter):
         return text.replace("##Answer: A", f"##Answer: {answer_letter}") if "##Answer" in text else text
 
     cfg = TeamConfig.model_validate({
-        "name": "teacher", "models": {"t": {"kind": "chat", "path": "fake/t"}, "vlm": {"kind": "vision", "path": "x"}},
+        "name": "teacher", "models": {"t": {"interface": "chat", "path": "fake/t"}, "vlm": {"interface": "vision", "path": "x"}},
         "agents": [{"name": "alpha", "model": "t"}, {"name": "beta", "model": "t"}],
         "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm", "global_frames": 4,
                   "rough_frames": 4}, "limits": {"max_turns": 2}})
@@ -108,9 +108,9 @@ def test_rotated_teacher_rollouts_move_the_truth_letter(video):
 
 STUDENTS = {
     "name": "students",
-    "models": {"qa": {"kind": "chat", "device": "cpu",
+    "models": {"qa": {"interface": "chat", "device": "cpu",
                       "tiny": {"arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}},
-               "qb": {"kind": "chat", "device": "cpu",
+               "qb": {"interface": "chat", "device": "cpu",
                       "tiny": {"arch": "qwen2", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 2}}},
     "agents": [{"name": "alpha", "model": "qa"}, {"name": "beta", "model": "qb"}],
     "tools": {"enabled": ["Global Sampling", "Rough Browser"]},
@@ -214,10 +214,10 @@ def test_plan_filter_all_keeps_every_plan_and_the_rule_for_the_rest():
 def test_uniform_teacher_plans_any_valid_pair_and_keeps_its_key_info():
     from m1.agents.prompts import plan_messages
     from m1.config import ModelSpec
-    from m1.synth.teacher import BROWSE, SELECT, TeacherChatModel, plan_for
+    from m1.synth.teacher import BROWSE, SELECT, TeacherChatModel, key_plan
 
-    rules = TeacherChatModel(ModelSpec(kind="chat", backend="synth", seed=1))
-    uniform = TeacherChatModel(ModelSpec(kind="chat", backend="synth", seed=1, plans="uniform"))
+    rules = TeacherChatModel(ModelSpec(interface="chat", backend="synth", seed=1))
+    uniform = TeacherChatModel(ModelSpec(interface="chat", backend="synth", seed=1, plans="uniform"))
     tools = list(SELECT + BROWSE)
     seen, same = set(), 0
     for i in range(200):
@@ -226,7 +226,7 @@ def test_uniform_teacher_plans_any_valid_pair_and_keeps_its_key_info():
         msgs = plan_messages(question, tools)
         assert rules.reply(msgs).endswith("<Image Retrieval>, <Fine Browser>")
         plan = uniform.reply(msgs)
-        key, rule_tools = plan_for(text)
+        key, rule_tools = key_plan(text)[:2]
         assert plan.startswith(f"##key info: {key}\n##tool use: ")
         pair = tuple(t.strip("<> ") for t in plan.split("##tool use: ")[1].split(", "))
         assert pair[0] in SELECT and pair[1] in BROWSE

@@ -188,7 +188,7 @@ def teacher_team():
     from tests.fakes import FakeVision
 
     cfg = TeamConfig.model_validate({
-        "name": "teacher", "models": {"t": {"kind": "chat", "path": "fake/t"}, "vlm": {"kind": "vision", "path": "x"}},
+        "name": "teacher", "models": {"t": {"interface": "chat", "path": "fake/t"}, "vlm": {"interface": "vision", "path": "x"}},
         "agents": [{"name": "alpha", "model": "t"}, {"name": "beta", "model": "t"}],
         "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm", "global_frames": 4,
                   "rough_frames": 4}, "limits": {"max_turns": 2}})
@@ -227,7 +227,7 @@ def test_teacher_evidence_reaches_the_examples_file_and_old_lines_still_load(tmp
 def learner(m1_cache, **cfg):
     from m1.marl.actor.learner import AgentLearner
 
-    spec = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": TINY})
+    spec = ModelSpec.model_validate({"interface": "chat", "device": "cpu", "tiny": TINY})
     settings = LearnerConfig.model_validate({"finetune": "full", "lr": 1e-2, "max_grad_norm": None,
                                              "micro_batch_size": 8, **cfg})
     return AgentLearner.build("alpha", "qa", spec, settings, GRPOSettings(beta=0.0), seed=0).actor
@@ -340,7 +340,7 @@ def test_attention_settings_are_checked_against_the_student(m1_cache):
     with pytest.raises(ValueError, match="prompt_grad"):
         LearnerConfig(attention=READ, prompt_grad=False)
     with pytest.raises(ValueError, match="learner.attention"):
-        TrainConfig.model_validate({"team": {"name": "t", "models": {"m": {"kind": "chat", "tiny": TINY}},
+        TrainConfig.model_validate({"team": {"name": "t", "models": {"m": {"interface": "chat", "tiny": TINY}},
                                              "agents": [{"name": "a", "model": "m"}]},
                                     "learner": {"attention": READ.model_dump()}})
 

@@ -24,7 +24,7 @@ def tiny_cfg(out, steps=2, **log):
 
     return TrainConfig.model_validate({
         "name": "tracked", "team": team_dict(), "rollout": {"num_generations": 2, "questions_per_step": 1},
-        "grpo": {"beta": 0.05}, "judge": {"kind": "rubric"},
+        "grpo": {"beta": 0.05}, "judge": {"method": "rubric"},
         "learner": {"finetune": "full", "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16},
         "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
         "log": {"progress": False, **log}})

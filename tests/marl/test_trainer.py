@@ -28,11 +28,11 @@ def team_dict(**limits):
     return {
         "name": "mini-test",
         "models": {
-            "qa": {"kind": "chat", "device": "cpu",
+            "qa": {"interface": "chat", "device": "cpu",
                    "tiny": {"arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}},
-            "qb": {"kind": "chat", "device": "cpu",
+            "qb": {"interface": "chat", "device": "cpu",
                    "tiny": {"arch": "qwen2", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 2}},
-            "vlm": {"kind": "vision", "backend": "synth"},
+            "vlm": {"interface": "vision", "backend": "synth"},
         },
         "agents": [{"name": "alpha", "model": "qa"}, {"name": "beta", "model": "qb"}],
         "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm", "global_frames": 4,
@@ -49,7 +49,7 @@ def questions(video, n=3):
 
 def train_cfg(out, finetune="full", steps=1, **over):
     data = {"team": team_dict(), "rollout": {"num_generations": 2, "questions_per_step": 2},
-            "grpo": {"beta": 0.05}, "judge": {"kind": "rubric"},
+            "grpo": {"beta": 0.05}, "judge": {"method": "rubric"},
             "learner": {"finetune": finetune, "lr": 1e-2, "micro_batch_size": 4, "max_completion_tokens": 16},
             "steps": steps, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
             "log": {"progress": False, "backends": []}}
@@ -199,7 +199,7 @@ def test_rollout_samples_cover_every_generation_with_its_episode_advantage(video
     from m1.team.cpp import Team
 
     base = TeamConfig.model_validate({**team_dict(), "models": {
-        "shared": {"kind": "chat", "path": "fake/a"}, "vlm": {"kind": "vision", "path": "fake/v"}},
+        "shared": {"interface": "chat", "path": "fake/a"}, "vlm": {"interface": "vision", "path": "fake/v"}},
         "agents": [{"name": "alpha", "model": "shared"}, {"name": "beta", "model": "shared"}]})
     cfg = training_team_config(base, 1.0)
     assert {a.model for a in cfg.agents} == {"shared@alpha", "shared@beta"}  # one learner per agent
@@ -239,8 +239,8 @@ def scripted_team(**aggregation):
     from m1.team.cpp import Team
 
     cfg = training_team_config(TeamConfig.model_validate({**team_dict(), "aggregation": aggregation, "models": {
-        "qa": {"kind": "chat", "path": "fake/a"}, "qb": {"kind": "chat", "path": "fake/b"},
-        "vlm": {"kind": "vision", "path": "fake/v"}}}), 1.0)
+        "qa": {"interface": "chat", "path": "fake/a"}, "qb": {"interface": "chat", "path": "fake/b"},
+        "vlm": {"interface": "vision", "path": "fake/v"}}}), 1.0)
     hub = ModelHub(cfg.models)
     for key in ("qa", "qb"):
         hub.register(key, FakeChat(key, scripted_reply))
@@ -430,7 +430,7 @@ def test_paper_configs_load_with_the_papers_settings():
         assert cfg.team_config().limits.max_prompt_tokens == 4096
         assert cfg.init_from == f"runs/sft/videochat_m1_{finetune}"  # SFT, then MARL
         assert cfg.team_config().limits.max_turns == 5 and cfg.learner.deepspeed
-        assert cfg.judge.kind == "llm"
+        assert cfg.judge.method == "llm"
     lora = load_train_config("videochat_m1_lora").learner.lora
     assert (lora.r, lora.alpha, lora.dropout) == (8, 16, 0.05)
     assert load_train_config("mini").team_config().name == "mini"

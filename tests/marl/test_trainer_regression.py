@@ -26,9 +26,9 @@ pytestmark = pytest.mark.slow
 
 def cpp_team():
     return {"name": "regression", "models": {
-        "qa": {"kind": "chat", "device": "cpu", "tiny": {"arch": "qwen3", **TINY, "seed": 1}},
-        "qb": {"kind": "chat", "device": "cpu", "tiny": {"arch": "qwen2", **TINY, "seed": 2}},
-        "vlm": {"kind": "vision", "backend": "synth"}},
+        "qa": {"interface": "chat", "device": "cpu", "tiny": {"arch": "qwen3", **TINY, "seed": 1}},
+        "qb": {"interface": "chat", "device": "cpu", "tiny": {"arch": "qwen2", **TINY, "seed": 2}},
+        "vlm": {"interface": "vision", "backend": "synth"}},
         "agents": [{"name": "alpha", "model": "qa"}, {"name": "beta", "model": "qb"}],
         "tools": {"enabled": ["Global Sampling", "Rough Browser"], "browser": "vlm", "global_frames": 4,
                   "rough_frames": 4},
@@ -38,8 +38,8 @@ def cpp_team():
 
 def weaver_team():
     return {"name": "regression_weaver", "models": {
-        "policy": {"kind": "chat", "device": "cpu", "tiny": {"arch": "qwen3", **TINY, "seed": 3}},
-        "vision": {"kind": "vision", "backend": "synth"}},
+        "policy": {"interface": "chat", "device": "cpu", "tiny": {"arch": "qwen3", **TINY, "seed": 3}},
+        "vision": {"interface": "vision", "backend": "synth"}},
         "agents": [{"name": "weaver", "model": "policy", "kind": "weaver"}], "tools": {"browser": "vision"},
         "seed_system": {"glance_frames": 4, "max_turns": 2, "reply_tokens": 12}, "limits": {"batch_episodes": 16}}
 
@@ -78,7 +78,7 @@ MARL_CASES = {
 def marl_cfg(out, team, over, lr=1e-2):
     data = {"team": cpp_team() if team == "cpp" else weaver_team(),
             "rollout": {"num_generations": 2, "questions_per_step": 2},
-            "grpo": {"beta": 0.05}, "judge": {"kind": "rubric"},
+            "grpo": {"beta": 0.05}, "judge": {"method": "rubric"},
             "learner": {"finetune": "full", "lr": lr, "micro_batch_size": 4, "max_completion_tokens": 16,
                         "max_prompt_tokens": 2048},
             "steps": 2, "seed": 7, "out_dir": str(out), "checkpoint": {"every": 2, "keep_last": 1},

@@ -35,7 +35,7 @@ def two_node_ray(m1_cache):
 
 def _config(out) -> TrainConfig:
     return TrainConfig.model_validate({
-        "team": gpu_team(), "train_agents": ["alpha"], "judge": {"kind": "rubric"}, "grpo": {"beta": 0.05},
+        "team": gpu_team(), "train_agents": ["alpha"], "judge": {"method": "rubric"}, "grpo": {"beta": 0.05},
         "rollout": {"num_generations": 2, "questions_per_step": 2}, "learner": {**LEARNER, "gpus": 2},
         "placement": "ray", "steps": 2, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 2},
         "cluster": {"gpu_mem_gb": 80, "gpus_per_node": 1, "cpus_per_gpu": 1},

@@ -13,13 +13,13 @@ import pytest
 from m1.config import ModelSpec, TinySpec
 from m1.config_files import ConfigError
 from m1.marl.plan.memory_model import GiB, driver_vision_shape, request_frames, vision_request_bytes
-from m1.marl.plan.placement_plan import plan_summary, with_request_batches
+from m1.marl.plan.placement_plan import with_request_batches
 from m1.marl.plan.planner import make_plan
 from m1.marl.config import load_train_config
 from m1.models.base import SamplingParams, VisionRequest
 from m1.models.shapes import VISION_SHAPES
 
-VL = ModelSpec(kind="vision", tiny=TinySpec(arch="qwen2_5_vl"))
+VL = ModelSpec(interface="vision", tiny=TinySpec(arch="qwen2_5_vl"))
 VLLM = ["rollout.engine=vllm"]
 
 
@@ -75,11 +75,11 @@ def test_auto_without_a_plan_is_the_documented_default(m1_cache):
 
 
 def test_max_batch_requests_is_for_hf_and_eagle_vision_models_only():
-    assert ModelSpec(kind="vision", tiny=TinySpec(arch="qwen2_5_vl")).recorded().get("max_batch_requests") is None
+    assert ModelSpec(interface="vision", tiny=TinySpec(arch="qwen2_5_vl")).recorded().get("max_batch_requests") is None
     with pytest.raises(ValueError, match="max_batch_requests` applies to vision models of backend hf or eagle"):
-        ModelSpec(kind="vision", backend="openai", path="gpt-4o", max_batch_requests=8)
+        ModelSpec(interface="vision", backend="openai", path="gpt-4o", max_batch_requests=8)
     with pytest.raises(ValueError, match="greater than 0"):
-        ModelSpec(kind="vision", path="Qwen/Qwen2.5-VL-7B-Instruct", max_batch_requests=0)
+        ModelSpec(interface="vision", path="Qwen/Qwen2.5-VL-7B-Instruct", max_batch_requests=0)
 
 
 # ---------------------------------------------------------------- the plan
@@ -106,7 +106,6 @@ def test_paper_plan_under_vllm_bounds_and_counts_each_vision_drivers_requests():
     assert vision_request_bytes(shape, cfg.team_config().models["browser"], 32, 256) == (b.tokens, kv, act)
     text = plan.render()
     assert "driver browser: %d requests per generate call, of up to 128 at once" % b.requests in text
-    assert plan_summary(plan)["requests"]["browser"]["requests"] == b.requests
 
 
 def test_hf_rollouts_send_at_most_the_rollout_batch_of_requests():

@@ -108,7 +108,7 @@ def eagle(monkeypatch, tmp_path):
 
         monkeypatch.setattr(transformers.AutoModel, "from_pretrained", model_from_pretrained)
         monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", processor_from_pretrained)
-        spec = ModelSpec(kind="vision", backend="eagle", path=str(tmp_path), dtype="bfloat16", device="cpu",
+        spec = ModelSpec(interface="vision", backend="eagle", path=str(tmp_path), dtype="bfloat16", device="cpu",
                          trust_remote_code=True)
         return ModelHub({"grounding": spec}).vision("grounding"), processor, model, loads
 
@@ -171,6 +171,6 @@ def test_what_the_adapter_refuses(eagle):
     with pytest.raises(ModelError, match="serves the browse tools"):
         vlm.generate([], SamplingParams())
     with pytest.raises(ValueError, match="set trust_remote_code: true"):
-        ModelSpec(kind="vision", backend="eagle", path="nvidia/Eagle2.5-8B")
-    with pytest.raises(ValueError, match="kind must be vision"):
-        ModelSpec(kind="chat", backend="eagle", path="nvidia/Eagle2.5-8B", trust_remote_code=True)
+        ModelSpec(interface="vision", backend="eagle", path="nvidia/Eagle2.5-8B")
+    with pytest.raises(ValueError, match="interface must be vision"):
+        ModelSpec(interface="chat", backend="eagle", path="nvidia/Eagle2.5-8B", trust_remote_code=True)

@@ -15,9 +15,9 @@ BROWSE_TOOLS = ["Global Sampling", "Rough Browser", "Fine Browser", "Grounding T
 
 def _team(chat_url, vision_url=None, chat="served-model", vision="served-vlm", **vision_kw) -> dict:
     """Two cpp agents on one chat model and a browse model, both of backend openai."""
-    models = {"agent": {"kind": "chat", "backend": "openai", "path": chat, "base_url": chat_url,
+    models = {"agent": {"interface": "chat", "backend": "openai", "path": chat, "base_url": chat_url,
                         "api_key_env": KEY_ENV, "timeout": 5.0},
-              "browser": {"kind": "vision", "backend": "openai", "path": vision, "base_url": vision_url or chat_url,
+              "browser": {"interface": "vision", "backend": "openai", "path": vision, "base_url": vision_url or chat_url,
                           "api_key_env": KEY_ENV, "timeout": 5.0, **vision_kw}}
     return {"name": "t", "models": models,
             "agents": [{"name": "a1", "model": "agent"}, {"name": "a2", "model": "agent"}],

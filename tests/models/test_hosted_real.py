@@ -33,7 +33,7 @@ VISION = TinySpec(arch="qwen2_5_vl", hidden_size=128, heads=4, kv_heads=2, seed=
 FLAGS = ["--dtype", "float32", "--gpu-memory-utilization", "0.3"]
 AGENTS = ["agent1", "agent2", "agent3", "agent4"]
 # short replies and turns keep the tiny models' garbage short; the synth CLIP replaces ViT-B-16 (no download here)
-SETTINGS = ["models.clip={kind: clip, backend: open_clip, clip_name: m1-synth, device: cpu}",
+SETTINGS = ["models.clip={interface: clip, backend: open_clip, clip_name: m1-synth, device: cpu}",
             "limits.max_turns=2", "limits.plan_tokens=24", "limits.comm_tokens=12", "limits.answer_tokens=12",
             "limits.summary_tokens=12", "limits.batch_episodes=2", "limits.max_prompt_tokens=3000",
             "tools.rough_tokens=12", "tools.fine_tokens=12", "tools.space_tokens=12", "tools.grounding_tokens=12",

@@ -14,10 +14,10 @@ from m1.models.base import ChatRequest, Completion, ModelError, SamplingParams, 
 from m1.models.hub import ModelHub
 
 SPECS = {
-    "q2": ModelSpec(kind="chat", tiny=TinySpec(arch="qwen2")),
-    "q3": ModelSpec(kind="chat", tiny=TinySpec(arch="qwen3")),
-    "vl": ModelSpec(kind="vision", tiny=TinySpec(arch="qwen2_5_vl")),
-    "clip": ModelSpec(kind="clip", backend="open_clip", tiny=TinySpec(arch="open_clip", image_size=64)),
+    "q2": ModelSpec(interface="chat", tiny=TinySpec(arch="qwen2")),
+    "q3": ModelSpec(interface="chat", tiny=TinySpec(arch="qwen3")),
+    "vl": ModelSpec(interface="vision", tiny=TinySpec(arch="qwen2_5_vl")),
+    "clip": ModelSpec(interface="clip", backend="open_clip", tiny=TinySpec(arch="open_clip", image_size=64)),
 }
 
 CHATS = [
@@ -253,7 +253,7 @@ def test_open_clip_loads_a_saved_checkpoint_by_config_path(hub, cache_dir):
 
     tiny = SPECS["clip"].tiny
     folder = ensure_tiny(tiny)
-    spec = ModelSpec(kind="clip", backend="open_clip",
+    spec = ModelSpec(interface="clip", backend="open_clip",
                      clip_name=str(folder / f"{clip_config_name(tiny)}.json"),
                      pretrained=str(folder / CLIP_CHECKPOINT))
     again = OpenClipModel(spec, "clip-by-path")
@@ -284,10 +284,10 @@ def test_hub_errors_name_the_key():
 
 def test_hub_missing_backend_module_is_a_model_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "m1.models.vllm_offline", None)  # import now raises ImportError
-    hub = ModelHub({"big": ModelSpec(kind="chat", backend="vllm", path="/models/qwen")})
+    hub = ModelHub({"big": ModelSpec(interface="chat", backend="vllm", path="/models/qwen")})
     with pytest.raises(ModelError, match=r"model 'big': backend 'vllm' is unavailable"):
         hub.chat("big")
-    hub = ModelHub({"s": ModelSpec(kind="chat", backend="open_clip", clip_name="x")})
+    hub = ModelHub({"s": ModelSpec(interface="chat", backend="open_clip", clip_name="x")})
     with pytest.raises(ModelError, match=r"model 's': backend 'open_clip' has no chat models"):
         hub.chat("s")
 

@@ -207,7 +207,7 @@ def key_env(monkeypatch):
 
 
 def spec(url, **kw) -> ModelSpec:
-    base = dict(kind="chat", backend="openai", path="served-model", base_url=url,
+    base = dict(interface="chat", backend="openai", path="served-model", base_url=url,
                 api_key_env=KEY_ENV, concurrency=3, timeout=5.0, max_retries=3)
     base.update(kw)
     return ModelSpec(**base)
@@ -270,7 +270,7 @@ def test_vision_frames_as_jpeg_data_urls(servers, key_env):
     from PIL import Image
 
     srv = servers()
-    model = OpenAIVisionModel(spec(srv.url, kind="vision"), "browser")
+    model = OpenAIVisionModel(spec(srv.url, interface="vision"), "browser")
     frames = np.zeros((3, 32, 48, 3), dtype=np.uint8)
     frames[:, :, :24, 0] = 255  # left half red
     req = VisionRequest(frames=frames, timestamps=[0.0, 1.5, 3.0], prompt="What is red?",
@@ -308,7 +308,7 @@ def _decoded(out: list[Completion]) -> list[dict]:
 
 def test_video_url_sends_one_mp4_with_its_timing(servers, key_env):
     srv = servers()
-    model = OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url"), "browser")
+    model = OpenAIVisionModel(spec(srv.url, interface="vision", video_input="video_url"), "browser")
     frames = _colour_clip(4)
     steady = VisionRequest(frames=frames, timestamps=[4.0, 4.5, 5.0, 5.5], prompt="What changes?",
                            system="You watch clips.")
@@ -342,7 +342,7 @@ def test_video_url_file_transport_writes_under_the_root_and_cleans_up(servers, k
     root = tmp_path / "media"
     root.mkdir()
     srv = servers(media_root=root)
-    model = OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url", video_transport="file",
+    model = OpenAIVisionModel(spec(srv.url, interface="vision", video_input="video_url", video_transport="file",
                                    video_root=str(root)), "browser")
     req = VisionRequest(frames=_colour_clip(3), timestamps=[0.0, 1.0, 2.0], prompt="q")
     out = model.describe([req, req], SamplingParams(max_new_tokens=5))
@@ -355,7 +355,7 @@ def test_video_url_file_transport_writes_under_the_root_and_cleans_up(servers, k
     # a root the server does not allow: its 400 names the file; the file is still removed
     other = tmp_path / "elsewhere"
     other.mkdir()
-    outside = OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url", video_transport="file",
+    outside = OpenAIVisionModel(spec(srv.url, interface="vision", video_input="video_url", video_transport="file",
                                      video_root=str(other)), "browser")
     with pytest.raises(ModelError, match=r"'browser'.*HTTP 400.*allowed-local-media-path"):
         outside.describe([req], SamplingParams(max_new_tokens=5))
@@ -363,13 +363,13 @@ def test_video_url_file_transport_writes_under_the_root_and_cleans_up(servers, k
 
     missing = tmp_path / "missing"
     with pytest.raises(ModelError, match=rf"'browser'.*video_root {missing} is not an existing folder"):
-        OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url", video_transport="file",
+        OpenAIVisionModel(spec(srv.url, interface="vision", video_input="video_url", video_transport="file",
                                video_root=str(missing)), "browser")
 
 
 def test_video_url_request_errors(servers, key_env):
     srv = servers()
-    model = OpenAIVisionModel(spec(srv.url, kind="vision", video_input="video_url"), "browser")
+    model = OpenAIVisionModel(spec(srv.url, interface="vision", video_input="video_url"), "browser")
     frames = _colour_clip(3)
     with pytest.raises(ModelError, match="3 frames but 2 timestamps"):
         model.describe([VisionRequest(frames=frames, timestamps=[0.0, 1.0], prompt="x")], SamplingParams())
@@ -384,20 +384,20 @@ def test_video_settings_are_checked_with_the_config(tmp_path):
     from m1.config import load_team
     from m1.config_files import ConfigError
 
-    base = spec("http://127.0.0.1:9/v1", kind="vision")
+    base = spec("http://127.0.0.1:9/v1", interface="vision")
     assert not {"video_input", "video_transport", "video_root"} & set(base.recorded())  # defaults: not recorded
     with pytest.raises(ValueError, match="video_input: video_url applies to a vision model of backend openai"):
-        spec("http://127.0.0.1:9/v1", kind="chat", video_input="video_url")
+        spec("http://127.0.0.1:9/v1", interface="chat", video_input="video_url")
     with pytest.raises(ValueError, match="video_transport: file writes each clip under `video_root`, which is not"):
-        spec("http://127.0.0.1:9/v1", kind="vision", video_input="video_url", video_transport="file")
+        spec("http://127.0.0.1:9/v1", interface="vision", video_input="video_url", video_transport="file")
     with pytest.raises(ValueError, match="video_root: applies only with video_input: video_url"):
-        spec("http://127.0.0.1:9/v1", kind="vision", video_root="/tmp")
+        spec("http://127.0.0.1:9/v1", interface="vision", video_root="/tmp")
     with pytest.raises(ValueError, match="video_root: is used only with video_transport: file"):
-        spec("http://127.0.0.1:9/v1", kind="vision", video_input="video_url", video_root="/tmp")
+        spec("http://127.0.0.1:9/v1", interface="vision", video_input="video_url", video_root="/tmp")
 
     team = load_team("tiny")
     data = team.model_dump()
-    data["models"]["served"] = {"kind": "vision", "backend": "openai", "path": "m", "base_url": "http://x/v1",
+    data["models"]["served"] = {"interface": "vision", "backend": "openai", "path": "m", "base_url": "http://x/v1",
                                 "video_input": "video_url", "video_transport": "file"}
     import yaml
 
@@ -537,7 +537,7 @@ def test_key_never_in_repr_errors_results_or_logs(servers, key_env, caplog):
     caplog.set_level(logging.DEBUG)
     srv = servers(script=[(500, {}, f"upstream said {SECRET}")])
     model = fast(OpenAIChatModel(spec(srv.url), "agent"))
-    vision = OpenAIVisionModel(spec(srv.url, kind="vision"), "browser")
+    vision = OpenAIVisionModel(spec(srv.url, interface="vision"), "browser")
     assert SECRET not in repr(model) and SECRET not in repr(vision)
     assert SECRET not in repr(vars(model)) and SECRET not in str(vars(model))
     out = model.generate(chats(1), SamplingParams())

@@ -54,8 +54,8 @@ def _team(tmp_path, agent: str, browser: str, name="team.yaml"):
     path = tmp_path / name
     path.write_text(yaml.safe_dump({
         "name": "t",
-        "models": {"agent": {"kind": "chat", "backend": "hf", "path": str(agent), "device": "cpu"},
-                   "browser": {"kind": "vision", "backend": "hf", "path": str(browser), "device": "cpu"}},
+        "models": {"agent": {"interface": "chat", "backend": "hf", "path": str(agent), "device": "cpu"},
+                   "browser": {"interface": "vision", "backend": "hf", "path": str(browser), "device": "cpu"}},
         "agents": [{"name": "a1", "model": "agent"}],
         "tools": {"browser": "browser", "enabled": ["Global Sampling", "Rough Browser", "Grounding Tool"]}}))
     return path
@@ -159,15 +159,15 @@ def test_shipped_team_grounds_with_a_native_vlm_and_the_plan_names_what_it_check
 def test_roles_decide_what_a_processor_must_have(folders, empty_hf_cache):
     """A seed kind's VLM policy needs an image processor; backend eagle serves the browse tools only; an unknown
     hub id is reported as not checked (nothing is downloaded), a refused one raises PreflightError."""
-    assert check_model("p", ModelSpec(kind="vision", path=str(folders["vl"])), {VLM_POLICY, BROWSE}).status == "ok"
-    eagle = ModelSpec(kind="vision", backend="eagle", path="nvidia/Eagle2.5-8B", trust_remote_code=True)
+    assert check_model("p", ModelSpec(interface="vision", path=str(folders["vl"])), {VLM_POLICY, BROWSE}).status == "ok"
+    eagle = ModelSpec(interface="vision", backend="eagle", path="nvidia/Eagle2.5-8B", trust_remote_code=True)
     refused = check_model("p", eagle, {VLM_POLICY})
     assert refused.status == "refused" and "backend eagle serves the browse tools only" in refused.why
     with pytest.raises(PreflightError, match=r"^model 'p' \(nvidia/Eagle2.5-8B, vlm policy\): backend eagle"):
         require([refused])
-    unknown = check_model("x", ModelSpec(kind="chat", path="someone/some-model"), {AGENT})
+    unknown = check_model("x", ModelSpec(interface="chat", path="someone/some-model"), {AGENT})
     assert unknown.status == "unchecked" and "not in the Hugging Face cache" in unknown.why
-    bad_tiny = check_model("t", ModelSpec(kind="vision", tiny={"arch": "qwen2"}), {BROWSE})
+    bad_tiny = check_model("t", ModelSpec(interface="vision", tiny={"arch": "qwen2"}), {BROWSE})
     assert bad_tiny.status == "refused" and "tiny arch 'qwen2' is not a vision model" in bad_tiny.why
 
 
@@ -184,7 +184,7 @@ def test_a_cached_hub_id_is_checked_from_its_files_and_missing_tokenizer_files_a
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
     assert huggingface_hub.constants.HF_HUB_CACHE == str(tmp_path / "hf_cache")
-    spec = ModelSpec(kind="chat", path="someone/tiny-chat")
+    spec = ModelSpec(interface="chat", path="someone/tiny-chat")
     ok = check_model("x", spec, {AGENT})
     assert ok.status == "ok" and "Qwen2ForCausalLM from its config; tokenizer with a chat template" in ok.why
     for f in snapshot.glob("tokenizer*"):
@@ -193,7 +193,7 @@ def test_a_cached_hub_id_is_checked_from_its_files_and_missing_tokenizer_files_a
     assert partial.status == "class" and "no tokenizer files" in partial.why and "the run fetches them" in partial.why
     bare = tmp_path / "bare"
     shutil.copytree(folders["chat"], bare, ignore=shutil.ignore_patterns("tokenizer*"))
-    refused = check_model("x", ModelSpec(kind="chat", path=str(bare)), {AGENT})
+    refused = check_model("x", ModelSpec(interface="chat", path=str(bare)), {AGENT})
     assert refused.status == "refused" and "its tokenizer has 1 token(s)" in refused.why
-    wrong = check_model("c", ModelSpec(kind="clip", backend="hf", path=str(bare)), {CLIP})
+    wrong = check_model("c", ModelSpec(interface="clip", backend="hf", path=str(bare)), {CLIP})
     assert (wrong.status, wrong.why) == ("refused", "backend 'hf' has no clip models")

@@ -20,7 +20,7 @@ from m1.models.vllm_client import EngineChat, EngineError
 from m1.models.vllm_server import EngineServer, vllm_command
 
 STANDIN = str(Path(__file__).parents[1] / "engine_standin.py")
-SPEC = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": {
+SPEC = ModelSpec.model_validate({"interface": "chat", "device": "cpu", "tiny": {
     "arch": "qwen3", "hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}})
 MAX_PROMPT, MAX_COMPLETION = 64, 8
 CHATS = [
@@ -65,6 +65,15 @@ def learner(folder):
 
     cfg = LearnerConfig(finetune="lora", max_prompt_tokens=MAX_PROMPT, max_completion_tokens=MAX_COMPLETION)
     return AgentLearner.build("alpha", "qa", SPEC, cfg, GRPOSettings(beta=0.0))
+
+
+def healthy(chat: EngineChat) -> bool:
+    """Whether the engine's GET /health answers 200 (False on any failure)."""
+    try:
+        status, _ = chat._call("GET", "/health", timeout=10.0)
+    except EngineError:
+        return False
+    return status == 200
 
 
 def _chat(server, learner, **kw) -> EngineChat:
@@ -138,7 +147,7 @@ def test_hung_engine_times_out_with_the_agent_and_url(learner):
 @pytest.mark.slow
 def test_generate_matches_the_learner(server, learner):
     chat = _chat(server, learner)
-    assert chat.health() and chat.models() == ["base"] and chat.remote
+    assert healthy(chat) and chat.models() == ["base"] and chat.remote
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
     # a prompt over MAX_PROMPT is refused by both, never cut from the front (the team trims to its budget first)
     with pytest.raises(EngineError, match=rf"a prompt of \d+ tokens is over learner.max_prompt_tokens={MAX_PROMPT}"):
@@ -302,7 +311,7 @@ def test_killed_engine_raises_naming_agent_and_url(folder, learner, tmp_path):
                                               r"died or hung.*resumes from the last checkpoint"):
             chat.generate(CHATS, SamplingParams(max_new_tokens=3, temperature=1.0, seed=0))
         assert time.monotonic() - start < 5.0
-        assert not chat.health() and not srv.alive()
+        assert not healthy(chat) and not srv.alive()
 
 
 @pytest.mark.slow
@@ -319,7 +328,7 @@ def test_engine_host_owns_a_server_and_reports_the_node_url(folder, learner, tmp
         assert url.startswith(f"http://{ray.util.get_node_ip_address()}:") and host.alive()
         assert (tmp_path / "engine-alpha.log").is_file()
         chat = EngineChat("qa", url, learner.actor.tokenizer, agent="alpha", served_model=folder, timeout=10.0)
-        assert chat.health() and chat.models() == [folder]
+        assert healthy(chat) and chat.models() == [folder]
     finally:
         host.stop()
     assert not host.alive()

@@ -19,8 +19,8 @@ from m1.marl.actor.learner_io import load_actor, save_actor
 def pair(request, m1_cache):
     """(the model with the sampler, the same weights through transformers' generate)."""
     tiny = TinySpec(arch=request.param, seed=3)
-    fast = HFChatModel(ModelSpec(kind="chat", tiny=tiny), "fast")
-    slow = HFChatModel(ModelSpec(kind="chat", tiny=tiny, prefix_cache_mb=0), "slow")
+    fast = HFChatModel(ModelSpec(interface="chat", tiny=tiny), "fast")
+    slow = HFChatModel(ModelSpec(interface="chat", tiny=tiny, prefix_cache_mb=0), "slow")
     assert fast.sampler is not None and slow.sampler is None
     return fast, slow
 
@@ -96,8 +96,8 @@ def test_changed_weights_empty_the_cache(m1_cache):
     import torch
 
     tiny = TinySpec(arch="qwen3", seed=4)
-    fast = HFChatModel(ModelSpec(kind="chat", tiny=tiny), "fast")
-    slow = HFChatModel(ModelSpec(kind="chat", tiny=tiny, prefix_cache_mb=0), "slow")
+    fast = HFChatModel(ModelSpec(interface="chat", tiny=tiny), "fast")
+    slow = HFChatModel(ModelSpec(interface="chat", tiny=tiny, prefix_cache_mb=0), "slow")
     prompts = _prompts(2)
     _same(_run(fast, prompts, 0.0, [None] * 6), _run(slow, prompts, 0.0, [None] * 6))
     assert fast.sampler.cache.blocks
@@ -112,8 +112,8 @@ def test_changed_weights_empty_the_cache(m1_cache):
 
 def test_the_cache_stays_within_its_bytes(m1_cache):
     tiny = TinySpec(arch="qwen2", seed=5)
-    small = HFChatModel(ModelSpec(kind="chat", tiny=tiny, prefix_cache_mb=1), "small")
-    slow = HFChatModel(ModelSpec(kind="chat", tiny=tiny, prefix_cache_mb=0), "slow")
+    small = HFChatModel(ModelSpec(interface="chat", tiny=tiny, prefix_cache_mb=1), "small")
+    slow = HFChatModel(ModelSpec(interface="chat", tiny=tiny, prefix_cache_mb=0), "slow")
     for call in range(5):
         prompts = _prompts(call % 3)
         if call == 1:  # from here on, room for a few blocks only
@@ -128,7 +128,7 @@ def test_sampled_first_tokens_follow_the_policy(m1_cache):
     probability under softmax(logits / T), and the draws of one seed repeat."""
     import torch
 
-    model = HFChatModel(ModelSpec(kind="chat", tiny=TinySpec(arch="qwen3", seed=6)), "m")
+    model = HFChatModel(ModelSpec(interface="chat", tiny=TinySpec(arch="qwen3", seed=6)), "m")
     prompt = list(range(10, 30))
     n, temp = 2000, 1.3
     outs = _run(model, [prompt] * n, temp, list(range(n)), max_new=1)
@@ -167,7 +167,7 @@ def test_a_learner_update_or_load_empties_its_samplers_cache(m1_cache, tmp_path)
     from m1.marl.rollout.episodes import Sample
     from m1.models.base import ChatRequest
 
-    spec = ModelSpec(kind="chat", tiny=TinySpec(arch="qwen3", seed=8))
+    spec = ModelSpec(interface="chat", tiny=TinySpec(arch="qwen3", seed=8))
     learner = AgentLearner.build("a", "m", spec, LearnerConfig(finetune="full", lr=1e-2, max_prompt_tokens=512,
                                                          max_completion_tokens=6), GRPOSettings(beta=0.0))
     chat = [{"role": "user", "content": "where is the red square? " * 8}]

@@ -114,7 +114,7 @@ def fake_api(made: list[FakeLLM]) -> VLLMApi:
 
 
 def spec(**kw) -> ModelSpec:
-    base = dict(kind="chat", backend="vllm", path="/models/qwen", dtype="bfloat16",
+    base = dict(interface="chat", backend="vllm", path="/models/qwen", dtype="bfloat16",
                 tensor_parallel_size=2, gpu_memory_utilization=0.5)
     base.update(kw)
     return ModelSpec(**base)

@@ -29,7 +29,7 @@ from m1.models.base import SamplingParams
 from m1.models.vllm_client import EngineChat, EngineError
 from m1.models.vllm_server import EngineServer, free_port, vllm_command
 from m1.marl.actor.learner_io import export_weights
-from tests.models.test_rollout_engine import CHATS, MAX_COMPLETION, MAX_PROMPT
+from tests.models.test_rollout_engine import CHATS, MAX_COMPLETION, MAX_PROMPT, healthy
 from tests.models.test_rollout_engine import _perturbed as _noisy_copy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ pytestmark = [
 ]
 
 TINY = {"arch": "qwen3", "hidden_size": 128, "layers": 2, "heads": 4, "kv_heads": 2, "seed": 1}  # head_dim 32
-SPEC = ModelSpec.model_validate({"kind": "chat", "device": "cpu", "tiny": TINY})
+SPEC = ModelSpec.model_validate({"interface": "chat", "device": "cpu", "tiny": TINY})
 TOL = 1e-4
 DIFFS: dict[str, float] = {}  # the largest engine-learner log-prob difference of each check (printed at the end)
 RATIOS: dict[str, list[float]] = {}  # what the MARL test measured: seconds, per-step ratios and losses (printed)
@@ -126,7 +126,7 @@ def marl_cfg(out, *, models=MARL_MODELS, learner=None, rollout=None, **top):
         team["models"][key]["tiny"] = tiny
     data = {"team": team,
             "rollout": {"num_generations": 2, "questions_per_step": 2, "engine": "vllm", **(rollout or {})},
-            "grpo": {"beta": 0.05}, "judge": {"kind": "rubric"},  # old_logprobs: sampler, the default with vllm
+            "grpo": {"beta": 0.05}, "judge": {"method": "rubric"},  # old_logprobs: sampler, the default with vllm
             "learner": {"finetune": "lora", "lr": 5e-2, "micro_batch_size": 4,
                         "max_completion_tokens": 16, **(learner or {})},
             "steps": 3, "out_dir": str(out), "checkpoint": {"every": 1, "keep_last": 3},
@@ -243,7 +243,7 @@ def learner_logprobs(learner, prompt, completion, temperature=1.0, adapter=True)
 
 def test_completions_carry_token_ids_and_the_learners_logprobs(server, learner):
     chat = _chat(server, learner)
-    assert chat.health() and chat.models() == ["base"]
+    assert healthy(chat) and chat.models() == ["base"]
     assert chat.engine_folder() == Path(server.argv[server.argv.index("--model") + 1])
     params = SamplingParams(max_new_tokens=MAX_COMPLETION, temperature=1.0, seed=7)
     outs = chat.generate(CHATS, params)
@@ -391,7 +391,7 @@ def test_engine_killed_mid_step_is_a_clear_error(server, learner):
     assert errors and isinstance(errors[0], EngineError), errors
     assert f"agent alpha: rollout engine {server.url}" in str(errors[0])
     assert "resumes from the last checkpoint" in str(errors[0])
-    assert not chat.health()
+    assert not healthy(chat)
 
 
 

@@ -80,7 +80,7 @@ def _clip(n: int) -> np.ndarray:
 
 
 def _model(url: str, **kw) -> OpenAIVisionModel:
-    spec = ModelSpec(kind="vision", backend="openai", path="tiny-vl", base_url=url, video_input="video_url",
+    spec = ModelSpec(interface="vision", backend="openai", path="tiny-vl", base_url=url, video_input="video_url",
                      timeout=300.0, max_retries=0, concurrency=2, **kw)
     return OpenAIVisionModel(spec, "browser")
 

@@ -62,7 +62,7 @@ def test_every_drill_quotes_its_evidence_exactly(steps):
 
 def test_evidence_survives_json():
     ev = Evidence(10, 14, ((1, 5), (6, 8)), True)
-    assert Evidence.from_json(ev.to_json()) == ev and ev.shifted(3).sources == ((4, 8), (9, 11))
+    assert Evidence.from_json(ev.to_json()) == ev
 
 
 # ------------------------------------------------------------------------------------------------ the heads' rows

@@ -156,6 +156,6 @@ def test_the_default_clip_ships_and_loads_without_training(monkeypatch, tmp_path
     assert folder.parent == ct.SHIPPED
     manifest = json.loads((folder / ct.MANIFEST).read_text())
     assert manifest["params"] == ct.clip_params() and folder.name == ct.params_hash({})
-    clip = ModelHub({"clip": ModelSpec(kind="clip", backend="open_clip", clip_name=SYNTH_CLIP, device="cpu")}).clip("clip")
+    clip = ModelHub({"clip": ModelSpec(interface="clip", backend="open_clip", clip_name=SYNTH_CLIP, device="cpu")}).clip("clip")
     emb = clip.encode_texts(["a red square on the left"])
     assert emb.shape == (1, 64) and np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)

@@ -5,7 +5,7 @@ from m1.agents import prompts
 from m1.agents.parsers import parse_answer, parse_decision, parse_plan
 from m1.memory import SharedMemory
 from m1.schema import Plan, Question, Turn
-from m1.synth.teacher import TeacherChatModel, plan_for
+from m1.synth.teacher import TeacherChatModel, key_plan
 from m1.tools import TOOL_NAMES
 
 ALL = list(TOOL_NAMES)
@@ -29,7 +29,7 @@ def test_plans_follow_question_cues(text, tools):
     reply = TeacherChatModel().reply(prompts.plan_messages(q, ALL))
     parsed = parse_plan(reply, ALL)
     assert parsed.ok and parsed.plan.tools == tools
-    assert plan_for(text)[1] == tools
+    assert key_plan(text)[1] == tools
 
 
 def test_plan_reads_only_the_prompt_not_metadata():

@@ -18,9 +18,9 @@ def team_cfg(**over):
     data = {
         "name": "fake",
         "models": {
-            "m_a": {"kind": "chat", "path": "fake/a"}, "m_b": {"kind": "chat", "path": "fake/b"},
-            "vlm": {"kind": "vision", "path": "fake/vlm"},
-            "clip": {"kind": "clip", "backend": "open_clip", "clip_name": "fake"},
+            "m_a": {"interface": "chat", "path": "fake/a"}, "m_b": {"interface": "chat", "path": "fake/b"},
+            "vlm": {"interface": "vision", "path": "fake/vlm"},
+            "clip": {"interface": "clip", "backend": "open_clip", "clip_name": "fake"},
         },
         "agents": [{"name": "alpha", "model": "m_a"}, {"name": "beta", "model": "m_a"},
                    {"name": "gamma", "model": "m_b"}, {"name": "delta", "model": "m_b"}],

@@ -126,7 +126,7 @@ def test_prompt_budget_count_learner_check_and_model_tokenize_a_prompt_once(monk
     from m1.marl.actor.learner import AgentLearner
     from m1.models import base
 
-    spec = {"kind": "chat", "device": "cpu",
+    spec = {"interface": "chat", "device": "cpu",
             "tiny": {"arch": "qwen2", "hidden_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "seed": 1}}
     learner = AgentLearner.build("a", "m", ModelSpec.model_validate(spec),
                                  LearnerConfig(max_prompt_tokens=512, max_completion_tokens=6), GRPOSettings(beta=0.0))
@@ -163,7 +163,7 @@ def test_prompt_budget_count_learner_check_and_model_tokenize_a_prompt_once(monk
 def test_prompt_budget_team_budget_may_not_exceed_the_learners(tmp_path):
     from m1.marl.config import TrainConfig
 
-    data = {"team": "synth_teacher", "judge": {"kind": "rubric"}, "out_dir": str(tmp_path),
+    data = {"team": "synth_teacher", "judge": {"method": "rubric"}, "out_dir": str(tmp_path),
             "learner": {"max_prompt_tokens": 2048}}
     TrainConfig.model_validate({**data, "team_overrides": ["limits.max_prompt_tokens=2048"]})
     with pytest.raises(ValueError, match=r"limits.max_prompt_tokens=4096 exceeds learner.max_prompt_tokens=2048"):

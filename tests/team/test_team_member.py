@@ -30,14 +30,14 @@ SECRET = "sk-test-member-key-do-not-print"
 TEAM_YAML = """
 name: with_panel
 models:
-  q3: {{kind: chat, backend: hf, device: cpu,
+  q3: {{interface: chat, backend: hf, device: cpu,
         tiny: {{arch: qwen3, hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, seed: 2}}}}
-  q2: {{kind: chat, backend: hf, device: cpu,
+  q2: {{interface: chat, backend: hf, device: cpu,
         tiny: {{arch: qwen2, hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, seed: 4}}}}
-  vision: {{kind: vision, backend: synth}}
-  clip: {{kind: clip, backend: open_clip, tiny: {{arch: open_clip}}, device: cpu}}
+  vision: {{interface: vision, backend: synth}}
+  clip: {{interface: clip, backend: open_clip, tiny: {{arch: open_clip}}, device: cpu}}
   # the served team: m1 serve's model name, its URL; each question's video sent as a file:// URL it may read
-  panel: {{kind: team, backend: openai, path: synth_teacher, base_url: "{url}", api_key_env: M1_TEST_PANEL_KEY,
+  panel: {{interface: team, backend: openai, path: synth_teacher, base_url: "{url}", api_key_env: M1_TEST_PANEL_KEY,
           video_input: video_url, video_transport: {transport}, max_retries: 0, timeout: 60}}
 agents:
   - {{name: local_a, model: q3}}
@@ -159,7 +159,7 @@ def test_a_refused_question_or_unreadable_reply_is_a_format_failure(world, serve
         def ask(self, questions, params):
             return [Completion(text="a shrug", meta={"prompt": [], "reason": "?"}) for _ in questions]
 
-    team.hub.register("panel", Garbled(), kind="team")
+    team.hub.register("panel", Garbled(), interface="team")
     ep = team.run([q for q in qs if q.task == "mcq"][:1])[0]
     panel = next(a for a in ep.answers if a.agent == "panel")
     assert ep.error is None and not panel.parse_ok and panel.answer == ""
@@ -189,9 +189,9 @@ def test_a_dead_endpoint_gives_error_rows_naming_the_agent_and_url_not_the_key(w
 
 
 def test_team_model_config():
-    base = {"name": "t", "models": {"c": {"kind": "chat", "backend": "synth"},
-                                    "v": {"kind": "vision", "backend": "synth"},
-                                    "p": {"kind": "team", "backend": "openai", "path": "mini",
+    base = {"name": "t", "models": {"c": {"interface": "chat", "backend": "synth"},
+                                    "v": {"interface": "vision", "backend": "synth"},
+                                    "p": {"interface": "team", "backend": "openai", "path": "mini",
                                           "base_url": "http://h/v1", "video_input": "video_url"}},
             "agents": [{"name": "panel", "model": "p"}, {"name": "a", "model": "c"}],
             "tools": {"browser": "v", "enabled": ["Global Sampling", "Rough Browser"]}}
@@ -204,8 +204,8 @@ def test_team_model_config():
             TeamConfig.model_validate(data)
         return str(err.value)
 
-    assert "video_input: video_url" in refused({}, {"p": {"kind": "team", "backend": "openai", "path": "mini"}})
-    assert "backend openai" in refused({}, {"p": {"kind": "team", "backend": "hf", "path": "x",
+    assert "video_input: video_url" in refused({}, {"p": {"interface": "team", "backend": "openai", "path": "mini"}})
+    assert "backend openai" in refused({}, {"p": {"interface": "team", "backend": "hf", "path": "x",
                                                   "video_input": "video_url"}})
     assert "video_root" in refused({}, {"p": {**base["models"]["p"], "video_transport": "file", "video_root": "/x"}})
     assert "writes no summaries" in refused({"aggregation": {"summarizer": "panel"}})
@@ -222,8 +222,8 @@ def test_a_team_of_served_teams_only_needs_no_summarizer(world):
     """Nobody local writes summaries: open and grounding answers fall back to the vote rule / median span."""
     _, _, qs = world
     cfg = TeamConfig.model_validate({
-        "name": "panels", "models": {"v": {"kind": "vision", "backend": "synth"},
-                                     **{k: {"kind": "team", "backend": "openai", "path": "t", "base_url": "http://h/v1",
+        "name": "panels", "models": {"v": {"interface": "vision", "backend": "synth"},
+                                     **{k: {"interface": "team", "backend": "openai", "path": "t", "base_url": "http://h/v1",
                                             "video_input": "video_url"} for k in ("p1", "p2")}},
         "agents": [{"name": "one", "model": "p1"}, {"name": "two", "model": "p2"}],
         "tools": {"browser": "v", "enabled": ["Global Sampling", "Rough Browser"]}})
@@ -238,8 +238,8 @@ def test_a_team_of_served_teams_only_needs_no_summarizer(world):
                                meta={"prompt": [], "reason": "r", "usage": used}) for q in questions]
 
     team = make_team(cfg)
-    team.hub.register("p1", Served(3), kind="team")
-    team.hub.register("p2", Served(5), kind="team")
+    team.hub.register("p1", Served(3), interface="team")
+    team.hub.register("p2", Served(5), interface="team")
     for q, ep in zip(qs, team.run(qs)):
         assert ep.error is None and not [g for g in ep.generations if g.phase != "answer"]
         assert ep.usage == {a: {"model": "t", "calls": 1, "prompt_tokens": 3, "completion_tokens": 1}

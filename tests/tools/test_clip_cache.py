@@ -145,7 +145,7 @@ def test_fingerprint_follows_the_model_spec():
     class Spec:  # a model carrying a ModelSpec, like OpenClipModel
         def __init__(self, seed, device="cpu"):
             self.name = "clip"
-            self.spec = ModelSpec(kind="clip", backend="open_clip", device=device,
+            self.spec = ModelSpec(interface="clip", backend="open_clip", device=device,
                                   tiny={"arch": "open_clip", "seed": seed})
 
     assert model_fingerprint(Spec(1)) == model_fingerprint(Spec(1, device="cuda"))

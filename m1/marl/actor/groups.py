@@ -182,7 +182,7 @@ class RayLearners:
         default = {"num_gpus": ray_cfg.num_gpus_per_learner, "num_cpus": ray_cfg.num_cpus_per_learner}
         actor_cls = ray.remote(LearnerRank)
         self.keys = {agent: key for agent, (key, _) in specs.items()}
-        self.kinds = {agent: spec.kind for agent, (_, spec) in specs.items()}
+        self.interfaces = {agent: spec.interface for agent, (_, spec) in specs.items()}
         self.worlds = worlds
         self.groups: dict[str, list] = {
             agent: [actor_cls.options(**(placement.options("learner", agent, r) if placement else default)).remote()
@@ -204,7 +204,7 @@ class RayLearners:
                                            for agent, group in self.groups.items() for r, actor in enumerate(group)})
 
     def chat_models(self) -> dict[str, RemoteChat]:
-        return {agent: RemoteChat(self.keys[agent], group, self.kinds.get(agent) == "vision")
+        return {agent: RemoteChat(self.keys[agent], group, self.interfaces.get(agent) == "vision")
                 for agent, group in self.groups.items()}
 
     def sft_samples(self, agent: str, examples: list) -> list[Sample]:
@@ -365,7 +365,7 @@ class ModelHost:
     the plan gave it, so it never shares a GPU with a learner."""
 
     def __init__(self, key: str, spec: ModelSpec):
-        self.model = getattr(ModelHub({key: spec}), spec.kind)(key)
+        self.model = getattr(ModelHub({key: spec}), spec.interface)(key)
 
     def attributes(self) -> dict[str, Any]:
         """The model's plain attributes (name, dims...), which tools read without calling it."""
@@ -381,9 +381,9 @@ class RemoteModel:
 
     remote = True
 
-    def __init__(self, key: str, kind: str, actor, attributes: dict[str, Any]):
+    def __init__(self, key: str, interface: str, actor, attributes: dict[str, Any]):
         self.__dict__.update(attributes)
-        self.name, self.kind, self._actor = key, kind, actor
+        self.name, self.interface, self._actor = key, interface, actor
 
     def _call(self, method: str, *args, **kwargs):
         ray = _require_ray()
@@ -417,7 +417,7 @@ def host_driver_models(placement: RayPlacement, specs: dict[str, ModelSpec]) -> 
                                    "OpenAI-compatible endpoint: backend openai)")
         hosts[key] = ray.remote(ModelHost).options(**placement.options("driver", key, 0)).remote(key, specs[key])
     attrs = ray.get([h.attributes.remote() for h in hosts.values()])  # load errors surface here
-    return {key: RemoteModel(key, specs[key].kind, host, a) for (key, host), a in zip(hosts.items(), attrs)}
+    return {key: RemoteModel(key, specs[key].interface, host, a) for (key, host), a in zip(hosts.items(), attrs)}
 
 
 def lost_ranks(learners, exc: BaseException) -> str | None:

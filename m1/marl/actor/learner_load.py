@@ -52,7 +52,7 @@ def load_policy(agent: str, model_key: str, spec: ModelSpec, cfg: LearnerConfig,
     # fine-tuning in plain torch: fp32 weights, since the paper's lr 1e-7 would round away in bf16 weights.
     weights_dtype = "bfloat16" if bf16 and (cfg.finetune == "lora" or ds_cfg) else "float32"
     chat = _chat_model(agent, model_key, spec.model_copy(update={"dtype": weights_dtype}))
-    vl = spec.kind == "vision"
+    vl = spec.interface == "vision"
     context_length = chat.context_length
     base = chat.model
     if cfg.gradient_checkpointing:
@@ -79,7 +79,7 @@ def load_policy(agent: str, model_key: str, spec: ModelSpec, cfg: LearnerConfig,
 def _chat_model(agent: str, model_key: str, spec: ModelSpec):
     """The HF chat model of `spec`; a vision-language policy loads through HFVisionModel
     (AutoModelForImageTextToText with its processor) and must be of a type whose image inputs the learner feeds."""
-    if spec.kind == "vision":
+    if spec.interface == "vision":
         if spec.backend != "hf":
             raise ValueError(f"agent {agent!r}: model {model_key!r} has kind 'vision' and backend "
                              f"{spec.backend!r}; a vision-language learner needs backend 'hf'")

@@ -9,8 +9,8 @@ cache reused by its completions (GRPO's K rollouts share a prompt); the detached
 `learner.prompt_grad: false`; and the whole-sequence pass of SFT's prompt loss. Policy, reference and probe all
 score through it, so they see the same rows, positions and images.
 
-Vision-language policies (a seed kind's `kind: vision` Qwen2-VL / Qwen2.5-VL model, backend hf): a sample's prompt ids
-keep the processor's image-pad tokens, and the forward pass gets the `pixel_values` / `image_grid_thw` of its frames,
+Vision-language policies (a seed kind's `interface: vision` Qwen2-VL / Qwen2.5-VL model, backend hf): a sample's
+prompt ids keep the processor's image-pad tokens, and the forward pass gets the `pixel_values` / `image_grid_thw` of its frames,
 decoded again from the sample's video and frame indices (samples and traces never hold pixels). The model then
 places its own multimodal rotary positions, so such prompts take the joint pass (no prompt sharing) and are never
 cut: a prompt over `max_prompt_tokens` is an error. Policy, reference and sampler all score with the same images.

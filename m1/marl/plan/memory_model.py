@@ -71,7 +71,7 @@ def model_parameters(spec: ModelSpec) -> int:
         if spec.tiny.arch == "open_clip":  # two towers of `layers` blocks of width hidden_size
             return 2 * 12 * spec.tiny.layers * spec.tiny.hidden_size ** 2
         return tiny_shape(spec.tiny).parameters()
-    if spec.kind == "chat":
+    if spec.interface == "chat":
         return chat_shape(spec).parameters()
     name = spec.clip_name if spec.backend == "open_clip" else spec.path
     return vision_parameters(name or "")

@@ -1,5 +1,5 @@
 """The placement plan as data: which GPUs each learner group, rollout engine and driver model gets, with its memory
-estimate, and how the plan reads (`render`), logs (`plan_summary`) and becomes Ray placement-group bundles.
+estimate, and how the plan reads (`render`) and becomes Ray placement-group bundles.
 
 m1/marl/plan/planner.py `make_plan` builds it; the trainer, the learner groups and `--plan` only read it, so they import
 these records without the planning logic.
@@ -7,7 +7,7 @@ these records without the planning logic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from m1.config import ModelSpec
 from m1.marl.plan.cluster import RAY_NODE_ID_LABEL, PlanError
@@ -137,9 +137,6 @@ class PlacementPlan:
         """Each planned GPU's unit and rank."""
         return {s: (u, r) for u in self.units for r, s in enumerate(u.slots)}
 
-    def peak_gb(self) -> dict[GpuSlot, float]:
-        return {s: (u.memory.peak if u.memory else float("nan")) for s, (u, _) in self.by_gpu().items()}
-
     def ray_bundles(self, cpus_per_gpu: int | None = None, node_ips: list[str] | None = None,
                     node_ids: list[str] | None = None) -> RayBundles:
         cpus = self.cpus_per_gpu if cpus_per_gpu is None else cpus_per_gpu
@@ -244,27 +241,6 @@ class PlacementPlan:
             lines.append(f"driver {key}: {b.requests} requests per generate call, of up to {b.most} at once "
                          f"({b.setting}; {fit}; {b.tokens} tokens, {b.request_gb:.2f} GB KV + activations each)")
         return lines
-
-
-def plan_summary(plan: PlacementPlan) -> dict[str, Any]:
-    """The plan as JSON-friendly data (logs, run records)."""
-    units = [{"role": u.role, "name": u.name, "model": u.model, "gpus": u.gpus,
-              "slots": [[s.node, s.gpu] for s in u.slots],
-              "peak_gb": None if u.memory is None else round(u.memory.peak, 2)} for u in plan.units]
-    r = plan.rollout
-    return {"name": plan.name, "nodes": plan.nodes, "gpu_mem_gb": plan.gpu_mem_gb, "fits": plan.fits,
-            "problems": plan.problems, "checkpoint_gb": round(plan.checkpoint_gb, 2),
-            "checkpoint_one_gb": round(plan.checkpoint_one_gb, 2),
-            "checkpoint_agents_gb": {a: round(v, 2) for a, v in plan.checkpoint_agents_gb.items()},
-            "checkpoint_bytes_per_param": plan.checkpoint_bytes_per_param,
-            "reference_gb": {a: round(v, 2) for a, v in plan.reference_gb.items()}, "beta": plan.beta,
-            "rollout": None if r is None else {"episodes": r.episodes, "setting": r.setting, "step": r.step,
-                                               "fits": r.fits, "kv_tokens": r.kv_tokens,
-                                               "fits_without_reference": r.fits_without_reference},
-            "requests": {k: {"requests": b.requests, "setting": b.setting, "most": b.most, "fits": b.fits,
-                             "tokens": b.tokens, "request_gb": round(b.request_gb, 3)}
-                         for k, b in plan.requests.items()},
-            "units": units}
 
 
 def with_request_batches(specs: dict[str, ModelSpec], plan: PlacementPlan | None) -> dict[str, ModelSpec]:

@@ -291,7 +291,7 @@ def _driver_models_of(d: _Draft, teacher: bool | None, on_engines: bool, rollout
     elif rollout is not None:
         episodes_at_once = rollout.episodes
     j = cfg.judge
-    if j.kind == "llm" and j.model is not None:
+    if j.method == "llm" and j.model is not None:
         drivers["judge"] = j.model
     return drivers, driver_team, episodes_at_once
 
@@ -349,7 +349,7 @@ def _driver_unit(d: _Draft, key: str, spec: ModelSpec, driver_team: TeamConfig, 
     else:  # one GPU unless the model does not fit on one
         n = next((k for k in range(1, cc.gpus_per_node + 1) if driver_mem(k).peak <= usable), 1)
     mem = driver_mem(n)
-    if spec.kind == "vision" and spec.backend in ("hf", "eagle"):
+    if spec.interface == "vision" and spec.backend in ("hf", "eagle"):
         mem = _vision_driver_memory(d, key, spec, driver_team, len(driver_team.agents) * episodes_at_once,
                                     in_gb(weights / n), known_usable, requests, sized) or mem
     return Unit("driver", key, spec.path or spec.clip_name or "tiny", n, mem)

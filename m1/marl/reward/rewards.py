@@ -64,7 +64,7 @@ class RewardConfig(Strict):
     w_format: float = Field(default=1.0, description="Weight of R_format, the share of its replies in the strict "
                                                      "format.")
     w_col: float = Field(default=1.0, description="Weight of R_col, the judge's verdict on its memory record (0 "
-                                                  "with judge.kind none).")
+                                                  "with judge.method none).")
     w_team: float = Field(default=0.0, description="Ours: weight of the team's result, shared by every agent "
                                                    "(paper: 0).")
     tool_call_limit: int = Field(5, ge=1, description="Tool calls an agent may make before each one is penalised.")

@@ -114,7 +114,7 @@ def training_team_config(team: TeamConfig, temperature: float,
     needs its own copy, so shared keys are split into `<key>@<agent>` entries with the same spec.
     """
     if team.served_teams:  # its weights are behind someone else's server: nothing here could train it
-        raise ValueError(f"team {team.name!r}: agent {team.served_teams[0]!r} is a served team (model kind team), "
+        raise ValueError(f"team {team.name!r}: agent {team.served_teams[0]!r} is a served team (model interface team), "
                          "which training cannot update or score per token; train a team of local agents")
     models = dict(team.models)
     agents: list[AgentSpec] = []
