@@ -121,8 +121,8 @@ class Actor:
             return {"samples": 0.0, "lr": lr}
         self.policy.train()
         rows = self.scorer.rows(samples)
-        skip_zero = loss_family.skips_zero_advantage and self.grpo.beta == 0 and self.cfg.skip_zero_advantage
-        run = [i for i, s in enumerate(samples) if not (skip_zero and s.zero_advantage)]
+        needed = loss_family.carries_gradient if self.grpo.beta == 0 and self.cfg.skip_zero_advantage else None
+        run = [i for i, s in enumerate(samples) if needed is None or needed(s, self.grpo)]
         step = StepSize(samples=len(samples), tokens=sum(len(c) for _, c in rows),
                         prompt_tokens=sum(len(p) - 1 for p, _ in rows), run_tokens=sum(len(rows[i][1]) for i in run),
                         evidence_rows=sum(len(evidence_rows(s, r)) for s, r in zip(samples, rows)))

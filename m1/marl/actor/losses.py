@@ -125,17 +125,38 @@ def grpo_loss_family(actor, micro: list[Sample], micro_rows: list, step: StepSiz
     stats.update({k: v * share for k, v in loss_stats.items() if k not in LOSS_TOTALS})
     if sampled is not None:
         stats["logp_gap"] = float(((logp.detach() - sampled).abs() * mask).sum()) * per_token
+    if g.entropy_coef > 0:
+        bonus = decision_entropy_bonus(logp, mask, [s.phase in g.entropy_phases for s in micro], step)
+        loss = loss + g.entropy_coef * bonus
+        stats["entropy_bonus"] = float(bonus.detach()) * g.entropy_coef
     return loss, stats
+
+
+def decision_entropy_bonus(logp, mask, decides: list[bool], step: StepSize):
+    """``sum sg(log p) log p / step.tokens`` over the tokens of the rows in `decides`: minimising it raises their
+    entropy, since for tokens drawn from the policy E[log p grad log p] = -grad H (E[grad log p] = 0). Only the
+    sampled tokens' log-probs are needed, so every scoring path gives it; off-policy samples make it approximate."""
+    import torch
+
+    rows = torch.tensor(decides, device=logp.device, dtype=logp.dtype)[:, None]
+    return (logp.detach() * logp * mask * rows).sum() / max(step.tokens, 1)
+
+
+def grpo_carries_gradient(sample: Sample, grpo) -> bool:
+    """Whether a sample has gradient under the GRPO loss with beta 0: an advantage on some token, or a phase the
+    entropy bonus reaches."""
+    return not sample.zero_advantage or (grpo.entropy_coef > 0 and sample.phase in grpo.entropy_phases)
 
 
 @dataclass(frozen=True)
 class LossFamily:
-    """A registered loss family. `skips_zero_advantage`: samples whose advantage is 0 carry no gradient under it
-    (with beta 0), so `learner.skip_zero_advantage` may leave them out of the forward passes."""
+    """A registered loss family. `carries_gradient(sample, grpo)`: with beta 0, whether a sample has any gradient
+    under it, so `learner.skip_zero_advantage` may leave the others out of the forward passes; None: every sample
+    has."""
 
     name: str
     loss: Callable[[Any, list[Sample], list, StepSize], tuple[Any, dict[str, float]]]
-    skips_zero_advantage: bool = False
+    carries_gradient: Callable[[Sample, Any], bool] | None = None
 
 
 LOSS_FAMILIES: dict[str, LossFamily] = {}
@@ -147,5 +168,5 @@ def register_loss_family(family: LossFamily) -> LossFamily:
     return family
 
 
-GRPO = register_loss_family(LossFamily(name="grpo", loss=grpo_loss_family, skips_zero_advantage=True))
+GRPO = register_loss_family(LossFamily(name="grpo", loss=grpo_loss_family, carries_gradient=grpo_carries_gradient))
 SFT = register_loss_family(LossFamily(name="sft", loss=sft_loss))

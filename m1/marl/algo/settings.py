@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from m1.config import Strict
+from m1.config import PLANNING_PHASES, Strict
 from m1.marl.algo.advantages import ESTIMATORS
 from m1.marl.algo.objectives import OBJECTIVES
 from m1.marl.algo.reductions import LOSSES, OLD_LOGPROBS
@@ -63,6 +63,23 @@ class GRPOSettings(Strict):
     cov_bounds: tuple[float, float] = Field((1.0, 5.0), description=(
         "clip_cov: the band of covariance, (A - mean A)(logp - mean logp), its tokens are drawn from."))
     kl_cov_coef: float = Field(1.0, ge=0.0, description="kl_cov: the weight of |logp - old| on the chosen tokens.")
+    entropy_coef: float = Field(0.0, ge=0.0, description=(
+        "Entropy bonus on the team's decisions (ours, against plans and revisions that collapse onto one choice): "
+        "the loss gains -entropy_coef x the entropy of the tokens of the phases in entropy_phases, estimated from "
+        "the sampled tokens as sg(log p) log p (in expectation its gradient is minus the entropy's), summed over "
+        "those tokens and divided by the step's completion tokens, beside any objective. Samples of those phases "
+        "are trained even when their advantage is 0. 0: off."))
+    entropy_phases: tuple[str, ...] = Field(("plan", "communicate"), min_length=1, description=(
+        "The phases whose tokens the entropy bonus reaches: plan (the first plan) and communicate (continue or "
+        "add a tool) are the CPP team's decisions; answer, summary, and a seed kind's act turns may be added."))
+
+    @field_validator("entropy_phases")
+    @classmethod
+    def _phases(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        known = (*PLANNING_PHASES, "act")
+        if any(p not in known for p in v) or len(set(v)) != len(v):
+            raise ValueError(f"entropy_phases: each once, from {list(known)}; got {list(v)}")
+        return v
 
     @field_validator("objective", "baseline", "loss_type", "old_logprobs")
     @classmethod
