@@ -37,13 +37,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r.get("step", 0))
 
 
-def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+def _series(rows: list[dict[str, Any]], key: str, window: int = 1) -> tuple[list[float], list[float]]:
+    """(steps, values) of `key` where it is finite; with `window` > 1 each value is the mean of the last `window`
+    values logged (a family's decisions are logged only on the steps that drew its questions)."""
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
         if isinstance(v, (int, float)) and math.isfinite(v):
             xs.append(r.get("step", len(xs) + 1))
             ys.append(float(v))
+    if window > 1:
+        ys = [sum(ys[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(ys))]
     return xs, ys
 
 
@@ -79,6 +83,9 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, list[tuple[str, str]]]:
                                               ("time/update", "update"),
                                               ("time/wait_rollout", "learners waiting for rollouts"),
                                               ("time/wait_weights", "producer waiting for weights"))],
+        # the CPP team's decisions per question family (m1/marl/team_training.py): do plans and revisions move?
+        "plan_entropy": [(k, k.rsplit("/", 1)[1]) for k in sorted(have) if k.startswith("plans/entropy/")],
+        "revisions": [(k, k.rsplit("/", 1)[1]) for k in sorted(have) if k.startswith("revisions/rate/")],
     }
     drawn = {name: [(k, lbl) for k, lbl in lines if _series(rows, k)[0]] for name, lines in specs.items()}
     return {name: lines for name, lines in drawn.items() if lines}
@@ -88,7 +95,11 @@ TITLES = {"rewards": "Reward parts (mean over agents and episodes)",
           "team_result": "Team result on the training questions", "loss": "Loss", "kl": "KL to the reference",
           "importance_ratio": "Engine -> trainer importance ratio (mean)", "agent_rewards": "Reward per agent",
           "sft_nll": "SFT negative log-likelihood per token", "staleness": "Staleness of the sampled weights",
-          "throughput": "Throughput", "wait_times": "Seconds per step"}
+          "throughput": "Throughput", "wait_times": "Seconds per step",
+          "plan_entropy": "Entropy of the sampled first plans (nats), per family",
+          "revisions": "Share of communicate decisions that add a tool, per family"}
+# figures drawn as a running mean over the last N values logged, and N
+SMOOTHED = {"plan_entropy": 10, "revisions": 10}
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
@@ -104,11 +115,12 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     written = []
     for name, lines in figures(rows).items():
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        window = SMOOTHED.get(name, 1)
         for key, label in lines:
-            xs, ys = _series(rows, key)
+            xs, ys = _series(rows, key, window)
             if xs:
                 ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-        ax.set_title(TITLES[name])
+        ax.set_title(TITLES[name] + (f" (mean of the last {window} logged)" if window > 1 else ""))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -45,6 +45,21 @@ def test_async_run_gets_staleness_throughput_and_wait_figures():
         "time/wall", "time/rollout", "time/update"]
 
 
+def test_decisions_per_family_are_drawn_as_running_means(tmp_path):
+    from m1.plots import _series
+
+    rows = [{"step": s, "loss": 0.1, "plans/entropy": 0.5, "plans/entropy/order": 0.1 * s,
+             "revisions/rate": 0.2, "revisions/rate/order": 1.0 if s % 2 else 0.0} for s in range(1, 5)]
+    rows[1]["plans/entropy/timestamp"] = 0.3  # a family drawn on one step only
+    figs = figures(rows)
+    assert figs["plan_entropy"] == [("plans/entropy/order", "order"), ("plans/entropy/timestamp", "timestamp")]
+    assert figs["revisions"] == [("revisions/rate/order", "order")]
+    assert _series(rows, "revisions/rate/order", window=2) == ([1, 2, 3, 4], [1.0, 0.5, 0.5, 0.5])
+    assert _series(rows, "plans/entropy/timestamp", window=10) == ([2], [0.3])
+    _write(tmp_path / "decisions", rows)
+    assert {"plan_entropy.png", "revisions.png"} <= {p.name for p in plot_run(tmp_path / "decisions")}
+
+
 def test_sft_run_and_errors(tmp_path):
     _write(tmp_path / "sft", [{"step": s, "loss": 2.0 / s, "alpha/loss": 2.0 / s, "alpha/nll": 2.0 / s,
                                "alpha/samples": 4} for s in (1, 2)])
