@@ -43,7 +43,7 @@ def test_registries_name_every_choice_the_config_offers():
     grpo = TrainConfig.model_fields["grpo"].annotation
     for name in ESTIMATORS:
         assert grpo.model_validate({"baseline": name}).baseline == name
-    assert set(ESTIMATORS) == {"group", "greedy", "rloo", "reinforce_pp"}
+    assert set(ESTIMATORS) == {"group", "greedy", "rloo", "reinforce_pp", "gigpo"}
     with pytest.raises(ValueError, match=re.escape(f"unknown baseline 'mean'; registered: {sorted(ESTIMATORS)}")):
         grpo.model_validate({"baseline": "mean"})
 

@@ -70,3 +70,19 @@ def test_zero_advantage_decisions_train_only_under_the_bonus(m1_cache):
     assert plain["samples_run"] == 0 and not moved_plain and "entropy_bonus" not in plain
     assert bonus["samples_run"] == 2 and moved_bonus and bonus["grad_norm"] > 0
     assert bonus["entropy_bonus"] > 0  # the weight times sum (log p)^2 / tokens: the term as the loss adds it
+
+
+@pytest.mark.slow
+def test_a_marl_step_with_gigpo_and_the_bonus_moves_every_agent(tmp_path, video, m1_cache):
+    """The shipped decision options together in one MARL step: the anchor-state estimator (token advantages) and
+    the entropy bonus, whose term reaches each agent's row."""
+    from tests.marl.test_trainer import AGENTS, make_trainer, train_cfg
+
+    grpo = {"beta": 0.0, "baseline": "gigpo", "scale_rewards": False, "entropy_coef": 0.1}
+    tr = make_trainer(train_cfg(tmp_path / "run", grpo=grpo), video)
+    before = {a: tr.learners.parameters(a) for a in AGENTS}
+    row = tr.train_step()
+    for a in AGENTS:
+        after = tr.learners.parameters(a)
+        assert any(not torch.equal(after[n], before[a][n]) for n in after), a
+        assert row[f"{a}/entropy_bonus"] > 0

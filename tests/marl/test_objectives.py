@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from m1.marl.algo.advantages import ESTIMATORS, AdvantageEstimator, discounted_token_advantages, \
-    estimate_advantages, register_estimator, rloo_advantages, token_advantages
+from m1.marl.algo.advantages import ESTIMATORS, AdvantageEstimator, anchor_state_advantages, \
+    discounted_token_advantages, estimate_advantages, register_estimator, rloo_advantages, token_advantages
 from m1.marl.config import GRPOSettings
 from m1.marl.algo.objectives import OBJECTIVES, PolicyObjective, grpo_loss, masked_mean, register_objective
 from m1.marl.rollout.episodes import Sample
@@ -113,6 +113,30 @@ def test_reinforce_pp_discounts_over_the_agents_later_replies_and_whitens_over_t
     assert not out[0].zero_advantage and Sample(**{**vars(rows[2]), "token_advantages": [0.0]}).zero_advantage
 
 
+def test_gigpo_compares_the_replies_written_from_one_state():
+    """Question 0, three rollouts: the plans share a prompt (one state), two of the communicate decisions share
+    another (the same notes), the third was written from other notes; question 1 has one rollout."""
+    def reply(group, rollout, phase, prompt, reward, adv, tokens=2):
+        return Sample(agent="a", question_id=f"q{group}", group=group, rollout=rollout, phase=phase,
+                      prompt_ids=prompt, completion_ids=[7] * tokens, logprobs=None, reward=reward, advantage=adv)
+
+    rows = [reply(0, 0, "plan", [1, 2], 1.0, 0.5), reply(0, 1, "plan", [1, 2], 0.0, -0.5),
+            reply(0, 2, "plan", [1, 2], 0.5, 0.0),
+            reply(0, 0, "communicate", [1, 2, 3], 1.0, 0.5, tokens=3), reply(0, 1, "communicate", [1, 2, 3], 0.0, -0.5),
+            reply(0, 2, "communicate", [1, 2, 4], 0.5, 0.0), reply(1, 0, "plan", [1, 2], 1.0, 0.0)]
+    got = anchor_state_advantages(rows, weight=0.5, scale=False)
+    # plans: rewards 1, 0, 0.5 against their mean 0.5; the two decisions from notes [1, 2, 3]: 1, 0 against 0.5;
+    # the decision from other notes and question 1's lone plan get no step term
+    assert got == [[0.75] * 2, [-0.75] * 2, [0.0] * 2, [0.75] * 3, [-0.75] * 2, [0.0] * 2, [0.0] * 2]
+    assert anchor_state_advantages(rows, weight=0.0, scale=False) == [[s.advantage] * len(s.completion_ids)
+                                                                       for s in rows]
+    scaled = anchor_state_advantages(rows[3:5], weight=1.0, scale=True)  # std of (1, 0) is 0.707
+    assert scaled[0][0] == pytest.approx(0.5 + 0.5 / (0.5 ** 0.5 + 1e-4))
+    out = token_advantages(ESTIMATORS["gigpo"], {"a": rows}, settings(baseline="gigpo", step_weight=0.5,
+                                                                     scale_rewards=False))["a"]
+    assert [s.token_advantages for s in out] == got and out[5].zero_advantage and not out[3].zero_advantage
+
+
 def test_a_token_estimator_that_returns_the_wrong_shape_is_named():
     bad = AdvantageEstimator(name="short", estimate=lambda r, ref, s: r, tokens=lambda rows, s: [[1.0] for _ in rows])
     with pytest.raises(ValueError, match=r"estimator 'short': tokens\(\) must return one list per sample.*'a'"):
@@ -188,8 +212,10 @@ def test_cispo_matches_trl(beta, eps_high, seed):
     ({"baseline": "rloo"}, "'rloo' cannot run with grpo.scale_rewards=True"),
     ({"objective": "ppo"},
      r"unknown objective 'ppo'; registered: \['cispo', 'clip', 'clip_cov', 'clip_higher', 'gspo', 'kl_cov'\]"),
-    ({"baseline": "mean"}, r"unknown baseline 'mean'; registered: \['greedy', 'group', 'reinforce_pp', 'rloo'\]"),
+    ({"baseline": "mean"},
+     r"unknown baseline 'mean'; registered: \['gigpo', 'greedy', 'group', 'reinforce_pp', 'rloo'\]"),
     ({"gamma": 0.9}, "grpo.gamma=0.9 is not read by grpo.baseline 'group'"),
+    ({"step_weight": 0.5}, "grpo.step_weight=0.5 is not read by grpo.baseline 'group'"),
 ])
 def test_the_config_refuses_what_the_chosen_entry_refuses(tmp_path, grpo, words):
     with pytest.raises(ValueError, match=words):
@@ -216,7 +242,7 @@ def test_gspo_refuses_the_sampler_weight_a_vllm_engine_would_default_to(tmp_path
     {"objective": "clip_cov", "cov_ratio": 0.01, "cov_bounds": (0.5, 4.0)},
     {"objective": "kl_cov", "old_logprobs": "rollout", "cov_ratio": 0.01, "kl_cov_coef": 0.5},
     {"baseline": "rloo", "scale_rewards": False}, {"baseline": "greedy", "scale_rewards": False},
-    {"baseline": "reinforce_pp", "gamma": 0.99},
+    {"baseline": "reinforce_pp", "gamma": 0.99}, {"baseline": "gigpo", "step_weight": 0.5, "scale_rewards": False},
 ])
 def test_the_config_accepts_each_entry_with_its_settings(tmp_path, grpo):
     cfg = train_cfg(tmp_path, grpo=grpo)

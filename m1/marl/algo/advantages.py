@@ -11,7 +11,11 @@ each question `[G]` when it asks for that run (`greedy_reference`, else None), a
 - `rloo` (REINFORCE leave-one-out): ``r_i - mean_{j != i} r_j`` over the group's present samples;
 - `reinforce_pp` (REINFORCE++, token level): each token's return is the sequence value discounted by `grpo.gamma`
   per generated token of the agent between it and the end of its episode (its later replies included), and the
-  returns are whitened over all the agent's tokens of the step.
+  returns are whitened over all the agent's tokens of the step;
+- `gigpo` (GiGPO's anchor-state groups, Feng et al. 2025; per reply): the episode's `group` advantage plus
+  `grpo.step_weight` times a step advantage: a reply's reward against the other replies of the question's
+  rollouts written from the same state (the same agent, phase and prompt: the same notes before the same
+  decision), so where the K rollouts reach one state and decide differently there, the decisions are compared.
 
 A token-level estimator also gives `tokens(samples, settings)`: one agent's samples of the step, which carry the
 `[G, K]` value of `estimate` as `advantage`, in, and one list of advantages per sample (one per completion token)
@@ -167,6 +171,27 @@ def discounted_token_advantages(samples: Sequence["Sample"], gamma: float, eps: 
     return out
 
 
+def anchor_state_advantages(samples: Sequence["Sample"], weight: float, scale: bool) -> list[list[float]]:
+    """GiGPO's advantages of one agent's samples, one list per sample with its value on every completion token:
+    the sample's episode advantage (`advantage`) plus `weight` times its step advantage, `group_advantages` of the
+    rewards of the samples sharing its question, phase and prompt ids (its anchor state) across the rollouts. A
+    state that one rollout alone reached, or whose rewards tie, adds 0; at a question's first decision every
+    rollout shares the state, so there the step advantage repeats the episode's."""
+    import torch
+
+    states: dict[tuple[int, str, tuple[int, ...]], list[int]] = {}
+    for i, s in enumerate(samples):
+        states.setdefault((s.group, s.phase, tuple(s.prompt_ids)), []).append(i)
+    step = [0.0] * len(samples)
+    for members in states.values():
+        if len({samples[i].rollout for i in members}) < 2:
+            continue
+        rewards = torch.tensor([samples[i].reward for i in members], dtype=torch.float32)
+        for i, a in zip(members, group_advantages(rewards, scale=scale).tolist()):
+            step[i] = a
+    return [[s.advantage + weight * step[i]] * len(s.completion_ids) for i, s in enumerate(samples)]
+
+
 # --------------------------------------------------------------------------------------------- the registry
 
 
@@ -246,8 +271,14 @@ REINFORCE_PP = register_estimator(AdvantageEstimator(
                   "its baseline is the step's whole batch of tokens, not a question's group, so a group whose K "
                   "rewards tie still carries signal; leave dynamic sampling off"),)))
 
+GIGPO = register_estimator(AdvantageEstimator(
+    name="gigpo", settings=("scale_rewards", "step_weight"),
+    estimate=lambda rewards, reference, s: group_advantages(rewards, scale=s.scale_rewards),
+    tokens=lambda samples, s: anchor_state_advantages(samples, s.step_weight, s.scale_rewards)))
+
 
 __all__: Sequence[str] = (
-    "ADV_EPS", "ESTIMATORS", "AdvantageEstimator", "baseline_advantages", "discounted_token_advantages",
+    "ADV_EPS", "ESTIMATORS", "AdvantageEstimator", "anchor_state_advantages", "baseline_advantages",
+    "discounted_token_advantages",
     "estimate_advantages", "group_advantages", "register_estimator", "rloo_advantages", "token_advantages",
 )

@@ -46,7 +46,12 @@ class GRPOSettings(Strict):
         "so a sample gains only by beating the decoding the team is evaluated with. rloo: a reward minus the mean "
         "of the group's other rewards (REINFORCE leave-one-out). greedy and rloo need scale_rewards: false. "
         "reinforce_pp (REINFORCE++, token level): each token's return is the reward discounted by gamma per token "
-        "the agent generates after it in the episode, whitened over the step's tokens of the agent."))
+        "the agent generates after it in the episode, whitened over the step's tokens of the agent. gigpo (GiGPO's "
+        "anchor-state groups): group's advantage plus step_weight times a reply's reward against the replies the "
+        "question's other rollouts wrote from the same state (agent, phase, prompt), so a decision is compared "
+        "where rollouts that reached one state chose differently."))
+    step_weight: float = Field(1.0, ge=0.0, description=(
+        "gigpo: the weight of the step (anchor-state) advantage beside the episode's (GiGPO's omega)."))
     gamma: float = Field(1.0, gt=0.0, le=1.0, description=(
         "reinforce_pp: the discount per generated token of the agent between a token and the end of its episode "
         "(its later replies count; tool outputs and teammates' text do not). 1: every token gets the reward."))
