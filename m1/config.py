@@ -325,6 +325,12 @@ class SamplingConfig(Strict):
         "sample as before (a group whose K rollouts all make one decision gives GRPO no contrast on it). An "
         "episode's own temperature (credit: agent's greedy teammates) still wins; `greedy()` clears it; training "
         "scores each generation at the temperature it was sampled at."))
+    distinct_plans: int = Field(default=0, ge=0, description=(
+        "Ours, for MARL's groups (rollout.distinct_plans sets it): n > 1 makes the episodes of one question start "
+        "from distinct plans. Each agent sampling above temperature 0 draws n plans per episode of the question, "
+        "and the episodes take them in turn, each the next draw whose tools no earlier one took: the tool lists are "
+        "sampled without replacement from the agent's own distribution (a plan repeats only when fewer distinct "
+        "ones were drawn). The episodes of a question must share a batch (limits.batch_episodes). 0 or 1: off."))
 
     @field_validator("phase_temperature")
     @classmethod
@@ -357,6 +363,8 @@ class TeamConfig(Strict):
         if self.sampling.phase_temperature and seeds:
             raise ValueError(f"sampling.phase_temperature: agent {seeds[0]!r} is a seed kind, whose turn is act or "
                              f"answer only once written; set sampling.temperature instead")
+        if self.sampling.distinct_plans > 1 and seeds:
+            raise ValueError(f"sampling.distinct_plans: agent {seeds[0]!r} is a seed kind, which writes no plan")
         return self
 
     @model_validator(mode="after")
@@ -436,7 +444,8 @@ class TeamConfig(Strict):
         """This team decoding greedily (temperature 0 for every agent): how teams are evaluated, and the baseline
         run of `grpo.baseline: greedy`."""
         return self.model_copy(update={"sampling": self.sampling.model_copy(update={"temperature": 0.0,
-                                                                                   "phase_temperature": {}}),
+                                                                                   "phase_temperature": {},
+                                                                                   "distinct_plans": 0}),
                                        "agents": [a.model_copy(update={"temperature": None}) for a in self.agents]})
 
     @property

@@ -170,6 +170,12 @@ class RolloutConfig(Strict):
         "Ours: a rollout temperature per CPP phase over `temperature`, e.g. {communicate: 1.5} to explore the "
         "revise-or-continue decision (the team's sampling.phase_temperature, set for the run; each generation is "
         "scored at the temperature it was sampled at)."))
+    distinct_plans: int = Field(0, ge=0, description=(
+        "Ours: n > 1 makes the K rollouts of a question start from distinct plans, each agent's tool lists drawn "
+        "without replacement from its own distribution (n draws per rollout; the team's sampling.distinct_plans, "
+        "set for the run). The kept plans keep the log-probs they were sampled with, and the loss treats them as "
+        "the policy's draws: the group then compares K different plans, and a plan the policy rarely writes is "
+        "trained on more often than the policy would draw it (the exploration this is for)."))
     topology: Literal["random", "complete"] = Field(default="random", description=(
         "random: one random DAG per step (edge_prob, dropout); complete: every agent reads every earlier one."))
     edge_prob: float = Field(0.5, ge=0.0, le=1.0, description="random: chance each forward edge is kept.")
@@ -415,6 +421,8 @@ class TrainConfig(RunSettings):
             raise ValueError(f"rollout.max_staleness {r.max_staleness} with rollout.engine hf needs placement: local "
                              "(the sampler copies live beside the learners in the driver); under Ray use "
                              "rollout.engine: vllm")
+        if r.distinct_plans > 1 and team_seed_kind(team) is not None:
+            raise ValueError(f"rollout.distinct_plans: a {team_seed_kind(team)} agent writes no plan")
         if self.learner.attention.on:
             raise ValueError("learner.attention: the evidence attention loss is for SFT (m1 sft), whose examples "
                              "carry the teacher's evidence; set its weight to 0 here")

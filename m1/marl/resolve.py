@@ -39,7 +39,8 @@ def resolve(cfg: TrainConfig, plan=None) -> ResolvedRun:
     if cfg.grpo.old_logprobs is None:
         old = default_old_logprobs(cfg.rollout.engine, cfg.rollout.max_staleness)
         cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"old_logprobs": old})})
-    team = training_team_config(cfg.team_config(), cfg.rollout.temperature, cfg.rollout.phase_temperature)
+    team = training_team_config(cfg.team_config(), cfg.rollout.temperature, cfg.rollout.phase_temperature,
+                                cfg.rollout.distinct_plans)
     team = team.model_copy(update={"limits": team.limits.model_copy(update=_limits(cfg, team, plan))})
     kind = team_kind(team)
     agents = [a.name for a in team.agents]
@@ -53,7 +54,8 @@ def resolve(cfg: TrainConfig, plan=None) -> ResolvedRun:
 def _limits(cfg: TrainConfig, team: TeamConfig, plan) -> dict:
     """The team limits training sets: the prompt budget (the learner's cap when the team has none: the learner
     takes every prompt whole) and the episodes run at once (a vLLM engine gets the whole step; on hf, the
-    configured number or, at auto, what the plan fits in the learners' memory)."""
+    configured number or, at auto, what the plan fits in the learners' memory; with rollout.distinct_plans, a multiple
+    of num_generations, so that a question's rollouts share a batch and draw distinct plans)."""
     limits = team.limits
     out = {}
     if limits.max_prompt_tokens is None:
@@ -65,4 +67,9 @@ def _limits(cfg: TrainConfig, team: TeamConfig, plan) -> dict:
         out["batch_episodes"] = rollout_batch(cfg, plan)
         log.info("rollouts: %d episodes at once (rollout.batch_episodes: %s)", out["batch_episodes"],
                  cfg.rollout.batch_episodes)
+    k, batch = cfg.rollout.num_generations, out.get("batch_episodes", limits.batch_episodes)
+    if cfg.rollout.distinct_plans > 1 and batch % k:
+        out["batch_episodes"] = max(k, batch - batch % k)
+        log.info("rollouts: %d episodes at once, a multiple of num_generations %d (rollout.distinct_plans)",
+                 out["batch_episodes"], k)
     return out

@@ -164,12 +164,38 @@ class Team(TeamEngine):
                     return a.plan_messages(e.question)
 
                 calls.append(self._budgeted(_Call(e, a, "plan", [], self.cfg.limits.plan_tokens), build, -1))
-        for call, gen in self._generate(calls):
+        for call, gen in self._plan_draws(calls):
             parsed = call.agent.read_plan(gen.completion, call.ep.question)
             gen.parse_ok, gen.parse_error = parsed.ok, parsed.error
             call.ep.memory.set_plan(call.agent.name, parsed.plan)
             st = call.ep.agents[call.agent.name]
             st.queue, st.key_info = list(parsed.plan.tools), parsed.plan.key_info
+
+    def _plan_draws(self, calls: list[_Call]) -> list[tuple[_Call, Generation]]:
+        """The generation of each plan call. With `sampling.distinct_plans` n > 1, the calls of one agent for one
+        question sampled above temperature 0 (a GRPO group's rollouts) draw n plans each, and each call in turn takes
+        the next draw whose tools no earlier call of the group took (`distinct_order`); the draws not taken are
+        spent tokens, not generations of any episode."""
+        n, groups = self.cfg.sampling.distinct_plans, defaultdict(list)
+        for c in calls if n > 1 else []:
+            if c.ep.error is None and self._temperature(c) > 0:
+                groups[(c.ep.question.id, c.agent.name)].append(c)
+        groups = {key: group for key, group in groups.items() if len(group) > 1}
+        if not groups:
+            return self._generate(calls)
+        spares = {key: [_Call(c.ep, c.agent, c.phase, c.messages, c.max_tokens) for c in group for _ in range(n - 1)]
+                  for key, group in groups.items()}
+        drawn = {id(c): gen for c, gen in self._generate(calls + [s for g in spares.values() for s in g],
+                                                          record=False)}
+        for key, group in groups.items():
+            pool = [drawn[id(c)] for c in group + spares[key]]
+            tools = [_plan_key(group[0], gen) for gen in pool]
+            for c, i in zip(group, distinct_order(tools, len(group))):
+                drawn[id(c)] = pool[i]
+        out = [(c, drawn[id(c)]) for c in calls if id(c) in drawn]
+        for c, gen in out:
+            c.ep.generations.append(gen)
+        return out
 
     def _execute_phase(self, eps: list[_Episode]) -> bool:
         """Every agent with plan left and tool budget runs its next tool. Select tools run at
@@ -384,10 +410,17 @@ class Team(TeamEngine):
             return -1
         return ep.memory.peer_turns(agent, visible)
 
-    def _generate(self, calls: list[_Call]) -> list[tuple[_Call, Generation]]:
-        """One generate call per (model, temperature) for all `calls`, returned in call order; calls of an episode
-        dropped over the prompt budget are left out. An episode's own temperature for an agent (`run(temperatures=)`)
-        wins over the phase's (`sampling.phase_temperature`), which wins over the agent's.
+    def _temperature(self, c: _Call) -> float:
+        """An episode's own temperature for the agent (`run(temperatures=)`), else the phase's
+        (`sampling.phase_temperature`), else the agent's, else the team's."""
+        temp = c.agent.temperature if c.agent.temperature is not None else self.cfg.sampling.temperature
+        temp = self.cfg.sampling.phase_temperature.get(c.phase, temp)
+        return c.ep.temperatures.get(c.agent.name, temp)
+
+    def _generate(self, calls: list[_Call], record: bool = True) -> list[tuple[_Call, Generation]]:
+        """One generate call per (model, `_temperature`) for all `calls`, returned in call order; calls
+        of an episode dropped over the prompt budget are left out. `record`: each generation joins its episode's
+        (else the caller decides which do; the tokens count in the episode's usage either way).
 
         Calls to different remote models (OpenAI-compatible servers) of one phase overlap in
         threads, so a team whose agents are served separately waits for the slowest, not the sum;
@@ -395,10 +428,7 @@ class Team(TeamEngine):
         calls = [c for c in calls if c.ep.error is None]
         groups: dict[tuple[str, float], list[_Call]] = defaultdict(list)
         for c in calls:
-            temp = c.agent.temperature if c.agent.temperature is not None else self.cfg.sampling.temperature
-            temp = self.cfg.sampling.phase_temperature.get(c.phase, temp)
-            temp = c.ep.temperatures.get(c.agent.name, temp)
-            groups[(c.agent.model, temp)].append(c)
+            groups[(c.agent.model, self._temperature(c))].append(c)
         jobs = []
         for (model_key, temp), group in groups.items():
             self._calls += 1
@@ -422,7 +452,8 @@ class Team(TeamEngine):
                                  completion=o.text, prompt_ids=o.prompt_ids, completion_ids=o.completion_ids,
                                  logprobs=o.logprobs, weight_version=o.meta.get("weight_version"),
                                  trimmed=c.trimmed, evidence=list(o.evidence) or None)
-                c.ep.generations.append(gen)
+                if record:
+                    c.ep.generations.append(gen)
                 done[id(c)] = gen
         return [(c, done[id(c)]) for c in calls]
 
@@ -497,3 +528,21 @@ def _map_models(fn: Callable, jobs: list, models: list) -> list:
 
 def _mean(xs: list[float] | None) -> float | None:
     return sum(xs) / len(xs) if xs else None
+
+
+def _plan_key(call: _Call, gen: Generation) -> tuple[str, ...] | None:
+    """What makes two plans the same choice: their tools in order (None: a plan that does not parse)."""
+    parsed = call.agent.read_plan(gen.completion, call.ep.question)
+    return tuple(parsed.plan.tools) if parsed.ok else None
+
+
+def distinct_order(keys: list, n: int) -> list[int]:
+    """Which of the draws `keys` (in the order drawn) n takers get: each the next draw whose key no earlier taker
+    has, then, when fewer than n keys were drawn, the earliest draws left. Keeping the first draw of each new key
+    of independent draws samples the keys without replacement, each in proportion to its probability."""
+    taken, seen = [], set()
+    for i, key in enumerate(keys):
+        if len(taken) < n and key not in seen:
+            seen.add(key)
+            taken.append(i)
+    return taken + [i for i in range(len(keys)) if i not in taken][:n - len(taken)]

@@ -220,3 +220,54 @@ def test_a_phase_temperature_samples_that_phase_alone(videos):
         team_cfg(sampling={"phase_temperature": {"act": 1.0}})
     with pytest.raises(ValidationError, match="temperature 0.0 must be above 0"):
         team_cfg(sampling={"phase_temperature": {"plan": 0.0}})
+
+
+PLANS = {"P1": "<Global Sampling>, <Rough Browser>", "P2": "<Image Retrieval>, <Fine Browser>",
+         "P3": "<Video Retrieval>, <Rough Browser>"}
+
+
+def test_distinct_order_samples_the_keys_without_replacement():
+    from m1.team.cpp import distinct_order
+
+    assert distinct_order(["a", "a", "b", "a", "c"], 3) == [0, 2, 4]
+    assert distinct_order(["a", "a", "b", "a", "c"], 4) == [0, 2, 4, 1]  # too few keys: the earliest left repeat
+    assert distinct_order(["a"] * 3, 3) == [0, 1, 2] and distinct_order([None, "a", None], 2) == [0, 1]
+
+
+def test_distinct_plans_give_a_questions_rollouts_different_plans(videos):
+    """sampling.distinct_plans 4: the three rollouts of one question draw four plans each per agent and take them
+    in turn, each the next whose tools no earlier rollout took; the draws not taken are no generation of any
+    episode; greedy teams and the setting at 0 draw one plan per episode."""
+    def drawing(order):
+        count = {"n": 0}
+
+        def reply(messages):
+            if "##tool use" not in content(messages):
+                return scripted_reply(messages)
+            count["n"] += 1
+            return f"##key info: the square\n##tool use: {PLANS[order(count['n'])]}"
+        return reply
+
+    # the six own draws of m_a (3 rollouts x alpha, beta) are P1; the spares then run P1 P2 P1 P3 P1 ...
+    order = lambda n: "P1" if n <= 6 or n % 2 else ("P2" if n % 4 == 0 else "P3")  # noqa: E731
+    q = questions(videos, 1)[0]
+    cfg = team_cfg(sampling={"temperature": 0.7, "distinct_plans": 4})
+    team, fa, _, _ = make_team(cfg, reply_a=drawing(order))
+    eps = team.run([q] * 3)
+    assert len(fa.batches[0]) == 6 + 2 * 3 * 3  # the own draws, then three spares for each of alpha's and beta's
+    for name in ("alpha", "beta"):
+        plans = [tuple(e.memory[name].plan) for e in eps]
+        assert len(set(plans)) == 3, (name, plans)
+        assert [sum(g.agent == name and g.phase == "plan" for g in e.generations) for e in eps] == [1, 1, 1]
+    for e in eps:  # each episode's plan generation is the draw its plan was read from
+        gen = next(g for g in e.generations if g.agent == "alpha" and g.phase == "plan")
+        assert list(e.memory["alpha"].plan) == [t.strip("<>") for t in gen.completion.split(": ")[-1].split(", ")]
+    same = make_team(team_cfg(sampling={"temperature": 0.7}), reply_a=drawing(order))
+    assert {tuple(e.memory["alpha"].plan) for e in same[0].run([q] * 3)} == {("Global Sampling", "Rough Browser")}
+    greedy = make_team(cfg.greedy(), reply_a=drawing(order))
+    greedy[0].run([q] * 3)
+    assert len(greedy[1].batches[0]) == 6 and cfg.greedy().sampling.distinct_plans == 0
+    with pytest.raises(Exception, match="distinct_plans: agent 'w' is a seed kind"):
+        TeamConfig.model_validate({"name": "s", "models": {"p": {"interface": "chat", "backend": "synth"}},
+                                   "agents": [{"name": "w", "model": "p", "kind": "weaver"}],
+                                   "sampling": {"distinct_plans": 2}})

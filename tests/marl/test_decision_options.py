@@ -1,6 +1,7 @@
-"""The entropy bonus on the team's decisions (`grpo.entropy_coef`, `grpo.entropy_phases`): its sampled-token
-estimate has the entropy's gradient in expectation, it reaches only the phases named, and it trains decision samples
-whose advantage is 0, which the GRPO loss alone skips."""
+"""The MARL options that explore and credit the team's decisions. The entropy bonus (`grpo.entropy_coef`,
+`grpo.entropy_phases`): its sampled-token estimate has the entropy's gradient in expectation, it reaches only the
+phases named, and it trains decision samples whose advantage is 0, which the GRPO loss alone skips. Distinct plans
+(`rollout.distinct_plans`) reach the team the rollouts run on. GiGPO's estimator runs a step beside the bonus."""
 import dataclasses
 
 import pytest
@@ -86,3 +87,21 @@ def test_a_marl_step_with_gigpo_and_the_bonus_moves_every_agent(tmp_path, video,
         after = tr.learners.parameters(a)
         assert any(not torch.equal(after[n], before[a][n]) for n in after), a
         assert row[f"{a}/entropy_bonus"] > 0
+
+
+def test_distinct_plans_reach_the_rollout_team_and_keep_a_questions_rollouts_in_one_batch(tmp_path):
+    from m1.marl.resolve import resolve
+    from tests.marl.test_trainer import team_dict, train_cfg
+
+    run = resolve(train_cfg(tmp_path, rollout={"num_generations": 3, "distinct_plans": 4},
+                            team={**team_dict(), "limits": {**team_dict().get("limits", {}), "batch_episodes": 8}}))
+    assert run.team.sampling.distinct_plans == 4 and run.team.limits.batch_episodes == 6  # a multiple of K = 3
+    assert run.team.greedy().sampling.distinct_plans == 0  # the greedy baseline run and evaluation draw one plan
+    plain = resolve(train_cfg(tmp_path, rollout={"num_generations": 3},
+                              team={**team_dict(), "limits": {**team_dict().get("limits", {}), "batch_episodes": 8}}))
+    assert plain.team.sampling.distinct_plans == 0 and plain.team.limits.batch_episodes == 8
+    from m1.config_files import ConfigError
+    from m1.marl.config import load_train_config
+
+    with pytest.raises(ConfigError, match="rollout.distinct_plans: a weaver agent writes no plan"):
+        load_train_config("weaver_synth", ["rollout.distinct_plans=2"])
