@@ -176,11 +176,11 @@ class Team(TeamEngine):
         question sampled above temperature 0 (a GRPO group's rollouts) draw n plans each, and each call in turn takes
         the next draw whose tools no earlier call of the group took (`distinct_order`); the draws not taken are
         spent tokens, not generations of any episode."""
-        n, groups = self.cfg.sampling.distinct_plans, defaultdict(list)
+        n, drawing = self.cfg.sampling.distinct_plans, defaultdict(list)
         for c in calls if n > 1 else []:
             if c.ep.error is None and self._temperature(c) > 0:
-                groups[(c.ep.question.id, c.agent.name)].append(c)
-        groups = {key: group for key, group in groups.items() if len(group) > 1}
+                drawing[(c.ep.question.id, c.agent.name)].append(c)
+        groups = {key: group for key, group in drawing.items() if len(group) > 1}
         if not groups:
             return self._generate(calls)
         spares = {key: [_Call(c.ep, c.agent, c.phase, c.messages, c.max_tokens) for c in group for _ in range(n - 1)]
@@ -540,7 +540,8 @@ def distinct_order(keys: list, n: int) -> list[int]:
     """Which of the draws `keys` (in the order drawn) n takers get: each the next draw whose key no earlier taker
     has, then, when fewer than n keys were drawn, the earliest draws left. Keeping the first draw of each new key
     of independent draws samples the keys without replacement, each in proportion to its probability."""
-    taken, seen = [], set()
+    taken: list[int] = []
+    seen: set = set()
     for i, key in enumerate(keys):
         if len(taken) < n and key not in seen:
             seen.add(key)
