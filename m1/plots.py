@@ -96,8 +96,8 @@ TITLES = {"rewards": "Reward parts (mean over agents and episodes)",
           "importance_ratio": "Engine -> trainer importance ratio (mean)", "agent_rewards": "Reward per agent",
           "sft_nll": "SFT negative log-likelihood per token", "staleness": "Staleness of the sampled weights",
           "throughput": "Throughput", "wait_times": "Seconds per step",
-          "plan_entropy": "Entropy of the sampled first plans (nats), per family",
-          "revisions": "Share of communicate decisions that add a tool, per family"}
+          "plan_entropy": "First-plan entropy (nats) per family",
+          "revisions": "Decisions that add a tool (share) per family"}
 # figures drawn as a running mean over the last N values logged, and N
 SMOOTHED = {"plan_entropy": 10, "revisions": 10}
 
@@ -120,7 +120,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             xs, ys = _series(rows, key, window)
             if xs:
                 ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-        ax.set_title(TITLES[name] + (f" (mean of the last {window} logged)" if window > 1 else ""))
+        ax.set_title(TITLES[name] + (f", mean of the last {window}" if window > 1 else ""))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
