@@ -183,9 +183,7 @@ def anchor_state_advantages(samples: Sequence["Sample"], weight: float, scale: b
     for i, s in enumerate(samples):
         states.setdefault((s.group, s.phase, tuple(s.prompt_ids)), []).append(i)
     step = [0.0] * len(samples)
-    for members in states.values():
-        if len({samples[i].rollout for i in members}) < 2:
-            continue
+    for members in states.values():  # a state is reached at most once per rollout; one reply alone gets 0
         rewards = torch.tensor([samples[i].reward for i in members], dtype=torch.float32)
         for i, a in zip(members, group_advantages(rewards, scale=scale).tolist()):
             step[i] = a
