@@ -9,9 +9,13 @@ agent reading every other (the complete graph). Per agent and family it reports
   (`revision_by_round_greedy`: round -> [revisions, decisions]), and the entropy of a question's K first decisions;
 - add-tool: over the questions where some sampled runs of an agent added a tool at its first decision and some
   continued, the agent's accuracy after adding against after continuing.
+With `--plans` it measures the plans instead: the team's greedy accuracy per family when every seat's first plan is
+replaced by one of the 16 select x browse plans (each seat keeps the key info it wrote, reads the notes and may revise
+as usual), beside the team's own plans, and the per-question oracle (right under at least one of the 16).
 
     python scripts/decision_space.py --team mini_trained --world runs/mini/dev --questions 96 --k 8 \
         --json runs/decision_space/mini_trained.json
+    python scripts/decision_space.py --team mini_trained --plans --json runs/decision_space/mini_trained_plans.json
 A dev world (seed 2001, as configs/experiments/mini_recipe_dev.yaml makes it) is made when `--world` is absent.
 """
 from __future__ import annotations
@@ -27,12 +31,15 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from itertools import product  # noqa: E402
+
 from m1.agents.parsers import parse_decision, parse_plan  # noqa: E402
 from m1.config import load_team  # noqa: E402
 from m1.data.metrics import is_correct  # noqa: E402
 from m1.data.questions import read_questions  # noqa: E402
 from m1.schema import Topology  # noqa: E402
 from m1.team.engines_registry import make_team  # noqa: E402
+from m1.tools import BROWSE_TOOLS, SELECT_TOOLS  # noqa: E402
 
 
 def entropy(counts: Counter) -> float:
@@ -64,7 +71,7 @@ def family(q) -> str:
 def measure(team_name: str, questions, k: int, temperature: float, sets: list[str]) -> dict:
     cfg = load_team(team_name, sets + [f"sampling.temperature={temperature}"])
     agents = [a.name for a in cfg.agents]
-    topo = Topology(agents=agents, active=agents, edges=[(a, b) for a in agents for b in agents if a != b])
+    topo = complete(agents)
     greedy_team = make_team(cfg.greedy())
     team = make_team(cfg, hub=greedy_team.hub, pool=greedy_team.pool)
     team.reseed(1234)
@@ -97,6 +104,56 @@ def measure(team_name: str, questions, k: int, temperature: float, sets: list[st
                     r["continue_right"].append(sum(kept) / len(kept))
         print(f"{min(i + 8, len(questions))}/{len(questions)} questions", flush=True)
     return {f"{a}|{f}": summarize(r) for (a, f), r in sorted(rows.items())}
+
+
+def complete(agents: list[str]) -> Topology:
+    return Topology(agents=agents, active=agents, edges=[(a, b) for a in agents for b in agents if a != b])
+
+
+def forced(read_plan, tools: tuple[str, ...]):
+    """An agent's plan reader that keeps the key info the agent wrote and replaces its tools with `tools`."""
+    def read(text, q):
+        parsed = read_plan(text, q)
+        parsed.plan = parsed.plan.model_copy(update={"tools": list(tools)})
+        return parsed
+    return read
+
+
+def measure_plans(team_name: str, questions, sets: list[str]) -> dict:
+    """Per family: the greedy team's accuracy under its own plans and under each of the 16 select x browse plans
+    given to every seat, and the oracle (a question is right if one of the 16 gets it right)."""
+    team = make_team(load_team(team_name, sets).greedy())
+    topo = complete([a.name for a in team.policies])
+    own = {a.name: a.read_plan for a in team.policies}
+    right: dict[str, dict[str, bool]] = {}  # plan -> question id -> right
+    for plan in [None] + list(product(SELECT_TOOLS, BROWSE_TOOLS)):
+        for a in team.policies:
+            a.read_plan = own[a.name] if plan is None else forced(own[a.name], plan)
+        name = "own plans" if plan is None else " -> ".join(plan)
+        episodes = team.run(questions, topologies=[topo] * len(questions))
+        right[name] = {e.question.id: bool(is_correct(e.question, e.final_answer)) for e in episodes}
+        print(f"{name}: {sum(right[name].values())}/{len(questions)}", flush=True)
+    for a in team.policies:
+        a.read_plan = own[a.name]
+    fams = defaultdict(list)
+    for q in questions:
+        fams[family(q)].append(q.id)
+    out = {}
+    for fam, ids in sorted(fams.items()):
+        acc = {name: sum(r[i] for i in ids) / len(ids) for name, r in right.items()}
+        fixed = {k: v for k, v in acc.items() if k != "own plans"}
+        best = max(fixed, key=fixed.get)
+        out[fam] = {"questions": len(ids), "own": acc["own plans"], "plans": fixed, "best_plan": best,
+                    "best": fixed[best], "oracle": sum(any(right[k][i] for k in fixed) for i in ids) / len(ids)}
+    return out
+
+
+def plans_table(result: dict) -> str:
+    lines = ["| family | n | own plans | best fixed plan | oracle of the 16 |", "|---|---|---|---|---|"]
+    for fam, s in result.items():
+        lines.append(f"| {fam} | {s['questions']} | {s['own']:.2f} | {s['best_plan']} ({s['best']:.2f}) "
+                     f"| {s['oracle']:.2f} |")
+    return "\n".join(lines)
 
 
 def summarize(r: dict) -> dict:
@@ -136,6 +193,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--set", action="append", default=[], help="team override key=value")
+    p.add_argument("--plans", action="store_true", help="measure the 16 select x browse plans forced on every seat "
+                   "(greedy), instead of the sampled decisions")
     p.add_argument("--json")
     args = p.parse_args()
     world = Path(args.world)
@@ -152,8 +211,12 @@ def main() -> None:
         for fam in sorted(by_family):
             if by_family[fam] and len(picked) < args.questions:
                 picked.append(by_family[fam].pop(0))
-    result = measure(args.team, picked, args.k, args.temperature, args.set)
-    print(table(result))
+    if args.plans:
+        result = measure_plans(args.team, picked, args.set)
+        print(plans_table(result))
+    else:
+        result = measure(args.team, picked, args.k, args.temperature, args.set)
+        print(table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"team": args.team, "world": str(world), "k": args.k,
