@@ -275,7 +275,7 @@ class TopologyConfig(Strict):
     seed: int = Field(default=0, description="Seed of the random DAGs.")
 
 
-AggMode = Literal["vote", "summarizer", "best_score", "decide_by_agent"]
+AggMode = Literal["vote", "summarizer", "best_score", "decide_by_agent", "median"]
 
 
 class AggregationConfig(Strict):
@@ -283,11 +283,21 @@ class AggregationConfig(Strict):
                                                      "the team's (m1/team/aggregate.py).")
     numeric: AggMode = Field(default="vote", description="The same for a numeric question.")
     open: AggMode = Field(default="summarizer", description="The same for an open-ended question.")
-    grounding: AggMode = Field(default="summarizer", description="The same for a temporal grounding question.")
+    grounding: AggMode = Field(default="summarizer", description=(
+        "The same for a temporal grounding question; `median` (grounding only) takes the median start and end of "
+        "the agents' spans, with no summary call."))
     summarizer: str | None = Field(default=None, description="The agent that writes summaries; None: the first "
                                                              "agent that is not a served team.")
     decider: str | None = Field(default=None, description="The agent whose answer decide_by_agent takes; None: the "
                                                           "first agent.")
+
+    @model_validator(mode="after")
+    def _median_spans_only(self) -> AggregationConfig:
+        for task in ("mcq", "numeric", "open"):
+            if getattr(self, task) == "median":
+                raise ValueError(f"aggregation.{task}: 'median' takes the median of time spans, for grounding only; "
+                                 f"use vote, summarizer, best_score or decide_by_agent")
+        return self
 
 
 class LimitsConfig(Strict):

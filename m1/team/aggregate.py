@@ -7,6 +7,7 @@ Rules (pure functions, tested on hand-built answers):
 - best_score: the answer of the agent whose answer generation had the highest mean token
   log-prob (a confidence proxy); agents without log-probs score -inf; all missing -> vote.
 - decide_by_agent: the designated agent's answer; if it has none, vote.
+- median (grounding): the median start and end of the agents' spans, no summary call.
 - summarizer (open-ended, grounding): a summary call made by the engine; when its reply cannot
   be read, `fallback_answer` gives the vote (open) or the median span (grounding).
 """

@@ -328,6 +328,8 @@ class Team(TeamEngine):
                 ep.final = aggregate.best_score(ep.answers, scores, self.order)
             elif mode == "decide_by_agent":
                 ep.final = aggregate.decide_by_agent(ep.answers, agg.decider or self.order[0], self.order)
+            elif mode == "median":
+                ep.final = aggregate.median_span(ep.answers)
             else:
                 need_summary.append(ep)
             if ep not in need_summary:

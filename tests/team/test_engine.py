@@ -196,6 +196,30 @@ def test_grounding_uses_summarizer(videos):
     assert e.aggregation == "summarizer" and e.final_answer == "[2 - 4]"
 
 
+def test_grounding_median_takes_the_median_span_without_a_summary(videos):
+    """aggregation.grounding: median: the team's span is the agents' median, and nobody writes a summary."""
+    def span(start, end):
+        def reply(messages):
+            text = content(messages)
+            assert "##Final Answer" not in text  # no summary prompt is ever built
+            if "##Answer" in text and "##tool call" not in text:
+                return f"##Answer: [{start} - {end}] ##Reason: seen"
+            return scripted_reply(messages)
+        return reply
+
+    team, fa, fb, _ = make_team(team_cfg(aggregation={"grounding": "median"}), reply_a=span(1, 5),
+                                reply_b=span(3, 9))
+    q = Question(id="g", video=videos[0], text="When is the square visible?", task="grounding")
+    [e] = team.run([q])
+    assert e.aggregation == "median" and e.final_answer == "[2 - 7]"
+    assert not any(g.phase == "summary" for g in e.generations)
+
+
+def test_median_is_for_grounding_only():
+    with pytest.raises(ValueError, match="aggregation.open: 'median'"):
+        team_cfg(aggregation={"open": "median"})
+
+
 def test_a_phase_temperature_samples_that_phase_alone(videos):
     """sampling.phase_temperature: the communicate calls sample at 1.5 while plans and answers keep the team's 0.7;
     an episode's own temperature still wins; greedy() clears it; only CPP phases, above 0, are accepted."""
