@@ -26,12 +26,11 @@ import math
 import os
 import sys
 from collections import Counter, defaultdict
+from itertools import product
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from itertools import product  # noqa: E402
 
 from m1.agents.parsers import parse_decision, parse_plan  # noqa: E402
 from m1.config import load_team  # noqa: E402
@@ -126,15 +125,17 @@ def measure_plans(team_name: str, questions, sets: list[str]) -> dict:
     topo = complete([a.name for a in team.policies])
     own = {a.name: a.read_plan for a in team.policies}
     right: dict[str, dict[str, bool]] = {}  # plan -> question id -> right
-    for plan in [None] + list(product(SELECT_TOOLS, BROWSE_TOOLS)):
+    try:
+        for plan in [None] + list(product(SELECT_TOOLS, BROWSE_TOOLS)):
+            for a in team.policies:
+                a.read_plan = own[a.name] if plan is None else forced(own[a.name], plan)
+            name = "own plans" if plan is None else " -> ".join(plan)
+            episodes = team.run(questions, topologies=[topo] * len(questions))
+            right[name] = {e.question.id: bool(is_correct(e.question, e.final_answer)) for e in episodes}
+            print(f"{name}: {sum(right[name].values())}/{len(questions)}", flush=True)
+    finally:
         for a in team.policies:
-            a.read_plan = own[a.name] if plan is None else forced(own[a.name], plan)
-        name = "own plans" if plan is None else " -> ".join(plan)
-        episodes = team.run(questions, topologies=[topo] * len(questions))
-        right[name] = {e.question.id: bool(is_correct(e.question, e.final_answer)) for e in episodes}
-        print(f"{name}: {sum(right[name].values())}/{len(questions)}", flush=True)
-    for a in team.policies:
-        a.read_plan = own[a.name]
+            a.read_plan = own[a.name]
     fams = defaultdict(list)
     for q in questions:
         fams[family(q)].append(q.id)

@@ -207,8 +207,7 @@ def test_grounding_median_takes_the_median_span_without_a_summary(videos):
             return scripted_reply(messages)
         return reply
 
-    team, fa, fb, _ = make_team(team_cfg(aggregation={"grounding": "median"}), reply_a=span(1, 5),
-                                reply_b=span(3, 9))
+    team, *_ = make_team(team_cfg(aggregation={"grounding": "median"}), reply_a=span(1, 5), reply_b=span(3, 9))
     q = Question(id="g", video=videos[0], text="When is the square visible?", task="grounding")
     [e] = team.run([q])
     assert e.aggregation == "median" and e.final_answer == "[2 - 7]"
