@@ -341,6 +341,14 @@ class SamplingConfig(Strict):
         "and the episodes take them in turn, each the next draw whose tools no earlier one took: the tool lists are "
         "sampled without replacement from the agent's own distribution (a plan repeats only when fewer distinct "
         "ones were drawn). The episodes of a question must share a batch (limits.batch_episodes). 0 or 1: off."))
+    plan_fill: Literal["repeat", "uniform"] = Field(default="repeat", description=(
+        "Ours, with distinct_plans: what an episode of the group starts from when the draws held fewer distinct "
+        "plans than the group has episodes. repeat: the earliest draws again (every plan is the policy's own draw). "
+        "uniform: a select x browse plan of the agent's enabled tools that no episode of the group took, drawn "
+        "uniformly and written after the key info the agent wrote; it reaches plans the policy gives too little "
+        "mass to be drawn at all (docs/experiments/decision_space.md: the students' better order plan, 2% a draw "
+        "or less). Its tokens carry no sampler log-probs: training scores them as the policy's "
+        "(grpo.old_logprobs: policy)."))
 
     @field_validator("phase_temperature")
     @classmethod
@@ -375,6 +383,9 @@ class TeamConfig(Strict):
                              f"answer only once written; set sampling.temperature instead")
         if self.sampling.distinct_plans > 1 and seeds:
             raise ValueError(f"sampling.distinct_plans: agent {seeds[0]!r} is a seed kind, which writes no plan")
+        if self.sampling.plan_fill != "repeat" and self.sampling.distinct_plans <= 1:
+            raise ValueError(f"sampling.plan_fill: {self.sampling.plan_fill!r} fills a group of distinct plans; set "
+                             f"sampling.distinct_plans (rollout.distinct_plans) above 1")
         return self
 
     @model_validator(mode="after")
@@ -455,7 +466,8 @@ class TeamConfig(Strict):
         run of `grpo.baseline: greedy`."""
         return self.model_copy(update={"sampling": self.sampling.model_copy(update={"temperature": 0.0,
                                                                                    "phase_temperature": {},
-                                                                                   "distinct_plans": 0}),
+                                                                                   "distinct_plans": 0,
+                                                                                   "plan_fill": "repeat"}),
                                        "agents": [a.model_copy(update={"temperature": None}) for a in self.agents]})
 
     @property

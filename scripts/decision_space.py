@@ -36,6 +36,7 @@ from m1.agents.parsers import parse_decision, parse_plan  # noqa: E402
 from m1.config import load_team  # noqa: E402
 from m1.data.metrics import is_correct  # noqa: E402
 from m1.data.questions import read_questions  # noqa: E402
+from m1.models.base import ChatRequest  # noqa: E402
 from m1.schema import Topology  # noqa: E402
 from m1.team.engines_registry import make_team  # noqa: E402
 from m1.tools import BROWSE_TOOLS, SELECT_TOOLS  # noqa: E402
@@ -149,6 +150,85 @@ def measure_plans(team_name: str, questions, sets: list[str]) -> dict:
     return out
 
 
+def plan_logprobs(chat, gen, plans: list[tuple[str, ...]], temperatures: tuple[float, ...]) -> dict[float, list[float]]:
+    """The log-probability, at each sampling temperature, that the policy writes each of `plans` as the tool list of
+    its plan reply `gen` (same prompt, same key-info tokens as it generated them, then `##tool use: <A>, <B>` and the
+    end of the turn), scored with its logits divided by the temperature."""
+    import torch
+
+    done = gen.completion_ids
+    k = next(i for i, t in enumerate(done) if "##tool use" in chat.tokenizer.decode(done[:i + 1]))
+    prefix = (gen.prompt_ids or chat.tokenizer(chat.render(ChatRequest(gen.prompt)), add_special_tokens=False)
+              ["input_ids"]) + done[:k]
+    # the reply up to the tool list as the policy generated it: the tool line is scored from the token boundary
+    # where it began, which may hold the line's first characters (the newline before `##tool use`)
+    lead = chat.tokenizer.decode(done[k:]).split("##tool use")[0]
+    end = done[-1] if done[-1] in chat.eos_ids else chat.eos_ids[0]
+    rows = [prefix + chat.tokenizer(lead + "##tool use: " + ", ".join(f"<{t}>" for t in plan),
+                                    add_special_tokens=False)["input_ids"] + [end] for plan in plans]
+    width = max(len(r) for r in rows)
+    x = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = (torch.arange(width)[None] < torch.tensor([len(r) for r in rows])[:, None]).long()
+    with torch.no_grad():
+        logits = chat.model(input_ids=x, attention_mask=mask).logits.float()
+    out: dict[float, list[float]] = {}
+    for t in temperatures:
+        lp = torch.log_softmax(logits / t, dim=-1)
+        out[t] = [float(sum(lp[j, i - 1, r[i]] for i in range(len(prefix), len(r)))) for j, r in enumerate(rows)]
+    return out
+
+
+def measure_logprobs(team_name: str, questions, sets: list[str], draws: int, temperature: float) -> dict:
+    """Per agent and family, from each seat's greedy plan prompt: the policy's probability of each of the 16
+    select x browse plans (at temperature 1 and at the rollouts' `temperature`), the greedy plan's, and the chance
+    that a plan shows up at all among `draws` independent draws at `temperature` (what a distinct-plan group of K
+    rollouts x n draws can offer GRPO)."""
+    team = make_team(load_team(team_name, sets).greedy())
+    topo = complete([a.name for a in team.policies])
+    plans = list(product(SELECT_TOOLS, BROWSE_TOOLS))
+    rows: dict[tuple[str, str], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for i in range(0, len(questions), 8):
+        chunk = questions[i:i + 8]
+        for ep in team.run(chunk, topologies=[topo] * len(chunk)):
+            for g in ep.generations:
+                if g.phase != "plan" or "##tool use" not in g.completion or not g.completion_ids:
+                    continue
+                lp = plan_logprobs(team.hub.chat(team.by_name[g.agent].model), g, plans, (1.0, temperature))
+                r = rows[(g.agent, family(ep.question))]
+                r["greedy"].append(" -> ".join(parse_plan(g.completion).plan.tools))
+                for t, vals in lp.items():
+                    r[f"p@{t}"].append([math.exp(v) for v in vals])
+        print(f"{min(i + 8, len(questions))}/{len(questions)} questions", flush=True)
+    out = {}
+    for (agent, fam), r in sorted(rows.items()):
+        n = len(r["greedy"])
+        mean = {t: [sum(col) / n for col in zip(*r[f"p@{t}"])] for t in (1.0, temperature)}
+        seen = [sum(1 - (1 - p[j]) ** draws for p in r[f"p@{temperature}"]) / n for j in range(len(plans))]
+        out[f"{agent}|{fam}"] = {
+            "questions": n, "greedy": Counter(r["greedy"]).most_common(1)[0][0],
+            "plans": {" -> ".join(pl): {"p": mean[1.0][j], f"p@{temperature}": mean[temperature][j],
+                                        f"in_{draws}_draws": seen[j]} for j, pl in enumerate(plans)},
+            "mass_of_16": sum(mean[1.0])}
+    return out
+
+
+def logprobs_table(result: dict, watch: list[str]) -> str:
+    """Per agent and family: the greedy plan, the mass the 16 plans hold, and each watched plan's probability
+    (temperature 1) and chance of appearing in a group's draws."""
+    cols = " | ".join(f"{w}: p / in draws" for w in watch)
+    lines = [f"| agent | family | n | greedy plan | mass of the 16 | {cols} |", "|" + "---|" * (5 + len(watch))]
+    for key, s in result.items():
+        agent, fam = key.split("|")
+        cells = []
+        for w in watch:
+            d = s["plans"][w]
+            seen = next(v for k, v in d.items() if k.startswith("in_"))
+            cells.append(f"{d['p']:.3g} / {seen:.2f}")
+        lines.append(f"| {agent} | {fam} | {s['questions']} | {s['greedy']} | {s['mass_of_16']:.3f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plans_table(result: dict) -> str:
     lines = ["| family | n | own plans | best fixed plan | oracle of the 16 |", "|---|---|---|---|---|"]
     for fam, s in result.items():
@@ -196,6 +276,11 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="team override key=value")
     p.add_argument("--plans", action="store_true", help="measure the 16 select x browse plans forced on every seat "
                    "(greedy), instead of the sampled decisions")
+    p.add_argument("--logprobs", action="store_true", help="measure the policy's probability of each of the 16 "
+                   "plans on its own greedy plan prompts, instead of the sampled decisions")
+    p.add_argument("--draws", type=int, default=16, help="--logprobs: the draws a group makes of one agent's plan "
+                   "(K rollouts x rollout.distinct_plans)")
+    p.add_argument("--families", default="", help="comma-separated families to measure (default: all)")
     p.add_argument("--json")
     args = p.parse_args()
     world = Path(args.world)
@@ -207,12 +292,17 @@ def main() -> None:
     by_family = defaultdict(list)
     for q in qs:
         by_family[family(q)].append(q)
+    if args.families:
+        by_family = {f: v for f, v in by_family.items() if f in args.families.split(",")}
     picked = []  # the same number of questions of each family, in file order
     while len(picked) < min(args.questions, len(qs)):
         for fam in sorted(by_family):
             if by_family[fam] and len(picked) < args.questions:
                 picked.append(by_family[fam].pop(0))
-    if args.plans:
+    if args.logprobs:
+        result = measure_logprobs(args.team, picked, args.set, args.draws, args.temperature)
+        print(logprobs_table(result, ["Global Sampling -> Fine Browser", "Video Retrieval -> Fine Browser"]))
+    elif args.plans:
         result = measure_plans(args.team, picked, args.set)
         print(plans_table(result))
     else:

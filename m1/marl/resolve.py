@@ -40,7 +40,7 @@ def resolve(cfg: TrainConfig, plan=None) -> ResolvedRun:
         old = default_old_logprobs(cfg.rollout.engine, cfg.rollout.max_staleness)
         cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"old_logprobs": old})})
     team = training_team_config(cfg.team_config(), cfg.rollout.temperature, cfg.rollout.phase_temperature,
-                                cfg.rollout.distinct_plans)
+                                cfg.rollout.distinct_plans, cfg.rollout.plan_fill)
     team = team.model_copy(update={"limits": team.limits.model_copy(update=_limits(cfg, team, plan))})
     kind = team_kind(team)
     agents = [a.name for a in team.agents]

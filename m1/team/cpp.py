@@ -23,6 +23,7 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Callable
 
 from m1.agents.agent import PolicyAgent
@@ -35,7 +36,7 @@ from m1.schema import AgentAnswer, Decision, Episode, Generation, Phase, Questio
 from m1.team import aggregate, budget, topology as topo
 from m1.team.engine import TeamEngine
 from m1.team.member import ServedMembers
-from m1.tools import TOOL_NAMES, TOOLS, browse
+from m1.tools import BROWSE_TOOLS, SELECT_TOOLS, TOOL_NAMES, TOOLS, browse
 from m1.tools.base import Focus, ToolContext, ToolError
 from m1.tools.select import SELECT, global_focus
 from m1.video import VideoError, VideoPool, VideoReader
@@ -175,8 +176,10 @@ class Team(TeamEngine):
         """The generation of each plan call. With `sampling.distinct_plans` n > 1, the calls of one agent for one
         question sampled above temperature 0 (a GRPO group's rollouts) draw n plans each, and each call in turn takes
         the next draw whose tools no earlier call of the group took (`distinct_order`); the draws not taken are
-        spent tokens, not generations of any episode."""
+        spent tokens, not generations of any episode. With `sampling.plan_fill: uniform` a call that would repeat a
+        plan takes one no call of the group took, drawn uniformly (`_filled_plan`)."""
         n, drawing = self.cfg.sampling.distinct_plans, defaultdict(list)
+        fill = self.cfg.sampling.plan_fill == "uniform"
         for c in calls if n > 1 else []:
             if c.ep.error is None and self._temperature(c) > 0:
                 drawing[(c.ep.question.id, c.agent.name)].append(c)
@@ -190,12 +193,39 @@ class Team(TeamEngine):
         for key, group in groups.items():
             pool = [drawn[id(c)] for c in group + spares[key]]
             tools = [_plan_key(group[0], gen) for gen in pool]
+            taken: set = set()
             for c, i in zip(group, distinct_order(tools, len(group))):
-                drawn[id(c)] = pool[i]
+                repeat = tools[i] in taken
+                drawn[id(c)] = self._filled_plan(c, pool[i], taken) if repeat and fill else pool[i]
+                taken.add(_plan_key(c, drawn[id(c)]))
         out = [(c, drawn[id(c)]) for c in calls if id(c) in drawn]
         for c, gen in out:
             c.ep.generations.append(gen)
         return out
+
+    def _filled_plan(self, call: _Call, gen: Generation, taken: set) -> Generation:
+        """`gen` rewritten to name a select x browse plan (of the agent's enabled tools) that no episode of the
+        group took, drawn uniformly, after the key info the agent wrote: for plans the policy gives too little mass
+        to be drawn. Its tokens are the tokenizer's (no sampler log-probs): training scores them as the policy's."""
+        options = [p for p in product(SELECT_TOOLS, BROWSE_TOOLS)
+                   if p not in taken and all(t in call.agent.tools for t in p)]
+        if not options:
+            return gen
+        rng = random.Random(f"{self._seed}:{self._calls}:{call.ep.question.id}:{call.agent.name}:{len(taken)}")
+        plan = rng.choice(options)
+        head = gen.completion.split("##tool use")[0] if "##tool use" in gen.completion else \
+            f"##key info: {call.agent.read_plan(gen.completion, call.ep.question).plan.key_info}\n"
+        text = head + "##tool use: " + ", ".join(f"<{t}>" for t in plan)
+        chat = self.hub.chat(call.agent.model)
+        tokenizer = getattr(chat, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(f"sampling.plan_fill: uniform: model {call.agent.model!r} exposes no tokenizer to "
+                             f"write a plan's tokens with (local hf or vllm models do)")
+        ends = list(getattr(chat, "eos_ids", None) or [tokenizer.eos_token_id])
+        done = gen.completion_ids or []
+        end = done[-1] if done and done[-1] in ends else ends[0]
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [end]
+        return gen.model_copy(update={"completion": text, "completion_ids": ids, "logprobs": None})
 
     def _execute_phase(self, eps: list[_Episode]) -> bool:
         """Every agent with plan left and tool budget runs its next tool. Select tools run at

@@ -105,3 +105,19 @@ def test_distinct_plans_reach_the_rollout_team_and_keep_a_questions_rollouts_in_
 
     with pytest.raises(ConfigError, match="rollout.distinct_plans: a weaver agent writes no plan"):
         load_train_config("weaver_synth", ["rollout.distinct_plans=2"])
+
+
+def test_plan_fill_reaches_the_rollout_team_and_needs_the_policys_old_logprobs(tmp_path):
+    from m1.config_files import ConfigError
+    from m1.marl.config import load_train_config
+    from m1.marl.resolve import resolve
+    from tests.marl.test_trainer import train_cfg
+
+    run = resolve(train_cfg(tmp_path, rollout={"num_generations": 3, "distinct_plans": 4, "plan_fill": "uniform"}))
+    assert run.team.sampling.plan_fill == "uniform" and run.team.greedy().sampling.plan_fill == "repeat"
+    assert resolve(train_cfg(tmp_path, rollout={"num_generations": 3})).team.sampling.plan_fill == "repeat"
+    with pytest.raises(ConfigError, match="rollout.plan_fill: 'uniform' fills a group of distinct plans"):
+        load_train_config("mini_recipe", ["rollout.plan_fill=uniform"])
+    with pytest.raises(ConfigError, match="no sampler log-probs for grpo.old_logprobs: 'sampler'"):
+        load_train_config("mini_recipe", ["rollout.plan_fill=uniform", "rollout.distinct_plans=4",
+                                          "grpo.old_logprobs=sampler"])

@@ -10,6 +10,7 @@ from m1.models.hub import ModelHub
 from m1.schema import Episode, Question, Topology
 from m1.team import topology as topo
 from m1.team.cpp import Team
+from m1.tools import BROWSE_TOOLS, SELECT_TOOLS
 
 AGENTS = ["alpha", "beta", "gamma", "delta"]
 
@@ -294,3 +295,39 @@ def test_distinct_plans_give_a_questions_rollouts_different_plans(videos):
         TeamConfig.model_validate({"name": "s", "models": {"p": {"interface": "chat", "backend": "synth"}},
                                    "agents": [{"name": "w", "model": "p", "kind": "weaver"}],
                                    "sampling": {"distinct_plans": 2}})
+
+
+def test_plan_fill_uniform_gives_repeats_plans_no_rollout_drew(videos):
+    """sampling.plan_fill uniform: when every draw is one plan, the first rollout keeps the policy's draw and the
+    others start from other select x browse plans, after the key info the agent wrote, with the tokenizer's ids
+    and no sampler log-probs; repeat (the default) repeats the draw; the option needs distinct plans and a model
+    with a tokenizer, and greedy teams drop it."""
+    one = lambda m: ("##key info: the square\n##tool use: <Global Sampling>, <Rough Browser>"  # noqa: E731
+                     if "##tool use" in content(m) else scripted_reply(m))
+    q = questions(videos, 1)[0]
+    cfg = team_cfg(sampling={"temperature": 0.7, "distinct_plans": 4, "plan_fill": "uniform"})
+    team, fa, fb, _ = make_team(cfg, reply_a=one)
+    for chat in (fa, fb):
+        chat.tokenizer = lambda text, add_special_tokens=False: {"input_ids": [ord(c) % 97 + 1 for c in text]}
+        chat.eos_ids = [0]
+    eps = team.run([q] * 3)
+    for name in ("alpha", "beta"):
+        plans = [tuple(e.memory[name].plan) for e in eps]
+        assert plans[0] == ("Global Sampling", "Rough Browser") and len(set(plans)) == 3, (name, plans)
+        assert all(p[0] in SELECT_TOOLS and p[1] in BROWSE_TOOLS for p in plans)
+    for e in eps[1:]:
+        gen = next(g for g in e.generations if g.agent == "alpha" and g.phase == "plan")
+        assert gen.completion.startswith("##key info: the square\n##tool use: <") and gen.logprobs is None
+        assert gen.completion_ids == [ord(c) % 97 + 1 for c in gen.completion] + [0]
+    first = next(g for g in eps[0].generations if g.agent == "alpha" and g.phase == "plan")
+    assert first.logprobs is not None  # the policy's own draw keeps what the sampler gave
+    same = make_team(team_cfg(sampling={"temperature": 0.7, "distinct_plans": 4}), reply_a=one)[0]
+    assert {tuple(e.memory["alpha"].plan) for e in same.run([q] * 3)} == {("Global Sampling", "Rough Browser")}
+    bare = make_team(cfg, reply_a=one)[0]  # FakeChat has no tokenizer
+    with pytest.raises(ValueError, match="plan_fill: uniform: model 'm_a' exposes no tokenizer"):
+        bare.run([q] * 3)
+    assert cfg.greedy().sampling.plan_fill == "repeat"
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="plan_fill: 'uniform' fills a group of distinct plans"):
+        team_cfg(sampling={"temperature": 0.7, "plan_fill": "uniform"})

@@ -106,9 +106,10 @@ class RolloutBatch:
 
 
 def training_team_config(team: TeamConfig, temperature: float,
-                         phase_temperature: dict[str, float] | None = None, distinct_plans: int = 0) -> TeamConfig:
+                         phase_temperature: dict[str, float] | None = None, distinct_plans: int = 0,
+                         plan_fill: str | None = None) -> TeamConfig:
     """The team as trained: sampling at `temperature` (and `phase_temperature` over the team's own per-phase ones;
-    `distinct_plans` when set), and one model key per agent.
+    `distinct_plans` and `plan_fill` when set), and one model key per agent.
 
     Two agents naming the same model key would share weights during generation; with one learner per agent each
     needs its own copy, so shared keys are split into `<key>@<agent>` entries with the same spec.
@@ -129,7 +130,8 @@ def training_team_config(team: TeamConfig, temperature: float,
         agents.append(a.model_copy(update={"model": key}))
     sampling = team.sampling.model_copy(update={"temperature": temperature, "phase_temperature": {
         **team.sampling.phase_temperature, **(phase_temperature or {})},
-        "distinct_plans": distinct_plans or team.sampling.distinct_plans})
+        "distinct_plans": distinct_plans or team.sampling.distinct_plans,
+        "plan_fill": plan_fill if plan_fill not in (None, "repeat") else team.sampling.plan_fill})
     return team.model_copy(update={"models": models, "agents": agents, "sampling": sampling})
 
 
