@@ -341,13 +341,15 @@ class SamplingConfig(Strict):
         "and the episodes take them in turn, each the next draw whose tools no earlier one took: the tool lists are "
         "sampled without replacement from the agent's own distribution (a plan repeats only when fewer distinct "
         "ones were drawn). The episodes of a question must share a batch (limits.batch_episodes). 0 or 1: off."))
-    plan_fill: Literal["repeat", "uniform"] = Field(default="repeat", description=(
+    plan_fill: Literal["repeat", "uniform", "shared"] = Field(default="repeat", description=(
         "Ours, with distinct_plans: what an episode of the group starts from when the draws held fewer distinct "
         "plans than the group has episodes. repeat: the earliest draws again (every plan is the policy's own draw). "
         "uniform: a select x browse plan of the agent's enabled tools that no episode of the group took, drawn "
         "uniformly and written after the key info the agent wrote; it reaches plans the policy gives too little "
         "mass to be drawn at all (docs/experiments/decision_space.md: the students' better order plan, 2% a draw "
-        "or less). Its tokens carry no sampler log-probs: training scores them as the policy's "
+        "or less). shared: the same, in one uniform order of the plans per question for every agent, so where the "
+        "agents' own draws agree a filled episode gives every seat one plan (a plan the team tries together). A "
+        "filled plan's tokens carry no sampler log-probs: training scores them as the policy's "
         "(grpo.old_logprobs: policy)."))
 
     @field_validator("phase_temperature")

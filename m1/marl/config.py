@@ -176,12 +176,13 @@ class RolloutConfig(Strict):
         "set for the run). The kept plans keep the log-probs they were sampled with, and the loss treats them as "
         "the policy's draws: the group then compares K different plans, and a plan the policy rarely writes is "
         "trained on more often than the policy would draw it (the exploration this is for)."))
-    plan_fill: Literal["repeat", "uniform"] = Field("repeat", description=(
+    plan_fill: Literal["repeat", "uniform", "shared"] = Field("repeat", description=(
         "Ours, with distinct_plans: what a rollout starts from when its group's draws held fewer distinct plans "
         "than K (the team's sampling.plan_fill, set for the run). repeat: the earliest draws again. uniform: a "
         "select x browse plan no rollout of the group took, drawn uniformly after the agent's own key info, so a "
-        "plan the policy almost never writes is tried and credited (its tokens are scored as the policy's: needs "
-        "grpo.old_logprobs: policy)."))
+        "plan the policy almost never writes is tried and credited; shared: in one order per question for every "
+        "agent, so a filled rollout gives the seats one plan where their own draws agree (filled tokens are scored "
+        "as the policy's: needs grpo.old_logprobs: policy)."))
     topology: Literal["random", "complete"] = Field(default="random", description=(
         "random: one random DAG per step (edge_prob, dropout); complete: every agent reads every earlier one."))
     edge_prob: float = Field(0.5, ge=0.0, le=1.0, description="random: chance each forward edge is kept.")
@@ -433,8 +434,8 @@ class TrainConfig(RunSettings):
             raise ValueError(f"rollout.plan_fill: {r.plan_fill!r} fills a group of distinct plans; set "
                              "rollout.distinct_plans above 1")
         old = self.grpo.old_logprobs or default_old_logprobs(r.engine, r.max_staleness)
-        if r.plan_fill == "uniform" and old != "policy":
-            raise ValueError(f"rollout.plan_fill: uniform writes plans no sampler drew, so they have no sampler "
+        if r.plan_fill != "repeat" and old != "policy":
+            raise ValueError(f"rollout.plan_fill: {r.plan_fill} writes plans no sampler drew, so they have no sampler "
                              f"log-probs for grpo.old_logprobs: {old!r}; use grpo.old_logprobs: policy "
                              "(rollout.engine: hf, max_staleness: 0)")
         if self.learner.attention.on:

@@ -176,10 +176,10 @@ class Team(TeamEngine):
         """The generation of each plan call. With `sampling.distinct_plans` n > 1, the calls of one agent for one
         question sampled above temperature 0 (a GRPO group's rollouts) draw n plans each, and each call in turn takes
         the next draw whose tools no earlier call of the group took (`distinct_order`); the draws not taken are
-        spent tokens, not generations of any episode. With `sampling.plan_fill: uniform` a call that would repeat a
-        plan takes one no call of the group took, drawn uniformly (`_filled_plan`)."""
+        spent tokens, not generations of any episode. With `sampling.plan_fill` uniform or shared, a call that would
+        repeat a plan takes one no call of the group took, drawn uniformly (`_filled_plan`)."""
         n, drawing = self.cfg.sampling.distinct_plans, defaultdict(list)
-        fill = self.cfg.sampling.plan_fill == "uniform"
+        fill = self.cfg.sampling.plan_fill != "repeat"
         for c in calls if n > 1 else []:
             if c.ep.error is None and self._temperature(c) > 0:
                 drawing[(c.ep.question.id, c.agent.name)].append(c)
@@ -211,15 +211,20 @@ class Team(TeamEngine):
                    if p not in taken and all(t in call.agent.tools for t in p)]
         if not options:
             return gen
-        rng = random.Random(f"{self._seed}:{self._calls}:{call.ep.question.id}:{call.agent.name}:{len(taken)}")
-        plan = rng.choice(options)
+        if self.cfg.sampling.plan_fill == "shared":  # one uniform order of the plans per question, for every agent
+            shuffled = list(product(SELECT_TOOLS, BROWSE_TOOLS))
+            random.Random(f"{self._seed}:{self._calls}:{call.ep.question.id}").shuffle(shuffled)
+            plan = next(p for p in shuffled if p in options)
+        else:
+            rng = random.Random(f"{self._seed}:{self._calls}:{call.ep.question.id}:{call.agent.name}:{len(taken)}")
+            plan = rng.choice(options)
         head = gen.completion.split("##tool use")[0] if "##tool use" in gen.completion else \
             f"##key info: {call.agent.read_plan(gen.completion, call.ep.question).plan.key_info}\n"
         text = head + "##tool use: " + ", ".join(f"<{t}>" for t in plan)
         chat = self.hub.chat(call.agent.model)
         tokenizer = getattr(chat, "tokenizer", None)
         if tokenizer is None:
-            raise ValueError(f"sampling.plan_fill: uniform: model {call.agent.model!r} exposes no tokenizer to "
+            raise ValueError(f"sampling.plan_fill: {self.cfg.sampling.plan_fill}: model {call.agent.model!r} exposes no tokenizer to "
                              f"write a plan's tokens with (local hf or vllm models do)")
         ends = list(getattr(chat, "eos_ids", None) or [tokenizer.eos_token_id])
         done = gen.completion_ids or []

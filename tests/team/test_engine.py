@@ -331,3 +331,23 @@ def test_plan_fill_uniform_gives_repeats_plans_no_rollout_drew(videos):
 
     with pytest.raises(ValidationError, match="plan_fill: 'uniform' fills a group of distinct plans"):
         team_cfg(sampling={"temperature": 0.7, "plan_fill": "uniform"})
+
+
+def test_plan_fill_shared_gives_every_seat_of_a_filled_episode_one_plan(videos):
+    """sampling.plan_fill shared: agents whose own draws agree get the same filled plan in each episode (one
+    uniform order per question), where uniform draws each agent's fills on its own."""
+    one = lambda m: ("##key info: the square\n##tool use: <Global Sampling>, <Rough Browser>"  # noqa: E731
+                     if "##tool use" in content(m) else scripted_reply(m))
+
+    def seats(fill):
+        cfg = team_cfg(sampling={"temperature": 0.7, "distinct_plans": 4, "plan_fill": fill})
+        team, fa, fb, _ = make_team(cfg, reply_a=one, reply_b=one)
+        for chat in (fa, fb):
+            chat.tokenizer = lambda text, add_special_tokens=False: {"input_ids": [ord(c) % 97 + 1 for c in text]}
+            chat.eos_ids = [0]
+        eps = team.run(questions(videos, 1) * 4)
+        return [{tuple(e.memory[a].plan) for a in ("alpha", "beta", "gamma", "delta")} for e in eps]
+
+    shared = seats("shared")
+    assert all(len(s) == 1 for s in shared) and len(set().union(*shared)) == 4  # one plan a seat, four episodes
+    assert any(len(s) > 1 for s in seats("uniform")[1:])
