@@ -195,9 +195,12 @@ class Team(TeamEngine):
             tools = [_plan_key(group[0], gen) for gen in pool]
             taken: set = set()
             for c, i in zip(group, distinct_order(tools, len(group))):
-                repeat = tools[i] in taken
-                drawn[id(c)] = self._filled_plan(c, pool[i], taken) if repeat and fill else pool[i]
-                taken.add(_plan_key(c, drawn[id(c)]))
+                if fill and tools[i] in taken:
+                    drawn[id(c)] = self._filled_plan(c, pool[i], taken)
+                    taken.add(_plan_key(c, drawn[id(c)]))
+                else:
+                    drawn[id(c)] = pool[i]
+                    taken.add(tools[i])  # the draw's key, read once above
         out = [(c, drawn[id(c)]) for c in calls if id(c) in drawn]
         for c, gen in out:
             c.ep.generations.append(gen)
@@ -224,8 +227,8 @@ class Team(TeamEngine):
         chat = self.hub.chat(call.agent.model)
         tokenizer = getattr(chat, "tokenizer", None)
         if tokenizer is None:
-            raise ValueError(f"sampling.plan_fill: {self.cfg.sampling.plan_fill}: model {call.agent.model!r} exposes no tokenizer to "
-                             f"write a plan's tokens with (local hf or vllm models do)")
+            raise ValueError(f"sampling.plan_fill: {self.cfg.sampling.plan_fill}: model {call.agent.model!r} exposes "
+                             f"no tokenizer to write a plan's tokens with (local hf or vllm models do)")
         ends = list(getattr(chat, "eos_ids", None) or [tokenizer.eos_token_id])
         done = gen.completion_ids or []
         end = done[-1] if done and done[-1] in ends else ends[0]
